@@ -1,0 +1,405 @@
+"""Namespace security: the PSK, the handshake, and sealed sessions.
+
+Trust boundary: the pre-shared key (PSK) of a namespace. Anyone who lacks it
+can neither join, nor run code, nor read (when encryption is on) or forge
+messages. See docs/security.md for the threat model.
+
+Handshake (client C dials server S; all three messages unauthenticated)::
+
+    C -> S  Hello(id_C, pk_C, eph_C, nonce_C, tag)
+    S -> C  Welcome(id_S, pk_S, eph_S, nonce_S, proof_S, sig_S)
+    C -> S  Confirm(proof_C, sig_C)
+    S -> C  Accepted(id_S)                      <- the first sealed message
+
+    th      = SHA-256("pmetal-hs-1" | namespace | Hello fields | id_S pk_S eph_S nonce_S)
+    proof_S = HMAC-SHA256(PSK, "server" | th)        sig_S = Ed25519_S("server" | th)
+    th2     = SHA-256(th | proof_S | sig_S)
+    proof_C = HMAC-SHA256(PSK, "client" | th2)       sig_C = Ed25519_C("client" | th2)
+    keys    = HKDF-SHA256(PSK | X25519(eph_C, eph_S), salt=th2) -> k_C->S, k_S->C
+
+Each side proves the PSK over both nonces and both public keys and signs the
+transcript with its identity key; the ephemeral X25519 exchange gives forward
+secrecy. ``id`` must be the hash of ``pk`` (identity.node_id_for).
+
+Sealed frames: ``[envelope | seal, *buffers]``: the seal is appended to
+frame 0 (saving a frame per message) and reads
+``tag (16 bytes; absent in mode 3) | seq (8 bytes LE) | mode (1 byte)``.
+``seq`` starts at 1 and strictly increases per direction; a message whose
+seq is not above the last one accepted is a replay and is refused.
+
+=====  =========================================================================
+mode   protection
+=====  =========================================================================
+1      control only: envelope and the sizes of all frames authenticated,
+       buffer contents not (``SecurityConfig.bulk_auth = False``)
+2      everything authenticated (default): keyed BLAKE2b for small messages,
+       Poly1305 with a one-time key from BLAKE2b(key, seq) for large ones
+3      everything encrypted and authenticated: ChaCha20-Poly1305 per frame,
+       nonce = seq | frame index, associated data = mode, seq, frame count
+=====  =========================================================================
+
+A receiver refuses messages weaker than its own configured mode.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import (X25519PrivateKey,
+                                                              X25519PublicKey)
+from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+from pmetal.config import SecurityConfig
+from pmetal.errors import (AuthenticationError, ConfigError, HandshakeError, ReplayError)
+from pmetal.identity import NodeIdentity, node_id_for, verify_signature
+from pmetal.ids import NodeId
+from pmetal.wire import Confirm, Hello, Welcome, frame_bytes
+
+__all__ = [
+    "MIN_PSK_BYTES",
+    "Mode",
+    "NetworkNamespace",
+    "Session",
+    "SessionStatistics",
+    "client_finish",
+    "client_hello",
+    "mode_for",
+    "server_finish",
+    "server_welcome",
+]
+
+MIN_PSK_BYTES = 16
+_blake2b = hashlib.blake2b
+_compare = hmac.compare_digest
+_TAIL = struct.Struct("<QB")   # seq, mode: the last 9 bytes of a sealed frame 0
+_HEAD1 = struct.Struct("<BQIQ")  # MAC header of a message with no buffers
+_SMALL = 16 << 10          # below this many bytes BLAKE2b is cheaper than Poly1305 setup
+_HS_LABEL = b"pmetal-hs-1"
+
+
+class Mode:
+    CONTROL = 1
+    FULL = 2
+    ENCRYPTED = 3
+
+
+def mode_for(cfg: SecurityConfig) -> int:
+    if cfg.encrypt:
+        return Mode.ENCRYPTED
+    return Mode.FULL if cfg.bulk_auth else Mode.CONTROL
+
+
+@dataclass(frozen=True)
+class NetworkNamespace:
+    """A cluster: a name plus the pre-shared key that admits its members."""
+
+    name: str
+    psk: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.psk) < MIN_PSK_BYTES:
+            raise ConfigError(
+                f"the PSK of namespace {self.name!r} has {len(self.psk)} bytes; it needs at "
+                f"least {MIN_PSK_BYTES} (generate one with 'pmetal keygen')")
+
+    def __repr__(self) -> str:  # never print the key
+        return f"NetworkNamespace({self.name!r}, tag={self.tag.hex()})"
+
+    @property
+    def tag(self) -> bytes:
+        """Public 8-byte tag for discovery: derived from name and PSK, reveals neither."""
+        return hashlib.blake2b(self.name.encode(), key=self.psk, digest_size=8,
+                               person=b"pmetal-ns-tag").digest()
+
+    @classmethod
+    def generate(cls, name: str = "local") -> NetworkNamespace:
+        """A namespace with a fresh random PSK (an embedded local cluster)."""
+        return cls(name, os.urandom(32).hex().encode())
+
+    @classmethod
+    def resolve(cls, cfg: SecurityConfig, psk: str | bytes | None = None,
+                env: Mapping[str, str] | None = None) -> NetworkNamespace:
+        """The namespace from an explicit ``psk``, else ``PMETAL_PSK``, else
+        ``cfg.psk_file``. Raises ConfigError when none is given."""
+        env = os.environ if env is None else env
+        if psk is None:
+            psk = env.get("PMETAL_PSK") or None
+        if psk is None and cfg.psk_file:
+            path = Path(cfg.psk_file).expanduser()
+            try:
+                psk = path.read_bytes().strip()
+            except OSError as exc:
+                raise ConfigError(f"cannot read the PSK file {path}: {exc}") from exc
+        if psk is None:
+            raise ConfigError("no PSK: pass psk=..., set PMETAL_PSK, or point "
+                              "PMETAL_SECURITY_PSK_FILE at a key file ('pmetal keygen' makes one)")
+        return cls(cfg.namespace, psk.encode() if isinstance(psk, str) else bytes(psk))
+
+
+# --------------------------------------------------------------- handshake
+
+def _x25519_public(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def _transcript(ns: NetworkNamespace, hello: Hello, node_id: str, public_key: bytes,
+                ephemeral_key: bytes, nonce: bytes) -> bytes:
+    h = hashlib.sha256(_HS_LABEL)
+    for part in (ns.name.encode(), hello.node_id.encode(), hello.public_key,
+                 hello.ephemeral_key, hello.nonce, hello.namespace_tag, node_id.encode(),
+                 public_key, ephemeral_key, nonce):
+        h.update(struct.pack("<I", len(part)))
+        h.update(part)
+    return h.digest()
+
+
+def _proof(ns: NetworkNamespace, role: bytes, transcript: bytes) -> bytes:
+    return hmac.new(ns.psk, role + transcript, hashlib.sha256).digest()
+
+
+def _session_keys(ns: NetworkNamespace, shared: bytes, th2: bytes) -> tuple[bytes, bytes]:
+    okm = HKDF(hashes.SHA256(), 64, salt=th2, info=b"pmetal session keys").derive(ns.psk + shared)
+    return okm[:32], okm[32:]
+
+
+def _check_peer_key(node_id: str, public_key: bytes, ephemeral_key: bytes, nonce: bytes) -> None:
+    if len(public_key) != 32 or len(ephemeral_key) != 32 or len(nonce) != 32:
+        raise HandshakeError("malformed handshake: keys and nonce must be 32 bytes")
+    if node_id_for(public_key) != node_id:
+        raise HandshakeError(f"peer claims node id {node_id} that does not belong to its key")
+
+
+@dataclass
+class ClientHandshake:
+    """Client-side state between Hello and Welcome."""
+
+    hello: Hello
+    ephemeral: X25519PrivateKey
+
+
+def client_hello(identity: NodeIdentity, ns: NetworkNamespace) -> ClientHandshake:
+    eph = X25519PrivateKey.generate()
+    hello = Hello(identity.node_id, identity.public_key, _x25519_public(eph), os.urandom(32),
+                  ns.tag)
+    return ClientHandshake(hello, eph)
+
+
+@dataclass
+class ServerHandshake:
+    """Server-side state between Welcome and Confirm."""
+
+    hello: Hello
+    th2: bytes
+    keys: tuple[bytes, bytes]
+
+
+def server_welcome(identity: NodeIdentity, ns: NetworkNamespace,
+                   hello: Hello) -> tuple[Welcome, ServerHandshake]:
+    """Answer a Hello, or raise HandshakeError (wrong namespace, bad key)."""
+    if not hmac.compare_digest(hello.namespace_tag, ns.tag):
+        raise HandshakeError("peer is in another namespace or has another PSK")
+    _check_peer_key(hello.node_id, hello.public_key, hello.ephemeral_key, hello.nonce)
+    eph = X25519PrivateKey.generate()
+    eph_pub = _x25519_public(eph)
+    nonce = os.urandom(32)
+    th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce)
+    proof = _proof(ns, b"server", th)
+    signature = identity.sign(b"server" + th)
+    th2 = hashlib.sha256(th + proof + signature).digest()
+    try:
+        shared = eph.exchange(X25519PublicKey.from_public_bytes(hello.ephemeral_key))
+    except ValueError as exc:
+        raise HandshakeError(f"bad ephemeral key from peer: {exc}") from exc
+    welcome = Welcome(identity.node_id, identity.public_key, eph_pub, nonce, proof, signature)
+    return welcome, ServerHandshake(hello, th2, _session_keys(ns, shared, th2))
+
+
+def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHandshake,
+                  welcome: Welcome, mode: int) -> tuple[Confirm, Session]:
+    """Check the server's Welcome; return the Confirm and the client session."""
+    _check_peer_key(welcome.node_id, welcome.public_key, welcome.ephemeral_key, welcome.nonce)
+    th = _transcript(ns, state.hello, welcome.node_id, welcome.public_key,
+                     welcome.ephemeral_key, welcome.nonce)
+    if not hmac.compare_digest(welcome.proof, _proof(ns, b"server", th)):
+        raise HandshakeError("server could not prove the namespace PSK: the two sides "
+                             "have different PSKs")
+    if not verify_signature(welcome.public_key, welcome.signature, b"server" + th):
+        raise HandshakeError(f"server {welcome.node_id} signed the handshake with a key "
+                             f"that is not its own")
+    th2 = hashlib.sha256(th + welcome.proof + welcome.signature).digest()
+    proof = _proof(ns, b"client", th2)
+    signature = identity.sign(b"client" + th2)
+    try:
+        shared = state.ephemeral.exchange(X25519PublicKey.from_public_bytes(welcome.ephemeral_key))
+    except ValueError as exc:
+        raise HandshakeError(f"bad ephemeral key from server: {exc}") from exc
+    c2s, s2c = _session_keys(ns, shared, th2)
+    session = Session(send_key=c2s, recv_key=s2c, peer=NodeId(welcome.node_id),
+                      peer_public_key=welcome.public_key, mode=mode)
+    return Confirm(proof, signature), session
+
+
+def server_finish(ns: NetworkNamespace, state: ServerHandshake, confirm: Confirm,
+                  mode: int) -> Session:
+    """Check the client's Confirm; return the server session."""
+    if not hmac.compare_digest(confirm.proof, _proof(ns, b"client", state.th2)):
+        raise HandshakeError("client could not prove the namespace PSK")
+    if not verify_signature(state.hello.public_key, confirm.signature, b"client" + state.th2):
+        raise HandshakeError(f"client {state.hello.node_id} signed the handshake with a key "
+                             f"that is not its own")
+    c2s, s2c = state.keys
+    return Session(send_key=s2c, recv_key=c2s, peer=NodeId(state.hello.node_id),
+                   peer_public_key=state.hello.public_key, mode=mode)
+
+
+# ----------------------------------------------------------------- session
+
+@dataclass(frozen=True)
+class SessionStatistics:
+    sealed: int
+    opened: int
+    rejected: int
+    bytes_sealed: int
+    bytes_opened: int
+
+
+class Session:
+    """Seals outgoing and opens incoming frames for one authenticated peer."""
+
+    __slots__ = ("_aead_recv", "_aead_send", "_recv_key", "_send_key", "_stats", "mode",
+                 "peer", "peer_public_key", "recv_seq", "send_seq")
+
+    def __init__(self, *, send_key: bytes, recv_key: bytes, peer: NodeId,
+                 peer_public_key: bytes, mode: int = Mode.FULL) -> None:
+        self._send_key = send_key
+        self._recv_key = recv_key
+        self.peer = peer
+        self.peer_public_key = peer_public_key
+        self.mode = mode
+        self.send_seq = 0
+        self.recv_seq = 0
+        self._aead_send = ChaCha20Poly1305(send_key)
+        self._aead_recv = ChaCha20Poly1305(recv_key)
+        self._stats = [0, 0, 0, 0, 0]
+
+    def statistics(self) -> SessionStatistics:
+        return SessionStatistics(*self._stats)
+
+    def seal(self, frames: Sequence[Any]) -> list[Any]:
+        """Frames with the seal appended to frame 0 (encrypted in mode 3)."""
+        self.send_seq += 1
+        seq = self.send_seq
+        mode = self.mode
+        stats = self._stats
+        stats[0] += 1
+        tail = _TAIL.pack(seq, mode)
+        if len(frames) == 1 and mode != Mode.ENCRYPTED:
+            head = frames[0]
+            if type(head) is not bytes:
+                head = bytes(frame_bytes(head))
+            stats[3] += len(head)
+            if len(head) < _SMALL:
+                tag = _blake2b(_HEAD1.pack(mode, seq, 1, len(head)) + head, key=self._send_key,
+                               digest_size=16).digest()
+            else:
+                tag = _mac(self._send_key, mode, seq, [memoryview(head)])
+            return [head + tag + tail]
+        if mode == Mode.ENCRYPTED:
+            aad = tail + len(frames).to_bytes(4, "little")
+            nonce = seq.to_bytes(8, "little")
+            out = [self._aead_send.encrypt(nonce + i.to_bytes(4, "little"),
+                                           bytes(frame_bytes(f)), aad)
+                   for i, f in enumerate(frames)]
+            out[0] += tail
+            return out
+        views = [frame_bytes(f) for f in frames]
+        stats[3] += sum(len(v) for v in views)
+        out = list(frames)
+        out[0] = bytes(views[0]) + _mac(self._send_key, mode, seq, views) + tail
+        return out
+
+    def open(self, frames: Sequence[Any]) -> list[Any]:
+        """Verify the seal and strip it; raise AuthenticationError or ReplayError."""
+        stats = self._stats
+        head = frame_bytes(frames[0]) if frames else memoryview(b"")
+        if len(head) < _TAIL.size:
+            stats[2] += 1
+            raise AuthenticationError(f"unsealed message from {self.peer}")
+        seq, mode = _TAIL.unpack_from(head, len(head) - _TAIL.size)
+        if mode < self.mode or mode > Mode.ENCRYPTED:
+            stats[2] += 1
+            raise AuthenticationError(
+                f"peer {self.peer} sent a message protected with mode {mode}; this node "
+                f"requires mode {self.mode} (check security.bulk_auth/encrypt on both sides)")
+        if mode == Mode.ENCRYPTED:
+            aad = bytes(head[-_TAIL.size:]) + len(frames).to_bytes(4, "little")
+            nonce = seq.to_bytes(8, "little")
+            try:
+                opened: list[Any] = [
+                    self._aead_recv.decrypt(nonce + i.to_bytes(4, "little"),
+                                            bytes(v), aad)
+                    for i, v in enumerate([head[:-_TAIL.size],
+                                           *(frame_bytes(f) for f in frames[1:])])]
+            except InvalidTag as exc:
+                stats[2] += 1
+                raise AuthenticationError(f"message from {self.peer} failed decryption") from exc
+        else:
+            cut = len(head) - _TAIL.size - 16
+            if cut < 0:
+                stats[2] += 1
+                raise AuthenticationError(f"unsealed message from {self.peer}")
+            if len(frames) == 1 and cut < _SMALL:
+                env = head[:cut]
+                expect = _blake2b(_HEAD1.pack(mode, seq, 1, cut) + env, key=self._recv_key,
+                                  digest_size=16).digest()
+                views = [env]
+            else:
+                views = [head[:cut], *(frame_bytes(f) for f in frames[1:])]
+                expect = _mac(self._recv_key, mode, seq, views)
+            if not _compare(head[cut:cut + 16], expect):
+                stats[2] += 1
+                raise AuthenticationError(f"message from {self.peer} failed authentication")
+            opened = views
+            stats[4] += sum(len(v) for v in views)
+        # Checked after the MAC so that a forged seq cannot move the window.
+        if seq <= self.recv_seq:
+            stats[2] += 1
+            raise ReplayError(f"message {seq} from {self.peer} was already received "
+                              f"(last {self.recv_seq}): replay refused")
+        self.recv_seq = seq
+        stats[1] += 1
+        return opened
+
+
+def _mac(key: bytes, mode: int, seq: int, views: Sequence[memoryview]) -> bytes:
+    if len(views) == 1:
+        header = _HEAD1.pack(mode, seq, 1, len(views[0]))
+        if len(views[0]) < _SMALL:
+            return hashlib.blake2b(header + views[0], key=key, digest_size=16).digest()
+    else:
+        header = struct.pack(f"<BQI{len(views)}Q", mode, seq, len(views),
+                             *(len(v) for v in views))
+    covered = views if mode == Mode.FULL else views[:1]
+    if sum(len(v) for v in covered) < _SMALL:
+        h = hashlib.blake2b(header, key=key, digest_size=16)
+        for v in covered:
+            h.update(v)
+        return h.digest()
+    otk = hashlib.blake2b(header[:9], key=key, digest_size=32, person=b"pmetal-otk").digest()
+    p = Poly1305(otk)
+    p.update(header)
+    for v in covered:
+        p.update(v)
+    return p.finalize()

@@ -1,0 +1,503 @@
+"""Frame transports: a listener (ZeroMQ ROUTER role) and dialers (DEALER role).
+
+A transport moves lists of frames and knows nothing of messages or security;
+``pmetal.endpoint`` puts the wire protocol and sessions on top. Two
+implementations share one contract (tested by one conformance suite):
+
+* :class:`ZmqTransport`: ROUTER/DEALER over TCP (``tcp://host:port``).
+* :class:`MemoryTransport`: in-process queues (``mem://name``), for tests and
+  deterministic simulations.
+
+Contract
+--------
+* ``Listener.recv(timeout)`` returns ``(route, frames)``; ``Listener.send(route,
+  frames, timeout)`` answers the dialer that ``route`` names. A dialer's
+  ``send``/``recv`` talk to the one listener it dialed. Messages between one
+  dialer and its listener arrive in order, whole or not at all.
+* Every blocking call takes a ``timeout`` in seconds (``None``: wait for ever).
+  ``recv`` raises :class:`~pmetal.errors.PMetalTimeoutError` when it passes;
+  ``send`` raises :class:`~pmetal.errors.BackpressureError` when the peer's queue
+  stays full (high-water mark) until the deadline, so a slow peer cannot make
+  a sender's memory grow without bound. Sending to a route that is gone
+  raises :class:`~pmetal.errors.PeerError`.
+* Each blocking call has an ``a``-prefixed coroutine twin for asyncio.
+* ``Listener.interrupt()`` may be called from any thread: a ``recv`` blocked
+  in another thread raises :class:`~pmetal.errors.ClosedError` (that is how a
+  server thread is stopped). Everything else belongs to the thread that uses
+  the object (ZeroMQ sockets are not thread-safe).
+* A ZeroMQ dialer reconnects by itself when its listener restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import zmq
+import zmq.asyncio
+
+from pmetal.config import TransportConfig
+from pmetal.errors import (BackpressureError, ClosedError, PeerError, PMetalTimeoutError,
+                           TransportError)
+
+__all__ = [
+    "Dialer",
+    "Listener",
+    "MemoryTransport",
+    "Transport",
+    "ZmqTransport",
+    "normalize_address",
+]
+
+Frames = list[Any]
+
+# Plain ints: pyzmq's enum constants cost a microsecond per use on the hot path.
+_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK_MORE = int(zmq.NOBLOCK | zmq.SNDMORE)
+_RCVMORE = int(zmq.RCVMORE)
+_RCVTIMEO = int(zmq.RCVTIMEO)
+_COPY_BELOW = 65536
+
+
+class Listener(Protocol):
+    address: str
+
+    def send(self, route: bytes, frames: Sequence[Any], timeout: float | None = None) -> None: ...
+    def recv(self, timeout: float | None = None) -> tuple[bytes, Frames]: ...
+    async def asend(self, route: bytes, frames: Sequence[Any],
+                    timeout: float | None = None) -> None: ...
+    async def arecv(self, timeout: float | None = None) -> tuple[bytes, Frames]: ...
+    def interrupt(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class Dialer(Protocol):
+    address: str
+
+    def send(self, frames: Sequence[Any], timeout: float | None = None) -> None: ...
+    def recv(self, timeout: float | None = None) -> Frames: ...
+    async def asend(self, frames: Sequence[Any], timeout: float | None = None) -> None: ...
+    async def arecv(self, timeout: float | None = None) -> Frames: ...
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    def listen(self, address: str) -> Listener: ...
+    def dial(self, address: str) -> Dialer: ...
+
+
+def normalize_address(address: str) -> str:
+    """``host:port`` becomes ``tcp://host:port``; full URLs pass through."""
+    if "://" in address:
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not 'host:port' or a transport URL")
+    return f"tcp://{host}:{port}"
+
+
+# ------------------------------------------------------------------ ZeroMQ
+
+class _ZmqSocket:
+    """Shared plumbing of the ROUTER and DEALER wrappers."""
+
+    def __init__(self, ctx: zmq.Context, kind: int, cfg: TransportConfig) -> None:
+        self._ctx = ctx
+        self._cfg = cfg
+        self._closed = False
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
+        sock.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.reconnect_ivl * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_ivl_max * 1000))
+        self._sock = sock
+        self._rcvtimeo = -1
+        self._async: zmq.asyncio.Socket | None = None
+        self._lock = threading.Lock()
+
+    address: str
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError(f"{type(self).__name__} {self.address} is closed")
+
+    def _recv_frames(self, timeout: float | None) -> Frames:
+        """One multipart message. A blocking recv with RCVTIMEO is the cheapest
+        wait ZeroMQ offers (no poll call, no exception on the fast path)."""
+        self._check_open()
+        sock = self._sock
+        ms = -1 if timeout is None else max(0, int(timeout * 1000))
+        if ms != self._rcvtimeo:
+            sock.setsockopt(_RCVTIMEO, ms)
+            self._rcvtimeo = ms
+        try:
+            first = sock.recv()
+        except zmq.Again:
+            raise PMetalTimeoutError(f"nothing received on {self.address} "
+                                     f"within {timeout:.3g} s") from None
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError(f"{self.address} was closed") from exc
+            raise TransportError(f"receive on {self.address} failed: {exc}") from exc
+        frames = [first]
+        # Small leading frames are copied (cheaper); the rest stay zero-copy.
+        getsockopt = sock.getsockopt
+        if getsockopt(_RCVMORE):
+            frames.append(sock.recv())
+            while getsockopt(_RCVMORE):
+                frames.append(sock.recv(copy=False))
+        return frames
+
+    def _send_now(self, frames: Sequence[Any]) -> None:
+        """Queue one multipart message or raise zmq.Again; small frames are
+        copied (cheaper than zero-copy bookkeeping), large ones are not."""
+        send = self._sock.send
+        last = len(frames) - 1
+        for i, frame in enumerate(frames):
+            flags = _NOBLOCK if i == last else _NOBLOCK_MORE
+            if len(frame) < _COPY_BELOW:  # len() of a memoryview counts items: fine, views are bytes
+                send(frame, flags)
+            else:
+                send(frame, flags, copy=False)
+
+    def _send_frames(self, frames: Sequence[Any], timeout: float | None) -> None:
+        self._check_open()
+        try:
+            self._send_now(frames)
+            return
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:
+            raise self._send_error(exc) from exc
+        timeout = self._cfg.send_timeout if timeout is None else timeout
+        if not self._sock.poll(int(timeout * 1000), zmq.POLLOUT):
+            raise BackpressureError(
+                f"peer of {self.address} did not drain its queue within {timeout:.3g} s "
+                f"(high-water mark {self._cfg.send_hwm} messages)")
+        try:
+            self._send_now(frames)
+        except zmq.Again as exc:
+            raise BackpressureError(f"send queue to {self.address} is full") from exc
+        except zmq.ZMQError as exc:
+            raise self._send_error(exc) from exc
+
+    def _send_error(self, exc: zmq.ZMQError) -> TransportError:
+        if exc.errno == zmq.EHOSTUNREACH:
+            return PeerError(f"peer is not connected to {self.address} (gone or never came)")
+        return TransportError(f"send on {self.address} failed: {exc}")
+
+    def _asock(self) -> zmq.asyncio.Socket:
+        if self._async is None:
+            self._async = zmq.asyncio.Socket.from_socket(self._sock)
+        return self._async
+
+    async def _arecv_frames(self, timeout: float | None) -> Frames:
+        self._check_open()
+        try:
+            return await asyncio.wait_for(self._asock().recv_multipart(copy=False), timeout)
+        except asyncio.TimeoutError:
+            raise PMetalTimeoutError(f"nothing received on {self.address} within "
+                                     f"{timeout:.3g} s") from None
+
+    async def _asend_frames(self, frames: Sequence[Any], timeout: float | None) -> None:
+        self._check_open()
+        timeout = self._cfg.send_timeout if timeout is None else timeout
+        try:
+            await asyncio.wait_for(self._asock().send_multipart(frames, copy=False), timeout)
+        except asyncio.TimeoutError:
+            raise BackpressureError(f"peer of {self.address} did not drain its queue within "
+                                    f"{timeout:.3g} s") from None
+        except zmq.ZMQError as exc:
+            raise self._send_error(exc) from exc
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._async is not None:
+                self._async.close(linger=0)
+            self._sock.close(linger=0)
+
+
+class ZmqListener(_ZmqSocket):
+    """A ROUTER socket bound to ``address`` (port 0 or ``*``: any free port)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
+        super().__init__(ctx, zmq.ROUTER, cfg)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        url = normalize_address(address)
+        if url.startswith("tcp://") and url.endswith(":0"):
+            url = url[:-2] + ":*"
+        try:
+            self._sock.bind(url)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise TransportError(f"cannot listen on {address}: {exc}") from exc
+        self.address = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        # interrupt() sends to this inproc endpoint of the same ROUTER from a
+        # throwaway DEALER whose routing id is a secret: remote peers cannot
+        # forge it, and receiving needs no poller.
+        self._wake_route = b"\xffwake-" + os.urandom(16)
+        self._wake_url = f"inproc://pmetal-wake-{self._wake_route[6:].hex()}"
+        self._sock.bind(self._wake_url)
+
+    def interrupt(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            poke = self._ctx.socket(zmq.DEALER)
+            poke.setsockopt(zmq.ROUTING_ID, self._wake_route)
+            poke.setsockopt(zmq.LINGER, 1000)
+            poke.connect(self._wake_url)
+            poke.send(b"", zmq.NOBLOCK)
+            poke.close()
+
+    def recv(self, timeout: float | None = None) -> tuple[bytes, Frames]:
+        route, *frames = self._recv_frames(timeout)
+        if route == self._wake_route:
+            raise ClosedError(f"receive on {self.address} interrupted")
+        return route, frames
+
+    def send(self, route: bytes, frames: Sequence[Any], timeout: float | None = None) -> None:
+        self._send_frames([route, *frames], timeout)
+
+    async def arecv(self, timeout: float | None = None) -> tuple[bytes, Frames]:
+        route, *frames = await self._arecv_frames(timeout)
+        if route.bytes == self._wake_route:
+            raise ClosedError(f"receive on {self.address} interrupted")
+        return route.bytes, frames
+
+    async def asend(self, route: bytes, frames: Sequence[Any],
+                    timeout: float | None = None) -> None:
+        await self._asend_frames([route, *frames], timeout)
+
+
+class ZmqDialer(_ZmqSocket):
+    """A DEALER socket connected to one listener."""
+
+    def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
+        super().__init__(ctx, zmq.DEALER, cfg)
+        self.route = os.urandom(8)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.route)
+        self.address = normalize_address(address)
+        self._sock.connect(self.address)
+
+    def recv(self, timeout: float | None = None) -> Frames:
+        return self._recv_frames(timeout)
+
+    def send(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+        self._send_frames(frames, timeout)
+
+    async def arecv(self, timeout: float | None = None) -> Frames:
+        return await self._arecv_frames(timeout)
+
+    async def asend(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+        await self._asend_frames(frames, timeout)
+
+
+class ZmqTransport:
+    """ROUTER/DEALER over TCP. One per process is enough; it owns nothing but
+    the ZeroMQ context (shared by default)."""
+
+    def __init__(self, cfg: TransportConfig | None = None,
+                 context: zmq.Context | None = None) -> None:
+        self.config = cfg or TransportConfig()
+        self.context = context or zmq.Context.instance()
+
+    def listen(self, address: str) -> ZmqListener:
+        return ZmqListener(self.context, address, self.config)
+
+    def dial(self, address: str) -> ZmqDialer:
+        return ZmqDialer(self.context, address, self.config)
+
+
+# ------------------------------------------------------------------ memory
+
+class _Inbox:
+    """A bounded queue that blocking threads and asyncio tasks can both wait on."""
+
+    def __init__(self, capacity: int, name: str) -> None:
+        self._items: collections.deque[Any] = collections.deque()
+        self._capacity = capacity
+        self._cond = threading.Condition()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._interrupted = False
+        self.closed = False
+        self.name = name
+
+    def put(self, item: Any, timeout: float | None) -> None:
+        with self._cond:
+            if self.closed:
+                raise PeerError(f"{self.name} is closed")
+            if len(self._items) >= self._capacity and not self._cond.wait_for(
+                    lambda: len(self._items) < self._capacity or self.closed, timeout):
+                raise BackpressureError(f"{self.name} stayed full for {timeout:.3g} s "
+                                        f"(capacity {self._capacity} messages)")
+            if self.closed:
+                raise PeerError(f"{self.name} is closed")
+            self._items.append(item)
+            self._cond.notify_all()
+            self._wake_async()
+
+    def _wake_async(self) -> None:
+        for loop, fut in self._waiters:
+            loop.call_soon_threadsafe(_resolve, fut)
+        self._waiters.clear()
+
+    def get(self, timeout: float | None) -> Any:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._items or self._interrupted or self.closed,
+                                     timeout)
+            return self._take(ok, timeout)
+
+    def _take(self, ok: bool, timeout: float | None) -> Any:
+        if self._interrupted:
+            self._interrupted = False
+            raise ClosedError(f"receive on {self.name} interrupted")
+        if self.closed and not self._items:
+            raise ClosedError(f"{self.name} is closed")
+        if not ok:
+            raise PMetalTimeoutError(f"nothing received on {self.name} within {timeout:.3g} s")
+        item = self._items.popleft()
+        self._cond.notify_all()
+        return item
+
+    async def aget(self, timeout: float | None) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            with self._cond:
+                if self._items or self._interrupted or self.closed:
+                    return self._take(True, timeout)
+                fut: asyncio.Future[None] = loop.create_future()
+                self._waiters.append((loop, fut))
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                with self._cond:
+                    return self._take(bool(self._items), timeout)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def interrupt(self) -> None:
+        with self._cond:
+            self._interrupted = True
+            self._cond.notify_all()
+            self._wake_async()
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+            self._wake_async()
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+async def _athread(fn: Any, *args: Any) -> Any:
+    # Memory sends block only on a full queue; a thread keeps the loop free.
+    return await asyncio.to_thread(fn, *args)
+
+
+class MemoryListener:
+    def __init__(self, hub: MemoryTransport, address: str) -> None:
+        self._hub = hub
+        self.address = address
+        self.inbox = _Inbox(hub.config.recv_hwm, f"listener {address}")
+
+    def recv(self, timeout: float | None = None) -> tuple[bytes, Frames]:
+        return self.inbox.get(timeout)
+
+    async def arecv(self, timeout: float | None = None) -> tuple[bytes, Frames]:
+        return await self.inbox.aget(timeout)
+
+    def send(self, route: bytes, frames: Sequence[Any], timeout: float | None = None) -> None:
+        if self.inbox.closed:
+            raise ClosedError(f"listener {self.address} is closed")
+        dialer = self._hub._dialers.get(route)
+        if dialer is None or dialer.inbox.closed:
+            raise PeerError(f"peer is not connected to {self.address} (gone or never came)")
+        timeout = self._hub.config.send_timeout if timeout is None else timeout
+        dialer.inbox.put([bytes(memoryview(f).cast("B")) for f in frames], timeout)
+
+    async def asend(self, route: bytes, frames: Sequence[Any],
+                    timeout: float | None = None) -> None:
+        await _athread(self.send, route, frames, timeout)
+
+    def interrupt(self) -> None:
+        self.inbox.interrupt()
+
+    def close(self) -> None:
+        self.inbox.close()
+        if self._hub._listeners.get(self.address) is self:
+            del self._hub._listeners[self.address]
+
+
+class MemoryDialer:
+    def __init__(self, hub: MemoryTransport, address: str) -> None:
+        self._hub = hub
+        self.address = address
+        self.route = os.urandom(8)
+        self.inbox = _Inbox(hub.config.recv_hwm, f"dialer to {address}")
+
+    def send(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+        if self.inbox.closed:
+            raise ClosedError(f"dialer to {self.address} is closed")
+        listener = self._hub._listeners.get(self.address)
+        if listener is None:
+            raise PeerError(f"nothing listens on {self.address}")
+        timeout = self._hub.config.send_timeout if timeout is None else timeout
+        # Copy like a socket would: the caller may reuse its buffers at once.
+        listener.inbox.put((self.route, [bytes(memoryview(f).cast("B")) for f in frames]),
+                           timeout)
+
+    async def asend(self, frames: Sequence[Any], timeout: float | None = None) -> None:
+        await _athread(self.send, frames, timeout)
+
+    def recv(self, timeout: float | None = None) -> Frames:
+        return self.inbox.get(timeout)
+
+    async def arecv(self, timeout: float | None = None) -> Frames:
+        return await self.inbox.aget(timeout)
+
+    def close(self) -> None:
+        self.inbox.close()
+        self._hub._dialers.pop(self.route, None)
+
+
+class MemoryTransport:
+    """In-process transport: listeners and dialers are queues in one hub."""
+
+    _ids = itertools.count()
+
+    def __init__(self, cfg: TransportConfig | None = None) -> None:
+        self.config = cfg or TransportConfig()
+        self._listeners: dict[str, MemoryListener] = {}
+        self._dialers: dict[bytes, MemoryDialer] = {}
+
+    def listen(self, address: str = "mem://") -> MemoryListener:
+        if address in ("mem://", "mem://*"):
+            address = f"mem://{next(self._ids)}"
+        if address in self._listeners:
+            raise TransportError(f"cannot listen on {address}: address in use")
+        listener = MemoryListener(self, address)
+        self._listeners[address] = listener
+        return listener
+
+    def dial(self, address: str) -> MemoryDialer:
+        dialer = MemoryDialer(self, address)
+        self._dialers[dialer.route] = dialer
+        return dialer

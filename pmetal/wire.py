@@ -1,0 +1,584 @@
+"""The pmetal wire protocol: every message kind, and how it becomes frames.
+
+Frame layout (``PROTOCOL_VERSION`` = 1)
+=======================================
+
+A message is one multipart ZeroMQ message::
+
+    frame 0          envelope: msgpack array [version, kind, corr, term, sender, body]
+                     (+ a seal appended on an authenticated session; see security.py)
+    frames 1..n      buffers: raw bytes of arrays, never copied into msgpack
+
+``version``  int, must equal ``PROTOCOL_VERSION``.
+``kind``     int, the :class:`Kind` of the body.
+``corr``     int >= 0, correlation id: a reply carries its request's ``corr``;
+             0 means "no reply expected".
+``term``     int or nil: the master's term when the master issued the message
+             (fencing; see DESIGN.md section 4).
+``sender``   str or nil: the sender's node id.
+``body``     msgpack array: the message's fields in declaration order.
+
+Arrays (numpy, or MLX when installed) anywhere in the body are msgpack
+extension values (code 1 numpy, code 3 MLX) holding
+``[dtype, shape, first_frame, nframes]``: the array's bytes are frames
+``first_frame .. first_frame+nframes-1`` (C order), split into chunks of at
+most ``chunk_bytes`` because ZeroMQ moves 1 MiB frames about three times
+faster than 64 MiB ones. A single-frame array is decoded without copying
+(and is read-only, like Ray's zero-copy arrays); a multi-frame array is
+reassembled into one new array. Zero-size arrays have no frames.
+
+Extension code 2 carries a cloudpickle payload (:class:`Pickled`). Only
+explicitly wrapped values are pickled, and :func:`decode` refuses them
+unless the caller says the peer is authenticated (``allow_pickle=True``).
+Even then they stay bytes until :meth:`Pickled.load` is called.
+
+Decoding anything malformed (garbage, truncation, wrong version, unknown
+kind, wrong field types, oversize, buffers that do not match the envelope)
+raises :class:`~pmetal.errors.ProtocolError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import operator
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from pmetal.errors import ProtocolError
+
+__all__ = [
+    "Accepted",
+    "Confirm",
+    "Envelope",
+    "ErrorReply",
+    "Hello",
+    "Kind",
+    "Message",
+    "PROTOCOL_VERSION",
+    "Pickled",
+    "Ping",
+    "Pong",
+    "Rejected",
+    "Welcome",
+    "WireLimits",
+    "decode",
+    "encode",
+    "frame_bytes",
+    "message_types",
+]
+
+PROTOCOL_VERSION = 1
+
+_EXT_NUMPY = 1
+_EXT_PICKLE = 2
+_EXT_MLX = 3
+
+# dtypes that may cross the wire; anything else (object, void, ...) is refused.
+_DTYPES = frozenset({
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+})
+_MLX_DTYPES = _DTYPES | {"bfloat16"}
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. Values are wire constants: never renumber."""
+
+    HELLO = 1
+    WELCOME = 2
+    CONFIRM = 3
+    ACCEPTED = 4
+    REJECTED = 5
+    PING = 10
+    PONG = 11
+    ERROR = 12
+
+
+class Message:
+    """Base of every message body. Subclasses are frozen dataclasses
+    registered with :func:`_message`."""
+
+    KIND: ClassVar[Kind]
+    __slots__ = ()
+
+
+_REGISTRY: dict[int, type[Message]] = {}
+# Per class: (number of required fields, ((field name, checker), ...)).
+_CHECKERS: dict[type[Message], tuple[int, tuple[tuple[str, Callable[[Any], Any] | None], ...]]] = {}
+
+
+def _message(kind: Kind) -> Callable[[type], type]:
+    def register(cls: type) -> type:
+        cls = dataclass(frozen=True, slots=True)(cls)
+        cls.KIND = kind
+        if int(kind) in _REGISTRY:
+            raise RuntimeError(f"kind {kind!r} registered twice")
+        _REGISTRY[int(kind)] = cls
+        return cls
+    return register
+
+
+def message_types() -> dict[Kind, type[Message]]:
+    """Every registered message class by kind."""
+    return {Kind(k): cls for k, cls in sorted(_REGISTRY.items())}
+
+
+class Pickled:
+    """A value shipped by value with cloudpickle (user code defined in
+    ``__main__``, closures). Unpickling is deferred to :meth:`load` so that
+    processes that only route a payload never execute it."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = bytes(data)
+
+    @classmethod
+    def dumps(cls, obj: Any) -> Pickled:
+        import cloudpickle
+        return cls(cloudpickle.dumps(obj))
+
+    def load(self) -> Any:
+        import cloudpickle  # noqa: F401  (cloudpickle output may need it importable)
+        import pickle
+        return pickle.loads(self.data)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pickled) and other.data == self.data
+
+    def __hash__(self) -> int:
+        return hash(self.data)
+
+    def __repr__(self) -> str:
+        return f"Pickled({len(self.data)} bytes)"
+
+
+# ----------------------------------------------------------------- messages
+
+@_message(Kind.HELLO)
+class Hello(Message):
+    """Client to server, unauthenticated: opens the namespace handshake."""
+
+    node_id: str
+    public_key: bytes
+    ephemeral_key: bytes
+    nonce: bytes
+    namespace_tag: bytes
+
+
+@_message(Kind.WELCOME)
+class Welcome(Message):
+    """Server to client: the server's keys and its proof of the PSK,
+    signed with its identity key."""
+
+    node_id: str
+    public_key: bytes
+    ephemeral_key: bytes
+    nonce: bytes
+    proof: bytes
+    signature: bytes
+
+
+@_message(Kind.CONFIRM)
+class Confirm(Message):
+    """Client to server: the client's proof of the PSK and its signature."""
+
+    proof: bytes
+    signature: bytes
+
+
+@_message(Kind.ACCEPTED)
+class Accepted(Message):
+    """Server to client, sealed: the session is open."""
+
+    node_id: str
+
+
+@_message(Kind.REJECTED)
+class Rejected(Message):
+    """Server to client, unauthenticated: the handshake was refused."""
+
+    reason: str
+
+
+@_message(Kind.PING)
+class Ping(Message):
+    """Liveness probe and echo request; the reply is a :class:`Pong` with
+    the same payload (arrays included)."""
+
+    payload: Any = None
+
+
+@_message(Kind.PONG)
+class Pong(Message):
+    payload: Any = None
+
+
+@_message(Kind.ERROR)
+class ErrorReply(Message):
+    """A request failed at the receiver."""
+
+    error_type: str
+    message: str
+    traceback: str = ""
+
+
+# ------------------------------------------------------------ field checks
+
+def _checker(tp: Any) -> Callable[[Any], Any]:
+    """A function that validates (and normalises) one decoded field."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return lambda v: v
+    if tp is bool:
+        def check_bool(v: Any) -> bool:
+            if type(v) is not bool:
+                raise TypeError(f"expected bool, got {type(v).__name__}")
+            return v
+        return check_bool
+    if tp is int:
+        def check_int(v: Any) -> int:
+            if type(v) is not int:
+                raise TypeError(f"expected int, got {type(v).__name__}")
+            return v
+        return check_int
+    if tp is float:
+        def check_float(v: Any) -> float:
+            if type(v) not in (float, int):
+                raise TypeError(f"expected float, got {type(v).__name__}")
+            return float(v)
+        return check_float
+    if tp in (str, bytes, Pickled, np.ndarray):
+        def check_type(v: Any, _tp: type = tp) -> Any:
+            if not isinstance(v, _tp):
+                raise TypeError(f"expected {_tp.__name__}, got {type(v).__name__}")
+            return v
+        return check_type
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = typing.get_args(tp)
+        inner = [_checker(a) for a in args if a is not type(None)]
+        allow_none = type(None) in args
+
+        def check_union(v: Any) -> Any:
+            if v is None and allow_none:
+                return None
+            for c in inner:
+                try:
+                    return c(v)
+                except TypeError:
+                    continue
+            raise TypeError(f"{type(v).__name__} does not match {tp}")
+        return check_union
+    if origin is tuple:
+        args = typing.get_args(tp)
+        item = _checker(args[0]) if args else (lambda v: v)
+
+        def check_tuple(v: Any) -> tuple:
+            if not isinstance(v, (list, tuple)):
+                raise TypeError(f"expected sequence, got {type(v).__name__}")
+            return tuple(item(x) for x in v)
+        return check_tuple
+    if origin is dict or tp is dict:
+        def check_dict(v: Any) -> dict:
+            if not isinstance(v, dict):
+                raise TypeError(f"expected map, got {type(v).__name__}")
+            return v
+        return check_dict
+    if origin is list or tp is list:
+        def check_list(v: Any) -> list:
+            if not isinstance(v, list):
+                raise TypeError(f"expected list, got {type(v).__name__}")
+            return v
+        return check_list
+    raise RuntimeError(f"no wire checker for field type {tp!r}")
+
+
+_GETTERS: dict[type[Message], Callable[[Message], list[Any]]] = {}
+
+
+def _getter(cls: type[Message]) -> Callable[[Message], list[Any]]:
+    """A fast function from a message to its field values in order."""
+    found = _GETTERS.get(cls)
+    if found is None:
+        names = [name for name, _ in _checkers(cls)[1]]
+        if len(names) == 1:
+            name = names[0]
+            found = lambda m: [getattr(m, name)]  # noqa: E731
+        elif names:
+            get = operator.attrgetter(*names)
+            found = lambda m: list(get(m))  # noqa: E731
+        else:
+            found = lambda m: []  # noqa: E731
+        _GETTERS[cls] = found
+    return found
+
+
+def _checkers(cls: type[Message]) -> tuple[int, tuple[tuple[str, Callable[[Any], Any] | None], ...]]:
+    found = _CHECKERS.get(cls)
+    if found is None:
+        hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
+        fields = dataclasses.fields(cls)
+        required = sum(1 for f in fields if f.default is dataclasses.MISSING
+                       and f.default_factory is dataclasses.MISSING)
+        found = (required, tuple((f.name, None if hints[f.name] is Any else _checker(hints[f.name]))
+                                 for f in fields))
+        _CHECKERS[cls] = found
+    return found
+
+
+# --------------------------------------------------------------- envelope
+
+class Envelope(typing.NamedTuple):
+    """A decoded message with its routing fields."""
+
+    body: Message
+    corr: int = 0
+    term: int | None = None
+    sender: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WireLimits:
+    """Size limits applied when decoding (from ``TransportConfig``)."""
+
+    max_message_bytes: int = 2048 << 20
+    max_envelope_bytes: int = 64 << 20
+    chunk_bytes: int = 1 << 20
+
+
+_DEFAULT_LIMITS = WireLimits()
+
+
+def frame_bytes(frame: Any) -> memoryview:
+    """A byte view of a received frame (bytes, memoryview or ``zmq.Frame``)."""
+    buf = getattr(frame, "buffer", None)
+    view = buf if buf is not None else memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _mlx() -> Any:
+    mx = sys.modules.get("mlx.core")
+    return mx
+
+
+class _Default:
+    """msgpack's ``default`` hook for one message: turns arrays into
+    extension values and collects their buffers."""
+
+    __slots__ = ("buffers", "chunk")
+
+    def __init__(self, chunk: int) -> None:
+        self.buffers: list[Any] = []
+        self.chunk = chunk
+
+    def __call__(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return self._array(obj, _EXT_NUMPY, str(obj.dtype), obj)
+        if isinstance(obj, Pickled):
+            return msgpack.ExtType(_EXT_PICKLE, obj.data)
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, tuple):
+            return list(obj)
+        mx = _mlx()
+        if mx is not None and isinstance(obj, mx.array):
+            dtype = str(obj.dtype).rpartition(".")[2]
+            host = np.array(obj.view(mx.uint16) if dtype == "bfloat16" else obj, copy=False)
+            return self._array(host, _EXT_MLX, dtype, host)
+        raise TypeError(f"cannot send a {type(obj).__name__} in a message; wrap it "
+                        f"with pmetal.wire.Pickled.dumps(...) to send it by value")
+
+    def _array(self, arr: Any, code: int, dtype: str, host: np.ndarray) -> msgpack.ExtType:
+        if dtype not in _MLX_DTYPES:
+            raise TypeError(f"arrays of dtype {dtype} cannot be sent")
+        if host.dtype.byteorder == ">":
+            host = host.astype(host.dtype.newbyteorder("="))
+        if not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host)
+        buffers, chunk = self.buffers, self.chunk
+        first = len(buffers) + 1
+        nbytes = host.nbytes
+        if nbytes:
+            flat = memoryview(host.reshape(-1)).cast("B")
+            if nbytes <= chunk:
+                buffers.append(flat)
+            else:
+                buffers.extend(flat[off:off + chunk] for off in range(0, nbytes, chunk))
+        count = len(buffers) + 1 - first
+        return msgpack.ExtType(code, msgpack.packb([dtype, list(arr.shape), first, count]))
+
+
+def encode(body: Message, *, corr: int = 0, term: int | None = None,
+           sender: str | None = None, limits: WireLimits = _DEFAULT_LIMITS) -> list[Any]:
+    """Frames for ``body``: ``[envelope, *buffers]`` (no seal).
+
+    Buffers are memoryviews of the arrays' own memory (zero-copy); the caller
+    must not modify the arrays until the frames have been sent.
+    """
+    spec = _ENCODERS.get(type(body))
+    if spec is None:
+        spec = _encoder(type(body))
+    default = _Default(limits.chunk_bytes)
+    envelope = _packb([PROTOCOL_VERSION, spec[0], corr, term, sender, spec[1](body)],
+                      default=default, use_bin_type=True)
+    if len(envelope) > limits.max_envelope_bytes:
+        raise ProtocolError(f"envelope of {len(envelope)} bytes exceeds the limit of "
+                            f"{limits.max_envelope_bytes}; send large data as arrays")
+    if default.buffers:
+        return [envelope, *default.buffers]
+    return [envelope]
+
+
+_packb = msgpack.packb
+_unpackb = msgpack.unpackb
+_ENCODERS: dict[type, tuple[int, Callable[[Message], list[Any]]]] = {}
+
+
+def _encoder(cls: type) -> tuple[int, Callable[[Message], list[Any]]]:
+    if _REGISTRY.get(getattr(cls, "KIND", None)) is not cls:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    spec = (int(cls.KIND), _getter(cls))
+    _ENCODERS[cls] = spec
+    return spec
+
+
+def _no_buffers_hook(allow_pickle: bool) -> Callable[[int, bytes], Any]:
+    def hook(code: int, data: bytes) -> Any:
+        if code == _EXT_PICKLE and allow_pickle:
+            return Pickled(data)
+        return _ext_hook(allow_pickle, [], [], code, data)
+    return hook
+
+
+def _ext_hook(allow_pickle: bool, buffers: list[memoryview], used: list[bool],
+              code: int, data: bytes) -> Any:
+    if code == _EXT_PICKLE:
+        if not allow_pickle:
+            raise ProtocolError("pickled payload from a peer that is not authenticated")
+        return Pickled(data)
+    if code in (_EXT_NUMPY, _EXT_MLX):
+        return _unpack_array(code, data, buffers, used)
+    raise ProtocolError(f"unknown extension type {code}")
+
+
+_HOOKS = {True: _no_buffers_hook(True), False: _no_buffers_hook(False)}
+
+
+def decode(frames: Sequence[Any], *, allow_pickle: bool = False,
+           limits: WireLimits = _DEFAULT_LIMITS) -> Envelope:
+    """Decode ``[envelope, *buffers]`` into an :class:`Envelope`.
+
+    Raises :class:`ProtocolError` for anything malformed.
+    """
+    if not frames:
+        raise ProtocolError("empty message")
+    head = frames[0]
+    if type(head) is not bytes:
+        head = frame_bytes(head)
+    if len(head) > limits.max_envelope_bytes:
+        raise ProtocolError(f"envelope of {len(head)} bytes exceeds the limit of "
+                            f"{limits.max_envelope_bytes}")
+    if len(frames) > 1:
+        buffers = [frame_bytes(f) for f in frames[1:]]
+        total = len(head) + sum(len(v) for v in buffers)
+        if total > limits.max_message_bytes:
+            raise ProtocolError(f"message of {total} bytes exceeds the limit of "
+                                f"{limits.max_message_bytes}")
+        used = [False] * len(buffers)
+        hook = functools.partial(_ext_hook, allow_pickle, buffers, used)
+    else:
+        used = []
+        hook = _HOOKS[allow_pickle]
+    try:
+        raw = _unpackb(head, raw=False, ext_hook=hook, strict_map_key=False)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises a dozen unrelated types on garbage
+        raise ProtocolError(f"undecodable envelope: {type(exc).__name__}: {exc}") from exc
+
+    if type(raw) is not list or len(raw) != 6:
+        raise ProtocolError("envelope is not a 6-element array")
+    version, kind, corr, term, sender, body = raw
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r} is not supported "
+                            f"(this node speaks {PROTOCOL_VERSION}); upgrade pmetal on "
+                            f"every node to the same version")
+    cls = _REGISTRY.get(kind) if type(kind) is int else None
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if type(corr) is not int or corr < 0:
+        raise ProtocolError(f"bad correlation id {corr!r}")
+    if term is not None and type(term) is not int:
+        raise ProtocolError(f"bad term {term!r}")
+    if sender is not None and type(sender) is not str:
+        raise ProtocolError(f"bad sender {sender!r}")
+    if used and not all(used):
+        raise ProtocolError("message carries buffer frames no field refers to")
+    if type(body) is not list:
+        raise ProtocolError("body is not an array")
+    required, checkers = _checkers(cls)
+    if not required <= len(body) <= len(checkers):
+        raise ProtocolError(f"{cls.__name__} expects {required}-{len(checkers)} fields, "
+                            f"got {len(body)}")
+    try:
+        values = [v if check is None else check(v) for (_, check), v in zip(checkers, body)]
+    except TypeError as exc:
+        raise ProtocolError(f"{cls.__name__}: {exc}") from exc
+    return Envelope(cls(*values), corr, term, sender)
+
+
+def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[bool]) -> Any:
+    try:
+        dtype_name, shape, first, count = msgpack.unpackb(data, raw=False)
+        shape = tuple(shape)
+        if not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
+            raise ValueError("bad shape")
+        if type(first) is not int or type(count) is not int or count < 0:
+            raise ValueError("bad frame reference")
+    except Exception as exc:
+        raise ProtocolError(f"malformed array header: {exc}") from exc
+    allowed = _MLX_DTYPES if code == _EXT_MLX else _DTYPES
+    if dtype_name not in allowed:
+        raise ProtocolError(f"array dtype {dtype_name!r} is not allowed")
+    host_dtype = np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
+    lo, hi = first - 1, first - 1 + count
+    if count and (lo < 0 or hi > len(buffers) or any(used[lo:hi])):
+        raise ProtocolError("array refers to missing or already used buffer frames")
+    nbytes = host_dtype.itemsize * int(np.prod(shape, dtype=np.uint64))
+    parts = buffers[lo:hi] if count else []
+    if sum(len(p) for p in parts) != nbytes:
+        raise ProtocolError(f"array {dtype_name}{list(shape)} needs {nbytes} bytes, "
+                            f"its frames hold {sum(len(p) for p in parts)}")
+    for i in range(lo, hi):
+        used[i] = True
+    if count == 0:
+        arr = np.empty(shape, host_dtype)
+    elif count == 1:
+        arr = np.frombuffer(parts[0], host_dtype).reshape(shape)
+    else:
+        arr = np.empty(shape, host_dtype)
+        out = memoryview(arr.reshape(-1)).cast("B")
+        off = 0
+        for p in parts:
+            out[off:off + len(p)] = p
+            off += len(p)
+    if code == _EXT_MLX:
+        mx = _mlx()
+        if mx is None:
+            import importlib
+            try:
+                mx = importlib.import_module("mlx.core")
+            except ImportError as exc:
+                raise ProtocolError("received an MLX array but MLX is not installed "
+                                    "here; install pmetal[mlx]") from exc
+        out_arr = mx.array(arr)
+        return out_arr.view(mx.bfloat16) if dtype_name == "bfloat16" else out_arr
+    return arr
