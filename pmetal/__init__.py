@@ -6,30 +6,45 @@ The public surface is ``__all__``; everything else is internal.
 import logging as _logging
 
 from pmetal._version import __version__
+from pmetal.actors.client import ObjectRef
+from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
+from pmetal.api import (available_resources, cluster_resources, get, get_actor, init,
+                        is_initialized, kill, nodes, put, shutdown, wait)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
-from pmetal.errors import (AuthenticationError, BackpressureError, ClosedError, ConfigError,
-                           HandshakeError, IdentityError, PeerError, PMetalError,
-                           PMetalTimeoutError, ProtocolError, ReplayError, RequestTimeoutError,
-                           SecurityError, TransportError)
+from pmetal.errors import (ActorDiedError, ActorError, AuthenticationError, BackpressureError,
+                           ClosedError, ConfigError, GetTimeoutError, HandshakeError,
+                           IdentityError, NotInitializedError, PeerError, PlacementError,
+                           PMetalError, PMetalTimeoutError, ProtocolError, RemoteError,
+                           ReplayError, RequestTimeoutError, SecurityError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 __all__ = [
+    "ActorClass",
+    "ActorDiedError",
+    "ActorError",
+    "ActorHandle",
     "AuthenticationError",
     "BackpressureError",
     "ClosedError",
     "ConfigError",
+    "GetTimeoutError",
     "HandshakeError",
     "IdentityError",
     "NetworkNamespace",
     "NodeIdentity",
+    "NotInitializedError",
+    "ObjectRef",
     "PMetalConfig",
     "PMetalError",
     "PMetalTimeoutError",
     "PeerError",
+    "PlacementError",
     "ProtocolError",
+    "RemoteError",
+    "RemoteFunction",
     "ReplayError",
     "RequestTimeoutError",
     "SecurityConfig",
@@ -37,5 +52,17 @@ __all__ = [
     "TransportConfig",
     "TransportError",
     "__version__",
+    "available_resources",
+    "cluster_resources",
+    "get",
+    "get_actor",
+    "init",
+    "is_initialized",
+    "kill",
     "load_config",
+    "nodes",
+    "put",
+    "remote",
+    "shutdown",
+    "wait",
 ]

@@ -2,9 +2,10 @@
 
 Every field can be overridden from the environment as
 ``PMETAL_<SECTION>_<FIELD>`` (for example ``PMETAL_TRANSPORT_PORT=6000``).
-Two variables stand outside the sections: ``PMETAL_HOME`` (the folder that
-holds the node key pair, ``~/.pmetal`` by default) and ``PMETAL_PSK`` (the
-namespace pre-shared key; never printed). Any other ``PMETAL_*`` variable is
+Three variables stand outside the sections: ``PMETAL_HOME`` (the folder that
+holds the node key pair, ``~/.pmetal`` by default), ``PMETAL_PSK`` (the
+namespace pre-shared key; never printed) and ``PMETAL_LOG_LEVEL`` (logging
+level of pmetal's own processes: node daemons and workers). Any other ``PMETAL_*`` variable is
 rejected, so a typo fails loudly instead of being ignored.
 
 Tests shrink timeouts by building a config, never by patching constants::
@@ -37,7 +38,7 @@ DEFAULT_PORT = 52416
 _MiB = 1 << 20
 
 # Variables that do not belong to a section.
-_STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK"})
+_STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_LOG_LEVEL"})
 
 
 def _require(cond: bool, section: str, name: str, why: str) -> None:

@@ -142,7 +142,10 @@ class SecureListener:
         session = self._sessions.get(route)
         if session is not None:
             try:
-                env = decode(session.open(frames), allow_pickle=True, limits=self._limits)
+                opened = session.open_part(frames)
+                if opened is None:  # a streamed message still lacks segments
+                    return None, None
+                env = decode(opened, allow_pickle=True, limits=self._limits)
             except AuthenticationError as exc:
                 self._counts["auth_failures"] += 1
                 log.warning("dropped a message from %s: %s", session.peer, exc)
@@ -204,22 +207,25 @@ class SecureListener:
 
     # ------------------------------------------------------------- sending
 
-    def _seal_for(self, route: bytes, body: Message, corr: int, term: int | None) -> list[Any]:
+    def _seal_for(self, route: bytes, body: Message, corr: int,
+                  term: int | None) -> list[list[Any]]:
         session = self._sessions.get(route)
         if session is None:
             raise PeerError("no authenticated session with that peer (it never completed "
                             "the handshake, or it was forgotten)")
-        return session.seal(encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                                   limits=self._limits))
+        return session.seal_parts(encode(body, corr=corr, term=term,
+                                         sender=self.identity.node_id, limits=self._limits))
 
     def send(self, route: bytes, body: Message, *, corr: int = 0, term: int | None = None,
              timeout: float | None = None) -> None:
-        self._listener.send(route, self._seal_for(route, body, corr, term), timeout)
+        for part in self._seal_for(route, body, corr, term):
+            self._listener.send(route, part, timeout)
         self._counts["sent"] += 1
 
     async def asend(self, route: bytes, body: Message, *, corr: int = 0,
                     term: int | None = None, timeout: float | None = None) -> None:
-        await self._listener.asend(route, self._seal_for(route, body, corr, term), timeout)
+        for part in self._seal_for(route, body, corr, term):
+            await self._listener.asend(route, part, timeout)
         self._counts["sent"] += 1
 
     def reply(self, incoming: Incoming, body: Message, timeout: float | None = None) -> None:
@@ -383,36 +389,42 @@ class Channel:
 
     # ----------------------------------------------------- sending, replies
 
-    def _sealed(self, body: Message, corr: int, term: int | None) -> list[Any]:
+    def _send_sealed(self, body: Message, corr: int, term: int | None,
+                     timeout: float | None) -> None:
         if self.session is None:
             self.open()
         assert self.session is not None
-        return self.session.seal(encode(body, corr=corr, term=term,
-                                        sender=self.identity.node_id, limits=self._limits))
+        for part in self.session.seal_parts(encode(body, corr=corr, term=term,
+                                                   sender=self.identity.node_id,
+                                                   limits=self._limits)):
+            self._dialer.send(part, timeout)
 
-    async def _asealed(self, body: Message, corr: int, term: int | None) -> list[Any]:
+    async def _asend_sealed(self, body: Message, corr: int, term: int | None,
+                            timeout: float | None) -> None:
         if self.session is None:
             await self.aopen()
         assert self.session is not None
-        return self.session.seal(encode(body, corr=corr, term=term,
-                                        sender=self.identity.node_id, limits=self._limits))
+        for part in self.session.seal_parts(encode(body, corr=corr, term=term,
+                                                   sender=self.identity.node_id,
+                                                   limits=self._limits)):
+            await self._dialer.asend(part, timeout)
 
     def send(self, body: Message, *, term: int | None = None,
              timeout: float | None = None) -> None:
         """One-way message (no reply expected)."""
-        self._dialer.send(self._sealed(body, 0, term), timeout)
+        self._send_sealed(body, 0, term, timeout)
         self._counts["sent"] += 1
 
     async def asend(self, body: Message, *, term: int | None = None,
                     timeout: float | None = None) -> None:
-        await self._dialer.asend(await self._asealed(body, 0, term), timeout)
+        await self._asend_sealed(body, 0, term, timeout)
         self._counts["sent"] += 1
 
     def submit(self, body: Message, *, term: int | None = None,
                timeout: float | None = None) -> int:
         """Send a request without waiting; returns its correlation id."""
         corr = next(self._corr)
-        self._dialer.send(self._sealed(body, corr, term), timeout)
+        self._send_sealed(body, corr, term, timeout)
         self._waiting.add(corr)
         self._counts["requests"] += 1
         return corr
@@ -420,7 +432,7 @@ class Channel:
     async def asubmit(self, body: Message, *, term: int | None = None,
                       timeout: float | None = None) -> int:
         corr = next(self._corr)
-        await self._dialer.asend(await self._asealed(body, corr, term), timeout)
+        await self._asend_sealed(body, corr, term, timeout)
         self._waiting.add(corr)
         self._counts["requests"] += 1
         return corr
@@ -461,6 +473,24 @@ class Channel:
                        timeout: float | None = None) -> Envelope:
         return await self.aresult(await self.asubmit(body, term=term, timeout=timeout), timeout)
 
+    def pump(self, timeout: float | None = 0.0) -> None:
+        """Receive one message (waiting up to ``timeout``) and file it as a
+        reply or as unsolicited; raises PMetalTimeoutError when none came."""
+        self._file(self._dialer.recv(timeout))
+
+    def take(self, corr: int) -> Envelope | None:
+        """The reply to ``corr`` if it has arrived (it is then forgotten)."""
+        env = self._replies.pop(corr, None)
+        if env is not None:
+            self._waiting.discard(corr)
+        return env
+
+    def abandon(self) -> list[int]:
+        """Forget every pending request (the peer died); returns their ids."""
+        lost = list(self._waiting)
+        self._waiting.clear()
+        return lost
+
     def _file(self, frames: list[Any]) -> None:
         """Verify one received message and file it as a reply or unsolicited."""
         session = self.session
@@ -468,7 +498,10 @@ class Channel:
             self._counts["dropped"] += 1
             return
         try:
-            env = decode(session.open(frames), allow_pickle=True, limits=self._limits)
+            opened = session.open_part(frames)
+            if opened is None:  # a streamed message still lacks segments
+                return
+            env = decode(opened, allow_pickle=True, limits=self._limits)
         except (SecurityError, ProtocolError) as exc:
             unsealed = self._decode_unsealed(frames)
             if isinstance(unsealed.body, Rejected):

@@ -16,8 +16,15 @@ catches anything pmetal itself raised. Timeouts also derive from the builtin
     │   ├── ClosedError                      *we* closed the socket or endpoint
     │   ├── PeerError                        *the peer* broke it: refused, gone
     │   └── BackpressureError                peer not draining; send queue full
-    └── PMetalTimeoutError (TimeoutError)
-        └── RequestTimeoutError              no reply before the deadline
+    ├── PMetalTimeoutError (TimeoutError)
+    │   ├── RequestTimeoutError              no reply before the deadline
+    │   └── GetTimeoutError                  pmetal.get(timeout=...) passed
+    ├── RemoteError                          user code raised in another process;
+    │                                        also an instance of the original type
+    ├── ActorError
+    │   └── ActorDiedError                   the actor's process died or was killed
+    ├── PlacementError                       no node can host it (resources, node)
+    └── NotInitializedError                  pmetal.init() has not been called
 
 The split between :class:`ClosedError` and :class:`PeerError` follows trio's
 ``ClosedResourceError`` and ``BrokenResourceError``: the first is a bug or a
@@ -27,16 +34,22 @@ shutdown on our side, the second is something the remote end did.
 from __future__ import annotations
 
 __all__ = [
+    "ActorDiedError",
+    "ActorError",
     "AuthenticationError",
     "BackpressureError",
     "ClosedError",
     "ConfigError",
+    "GetTimeoutError",
     "HandshakeError",
     "IdentityError",
+    "NotInitializedError",
     "PMetalError",
     "PMetalTimeoutError",
     "PeerError",
+    "PlacementError",
     "ProtocolError",
+    "RemoteError",
     "ReplayError",
     "RequestTimeoutError",
     "SecurityError",
@@ -101,3 +114,55 @@ class PMetalTimeoutError(PMetalError, TimeoutError):
 
 class RequestTimeoutError(PMetalTimeoutError):
     """No reply to a request arrived before its deadline."""
+
+
+class GetTimeoutError(PMetalTimeoutError):
+    """``pmetal.get(..., timeout=...)`` passed before the result arrived. The
+    call itself goes on; ``get`` may be called again."""
+
+
+class RemoteError(PMetalError):
+    """User code raised an exception in another process.
+
+    ``get`` raises an instance of a class derived from both this and the
+    original exception type (when that type can be subclassed), so both
+    ``except RemoteError`` and ``except ValueError`` catch a remote
+    ``ValueError``. ``remote_traceback`` holds the traceback text from the
+    remote process; ``cause`` the original exception when it could be
+    unpickled here.
+    """
+
+    def __init__(self, error_type: str, message: str, remote_traceback: str = "", *,
+                 cause: BaseException | None = None) -> None:
+        super().__init__(error_type, message)
+        self.error_type = error_type
+        self.remote_message = message
+        self.remote_traceback = remote_traceback
+        self.cause = cause
+
+    def __str__(self) -> str:
+        text = f"{self.error_type}: {self.remote_message}"
+        if self.remote_traceback:
+            text += "\n\nRemote traceback (most recent call last):\n" + self.remote_traceback
+        return text
+
+    def __reduce__(self) -> tuple:
+        return (RemoteError, (self.error_type, self.remote_message, self.remote_traceback))
+
+
+class ActorError(PMetalError):
+    """An actor cannot serve a call."""
+
+
+class ActorDiedError(ActorError):
+    """The actor's process died (crash, ``kill -9``, ``pmetal.kill``) before
+    the call completed, or the actor is dead for good (no restarts left)."""
+
+
+class PlacementError(PMetalError):
+    """No node can host the actor or task: the resources asked for exceed
+    what every node has, or the named node is not in the cluster."""
+
+
+class NotInitializedError(PMetalError):
+    """An API that needs a cluster was called before ``pmetal.init()``."""

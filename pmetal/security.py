@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -67,6 +68,8 @@ from pmetal.identity import NodeIdentity, node_id_for, verify_signature
 from pmetal.ids import NodeId
 from pmetal.wire import Confirm, Hello, Welcome, frame_bytes
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "MIN_PSK_BYTES",
     "Mode",
@@ -86,6 +89,11 @@ _compare = hmac.compare_digest
 _TAIL = struct.Struct("<QB")   # seq, mode: the last 9 bytes of a sealed frame 0
 _HEAD1 = struct.Struct("<BQIQ")  # MAC header of a message with no buffers
 _SMALL = 16 << 10          # below this many bytes BLAKE2b is cheaper than Poly1305 setup
+STREAM_SEGMENT_BYTES = 8 << 20
+_HEAD = 0x80               # mode-byte flags of streamed messages
+_SEGMENT = 0x40
+_SEG = struct.Struct("<QIB")     # seq, segment index, mode|_SEGMENT (after a 16-byte tag)
+_SEGHDR = struct.Struct("<BQIII")  # MAC header of a segment: mode, seq, index, first frame, count
 _HS_LABEL = b"pmetal-hs-1"
 
 
@@ -278,8 +286,8 @@ class SessionStatistics:
 class Session:
     """Seals outgoing and opens incoming frames for one authenticated peer."""
 
-    __slots__ = ("_aead_recv", "_aead_send", "_recv_key", "_send_key", "_stats", "mode",
-                 "peer", "peer_public_key", "recv_seq", "send_seq")
+    __slots__ = ("_aead_recv", "_aead_send", "_recv_key", "_send_key", "_stats", "_stream",
+                 "mode", "peer", "peer_public_key", "recv_seq", "send_seq", "stream_bytes")
 
     def __init__(self, *, send_key: bytes, recv_key: bytes, peer: NodeId,
                  peer_public_key: bytes, mode: int = Mode.FULL) -> None:
@@ -293,6 +301,8 @@ class Session:
         self._aead_send = ChaCha20Poly1305(send_key)
         self._aead_recv = ChaCha20Poly1305(recv_key)
         self._stats = [0, 0, 0, 0, 0]
+        self._stream: _Stream | None = None
+        self.stream_bytes = STREAM_SEGMENT_BYTES
 
     def statistics(self) -> SessionStatistics:
         return SessionStatistics(*self._stats)
@@ -319,9 +329,10 @@ class Session:
         if mode == Mode.ENCRYPTED:
             aad = tail + len(frames).to_bytes(4, "little")
             nonce = seq.to_bytes(8, "little")
-            out = [self._aead_send.encrypt(nonce + i.to_bytes(4, "little"),
-                                           bytes(frame_bytes(f)), aad)
-                   for i, f in enumerate(frames)]
+            plain = [bytes(frame_bytes(f)) for f in frames]
+            stats[3] += sum(len(p) for p in plain)
+            out = [self._aead_send.encrypt(nonce + i.to_bytes(4, "little"), p, aad)
+                   for i, p in enumerate(plain)]
             out[0] += tail
             return out
         views = [frame_bytes(f) for f in frames]
@@ -338,7 +349,7 @@ class Session:
             stats[2] += 1
             raise AuthenticationError(f"unsealed message from {self.peer}")
         seq, mode = _TAIL.unpack_from(head, len(head) - _TAIL.size)
-        if mode < self.mode or mode > Mode.ENCRYPTED:
+        if not self.mode <= mode <= Mode.ENCRYPTED:
             stats[2] += 1
             raise AuthenticationError(
                 f"peer {self.peer} sent a message protected with mode {mode}; this node "
@@ -355,6 +366,7 @@ class Session:
             except InvalidTag as exc:
                 stats[2] += 1
                 raise AuthenticationError(f"message from {self.peer} failed decryption") from exc
+            byte_count = sum(len(o) for o in opened)
         else:
             cut = len(head) - _TAIL.size - 16
             if cut < 0:
@@ -372,7 +384,7 @@ class Session:
                 stats[2] += 1
                 raise AuthenticationError(f"message from {self.peer} failed authentication")
             opened = views
-            stats[4] += sum(len(v) for v in views)
+            byte_count = sum(len(v) for v in views)
         # Checked after the MAC so that a forged seq cannot move the window.
         if seq <= self.recv_seq:
             stats[2] += 1
@@ -380,7 +392,145 @@ class Session:
                               f"(last {self.recv_seq}): replay refused")
         self.recv_seq = seq
         stats[1] += 1
+        stats[4] += byte_count
         return opened
+
+
+    # ---------------------------------------------------------- streaming
+
+    def seal_parts(self, frames: Sequence[Any]) -> list[list[Any]]:
+        """Seal a message as one or more ZeroMQ messages ("parts").
+
+        A message whose buffers exceed ``stream_bytes`` is streamed: a head
+        part (envelope plus every frame length) and segments of at most
+        ``stream_bytes`` each with a tag of its own, so that the sender
+        authenticates segment k+1 while ZeroMQ moves segment k, and the
+        receiver verifies segment k while segment k+1 arrives.
+        """
+        mode = self.mode
+        if len(frames) == 1 or mode == Mode.ENCRYPTED:
+            return [self.seal(frames)]
+        views = [frame_bytes(f) for f in frames]
+        if sum(len(v) for v in views) - len(views[0]) <= self.stream_bytes:
+            return [self.seal(frames)]
+        self.send_seq += 1
+        seq = self.send_seq
+        self._stats[0] += 1
+        self._stats[3] += sum(len(v) for v in views)
+        lengths = struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
+        head_tag = _blake2b(_HEAD1.pack(mode, seq, len(views), len(views[0])) + lengths
+                            + views[0], key=self._send_key, digest_size=16).digest()
+        parts: list[list[Any]] = [[bytes(views[0]) + head_tag + _TAIL.pack(seq, mode | _HEAD),
+                                   lengths]]
+        group: list[memoryview] = []
+        size = 0
+        first = 1
+        for i in range(1, len(views) + 1):
+            if i < len(views) and (not group or size + len(views[i]) <= self.stream_bytes):
+                group.append(views[i])
+                size += len(views[i])
+                continue
+            index = len(parts) - 1
+            tag = _segment_mac(self._send_key, mode, seq, index, first, group)
+            parts.append([tag + _SEG.pack(seq, index, mode | _SEGMENT), *group])
+            first = i
+            if i < len(views):
+                group, size = [views[i]], len(views[i])
+        return parts
+
+    def open_part(self, frames: Sequence[Any]) -> list[Any] | None:
+        """Open one received part: the message's frames once it is complete,
+        None while a streamed message still lacks segments."""
+        head = frame_bytes(frames[0]) if frames else memoryview(b"")
+        flags = head[-1] if len(head) else 0
+        if not flags & (_HEAD | _SEGMENT):
+            if self._stream is not None:
+                self._drop_stream("a new message arrived before it was complete")
+            return self.open(frames)
+        stats = self._stats
+        if flags & _HEAD:
+            return self._open_head(head, frames)
+        stream = self._stream
+        if stream is None or len(head) != 16 + _SEG.size:
+            stats[2] += 1
+            raise AuthenticationError(f"unexpected stream segment from {self.peer}")
+        seq, index, mode = _SEG.unpack_from(head, 16)
+        if seq != stream.seq or index != stream.next_index or (mode & 3) != stream.mode:
+            self._drop_stream("segment out of order")
+            stats[2] += 1
+            raise AuthenticationError(f"stream segment from {self.peer} out of order")
+        views = [frame_bytes(f) for f in frames[1:]]
+        first = len(stream.frames)
+        want = stream.lengths[first:first + len(views)]
+        if [len(v) for v in views] != list(want) or not _compare(
+                head[:16], _segment_mac(self._recv_key, mode & 3, seq, index, first, views)):
+            self._drop_stream("segment failed authentication")
+            stats[2] += 1
+            raise AuthenticationError(f"stream segment from {self.peer} failed authentication")
+        stream.frames.extend(frames[1:])
+        stream.next_index += 1
+        if len(stream.frames) < len(stream.lengths):
+            return None
+        self._stream = None
+        stats[1] += 1
+        stats[4] += sum(stream.lengths)
+        return stream.frames
+
+    def _open_head(self, head: memoryview, frames: Sequence[Any]) -> None:
+        stats = self._stats
+        if self._stream is not None:
+            self._drop_stream("a new message arrived before it was complete")
+        cut = len(head) - _TAIL.size - 16
+        seq, flags = _TAIL.unpack_from(head, len(head) - _TAIL.size)
+        mode = flags & 3
+        if cut < 0 or len(frames) != 2 or mode < self.mode or mode == Mode.ENCRYPTED:
+            stats[2] += 1
+            raise AuthenticationError(f"malformed stream head from {self.peer}")
+        lengths_raw = bytes(frame_bytes(frames[1]))
+        if len(lengths_raw) % 8 or not lengths_raw:
+            stats[2] += 1
+            raise AuthenticationError(f"malformed stream head from {self.peer}")
+        lengths = struct.unpack(f"<{len(lengths_raw) // 8}Q", lengths_raw)
+        expect = _blake2b(_HEAD1.pack(mode, seq, len(lengths), cut) + lengths_raw + head[:cut],
+                          key=self._recv_key, digest_size=16).digest()
+        if not _compare(head[cut:cut + 16], expect) or lengths[0] != cut:
+            stats[2] += 1
+            raise AuthenticationError(f"stream head from {self.peer} failed authentication")
+        if seq <= self.recv_seq:
+            stats[2] += 1
+            raise ReplayError(f"message {seq} from {self.peer} was already received "
+                              f"(last {self.recv_seq}): replay refused")
+        self.recv_seq = seq
+        self._stream = _Stream(seq, mode, lengths, [head[:cut]])
+        return None
+
+    def _drop_stream(self, why: str) -> None:
+        log.warning("dropped an incomplete streamed message from %s: %s", self.peer, why)
+        self._stream = None
+
+
+@dataclass
+class _Stream:
+    """A streamed message being received: its head is verified, its
+    segments arrive one by one."""
+
+    seq: int
+    mode: int
+    lengths: tuple[int, ...]
+    frames: list[Any]
+    next_index: int = 0
+
+
+def _segment_mac(key: bytes, mode: int, seq: int, index: int, first: int,
+                 views: Sequence[memoryview]) -> bytes:
+    header = _SEGHDR.pack(mode, seq, index, first, len(views))
+    otk = _blake2b(header, key=key, digest_size=32, person=b"pmetal-seg").digest()
+    p = Poly1305(otk)
+    p.update(header)
+    if mode == Mode.FULL:
+        for v in views:
+            p.update(v)
+    return p.finalize()
 
 
 def _mac(key: bytes, mode: int, seq: int, views: Sequence[memoryview]) -> bytes:

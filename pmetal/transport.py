@@ -284,6 +284,16 @@ class ZmqListener(_ZmqSocket):
 class ZmqDialer(_ZmqSocket):
     """A DEALER socket connected to one listener."""
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The ZeroMQ socket, for polling it together with others."""
+        return self._sock
+
+    def monitor_disconnects(self) -> zmq.Socket:
+        """A PAIR socket that becomes readable when the TCP connection to the
+        listener drops (on one machine: the listener's process died)."""
+        return self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
         super().__init__(ctx, zmq.DEALER, cfg)
         self.route = os.urandom(8)
@@ -350,7 +360,8 @@ class _Inbox:
 
     def _wake_async(self) -> None:
         for loop, fut in self._waiters:
-            loop.call_soon_threadsafe(_resolve, fut)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(_resolve, fut)
         self._waiters.clear()
 
     def get(self, timeout: float | None) -> Any:
@@ -363,7 +374,7 @@ class _Inbox:
         if self._interrupted:
             self._interrupted = False
             raise ClosedError(f"receive on {self.name} interrupted")
-        if self.closed and not self._items:
+        if self.closed:
             raise ClosedError(f"{self.name} is closed")
         if not ok:
             raise PMetalTimeoutError(f"nothing received on {self.name} within {timeout:.3g} s")
@@ -388,6 +399,10 @@ class _Inbox:
                 await asyncio.wait_for(fut, remaining)
             except asyncio.TimeoutError:
                 pass
+            finally:
+                with self._cond:
+                    if (loop, fut) in self._waiters:
+                        self._waiters.remove((loop, fut))
 
     def interrupt(self) -> None:
         with self._cond:

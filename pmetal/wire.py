@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import math
 import operator
 import sys
 import typing
@@ -50,25 +51,41 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import msgpack
-import numpy as np
 
 from pmetal.errors import ProtocolError
 
 __all__ = [
     "Accepted",
+    "Ack",
+    "ActorLocation",
+    "Call",
     "Confirm",
+    "CreateActor",
     "Envelope",
     "ErrorReply",
+    "Failure",
     "Hello",
+    "InitActor",
+    "KillActor",
     "Kind",
+    "LeaseWorkers",
+    "LookupActor",
     "Message",
+    "NodeJoin",
     "PROTOCOL_VERSION",
     "Pickled",
     "Ping",
     "Pong",
     "Rejected",
+    "Result",
+    "RunTask",
+    "Shutdown",
+    "Status",
+    "StatusRequest",
     "Welcome",
     "WireLimits",
+    "WorkerList",
+    "WorkerReady",
     "decode",
     "encode",
     "frame_bytes",
@@ -100,6 +117,25 @@ class Kind(enum.IntEnum):
     PING = 10
     PONG = 11
     ERROR = 12
+    # actor runtime: node control
+    WORKER_READY = 20
+    CREATE_ACTOR = 21
+    ACTOR_LOCATION = 22
+    LOOKUP_ACTOR = 23
+    KILL_ACTOR = 24
+    LEASE_WORKERS = 25
+    WORKER_LIST = 26
+    STATUS_REQUEST = 27
+    STATUS = 28
+    ACK = 29
+    SHUTDOWN = 30
+    NODE_JOIN = 31
+    # actor runtime: execution in workers
+    INIT_ACTOR = 40
+    CALL = 41
+    RUN_TASK = 42
+    RESULT = 43
+    FAILURE = 44
 
 
 class Message:
@@ -231,6 +267,168 @@ class ErrorReply(Message):
     traceback: str = ""
 
 
+# ------------------------------------------------- actor runtime: node control
+# User values (arguments, results) are "packed": native msgpack values and
+# arrays as they are, anything else as a Pickled payload (actors.serialization).
+
+@_message(Kind.WORKER_READY)
+class WorkerReady(Message):
+    """Worker to its node: started and listening at ``address``."""
+
+    worker_id: str
+    address: str
+    pid: int
+
+
+@_message(Kind.CREATE_ACTOR)
+class CreateActor(Message):
+    """Creator to a node: place and construct an actor. ``cls_ref`` is
+    ``"module:qualname"`` or a Pickled class; ``options`` holds num_cpus,
+    resources, max_restarts, max_concurrency, node and name."""
+
+    actor_id: str
+    cls_id: str
+    cls_ref: Any
+    args: list
+    kwargs: dict
+    options: dict
+
+
+@_message(Kind.ACTOR_LOCATION)
+class ActorLocation(Message):
+    """Where an actor lives now. ``state`` is "alive", "restarting" or "dead";
+    ``incarnation`` counts restarts (0 for the first constructor run)."""
+
+    actor_id: str
+    state: str
+    address: str = ""
+    node_id: str = ""
+    incarnation: int = 0
+    name: str = ""
+    reason: str = ""
+    class_name: str = ""
+    methods: tuple[str, ...] = ()
+    is_async: bool = False
+
+
+@_message(Kind.LOOKUP_ACTOR)
+class LookupActor(Message):
+    """Ask a node where an actor is, by id or by name; with ``wait`` > 0 the
+    node answers once the actor has an incarnation >= ``min_incarnation`` (or
+    is dead), or when ``wait`` seconds pass."""
+
+    actor_id: str = ""
+    name: str = ""
+    min_incarnation: int = 0
+    wait: float = 0.0
+
+
+@_message(Kind.KILL_ACTOR)
+class KillActor(Message):
+    actor_id: str
+    no_restart: bool = True
+
+
+@_message(Kind.LEASE_WORKERS)
+class LeaseWorkers(Message):
+    """Ask a node for the addresses of its task workers (remote functions)."""
+
+    count: int = 0
+
+
+@_message(Kind.WORKER_LIST)
+class WorkerList(Message):
+    addresses: tuple[str, ...]
+
+
+@_message(Kind.STATUS_REQUEST)
+class StatusRequest(Message):
+    """Ask a node for its view of the cluster (``pmetal status``)."""
+
+    detail: bool = False
+
+
+@_message(Kind.STATUS)
+class Status(Message):
+    info: dict
+
+
+@_message(Kind.ACK)
+class Ack(Message):
+    info: Any = None
+
+
+@_message(Kind.SHUTDOWN)
+class Shutdown(Message):
+    reason: str = ""
+
+
+@_message(Kind.NODE_JOIN)
+class NodeJoin(Message):
+    """Node to node: "I am a member at ``address``"; the answer is the
+    receiver's :class:`Status`. Membership before discovery (static peers)."""
+
+    node_id: str
+    address: str
+    resources: dict
+
+
+# -------------------------------------------- actor runtime: execution
+
+@_message(Kind.INIT_ACTOR)
+class InitActor(Message):
+    """Node to a worker: become this actor (run its constructor)."""
+
+    actor_id: str
+    cls_id: str
+    cls_ref: Any
+    args: list
+    kwargs: dict
+    options: dict
+    incarnation: int = 0
+
+
+@_message(Kind.CALL)
+class Call(Message):
+    """Caller to an actor's worker: run ``method`` with packed arguments."""
+
+    actor_id: str
+    method: str
+    args: list
+    kwargs: dict
+
+
+@_message(Kind.RUN_TASK)
+class RunTask(Message):
+    """Caller to a task worker: run a remote function. ``fn_ref`` may be
+    None when the worker already has ``fn_id``; it answers with a Failure of
+    kind "unknown_function" when it has not."""
+
+    fn_id: str
+    fn_ref: Any
+    args: list
+    kwargs: dict
+
+
+@_message(Kind.RESULT)
+class Result(Message):
+    value: Any = None
+
+
+@_message(Kind.FAILURE)
+class Failure(Message):
+    """A call or task failed. ``kind``: "user" (the user code raised;
+    ``exception`` is the Pickled exception when it could be pickled),
+    "actor_died", "no_such_method", "unknown_function", "bad_request",
+    "placement", "not_found"."""
+
+    kind: str
+    error_type: str
+    message: str
+    traceback: str = ""
+    exception: Any = None
+
+
 # ------------------------------------------------------------ field checks
 
 def _checker(tp: Any) -> Callable[[Any], Any]:
@@ -256,7 +454,7 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
                 raise TypeError(f"expected float, got {type(v).__name__}")
             return float(v)
         return check_float
-    if tp in (str, bytes, Pickled, np.ndarray):
+    if tp in (str, bytes, Pickled):
         def check_type(v: Any, _tp: type = tp) -> Any:
             if not isinstance(v, _tp):
                 raise TypeError(f"expected {_tp.__name__}, got {type(v).__name__}")
@@ -380,23 +578,29 @@ class _Default:
         self.chunk = chunk
 
     def __call__(self, obj: Any) -> Any:
-        if isinstance(obj, np.ndarray):
-            return self._array(obj, _EXT_NUMPY, str(obj.dtype), obj)
+        # numpy is looked up, not imported: a process that never imported it
+        # (a node daemon) cannot hold arrays, and starts 0.1 s faster.
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(obj, np.ndarray):
+            # dtype.name, not str(dtype): str() of a big-endian dtype is ">i4".
+            return self._array(obj, _EXT_NUMPY, obj.dtype.name, obj)
         if isinstance(obj, Pickled):
             return msgpack.ExtType(_EXT_PICKLE, obj.data)
-        if isinstance(obj, np.generic):
+        if np is not None and isinstance(obj, np.generic):
             return obj.item()
         if isinstance(obj, tuple):
             return list(obj)
         mx = _mlx()
         if mx is not None and isinstance(obj, mx.array):
             dtype = str(obj.dtype).rpartition(".")[2]
-            host = np.array(obj.view(mx.uint16) if dtype == "bfloat16" else obj, copy=False)
+            host = sys.modules["numpy"].array(
+                obj.view(mx.uint16) if dtype == "bfloat16" else obj, copy=False)
             return self._array(host, _EXT_MLX, dtype, host)
         raise TypeError(f"cannot send a {type(obj).__name__} in a message; wrap it "
                         f"with pmetal.wire.Pickled.dumps(...) to send it by value")
 
-    def _array(self, arr: Any, code: int, dtype: str, host: np.ndarray) -> msgpack.ExtType:
+    def _array(self, arr: Any, code: int, dtype: str, host: Any) -> msgpack.ExtType:
+        import numpy as np
         if dtype not in _MLX_DTYPES:
             raise TypeError(f"arrays of dtype {dtype} cannot be sent")
         if host.dtype.byteorder == ">":
@@ -507,7 +711,8 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False,
     if type(raw) is not list or len(raw) != 6:
         raise ProtocolError("envelope is not a 6-element array")
     version, kind, corr, term, sender, body = raw
-    if version != PROTOCOL_VERSION:
+    # Type first: comparing a decoded array with == yields an array, not a bool.
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version!r} is not supported "
                             f"(this node speaks {PROTOCOL_VERSION}); upgrade pmetal on "
                             f"every node to the same version")
@@ -536,6 +741,7 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False,
 
 
 def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[bool]) -> Any:
+    import numpy as np
     try:
         dtype_name, shape, first, count = msgpack.unpackb(data, raw=False)
         shape = tuple(shape)
@@ -552,7 +758,8 @@ def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[
     lo, hi = first - 1, first - 1 + count
     if count and (lo < 0 or hi > len(buffers) or any(used[lo:hi])):
         raise ProtocolError("array refers to missing or already used buffer frames")
-    nbytes = host_dtype.itemsize * int(np.prod(shape, dtype=np.uint64))
+    # math.prod on Python ints cannot wrap around like a uint64 product would.
+    nbytes = host_dtype.itemsize * math.prod(shape)
     parts = buffers[lo:hi] if count else []
     if sum(len(p) for p in parts) != nbytes:
         raise ProtocolError(f"array {dtype_name}{list(shape)} needs {nbytes} bytes, "
@@ -579,6 +786,7 @@ def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[
             except ImportError as exc:
                 raise ProtocolError("received an MLX array but MLX is not installed "
                                     "here; install pmetal[mlx]") from exc
-        out_arr = mx.array(arr)
+        # mx.array() narrows float64 to float32 unless told otherwise.
+        out_arr = mx.array(arr, dtype=mx.float64) if dtype_name == "float64" else mx.array(arr)
         return out_arr.view(mx.bfloat16) if dtype_name == "bfloat16" else out_arr
     return arr

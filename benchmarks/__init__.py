@@ -1,0 +1,1 @@
+"""pmetal benchmarks: ``python -m benchmarks`` prints every table."""

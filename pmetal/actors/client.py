@@ -1,0 +1,407 @@
+"""The caller side of the actor runtime: what drivers and workers use to
+create actors, call them, run remote functions and collect results.
+
+A :class:`CoreClient` holds one authenticated channel to its node (control:
+placement, lookups) and one :class:`PeerLink` per worker it calls (data: calls
+and results go straight to the worker, never through a node). Each link
+watches its TCP connection: when the worker's process dies the connection
+drops, and every call pending on that link fails with
+:class:`~pmetal.errors.ActorDiedError` at once instead of waiting for a
+timeout. The next call on the handle asks the node where the actor lives
+now (it may have been restarted) and carries on.
+
+Sockets are used under one lock, so a client may be shared by threads; a
+``get`` that waits holds it, so other threads' calls wait too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from typing import Any
+
+import zmq
+from zmq.backend import zmq_poll
+
+from pmetal.config import PMetalConfig
+from pmetal.endpoint import Channel
+from pmetal.errors import (ActorDiedError, GetTimeoutError, PeerError, PMetalError,
+                           PMetalTimeoutError, PlacementError)
+from pmetal.identity import NodeIdentity
+from pmetal.security import NetworkNamespace
+from pmetal.transport import ZmqTransport
+from pmetal.wire import (ActorLocation, Call, CreateActor, Envelope, Failure, KillActor,
+                         LeaseWorkers, LookupActor, Message, Result, RunTask, Shutdown,
+                         Status, StatusRequest, WorkerList)
+
+__all__ = ["CoreClient", "ObjectRef", "PeerLink"]
+
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
+
+class PeerLink:
+    """An authenticated channel to one worker plus a detector of its death."""
+
+    def __init__(self, client: CoreClient, address: str) -> None:
+        dialer = client.transport.dial(address)
+        self.address = address
+        self.channel = Channel(dialer, client.identity, client.namespace, client.config)
+        self.socket = dialer.socket
+        self.monitor = dialer.monitor_disconnects()
+        self.dead = ""
+        self.functions: set[str] = set()   # remote functions this worker already has
+        self.refs: dict[int, ObjectRef] = {}
+
+    def check(self) -> None:
+        """Read connection events; a disconnect marks the link dead."""
+        while self.monitor.poll(0):
+            frames = self.monitor.recv_multipart()
+            if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                self.die(f"the connection to {self.address} dropped (its process died)")
+
+    def die(self, why: str) -> None:
+        if self.dead:
+            return
+        self.dead = why
+        self.channel.abandon()
+        for ref in self.refs.values():
+            ref._fail_link(why)
+        self.refs.clear()
+
+    def close(self) -> None:
+        self.monitor.close(linger=0)
+        self.channel.close()
+
+
+class ObjectRef:
+    """A future result: of an actor call, a remote function, or ``pmetal.put``.
+
+    ``pmetal.get(ref)`` returns the value; ``await ref`` does the same in
+    asyncio code. Refs are owned by the process that made them.
+    """
+
+    __slots__ = ("_client", "_corr", "_error", "_has_value", "_link", "_on_death", "_value",
+                 "__weakref__")
+
+    def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
+                 on_death: str = "") -> None:
+        self._client = client
+        self._link = link
+        self._corr = corr
+        self._has_value = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._on_death = on_death
+        if link is not None:
+            link.refs[corr] = self
+
+    @classmethod
+    def of_value(cls, value: Any) -> ObjectRef:
+        ref = cls(None)
+        ref._set(value)
+        return ref
+
+    @classmethod
+    def of_error(cls, error: BaseException) -> ObjectRef:
+        ref = cls(None)
+        ref._error = error
+        return ref
+
+    def _set(self, value: Any) -> None:
+        self._value = value
+        self._has_value = True
+        self._link = None
+
+    def _fail_link(self, why: str) -> None:
+        if not self.done():
+            self._error = ActorDiedError(f"{self._on_death}: {why}")
+            self._link = None
+
+    def done(self) -> bool:
+        return self._has_value or self._error is not None
+
+    def _settle(self, env: Envelope) -> None:
+        from pmetal.actors.serialization import unpack_value
+        body = env.body
+        self._link = None
+        if type(body) is Result:
+            try:
+                self._set(unpack_value(body.value))  # type: ignore[attr-defined]
+            except Exception as exc:  # the value arrived but cannot be unpickled here
+                self._error = exc
+        elif isinstance(body, Failure):
+            self._error = failure_error(body, self._on_death)
+        else:
+            self._error = PeerError(f"unexpected reply {type(body).__name__}")
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __await__(self) -> Any:
+        import asyncio
+        from pmetal import api
+        return asyncio.to_thread(api.get, self).__await__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an ObjectRef cannot be sent inside another value; pass it as a "
+                        "top-level argument (it is resolved before the call) or call "
+                        "pmetal.get on it first")
+
+    def __repr__(self) -> str:
+        state = "ready" if self.done() else "pending"
+        return f"ObjectRef({state})"
+
+
+def failure_error(body: Failure, on_death: str = "") -> BaseException:
+    """The exception a Failure reply stands for."""
+    from pmetal.actors.serialization import remote_error
+    if body.kind == "user":
+        original = None
+        if body.exception is not None:
+            try:
+                original = body.exception.load()
+            except Exception:  # the exception's class is not importable here
+                original = None
+        return remote_error(body.error_type, body.message, body.traceback, original)
+    if body.kind == "actor_died":
+        return ActorDiedError(f"{on_death}: {body.message}" if on_death else body.message)
+    if body.kind == "no_such_method":
+        return AttributeError(body.message)
+    if body.kind == "placement":
+        return PlacementError(body.message)
+    if body.kind == "not_found":
+        return ValueError(body.message)
+    return PMetalError(f"{body.error_type}: {body.message}")
+
+
+class CoreClient:
+    """One process's connection to the cluster."""
+
+    def __init__(self, node_address: str, namespace: NetworkNamespace, config: PMetalConfig,
+                 identity: NodeIdentity | None = None) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.identity = identity or NodeIdentity.generate()
+        self.transport = ZmqTransport(config.transport)
+        self.node_address = node_address
+        self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)
+        self.node_id = self.node.open(timeout=config.transport.connect_timeout)
+        self.links: dict[str, PeerLink] = {}
+        self.lock = threading.RLock()
+        self._task_workers: list[str] = []
+        self._next_worker = itertools.count()
+        self._actor_ids = itertools.count()
+        self.calls = 0
+
+    def statistics(self) -> dict[str, Any]:
+        return {"calls": self.calls, "links": len(self.links),
+                "node_channel": self.node.statistics()}
+
+    # ---------------------------------------------------------------- links
+
+    def link(self, address: str) -> PeerLink:
+        link = self.links.get(address)
+        if link is None or link.dead:
+            if link is not None:
+                link.close()
+            link = self.links[address] = PeerLink(self, address)
+        return link
+
+    def request_node(self, body: Message, timeout: float | None = None) -> Message:
+        with self.lock:
+            return self.node.request(body, timeout=timeout).body
+
+    # --------------------------------------------------------------- actors
+
+    def new_actor_id(self) -> str:
+        return f"{self.identity.node_id[:12]}-{os.getpid()}-{next(self._actor_ids)}"
+
+    def create_actor(self, spec: CreateActor, timeout: float) -> ActorLocation:
+        reply = self.request_node(spec, timeout=timeout)
+        if isinstance(reply, Failure):
+            raise failure_error(reply, f"creating actor {spec.options.get('class_name')}")
+        if not isinstance(reply, ActorLocation):
+            raise PeerError(f"node answered CreateActor with {type(reply).__name__}")
+        return reply
+
+    def lookup(self, actor_id: str = "", name: str = "", min_incarnation: int = 0,
+               wait: float = 0.0) -> ActorLocation:
+        reply = self.request_node(LookupActor(actor_id, name, min_incarnation, wait),
+                                  timeout=wait + self.config.transport.request_timeout)
+        if isinstance(reply, Failure):
+            raise failure_error(reply)
+        assert isinstance(reply, ActorLocation)
+        return reply
+
+    def kill(self, actor_id: str, no_restart: bool = True) -> None:
+        reply = self.request_node(KillActor(actor_id, no_restart))
+        if isinstance(reply, Failure):
+            raise failure_error(reply)
+
+    def call(self, handle: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
+        """Submit ``handle.method(*args, **kwargs)``; ObjectRef args resolved first."""
+        args, kwargs = self._resolve_args(args, kwargs)
+        what = f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
+        with self.lock:
+            link = self._actor_link(handle)
+            if isinstance(link, BaseException):
+                return ObjectRef.of_error(link)
+            body = Call(handle._actor_id, method, args, kwargs)
+            try:
+                corr = link.channel.submit(body, timeout=self.config.transport.send_timeout)
+            except PeerError as exc:
+                link.die(str(exc))
+                return ObjectRef.of_error(ActorDiedError(f"{what}: {exc}"))
+            self.calls += 1
+            return ObjectRef(self, link, corr, what)
+
+    def _actor_link(self, handle: Any) -> PeerLink | BaseException:
+        link = self.links.get(handle._address)
+        if link is not None and not link.dead:
+            # Death shows up while waiting for results (the monitor socket is
+            # polled with the data socket), so the fast path checks nothing.
+            return link
+        if link is None and handle._state == "alive":
+            return self.link(handle._address)
+        # The worker we knew died: ask the node for the actor's new home.
+        try:
+            loc = self.lookup(handle._actor_id, min_incarnation=handle._incarnation + 1,
+                              wait=self.config.transport.connect_timeout)
+        except PMetalError as exc:
+            return ActorDiedError(f"actor {handle._actor_id} is unreachable: {exc}")
+        handle._update(loc)
+        if loc.state != "alive":
+            return ActorDiedError(f"actor {handle._class_name}({handle._actor_id[-8:]}) is "
+                                  f"dead: {loc.reason or loc.state}")
+        return self.link(loc.address)
+
+    # ------------------------------------------------------------------ tasks
+
+    def run_task(self, fn_id: str, fn_ref: Any, args: list[Any],
+                 kwargs: dict[str, Any], name: str) -> ObjectRef:
+        args, kwargs = self._resolve_args(args, kwargs)
+        what = f"remote function {name}"
+        with self.lock:
+            if not self._task_workers:
+                reply = self.request_node(LeaseWorkers())
+                if isinstance(reply, Failure):
+                    return ObjectRef.of_error(failure_error(reply))
+                assert isinstance(reply, WorkerList)
+                self._task_workers = list(reply.addresses)
+            address = self._task_workers[next(self._next_worker) % len(self._task_workers)]
+            link = self.link(address)
+            link.check()
+            if link.dead:
+                self._task_workers = []
+                return ObjectRef.of_error(ActorDiedError(f"{what}: {link.dead}"))
+            ref_body = None if fn_id in link.functions else fn_ref
+            corr = link.channel.submit(RunTask(fn_id, ref_body, args, kwargs),
+                                       timeout=self.config.transport.send_timeout)
+            link.functions.add(fn_id)
+            self.calls += 1
+            return ObjectRef(self, link, corr, what)
+
+    def _resolve_args(self, args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        from pmetal.actors.serialization import pack_value
+        out = []
+        for a in args:
+            if type(a) is ObjectRef:
+                a = self.get([a], None)[0]
+            out.append(pack_value(a))
+        kw = {}
+        for k, v in kwargs.items():
+            if type(v) is ObjectRef:
+                v = self.get([v], None)[0]
+            kw[k] = pack_value(v)
+        return out, kw
+
+    # ---------------------------------------------------------------- results
+
+    def get(self, refs: list[ObjectRef], timeout: float | None) -> list[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            for ref in refs:
+                while not ref.done():
+                    self._progress([ref], deadline, timeout)
+        return [ref.result() for ref in refs]
+
+    def wait(self, refs: list[ObjectRef], num_returns: int,
+             timeout: float | None) -> tuple[list[ObjectRef], list[ObjectRef]]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.lock:
+            while sum(1 for r in refs if r.done()) < num_returns:
+                try:
+                    self._progress([r for r in refs if not r.done()], deadline, timeout)
+                except GetTimeoutError:
+                    break
+        ready = [r for r in refs if r.done()][:num_returns]
+        chosen = set(map(id, ready))
+        return ready, [r for r in refs if id(r) not in chosen]
+
+    def _progress(self, pending: list[ObjectRef], deadline: float | None,
+                  timeout: float | None) -> None:
+        """Wait until at least one message or connection event arrives on the
+        links of ``pending`` refs, and file it."""
+        links = {id(r._link): r._link for r in pending if r._link is not None}
+        if not links:
+            for r in pending:
+                if not r.done():  # no link and no value: its link died meanwhile
+                    r._fail_link("its connection was closed")
+            return
+        items = []
+        for link in links.values():
+            items.append((link.socket, _POLLIN))
+            items.append((link.monitor, _POLLIN))
+        if deadline is None:
+            ms = -1
+        else:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise GetTimeoutError(f"result not ready within {timeout:.3g} s; the call "
+                                      f"goes on, call pmetal.get again to keep waiting")
+            ms = max(1, int(remaining * 1000))
+        ready = {sock for sock, ev in zmq_poll(items, ms) if ev}
+        for link in list(links.values()):
+            if link.monitor in ready:
+                link.check()
+            if link.socket in ready and not link.dead:
+                sock = link.socket
+                try:
+                    link.channel.pump(0)
+                    while sock.getsockopt(_EVENTS) & _POLLIN:
+                        link.channel.pump(0)
+                except PMetalTimeoutError:
+                    pass
+                except PeerError as exc:
+                    link.die(str(exc))
+                self._settle(link)
+
+    def _settle(self, link: PeerLink) -> None:
+        for corr in [c for c in link.refs if c in link.channel._replies]:
+            env = link.channel.take(corr)
+            ref = link.refs.pop(corr)
+            if env is not None:
+                ref._settle(env)
+
+    # --------------------------------------------------------------- cluster
+
+    def status(self) -> dict[str, Any]:
+        reply = self.request_node(StatusRequest())
+        if not isinstance(reply, Status):
+            raise PeerError(f"node answered StatusRequest with {type(reply).__name__}")
+        return reply.info
+
+    def shutdown_node(self, timeout: float = 5.0) -> None:
+        self.request_node(Shutdown("driver shut down"), timeout=timeout)
+
+    def close(self) -> None:
+        with self.lock:
+            for link in self.links.values():
+                link.close()
+            self.links.clear()
+            self.node.close()

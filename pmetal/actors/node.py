@@ -1,0 +1,645 @@
+"""The node daemon: one per machine; membership, worker pool, actor placement.
+
+User code never runs here (it runs in workers), so the node stays responsive
+whatever actors do. The daemon is an asyncio program (uvloop when
+installed) around one :class:`~pmetal.endpoint.SecureListener`:
+
+* it pre-starts a pool of actor workers, so creating an actor is one
+  message to an idle worker, and a few task workers for remote functions;
+* it places actors (resources, a chosen node, a name), re-runs an actor's
+  constructor in a fresh worker when its process dies and restarts remain,
+  and answers where an actor lives now;
+* it keeps the member list of the cluster (static peers now; discovery and
+  election join later through the same ``NodeJoin`` path), versioned by an
+  epoch, and forwards placements aimed at other nodes.
+
+Started by ``pmetal start`` (a long-lived daemon) or by ``pmetal.init()``
+(embedded: bound to 127.0.0.1, nothing announced, and it exits when the
+driver that started it goes away).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pmetal.config import PMetalConfig, load_config, pmetal_home
+from pmetal.endpoint import Channel, Incoming, SecureListener
+from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
+from pmetal.identity import NodeIdentity
+from pmetal.security import NetworkNamespace
+from pmetal.transport import ZmqTransport
+from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,
+                         LeaseWorkers, LookupActor, Message, NodeJoin, Ping, Pong,
+                         Shutdown, Status, StatusRequest, WorkerList, WorkerReady)
+
+__all__ = ["NodeDaemon", "NodeStatistics", "main"]
+
+log = logging.getLogger(__name__)
+
+READY_LINE = "PMETAL_NODE_READY"
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    role: str                      # "actor" or "task"
+    proc: asyncio.subprocess.Process
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    address: str = ""
+    channel: Channel | None = None
+    actor_id: str = ""
+    killed: bool = False
+
+
+@dataclass
+class ActorRecord:
+    spec: CreateActor
+    state: str = "pending"         # pending, alive, restarting, dead
+    worker_id: str = ""
+    incarnation: int = 0
+    restarts_left: int = 0
+    reason: str = ""
+    no_restart: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def location(self, node_id: str, address: str) -> ActorLocation:
+        o = self.spec.options
+        return ActorLocation(self.spec.actor_id, self.state, address, node_id, self.incarnation,
+                             o.get("name") or "", self.reason, o.get("class_name") or "",
+                             tuple(o.get("methods") or ()), bool(o.get("is_async")))
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+@dataclass
+class Member:
+    node_id: str
+    address: str
+    resources: dict[str, float]
+    channel: Channel | None = None
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+@dataclass(frozen=True)
+class NodeStatistics:
+    workers: int
+    idle_workers: int
+    actors_alive: int
+    actors_created: int
+    actor_restarts: int
+    members: int
+    epoch: int
+    requests: int
+
+
+def default_resources(num_cpus: float | None = None) -> dict[str, float]:
+    cpus = float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))
+    try:
+        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        memory = 0.0
+    return {"CPU": cpus, "memory": memory}
+
+
+class NodeDaemon:
+    def __init__(self, config: PMetalConfig, namespace: NetworkNamespace,
+                 identity: NodeIdentity, *, host: str = "127.0.0.1", port: int = 0,
+                 num_workers: int | None = None, num_task_workers: int | None = None,
+                 resources: dict[str, float] | None = None, peers: list[str] | None = None,
+                 embedded: bool = False) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.identity = identity
+        self.node_id = identity.node_id
+        self.host = host
+        self.embedded = embedded
+        self.transport = ZmqTransport(config.transport)
+        self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
+                                       namespace, config)
+        cpus = os.cpu_count() or 1
+        self.num_workers = max(1, num_workers if num_workers is not None else max(2, cpus))
+        self.num_task_workers = max(1, num_task_workers if num_task_workers is not None
+                                    else cpus)
+        self.resources = {**default_resources(), **(resources or {})}
+        self.available = dict(self.resources)
+        self.peers = list(peers or [])
+        self.workers: dict[str, WorkerProc] = {}
+        self.idle: list[str] = []
+        self.idle_changed = asyncio.Event()
+        self.actors: dict[str, ActorRecord] = {}
+        self.names: dict[str, str] = {}
+        self.members: dict[str, Member] = {}
+        self.epoch = 0
+        self._ids = itertools.count()
+        self._stopping = asyncio.Event()
+        self._group: asyncio.TaskGroup | None = None
+        self._cancellable: set[asyncio.Task[Any]] = set()
+        self._counts = {"created": 0, "restarts": 0, "requests": 0}
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    def statistics(self) -> NodeStatistics:
+        alive = sum(1 for a in self.actors.values() if a.state == "alive")
+        return NodeStatistics(len(self.workers), len(self.idle), alive, self._counts["created"],
+                              self._counts["restarts"], len(self.members) + 1, self.epoch,
+                              self._counts["requests"])
+
+    # ------------------------------------------------------------- running
+
+    async def run(self, on_ready: Any = None) -> None:
+        try:
+            async with asyncio.TaskGroup() as group:
+                self._group = group
+                for _ in range(self.num_workers):
+                    self._spawn("actor")
+                for _ in range(self.num_task_workers):
+                    self._spawn("task")
+                for peer in self.peers:
+                    self._cancellable_task(self._join_peer(peer))
+                if on_ready is not None:
+                    on_ready(self)
+                serve = group.create_task(self._serve())
+                await self._stopping.wait()
+                serve.cancel()
+                for task in self._cancellable:
+                    task.cancel()
+                for w in list(self.workers.values()):
+                    self._kill(w)
+        finally:
+            self.listener.close()
+            for m in self.members.values():
+                if m.channel is not None:
+                    m.channel.close()
+            for w in self.workers.values():
+                if w.channel is not None:
+                    w.channel.close()
+
+    def stop(self) -> None:
+        self._stopping.set()
+
+    async def _serve(self) -> None:
+        while True:
+            try:
+                incoming = await self.listener.arecv()
+            except ClosedError:
+                return
+            self._counts["requests"] += 1
+            reply = self._handle_now(incoming)
+            if reply is not None:
+                await self._reply(incoming, reply)
+
+    async def _reply(self, incoming: Incoming, reply: Message) -> None:
+        if not incoming.envelope.corr:
+            return
+        try:
+            await self.listener.areply(incoming, reply)
+        except (PeerError, PMetalTimeoutError) as exc:
+            log.warning("could not reply to %s: %s", incoming.peer, exc)
+
+    def _later(self, incoming: Incoming, work: Any) -> None:
+        """Run a slow request in its own task so the loop keeps serving."""
+        async def run() -> None:
+            try:
+                reply = await work
+            except PMetalError as exc:
+                reply = Failure("bad_request", type(exc).__name__, str(exc))
+            await self._reply(incoming, reply)
+        self._cancellable_task(run())
+
+    def _cancellable_task(self, coro: Any) -> None:
+        """A task that shutdown cancels (requests, peer joins, restarts)."""
+        assert self._group is not None
+        task = self._group.create_task(coro)
+        self._cancellable.add(task)
+        task.add_done_callback(self._cancellable.discard)
+
+    def _handle_now(self, incoming: Incoming) -> Message | None:
+        body = incoming.body
+        kind = type(body)
+        if kind is Ping:
+            return Pong(body.payload)  # type: ignore[attr-defined]
+        if kind is WorkerReady:
+            return self._worker_ready(body)  # type: ignore[arg-type]
+        if kind is CreateActor:
+            self._later(incoming, self._create_actor(body))  # type: ignore[arg-type]
+            return None
+        if kind is LookupActor:
+            self._later(incoming, self._lookup(body))  # type: ignore[arg-type]
+            return None
+        if kind is KillActor:
+            return self._kill_actor(body)  # type: ignore[arg-type]
+        if kind is LeaseWorkers:
+            self._later(incoming, self._lease())
+            return None
+        if kind is StatusRequest:
+            return Status(self.status())
+        if kind is NodeJoin:
+            return self._member_joined(body)  # type: ignore[arg-type]
+        if kind is Shutdown:
+            log.info("shutdown requested by %s: %s", incoming.peer, body.reason)  # type: ignore[attr-defined]
+            asyncio.get_running_loop().call_soon(self.stop)
+            return Ack()
+        return Failure("bad_request", "ProtocolError",
+                       f"a node does not handle {kind.__name__} messages")
+
+    # -------------------------------------------------------------- workers
+
+    def _spawn(self, role: str) -> None:
+        assert self._group is not None
+        self._group.create_task(self._run_worker(role))
+
+    async def _run_worker(self, role: str) -> None:
+        worker_id = f"{self.node_id[:8]}-w{next(self._ids)}"
+        env = dict(os.environ)
+        env["PMETAL_PSK"] = self.namespace.psk.decode("latin-1")
+        env["PMETAL_SECURITY_NAMESPACE"] = self.namespace.name
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pmetal.actors.worker", "--node", self.address,
+            "--worker-id", worker_id, "--host", self.host,
+            stdin=asyncio.subprocess.PIPE, env=env)
+        worker = WorkerProc(worker_id, role, proc)
+        self.workers[worker_id] = worker
+        code = await proc.wait()
+        await self._worker_exited(worker, code)
+
+    def _worker_ready(self, body: WorkerReady) -> Message:
+        worker = self.workers.get(body.worker_id)
+        if worker is None:
+            return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
+        worker.address = body.address
+        worker.ready.set()
+        if worker.role == "actor" and not worker.actor_id:
+            self.idle.append(worker.worker_id)
+            self.idle_changed.set()
+        return Ack()
+
+    async def _take_idle(self, deadline: float) -> WorkerProc:
+        while not self.idle:
+            self.idle_changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PMetalTimeoutError("no idle worker became ready in time; the machine may "
+                                         "be overloaded")
+            try:
+                await asyncio.wait_for(self.idle_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                continue
+        worker = self.workers[self.idle.pop(0)]
+        self._spawn("actor")  # keep the pool full
+        return worker
+
+    def _kill(self, worker: WorkerProc) -> None:
+        worker.killed = True
+        if worker.proc.returncode is None:
+            try:
+                worker.proc.kill()
+            except ProcessLookupError:
+                pass
+
+    async def _worker_exited(self, worker: WorkerProc, code: int) -> None:
+        self.workers.pop(worker.worker_id, None)
+        if worker.worker_id in self.idle:
+            self.idle.remove(worker.worker_id)
+        if worker.channel is not None:
+            worker.channel.close()
+        if self._stopping.is_set():
+            return
+        if worker.role == "task" and not worker.killed:
+            log.warning("task worker %s exited with code %s; starting another",
+                        worker.worker_id, code)
+            self._spawn("task")
+        record = self.actors.get(worker.actor_id) if worker.actor_id else None
+        if record is None or record.worker_id != worker.worker_id:
+            return
+        self._release(record)
+        why = ("killed by pmetal.kill" if record.no_restart else
+               f"its worker process (pid {worker.proc.pid}) exited with code {code}")
+        if record.no_restart or record.restarts_left == 0:
+            record.state, record.reason = "dead", why
+            record.notify()
+            return
+        if record.restarts_left > 0:
+            record.restarts_left -= 1
+        record.state, record.reason = "restarting", why
+        record.incarnation += 1
+        self._counts["restarts"] += 1
+        record.notify()
+        log.info("restarting actor %s (incarnation %d): %s", record.spec.actor_id,
+                 record.incarnation, why)
+        self._cancellable_task(self._construct(record))
+
+    # --------------------------------------------------------------- actors
+
+    def _fits(self, need: dict[str, float], pool: dict[str, float]) -> bool:
+        return all(pool.get(k, 0.0) >= v for k, v in need.items() if v)
+
+    @staticmethod
+    def _needs(options: dict[str, Any]) -> dict[str, float]:
+        need = {k: float(v) for k, v in (options.get("resources") or {}).items()}
+        if options.get("num_cpus"):
+            need["CPU"] = float(options["num_cpus"])
+        return need
+
+    def _release(self, record: ActorRecord) -> None:
+        if record.state in ("alive", "pending", "restarting") and record.worker_id:
+            for k, v in self._needs(record.spec.options).items():
+                self.available[k] = self.available.get(k, 0.0) + v
+        record.worker_id = ""
+
+    async def _create_actor(self, spec: CreateActor) -> Message:
+        options = spec.options
+        target = options.get("node") or ""
+        need = self._needs(options)
+        if target and target != self.node_id:
+            return await self._forward(target, spec)
+        if not target and not self._fits(need, self.resources):
+            for member in self.members.values():
+                if self._fits(need, member.resources):
+                    return await self._forward(member.node_id, spec)
+            return Failure("placement", "PlacementError",
+                           f"no node has resources {need}; this cluster's nodes have "
+                           f"{self._cluster_resources()}")
+        name = options.get("name") or ""
+        if name and name in self.names and self.actors[self.names[name]].state != "dead":
+            return Failure("bad_request", "ValueError",
+                           f"an actor named {name!r} already exists; pick another name or "
+                           f"use pmetal.get_actor({name!r})")
+        if not self._fits(need, self.available):
+            return Failure("placement", "PlacementError",
+                           f"node {self.node_id[:8]} has {self.available} free, the actor "
+                           f"needs {need}; kill an actor or add a node")
+        record = ActorRecord(spec, restarts_left=int(options.get("max_restarts") or 0))
+        self.actors[spec.actor_id] = record
+        if name:
+            self.names[name] = spec.actor_id
+        self._counts["created"] += 1
+        return await self._construct(record)
+
+    async def _construct(self, record: ActorRecord) -> Message:
+        spec = record.spec
+        deadline = time.monotonic() + self.config.transport.connect_timeout
+        for k, v in self._needs(spec.options).items():
+            self.available[k] = self.available.get(k, 0.0) - v
+        try:
+            worker = await self._take_idle(deadline)
+        except PMetalTimeoutError as exc:
+            record.worker_id = "none"
+            self._release(record)
+            record.state, record.reason = "dead", str(exc)
+            record.notify()
+            return Failure("placement", "PlacementError", str(exc))
+        worker.actor_id = spec.actor_id
+        record.worker_id = worker.worker_id
+        init = InitActor(spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs,
+                         spec.options, record.incarnation)
+        try:
+            if worker.channel is None:
+                worker.channel = Channel(self.transport.dial(worker.address), self.identity,
+                                         self.namespace, self.config)
+                await worker.channel.aopen()
+            reply = (await worker.channel.arequest(init)).body
+        except PMetalError as exc:
+            reply = Failure("actor_died", "ActorDiedError",
+                            f"the worker died while constructing the actor: {exc}")
+        if isinstance(reply, Failure):
+            self._release(record)
+            self._kill(worker)
+            record.state = "dead"
+            record.reason = f"constructor failed: {reply.error_type}: {reply.message}"
+            record.notify()
+            return reply
+        record.state, record.reason = "alive", ""
+        record.notify()
+        return record.location(self.node_id, worker.address)
+
+    def _locate(self, record: ActorRecord) -> ActorLocation:
+        worker = self.workers.get(record.worker_id)
+        return record.location(self.node_id, worker.address if worker else "")
+
+    async def _lookup(self, body: LookupActor) -> Message:
+        actor_id = body.actor_id or self.names.get(body.name, "")
+        record = self.actors.get(actor_id)
+        if record is None:
+            for member in list(self.members.values()):
+                found = await self._ask(member, body)
+                if isinstance(found, ActorLocation):
+                    return found
+            what = f"named {body.name!r}" if body.name else actor_id
+            return Failure("not_found", "ValueError", f"no actor {what} in this cluster")
+        deadline = time.monotonic() + body.wait
+        while not (record.state == "dead" or (record.state == "alive"
+                                              and record.incarnation >= body.min_incarnation)):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(record.changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        return self._locate(record)
+
+    def _kill_actor(self, body: KillActor) -> Message:
+        record = self.actors.get(body.actor_id)
+        if record is None:
+            return Failure("not_found", "ValueError", f"no actor {body.actor_id} on this node")
+        record.no_restart = body.no_restart
+        worker = self.workers.get(record.worker_id)
+        if worker is not None:
+            self._kill(worker)
+        elif record.state != "dead":
+            record.state, record.reason = "dead", "killed by pmetal.kill"
+            record.notify()
+        return Ack()
+
+    async def _lease(self) -> Message:
+        deadline = time.monotonic() + self.config.transport.connect_timeout
+        tasks = [w for w in self.workers.values() if w.role == "task"]
+        for w in tasks:
+            try:
+                await asyncio.wait_for(w.ready.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+        ready = tuple(w.address for w in tasks if w.ready.is_set())
+        if not ready:
+            return Failure("placement", "PlacementError", "no task worker is ready on this node")
+        return WorkerList(ready)
+
+    # ------------------------------------------------------------ membership
+
+    def _cluster_resources(self) -> dict[str, float]:
+        total = dict(self.resources)
+        for m in self.members.values():
+            for k, v in m.resources.items():
+                total[k] = total.get(k, 0.0) + v
+        return total
+
+    def _member_joined(self, body: NodeJoin) -> Message:
+        if body.node_id == self.node_id:
+            return Failure("bad_request", "PeerError",
+                           f"node id {body.node_id} is this node's own id: two nodes share one "
+                           f"identity (a cloned disk or PMETAL_HOME?); give each its own")
+        known = self.members.get(body.node_id)
+        if known is None or known.address != body.address:
+            self.members[body.node_id] = Member(body.node_id, body.address,
+                                                {k: float(v) for k, v in body.resources.items()})
+            self.epoch += 1
+            log.info("member %s joined at %s (epoch %d)", body.node_id[:8], body.address,
+                     self.epoch)
+        return Status(self.status())
+
+    async def _join_peer(self, address: str) -> None:
+        """Join a static peer, retrying with backoff until it answers."""
+        delay = 0.1
+        while not self._stopping.is_set():
+            channel = Channel(self.transport.dial(address), self.identity, self.namespace,
+                              self.config)
+            try:
+                await channel.aopen()
+                reply = (await channel.arequest(NodeJoin(self.node_id, self.address,
+                                                         self.resources))).body
+                if isinstance(reply, Status):
+                    info = reply.info
+                    member = Member(info["node_id"], info["address"], info["resources"], channel)
+                    self.members[member.node_id] = member
+                    self.epoch += 1
+                    log.info("joined peer %s at %s", member.node_id[:8], address)
+                    return
+                log.warning("peer %s refused to join: %s", address, getattr(reply, "message", ""))
+            except PMetalError as exc:
+                log.debug("peer %s not reachable yet: %s", address, exc)
+            channel.close()
+            try:
+                await asyncio.wait_for(self._stopping.wait(), delay)
+            except asyncio.TimeoutError:
+                pass
+            delay = min(delay * 2, 2.0)
+
+    async def _ask(self, member: Member, body: Message) -> Message:
+        async with member.lock:
+            if member.channel is None:
+                member.channel = Channel(self.transport.dial(member.address), self.identity,
+                                         self.namespace, self.config)
+            try:
+                return (await member.channel.arequest(body)).body
+            except PMetalError as exc:
+                member.channel.close()
+                member.channel = None
+                return Failure("placement", "PeerError",
+                               f"node {member.node_id[:8]} at {member.address} did not answer: "
+                               f"{exc}")
+
+    async def _forward(self, node_id: str, spec: CreateActor) -> Message:
+        member = self.members.get(node_id) or next(
+            (m for m in self.members.values() if m.node_id.startswith(node_id)), None)
+        if member is None:
+            return Failure("placement", "PlacementError",
+                           f"no node {node_id} in this cluster; members: "
+                           f"{[self.node_id, *self.members]}")
+        options = dict(spec.options)
+        options["node"] = member.node_id
+        return await self._ask(member, CreateActor(spec.actor_id, spec.cls_id, spec.cls_ref,
+                                                   spec.args, spec.kwargs, options))
+
+    # --------------------------------------------------------------- status
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "address": self.address,
+            "namespace": self.namespace.name,
+            "pid": os.getpid(),
+            "epoch": self.epoch,
+            "resources": self.resources,
+            "available": self.available,
+            "members": [{"node_id": m.node_id, "address": m.address, "resources": m.resources}
+                        for m in self.members.values()],
+            "workers": [{"worker_id": w.worker_id, "pid": w.proc.pid, "role": w.role,
+                         "address": w.address, "actor_id": w.actor_id,
+                         "ready": w.ready.is_set()} for w in self.workers.values()],
+            "actors": [{"actor_id": a.spec.actor_id, "name": a.spec.options.get("name") or "",
+                        "class_name": a.spec.options.get("class_name") or "",
+                        "state": a.state, "incarnation": a.incarnation, "reason": a.reason}
+                       for a in self.actors.values()],
+            "statistics": self.statistics().__dict__,
+        }
+
+
+# ----------------------------------------------------------------- process
+
+def node_file(home: Any = None) -> Any:
+    """``~/.pmetal/node.json``: where ``address="auto"`` and ``pmetal stop``
+    find the daemon running on this machine."""
+    return (pmetal_home() if home is None else home) / "node.json"
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, daemon: NodeDaemon) -> None:
+    try:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+    except (OSError, ValueError):
+        pass
+    loop.call_soon_threadsafe(daemon.stop)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pmetal.actors.node")
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--num-workers", type=int, default=None)
+    parser.add_argument("--num-task-workers", type=int, default=None)
+    parser.add_argument("--resources", default="{}", help="JSON object of extra resources")
+    parser.add_argument("--peers", default="", help="comma-separated host:port of other nodes")
+    parser.add_argument("--embedded", action="store_true",
+                        help="started by pmetal.init(): exit when stdin closes")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PMETAL_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s node %(process)d %(name)s %(levelname)s %(message)s")
+    try:
+        config = load_config()
+        namespace = NetworkNamespace.resolve(config.security)
+        identity = NodeIdentity.generate() if args.embedded else NodeIdentity.load_or_create()
+        host = args.host or config.transport.host
+        port = args.port if args.port is not None else config.transport.port
+        from pmetal.aio import new_event_loop
+        loop = new_event_loop()
+        asyncio.set_event_loop(loop)
+        daemon = NodeDaemon(config, namespace, identity, host=host, port=port,
+                            num_workers=args.num_workers, num_task_workers=args.num_task_workers,
+                            resources=json.loads(args.resources),
+                            peers=[p for p in args.peers.split(",") if p],
+                            embedded=args.embedded)
+    except (PMetalError, ValueError) as exc:
+        print(f"pmetal node: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+    def ready(d: NodeDaemon) -> None:
+        print(f"{READY_LINE} {d.address} {d.node_id}", flush=True)
+
+    if args.embedded:
+        threading.Thread(target=_watch_stdin, args=(loop, daemon), daemon=True).start()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, daemon.stop)
+    try:
+        loop.run_until_complete(daemon.run(ready))
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

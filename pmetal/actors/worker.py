@@ -1,0 +1,294 @@
+"""Worker process: runs user code (one actor, or remote-function tasks).
+
+A node daemon pre-starts workers (``python -m pmetal.actors.worker``) so that
+creating an actor costs one message, not a process start. A worker listens on
+its own ROUTER socket; callers reach it directly, peer to peer. It announces
+itself to its node with :class:`~pmetal.wire.WorkerReady`, then serves:
+
+* a synchronous actor (``max_concurrency`` 1): a blocking receive, execute,
+  reply loop with no event loop on the path (the fastest call path);
+* an async actor (any ``async def`` method) or ``max_concurrency`` > 1: an
+  asyncio loop (uvloop when installed); coroutines run concurrently, plain
+  methods in a thread pool of ``max_concurrency`` threads;
+* a task worker: remote functions, one at a time.
+
+The worker exits when its node goes away: it reads its stdin, a pipe from the
+node, and end-of-file means the node died.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import os
+import sys
+import threading
+import traceback
+from typing import Any
+
+from pmetal.actors.serialization import load_code, pack_value, unpack_value, unpack_values
+from pmetal.config import PMetalConfig, load_config
+from pmetal.endpoint import Channel, Incoming, SecureListener
+from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
+from pmetal.identity import NodeIdentity
+from pmetal.security import NetworkNamespace
+from pmetal.transport import ZmqTransport
+from pmetal.wire import (Ack, Call, Failure, InitActor, Message, Pickled, Ping, Pong, Result,
+                         RunTask, Shutdown, WorkerReady)
+
+__all__ = ["Worker", "failure_from", "main"]
+
+log = logging.getLogger(__name__)
+
+# Set in a worker process so that pmetal.get/remote used by actor code reach
+# the worker's node (see pmetal.api).
+CURRENT: Worker | None = None
+
+
+def failure_from(exc: BaseException, kind: str = "user") -> Failure:
+    """A Failure describing ``exc`` (raised while running user code)."""
+    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        pickled: Any = Pickled.dumps(exc)
+    except Exception:  # an exception that cannot be pickled still reports its text
+        pickled = None
+    return Failure(kind, type(exc).__qualname__, str(exc), tb, pickled)
+
+
+def _user_traceback(exc: BaseException) -> BaseException:
+    """Drop the worker's own frames so the traceback starts in user code."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") == __name__:
+        tb = tb.tb_next
+    return exc.with_traceback(tb)
+
+
+class Worker:
+    def __init__(self, node_address: str, namespace: NetworkNamespace, config: PMetalConfig,
+                 *, worker_id: str, host: str = "127.0.0.1") -> None:
+        self.config = config
+        self.worker_id = worker_id
+        self.node_address = node_address
+        self.identity = NodeIdentity.generate()
+        self.namespace = namespace
+        self.transport = ZmqTransport(config.transport)
+        self.listener = SecureListener(self.transport.listen(f"tcp://{host}:0"), self.identity,
+                                       namespace, config)
+        self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)
+        self.actor_id = ""
+        self.instance: Any = None
+        self.max_concurrency = 1
+        self._functions: dict[str, Any] = {}
+        self._stop = False
+        self.calls = 0
+
+    @property
+    def address(self) -> str:
+        return self.listener.address
+
+    def statistics(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
+                "listener": self.listener.statistics()}
+
+    # ------------------------------------------------------------- serving
+
+    def run(self) -> None:
+        global CURRENT
+        CURRENT = self
+        self.node.open()
+        self.node.request(WorkerReady(self.worker_id, self.address, os.getpid()))
+        try:
+            self._serve_sync()
+            if not self._stop:
+                from pmetal.aio import run
+                run(self._serve_async())
+        finally:
+            self.listener.close()
+            self.node.close()
+
+    def _serve_sync(self) -> None:
+        """Blocking loop; returns when stopped or when the actor needs asyncio."""
+        listener = self.listener
+        while not self._stop:
+            incoming = listener.recv()
+            reply = self._handle(incoming.body)
+            if incoming.envelope.corr and reply is not None:
+                self._reply(incoming, reply)
+            if self.instance is not None and self._needs_loop():
+                return
+
+    def _reply(self, incoming: Incoming, reply: Message) -> None:
+        try:
+            self.listener.reply(incoming, reply)
+        except TypeError as exc:  # a result that cannot be packed
+            self.listener.reply(incoming, failure_from(exc))
+        except (PeerError, PMetalTimeoutError) as exc:
+            log.warning("could not reply to %s: %s", incoming.peer, exc)
+
+    def _needs_loop(self) -> bool:
+        if self.max_concurrency > 1:
+            return True
+        return any(inspect.iscoroutinefunction(m)
+                   for _, m in inspect.getmembers(type(self.instance), inspect.isfunction))
+
+    def _handle(self, body: Message) -> Message | None:
+        kind = type(body)
+        if kind is Call:
+            return self._call(body)  # type: ignore[arg-type]
+        if kind is RunTask:
+            return self._task(body)  # type: ignore[arg-type]
+        if kind is InitActor:
+            return self._init(body)  # type: ignore[arg-type]
+        if kind is Ping:
+            return Pong(body.payload)  # type: ignore[attr-defined]
+        if kind is Shutdown:
+            self._stop = True
+            return Ack()
+        return Failure("bad_request", "ProtocolError",
+                       f"a worker does not handle {kind.__name__} messages")
+
+    def _init(self, body: InitActor) -> Message:
+        if self.instance is not None:
+            return Failure("bad_request", "ActorError",
+                           f"worker already hosts actor {self.actor_id}")
+        try:
+            cls = load_code(body.cls_ref)
+            self.actor_id = body.actor_id
+            self.max_concurrency = int(body.options.get("max_concurrency") or 1)
+            self.instance = cls(*unpack_values(body.args),
+                                **{k: unpack_value(v) for k, v in body.kwargs.items()})
+        except Exception as exc:
+            self.instance = None
+            return failure_from(_user_traceback(exc))
+        return Ack(os.getpid())
+
+    def _method(self, body: Call) -> Any:
+        if self.instance is None or body.actor_id != self.actor_id:
+            return Failure("actor_died", "ActorDiedError",
+                           f"actor {body.actor_id} does not live in this worker (it was "
+                           f"killed or restarted elsewhere)")
+        name = body.method
+        method = getattr(self.instance, name, None) if not name.startswith("__") else None
+        if method is None or not callable(method):
+            return Failure("no_such_method", "AttributeError",
+                           f"{type(self.instance).__name__} has no method {name!r}")
+        return method
+
+    def _call(self, body: Call) -> Message:
+        method = self._method(body)
+        if isinstance(method, Failure):
+            return method
+        self.calls += 1
+        try:
+            kwargs = body.kwargs
+            value = method(*unpack_values(body.args),
+                           **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
+            return Result(pack_value(value))
+        except Exception as exc:
+            return failure_from(_user_traceback(exc))
+
+    def _task(self, body: RunTask) -> Message:
+        fn = self._functions.get(body.fn_id)
+        if fn is None:
+            if body.fn_ref is None:
+                return Failure("unknown_function", "KeyError", body.fn_id)
+            try:
+                fn = self._functions[body.fn_id] = load_code(body.fn_ref)
+            except Exception as exc:
+                return failure_from(_user_traceback(exc))
+        self.calls += 1
+        try:
+            value = fn(*unpack_values(body.args),
+                       **{k: unpack_value(v) for k, v in body.kwargs.items()})
+            return Result(pack_value(value))
+        except Exception as exc:
+            return failure_from(_user_traceback(exc))
+
+    # -------------------------------------------------------------- asyncio
+
+    async def _serve_async(self) -> None:
+        limit = asyncio.Semaphore(self.max_concurrency if self.max_concurrency > 1 else 1000)
+        threads = concurrent.futures.ThreadPoolExecutor(max(1, self.max_concurrency),
+                                                        thread_name_prefix="pmetal-actor")
+        try:
+            async with asyncio.TaskGroup() as group:
+                while not self._stop:
+                    try:
+                        incoming = await self.listener.arecv()
+                    except ClosedError:
+                        return
+                    await limit.acquire()
+                    group.create_task(self._handle_async(incoming, limit, threads))
+        finally:
+            threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _handle_async(self, incoming: Incoming, limit: asyncio.Semaphore,
+                            threads: concurrent.futures.Executor) -> None:
+        try:
+            body = incoming.body
+            if type(body) is Call:
+                method = self._method(body)  # type: ignore[arg-type]
+                if isinstance(method, Failure):
+                    reply: Message = method
+                else:
+                    self.calls += 1
+                    args = unpack_values(body.args)  # type: ignore[attr-defined]
+                    kwargs = {k: unpack_value(v) for k, v in body.kwargs.items()}  # type: ignore[attr-defined]
+                    try:
+                        if inspect.iscoroutinefunction(method):
+                            value = await method(*args, **kwargs)
+                        else:
+                            value = await asyncio.get_running_loop().run_in_executor(
+                                threads, lambda: method(*args, **kwargs))
+                        reply = Result(pack_value(value))
+                    except Exception as exc:
+                        reply = failure_from(_user_traceback(exc))
+            else:
+                reply = self._handle(body) or Ack()
+            if incoming.envelope.corr:
+                try:
+                    await self.listener.areply(incoming, reply)
+                except TypeError as exc:
+                    await self.listener.areply(incoming, failure_from(exc))
+                except (PeerError, PMetalTimeoutError) as exc:
+                    log.warning("could not reply to %s: %s", incoming.peer, exc)
+        finally:
+            limit.release()
+
+
+def _exit_with_node() -> None:
+    """Exit at once when the node that started us goes away (stdin EOF)."""
+    try:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+    except (OSError, ValueError):
+        pass
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pmetal.actors.worker")
+    parser.add_argument("--node", required=True, help="address of the node daemon")
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--no-watch-stdin", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("PMETAL_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s worker %(process)d %(name)s %(levelname)s %(message)s")
+    if not args.no_watch_stdin:
+        threading.Thread(target=_exit_with_node, name="pmetal-node-watch", daemon=True).start()
+    try:
+        config = load_config()
+        namespace = NetworkNamespace.resolve(config.security)
+        Worker(args.node, namespace, config, worker_id=args.worker_id, host=args.host).run()
+    except PMetalError as exc:
+        print(f"pmetal worker: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

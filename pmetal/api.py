@@ -1,0 +1,304 @@
+"""The Ray-style entry points: ``pmetal.init``, ``get``, ``wait``, ``put``, ...
+
+A process talks to the cluster through one :class:`~pmetal.actors.client.CoreClient`.
+In a driver it is made by :func:`init`; inside an actor or task (a worker
+process) it is made on first use and reaches the worker's own node.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from pmetal.actors.client import CoreClient, ObjectRef
+from pmetal.actors.handles import ActorHandle
+from pmetal.config import PMetalConfig, load_config
+from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
+                           PMetalTimeoutError)
+from pmetal.security import NetworkNamespace
+
+__all__ = [
+    "available_resources",
+    "client",
+    "cluster_resources",
+    "get",
+    "get_actor",
+    "init",
+    "is_initialized",
+    "kill",
+    "nodes",
+    "put",
+    "shutdown",
+    "wait",
+]
+
+_lock = threading.RLock()
+_runtime: _Runtime | None = None
+
+
+class _Runtime:
+    def __init__(self, client: CoreClient, node_proc: subprocess.Popen[bytes] | None) -> None:
+        self.client = client
+        self.node_proc = node_proc
+
+
+def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: int | None,
+                resources: dict[str, float] | None, timeout: float) -> tuple[Any, str]:
+    env = dict(os.environ)
+    env["PMETAL_PSK"] = namespace.psk.decode("latin-1")
+    env["PMETAL_SECURITY_NAMESPACE"] = namespace.name
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--embedded", "--host", "127.0.0.1",
+           "--port", "0", "--resources", json.dumps(resources or {})]
+    if num_workers is not None:
+        cmd += ["--num-workers", str(num_workers)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    line = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                proc.kill()
+                proc.wait()
+                raise PMetalTimeoutError(f"the local pmetal node did not start within {timeout} s")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                code = proc.wait()
+                raise PMetalError(f"the local pmetal node exited at start (code {code}); "
+                                  f"its error is printed above")
+            line += chunk
+    from pmetal.actors.node import READY_LINE
+    head, address, _node_id = line.decode().split()[:3]
+    if head != READY_LINE:
+        proc.kill()
+        raise PMetalError(f"unexpected output from the local pmetal node: {line!r}")
+    return proc, address
+
+
+def init(address: str | None = None, *, namespace: str | None = None,
+         psk: str | bytes | None = None, peers: list[str] | None = None,
+         num_workers: int | None = None, resources: dict[str, float] | None = None,
+         discovery: bool = False, config: PMetalConfig | None = None,
+         ignore_reinit_error: bool = False) -> dict[str, Any]:
+    """Connect this process to a cluster, starting a local one if needed.
+
+    * ``address=None``: start an embedded node on this machine (127.0.0.1
+      only, nothing announced) with ``num_workers`` pre-started workers. It
+      is stopped by :func:`shutdown` or when this process exits.
+    * ``address="auto"``: join the node ``pmetal start`` runs on this machine.
+    * ``address="host:port"``: join that node (``psk`` or ``PMETAL_PSK``).
+
+    Returns a dict with the node id and address.
+    """
+    global _runtime
+    with _lock:
+        if _runtime is not None:
+            if ignore_reinit_error:
+                return {"node_id": _runtime.client.node_id,
+                        "address": _runtime.client.node_address}
+            raise PMetalError("pmetal.init() was already called; call pmetal.shutdown() first "
+                              "or pass ignore_reinit_error=True")
+        if discovery:
+            raise ConfigError("discovery=True arrives with the cluster issue; pass peers or an "
+                              "address for now")
+        cfg = config or load_config()
+        if namespace is not None:
+            cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
+                              transport=cfg.transport.__dict__)
+        node_proc = None
+        if address is None:
+            ns = (NetworkNamespace(cfg.security.namespace,
+                                   psk.encode() if isinstance(psk, str) else psk)
+                  if psk is not None else NetworkNamespace.generate(cfg.security.namespace))
+            node_proc, node_address = _start_node(ns, cfg, num_workers, resources,
+                                                  timeout=cfg.transport.connect_timeout + 20)
+        else:
+            if address == "auto":
+                from pmetal.actors.node import node_file
+                path = node_file()
+                try:
+                    info = json.loads(path.read_text())
+                except (OSError, ValueError) as exc:
+                    raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
+                                    f"start one with 'pmetal start'") from exc
+                node_address = info["address"]
+                if psk is None and info.get("psk_file"):
+                    cfg = load_config(security={**cfg.security.__dict__,
+                                                "psk_file": info["psk_file"],
+                                                "namespace": info.get("namespace",
+                                                                      cfg.security.namespace)},
+                                      transport=cfg.transport.__dict__)
+            else:
+                from pmetal.transport import normalize_address
+                node_address = normalize_address(address)
+            ns = NetworkNamespace.resolve(cfg.security, psk)
+        try:
+            client = CoreClient(node_address, ns, cfg)
+        except BaseException:
+            if node_proc is not None:
+                node_proc.kill()
+                node_proc.wait()
+            raise
+        _runtime = _Runtime(client, node_proc)
+        return {"node_id": client.node_id, "address": node_address}
+
+
+def is_initialized() -> bool:
+    from pmetal.actors import worker
+    return _runtime is not None or worker.CURRENT is not None
+
+
+def client() -> CoreClient:
+    """This process's client (inside a worker: one to the worker's node)."""
+    global _runtime
+    runtime = _runtime
+    if runtime is not None:
+        return runtime.client
+    from pmetal.actors import worker
+    current = worker.CURRENT
+    if current is None:
+        raise NotInitializedError("call pmetal.init() first")
+    with _lock:
+        if _runtime is None:
+            _runtime = _Runtime(CoreClient(current.node_address, current.namespace,
+                                           current.config, current.identity), None)
+        return _runtime.client
+
+
+def shutdown(timeout: float = 10.0) -> None:
+    """Disconnect; stop the embedded node (and its workers) if init started one."""
+    global _runtime
+    with _lock:
+        runtime, _runtime = _runtime, None
+    if runtime is None:
+        return
+    proc = runtime.node_proc
+    try:
+        if proc is not None:
+            try:
+                runtime.client.shutdown_node(timeout=min(timeout, 5.0))
+            except PMetalError:
+                pass
+    finally:
+        runtime.client.close()
+        if proc is not None:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
+
+
+atexit.register(shutdown)
+
+
+def get(refs: ObjectRef | list[ObjectRef], *, timeout: float | None = None) -> Any:
+    """The value(s) of ``refs``. Raises the remote exception (as a
+    RemoteError that is also the original type), ActorDiedError, or
+    GetTimeoutError after ``timeout`` seconds."""
+    if isinstance(refs, ObjectRef):
+        return client_for([refs]).get([refs], timeout)[0]
+    refs = list(refs)
+    if not all(isinstance(r, ObjectRef) for r in refs):
+        raise TypeError("pmetal.get takes an ObjectRef or a list of ObjectRefs")
+    return client_for(refs).get(refs, timeout)
+
+
+def client_for(refs: list[ObjectRef]) -> CoreClient:
+    if all(r.done() for r in refs) and _runtime is None:
+        return _DoneOnly()  # type: ignore[return-value]
+    return client()
+
+
+class _DoneOnly:
+    """``get``/``wait`` on refs that are already resolved need no cluster."""
+
+    def get(self, refs: list[ObjectRef], timeout: float | None) -> list[Any]:
+        return [r.result() for r in refs]
+
+    def wait(self, refs: list[ObjectRef], num_returns: int,
+             timeout: float | None) -> tuple[list[ObjectRef], list[ObjectRef]]:
+        return refs[:num_returns], refs[num_returns:]
+
+
+def wait(refs: list[ObjectRef], *, num_returns: int = 1,
+         timeout: float | None = None) -> tuple[list[ObjectRef], list[ObjectRef]]:
+    """``(ready, not_ready)``: the first ``num_returns`` refs that are done, in
+    input order, once that many are done or ``timeout`` passes."""
+    refs = list(refs)
+    if not all(isinstance(r, ObjectRef) for r in refs):
+        raise TypeError("pmetal.wait takes a list of ObjectRefs")
+    if len(set(map(id, refs))) != len(refs):
+        raise ValueError("pmetal.wait got the same ObjectRef twice")
+    if not 0 <= num_returns <= len(refs):
+        raise ValueError(f"num_returns={num_returns} but only {len(refs)} refs were given")
+    return client_for(refs).wait(refs, num_returns, timeout)
+
+
+def put(value: Any) -> ObjectRef:
+    """Store ``value`` in this process and return a ref to it."""
+    if isinstance(value, ObjectRef):
+        raise TypeError("pmetal.put of an ObjectRef; pass the ref itself instead")
+    return ObjectRef.of_value(value)
+
+
+def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
+    """Kill ``actor``'s process now. Pending calls fail with ActorDiedError;
+    with ``no_restart=False`` it is restarted if it has restarts left."""
+    if not isinstance(actor, ActorHandle):
+        raise TypeError(f"pmetal.kill takes an actor handle, not {type(actor).__name__}")
+    node = client()
+    if actor._node_id and actor._node_id != node.node_id:
+        raise PMetalError("pmetal.kill of an actor on another node arrives with the cluster "
+                          "issue; kill it from a driver on its node")
+    node.kill(actor._actor_id, no_restart)
+
+
+def get_actor(name: str) -> ActorHandle:
+    """The handle of the live actor created with ``.options(name=name)``."""
+    loc = client().lookup(name=name)
+    if loc.state == "dead":
+        raise ValueError(f"actor {name!r} is dead: {loc.reason}")
+    return ActorHandle(loc)
+
+
+def nodes() -> list[dict[str, Any]]:
+    """Every node of the cluster, as dicts like Ray's ``ray.nodes()``."""
+    info = client().status()
+    out = [{"NodeID": info["node_id"], "Alive": True, "Address": info["address"],
+            "Resources": info["resources"]}]
+    out += [{"NodeID": m["node_id"], "Alive": True, "Address": m["address"],
+             "Resources": m["resources"]} for m in info["members"]]
+    return out
+
+
+def cluster_resources() -> dict[str, float]:
+    """Total resources of all nodes."""
+    total: dict[str, float] = {}
+    for node in nodes():
+        for k, v in node["Resources"].items():
+            total[k] = total.get(k, 0.0) + v
+    return total
+
+
+def available_resources() -> dict[str, float]:
+    """Resources of this node not held by actors (other nodes: their totals)."""
+    info = client().status()
+    total = dict(info["available"])
+    for m in info["members"]:
+        for k, v in m["resources"].items():
+            total[k] = total.get(k, 0.0) + v
+    return total
