@@ -12,9 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import transport
+from benchmarks import actors, transport
 
-SUITES = {"transport": transport.main}
+SUITES = {"transport": transport.main, "actors": actors.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ __all__ = [
     "TransportConfig",
     "config_as_dict",
     "load_config",
+    "log_level",
     "pmetal_home",
 ]
 
@@ -119,6 +120,21 @@ def pmetal_home(env: Mapping[str, str] | None = None) -> Path:
     env = os.environ if env is None else env
     home = env.get("PMETAL_HOME")
     return Path(home).expanduser() if home else Path.home() / ".pmetal"
+
+
+def log_level(env: Mapping[str, str] | None = None) -> int:
+    """The level from ``PMETAL_LOG_LEVEL`` (a name in any case, or a number);
+    WARNING when unset. Raises ConfigError for an unknown name."""
+    import logging
+    env = os.environ if env is None else env
+    raw = (env.get("PMETAL_LOG_LEVEL") or "WARNING").strip()
+    if raw.isdigit():
+        return int(raw)
+    level = logging.getLevelName(raw.upper())
+    if not isinstance(level, int):
+        raise ConfigError(f"PMETAL_LOG_LEVEL={raw!r} is not a logging level; use DEBUG, INFO, "
+                          f"WARNING or ERROR")
+    return level
 
 
 def _coerce(raw: Any, target: type, where: str) -> Any:

@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgpack
+
 from pmetal.config import PMetalConfig
 from pmetal.errors import (AuthenticationError, ClosedError, HandshakeError, PeerError,
                            PMetalTimeoutError, ProtocolError, RequestTimeoutError,
@@ -37,8 +39,8 @@ from pmetal.ids import NodeId
 from pmetal.security import (NetworkNamespace, ServerHandshake, Session, client_finish,
                              client_hello, mode_for, server_finish, server_welcome)
 from pmetal.transport import Dialer, Listener
-from pmetal.wire import (Accepted, Confirm, Envelope, ErrorReply, Hello, Message, Rejected,
-                         Welcome, WireLimits, decode, encode)
+from pmetal.wire import (PROTOCOL_VERSION, Accepted, Confirm, Envelope, ErrorReply, Hello,
+                         Message, Rejected, Welcome, WireLimits, decode, encode, frame_bytes)
 
 __all__ = [
     "Channel",
@@ -147,6 +149,10 @@ class SecureListener:
                     return None, None
                 env = decode(opened, allow_pickle=True, limits=self._limits)
             except AuthenticationError as exc:
+                hello = self._unsealed_hello(frames)
+                if hello is not None:  # the peer re-opens its channel: start over
+                    del self._sessions[route]
+                    return None, self._handshake(route, hello)
                 self._counts["auth_failures"] += 1
                 log.warning("dropped a message from %s: %s", session.peer, exc)
                 return None, None
@@ -165,11 +171,18 @@ class SecureListener:
             return None, self._rejection("no session: start with the handshake")
         return None, self._handshake(route, env.body)
 
+    def _unsealed_hello(self, frames: list[Any]) -> Hello | None:
+        try:
+            body = decode(frames, limits=self._limits).body
+        except ProtocolError:
+            return None
+        return body if isinstance(body, Hello) else None
+
     def _handshake(self, route: bytes, body: Message) -> list[Any] | None:
         self._expire_pending()
         try:
             if isinstance(body, Hello):
-                welcome, state = server_welcome(self.identity, self.namespace, body)
+                welcome, state = server_welcome(self.identity, self.namespace, body, self._mode)
                 if len(self._pending) >= self.config.transport.max_sessions:
                     raise HandshakeError("too many handshakes in progress")
                 self._pending[route] = (time.monotonic(), state)
@@ -188,7 +201,8 @@ class SecureListener:
                                            sender=self.identity.node_id, limits=self._limits))
         except HandshakeError as exc:
             self._counts["refused_handshakes"] += 1
-            log.warning("refused a handshake: %s", exc)
+            # INFO, not WARNING: anyone on the network can send a Hello.
+            log.info("refused a handshake: %s", exc)
             return self._rejection(str(exc))
         self._counts["unauthenticated"] += 1
         log.info("dropped a %s from a peer that has not completed the handshake",
@@ -218,15 +232,18 @@ class SecureListener:
 
     def send(self, route: bytes, body: Message, *, corr: int = 0, term: int | None = None,
              timeout: float | None = None) -> None:
-        for part in self._seal_for(route, body, corr, term):
-            self._listener.send(route, part, timeout)
+        parts = self._seal_for(route, body, corr, term)
+        # Counted first, so that a peer holding the reply sees the count.
         self._counts["sent"] += 1
+        for part in parts:
+            self._listener.send(route, part, timeout)
 
     async def asend(self, route: bytes, body: Message, *, corr: int = 0,
                     term: int | None = None, timeout: float | None = None) -> None:
-        for part in self._seal_for(route, body, corr, term):
-            await self._listener.asend(route, part, timeout)
+        parts = self._seal_for(route, body, corr, term)
         self._counts["sent"] += 1
+        for part in parts:
+            await self._listener.asend(route, part, timeout)
 
     def reply(self, incoming: Incoming, body: Message, timeout: float | None = None) -> None:
         self.send(incoming.route, body, corr=incoming.envelope.corr, timeout=timeout)
@@ -302,7 +319,7 @@ class Channel:
         when the peer refuses us (or we it), RequestTimeoutError on silence."""
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        state = client_hello(self.identity, self.namespace)
+        state = client_hello(self.identity, self.namespace, self._mode)
         self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
         welcome = self._handshake_reply(Welcome, deadline)
         confirm, session = client_finish(self.identity, self.namespace, state, welcome,
@@ -326,7 +343,7 @@ class Channel:
     async def aopen(self, timeout: float | None = None) -> NodeId:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        state = client_hello(self.identity, self.namespace)
+        state = client_hello(self.identity, self.namespace, self._mode)
         await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
         welcome = await self._ahandshake_reply(Welcome, deadline)
         confirm, session = client_finish(self.identity, self.namespace, state, welcome,
@@ -351,8 +368,13 @@ class Channel:
     def _decode_unsealed(self, frames: list[Any]) -> Envelope:
         try:
             return decode(frames, limits=self._limits)
-        except ProtocolError:
-            return Envelope(Rejected("garbled handshake reply"))
+        except ProtocolError as exc:
+            version = _peek_version(frames)
+            if version is not None and version != PROTOCOL_VERSION:
+                raise HandshakeError(
+                    f"{self.address} speaks pmetal protocol version {version}, this process "
+                    f"{PROTOCOL_VERSION}; install the same pmetal version on every node") from exc
+            return Envelope(Rejected(f"garbled handshake reply ({exc})"))
 
     def _check_handshake_reply(self, frames: list[Any], want: type) -> Any:
         env = self._decode_unsealed(frames)
@@ -391,12 +413,17 @@ class Channel:
 
     def _send_sealed(self, body: Message, corr: int, term: int | None,
                      timeout: float | None) -> None:
-        if self.session is None:
+        session = self.session
+        if session is None:
             self.open()
-        assert self.session is not None
-        for part in self.session.seal_parts(encode(body, corr=corr, term=term,
-                                                   sender=self.identity.node_id,
-                                                   limits=self._limits)):
+            session = self.session
+            assert session is not None
+        frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
+                        limits=self._limits)
+        if len(frames) == 1:  # the common small message: one part, no streaming
+            self._dialer.send(session.seal(frames), timeout)
+            return
+        for part in session.seal_parts(frames):
             self._dialer.send(part, timeout)
 
     async def _asend_sealed(self, body: Message, corr: int, term: int | None,
@@ -523,6 +550,15 @@ class Channel:
         self._dialer.close()
 
 
+def _peek_version(frames: list[Any]) -> int | None:
+    """The protocol version of an undecodable message, when it has one."""
+    try:
+        head = msgpack.unpackb(frame_bytes(frames[0]), raw=False)
+        return head[0] if isinstance(head, list) and head and type(head[0]) is int else None
+    except Exception:  # garbage: no version to report
+        return None
+
+
 Handler = Callable[[Incoming], "Message | None"]
 
 
@@ -560,16 +596,25 @@ class Server:
                 except Exception as exc:  # report to the caller, keep serving
                     answer = ErrorReply(type(exc).__name__, str(exc), traceback.format_exc())
                 if answer is not None and incoming.envelope.corr:
-                    try:
-                        listener.reply(incoming, answer)
-                    except (PeerError, PMetalTimeoutError) as exc:
-                        log.warning("could not reply to %s: %s", incoming.peer, exc)
+                    self._reply(incoming, answer)
         except BaseException as exc:
             self.error = exc
             log.exception("server thread died")
         finally:
             listener.close()
             self._stopped.set()
+
+    def _reply(self, incoming: Incoming, answer: Any) -> None:
+        try:
+            try:
+                self.listener.reply(incoming, answer)
+            except (TypeError, ProtocolError) as exc:
+                # The handler's answer cannot be sent: tell the caller why.
+                log.warning("handler answer to %s cannot be sent: %s", incoming.peer, exc)
+                self.listener.reply(incoming, ErrorReply(type(exc).__name__,
+                                                         f"the reply cannot be sent: {exc}"))
+        except (PeerError, PMetalTimeoutError) as exc:
+            log.warning("could not reply to %s: %s", incoming.peer, exc)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop serving and close the listener; waits up to ``timeout``."""

@@ -163,11 +163,12 @@ def _x25519_public(key: X25519PrivateKey) -> bytes:
 
 
 def _transcript(ns: NetworkNamespace, hello: Hello, node_id: str, public_key: bytes,
-                ephemeral_key: bytes, nonce: bytes) -> bytes:
+                ephemeral_key: bytes, nonce: bytes, mode: int) -> bytes:
     h = hashlib.sha256(_HS_LABEL)
     for part in (ns.name.encode(), hello.node_id.encode(), hello.public_key,
-                 hello.ephemeral_key, hello.nonce, hello.namespace_tag, node_id.encode(),
-                 public_key, ephemeral_key, nonce):
+                 hello.ephemeral_key, hello.nonce, hello.namespace_tag,
+                 bytes([hello.mode & 0xFF]), node_id.encode(), public_key, ephemeral_key, nonce,
+                 bytes([mode & 0xFF])):
         h.update(struct.pack("<I", len(part)))
         h.update(part)
     return h.digest()
@@ -197,10 +198,11 @@ class ClientHandshake:
     ephemeral: X25519PrivateKey
 
 
-def client_hello(identity: NodeIdentity, ns: NetworkNamespace) -> ClientHandshake:
+def client_hello(identity: NodeIdentity, ns: NetworkNamespace,
+                 mode: int = Mode.FULL) -> ClientHandshake:
     eph = X25519PrivateKey.generate()
     hello = Hello(identity.node_id, identity.public_key, _x25519_public(eph), os.urandom(32),
-                  ns.tag)
+                  ns.tag, mode)
     return ClientHandshake(hello, eph)
 
 
@@ -211,18 +213,22 @@ class ServerHandshake:
     hello: Hello
     th2: bytes
     keys: tuple[bytes, bytes]
+    mode: int = Mode.FULL
 
 
-def server_welcome(identity: NodeIdentity, ns: NetworkNamespace,
-                   hello: Hello) -> tuple[Welcome, ServerHandshake]:
-    """Answer a Hello, or raise HandshakeError (wrong namespace, bad key)."""
+def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
+                   mode: int = Mode.FULL) -> tuple[Welcome, ServerHandshake]:
+    """Answer a Hello, or raise HandshakeError (wrong namespace, bad key).
+    The session's mode is the stricter of ``mode`` and the client's."""
     if not hmac.compare_digest(hello.namespace_tag, ns.tag):
         raise HandshakeError("peer is in another namespace or has another PSK")
+    if not Mode.CONTROL <= hello.mode <= Mode.ENCRYPTED:
+        raise HandshakeError(f"peer asks for unknown protection mode {hello.mode}")
     _check_peer_key(hello.node_id, hello.public_key, hello.ephemeral_key, hello.nonce)
     eph = X25519PrivateKey.generate()
     eph_pub = _x25519_public(eph)
     nonce = os.urandom(32)
-    th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce)
+    th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce, mode)
     proof = _proof(ns, b"server", th)
     signature = identity.sign(b"server" + th)
     th2 = hashlib.sha256(th + proof + signature).digest()
@@ -230,8 +236,10 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace,
         shared = eph.exchange(X25519PublicKey.from_public_bytes(hello.ephemeral_key))
     except ValueError as exc:
         raise HandshakeError(f"bad ephemeral key from peer: {exc}") from exc
-    welcome = Welcome(identity.node_id, identity.public_key, eph_pub, nonce, proof, signature)
-    return welcome, ServerHandshake(hello, th2, _session_keys(ns, shared, th2))
+    welcome = Welcome(identity.node_id, identity.public_key, eph_pub, nonce, proof, signature,
+                      mode)
+    return welcome, ServerHandshake(hello, th2, _session_keys(ns, shared, th2),
+                                    max(mode, hello.mode))
 
 
 def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHandshake,
@@ -239,7 +247,7 @@ def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHan
     """Check the server's Welcome; return the Confirm and the client session."""
     _check_peer_key(welcome.node_id, welcome.public_key, welcome.ephemeral_key, welcome.nonce)
     th = _transcript(ns, state.hello, welcome.node_id, welcome.public_key,
-                     welcome.ephemeral_key, welcome.nonce)
+                     welcome.ephemeral_key, welcome.nonce, welcome.mode)
     if not hmac.compare_digest(welcome.proof, _proof(ns, b"server", th)):
         raise HandshakeError("server could not prove the namespace PSK: the two sides "
                              "have different PSKs")
@@ -254,8 +262,10 @@ def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHan
     except ValueError as exc:
         raise HandshakeError(f"bad ephemeral key from server: {exc}") from exc
     c2s, s2c = _session_keys(ns, shared, th2)
+    if not Mode.CONTROL <= welcome.mode <= Mode.ENCRYPTED:
+        raise HandshakeError(f"server uses unknown protection mode {welcome.mode}")
     session = Session(send_key=c2s, recv_key=s2c, peer=NodeId(welcome.node_id),
-                      peer_public_key=welcome.public_key, mode=mode)
+                      peer_public_key=welcome.public_key, mode=max(mode, welcome.mode))
     return Confirm(proof, signature), session
 
 
@@ -269,7 +279,7 @@ def server_finish(ns: NetworkNamespace, state: ServerHandshake, confirm: Confirm
                              f"that is not its own")
     c2s, s2c = state.keys
     return Session(send_key=s2c, recv_key=c2s, peer=NodeId(state.hello.node_id),
-                   peer_public_key=state.hello.public_key, mode=mode)
+                   peer_public_key=state.hello.public_key, mode=max(mode, state.mode))
 
 
 # ----------------------------------------------------------------- session

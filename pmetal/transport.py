@@ -128,6 +128,10 @@ class _ZmqSocket:
         if self._closed:
             raise ClosedError(f"{type(self).__name__} {self.address} is closed")
 
+    # Leading frames received by copy (cheaper for small frames): route and
+    # envelope on a ROUTER, the envelope alone on a DEALER.
+    _copied = 1
+
     def _recv_frames(self, timeout: float | None) -> Frames:
         """One multipart message. A blocking recv with RCVTIMEO is the cheapest
         wait ZeroMQ offers (no poll call, no exception on the fast path)."""
@@ -147,12 +151,11 @@ class _ZmqSocket:
                 raise ClosedError(f"{self.address} was closed") from exc
             raise TransportError(f"receive on {self.address} failed: {exc}") from exc
         frames = [first]
-        # Small leading frames are copied (cheaper); the rest stay zero-copy.
         getsockopt = sock.getsockopt
-        if getsockopt(_RCVMORE):
+        if self._copied == 2 and getsockopt(_RCVMORE):
             frames.append(sock.recv())
-            while getsockopt(_RCVMORE):
-                frames.append(sock.recv(copy=False))
+        while getsockopt(_RCVMORE):
+            frames.append(sock.recv(copy=False))
         return frames
 
     def _send_now(self, frames: Sequence[Any]) -> None:
@@ -229,6 +232,8 @@ class _ZmqSocket:
 
 class ZmqListener(_ZmqSocket):
     """A ROUTER socket bound to ``address`` (port 0 or ``*``: any free port)."""
+
+    _copied = 2
 
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
         super().__init__(ctx, zmq.ROUTER, cfg)

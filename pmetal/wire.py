@@ -208,6 +208,9 @@ class Hello(Message):
     ephemeral_key: bytes
     nonce: bytes
     namespace_tag: bytes
+    mode: int = 2
+    """The protection mode the client requires (security.Mode); the session
+    uses the stricter of the two sides' modes."""
 
 
 @_message(Kind.WELCOME)
@@ -221,6 +224,7 @@ class Welcome(Message):
     nonce: bytes
     proof: bytes
     signature: bytes
+    mode: int = 2
 
 
 @_message(Kind.CONFIRM)
@@ -601,7 +605,7 @@ class _Default:
 
     def _array(self, arr: Any, code: int, dtype: str, host: Any) -> msgpack.ExtType:
         import numpy as np
-        if dtype not in _MLX_DTYPES:
+        if dtype not in (_MLX_DTYPES if code == _EXT_MLX else _DTYPES):
             raise TypeError(f"arrays of dtype {dtype} cannot be sent")
         if host.dtype.byteorder == ">":
             host = host.astype(host.dtype.newbyteorder("="))

@@ -39,6 +39,12 @@ from pmetal.wire import (ActorLocation, Call, CreateActor, Envelope, Failure, Ki
 __all__ = ["CoreClient", "ObjectRef", "PeerLink"]
 
 _POLLIN = int(zmq.POLLIN)
+# Argument types sent as they are (no packing step needed).
+_PLAIN = frozenset({type(None), bool, float, str, bytes})
+
+
+def _call_name(handle: Any, method: str) -> str:
+    return f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
 _EVENTS = int(zmq.EVENTS)
 
 
@@ -87,7 +93,7 @@ class ObjectRef:
                  "__weakref__")
 
     def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
-                 on_death: str = "") -> None:
+                 on_death: Any = "") -> None:
         self._client = client
         self._link = link
         self._corr = corr
@@ -115,9 +121,13 @@ class ObjectRef:
         self._has_value = True
         self._link = None
 
+    def _what(self) -> str:
+        what = self._on_death
+        return _call_name(*what) if isinstance(what, tuple) else what
+
     def _fail_link(self, why: str) -> None:
         if not self.done():
-            self._error = ActorDiedError(f"{self._on_death}: {why}")
+            self._error = ActorDiedError(f"{self._what()}: {why}")
             self._link = None
 
     def done(self) -> bool:
@@ -133,7 +143,7 @@ class ObjectRef:
             except Exception as exc:  # the value arrived but cannot be unpickled here
                 self._error = exc
         elif isinstance(body, Failure):
-            self._error = failure_error(body, self._on_death)
+            self._error = failure_error(body, self._what())
         else:
             self._error = PeerError(f"unexpected reply {type(body).__name__}")
 
@@ -197,6 +207,7 @@ class CoreClient:
         self._next_worker = itertools.count()
         self._actor_ids = itertools.count()
         self.calls = 0
+        self._send_timeout = config.transport.send_timeout
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -245,20 +256,20 @@ class CoreClient:
 
     def call(self, handle: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
         """Submit ``handle.method(*args, **kwargs)``; ObjectRef args resolved first."""
-        args, kwargs = self._resolve_args(args, kwargs)
-        what = f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
+        if kwargs or not all(type(a) in _PLAIN for a in args):
+            args, kwargs = self._resolve_args(args, kwargs)
         with self.lock:
             link = self._actor_link(handle)
             if isinstance(link, BaseException):
                 return ObjectRef.of_error(link)
             body = Call(handle._actor_id, method, args, kwargs)
             try:
-                corr = link.channel.submit(body, timeout=self.config.transport.send_timeout)
+                corr = link.channel.submit(body, timeout=self._send_timeout)
             except PeerError as exc:
                 link.die(str(exc))
-                return ObjectRef.of_error(ActorDiedError(f"{what}: {exc}"))
+                return ObjectRef.of_error(ActorDiedError(f"{_call_name(handle, method)}: {exc}"))
             self.calls += 1
-            return ObjectRef(self, link, corr, what)
+            return ObjectRef(self, link, corr, (handle, method))
 
     def _actor_link(self, handle: Any) -> PeerLink | BaseException:
         link = self.links.get(handle._address)
@@ -301,7 +312,7 @@ class CoreClient:
                 return ObjectRef.of_error(ActorDiedError(f"{what}: {link.dead}"))
             ref_body = None if fn_id in link.functions else fn_ref
             corr = link.channel.submit(RunTask(fn_id, ref_body, args, kwargs),
-                                       timeout=self.config.transport.send_timeout)
+                                       timeout=self._send_timeout)
             link.functions.add(fn_id)
             self.calls += 1
             return ObjectRef(self, link, corr, what)

@@ -30,9 +30,16 @@ def _check_options(options: dict[str, Any], where: str) -> dict[str, Any]:
     return options
 
 
+_api: Any = None
+
+
 def _client() -> Any:
-    from pmetal import api
-    return api.client()
+    global _api
+    if _api is None:  # pmetal.api imports this module: import it on first use
+        from pmetal import api
+        _api = api
+    runtime = _api._runtime
+    return runtime.client if runtime is not None else _api.client()
 
 
 class RemoteFunction:
@@ -139,7 +146,9 @@ class ActorHandle:
         if name not in self._methods:
             raise AttributeError(f"actor {self._class_name} has no method {name!r} "
                                  f"(it has: {', '.join(sorted(self._methods)) or 'none'})")
-        return ActorMethod(self, name)
+        method = ActorMethod(self, name)
+        self.__dict__[name] = method  # later lookups skip __getattr__
+        return method
 
     def __reduce__(self) -> Any:
         loc = ActorLocation(self._actor_id, self._state, self._address, self._node_id,

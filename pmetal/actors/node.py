@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pmetal.config import PMetalConfig, load_config, pmetal_home
+from pmetal.config import PMetalConfig, load_config, log_level, pmetal_home
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity
@@ -607,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true",
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PMETAL_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=log_level(),
                         format="%(asctime)s node %(process)d %(name)s %(levelname)s %(message)s")
     try:
         config = load_config()

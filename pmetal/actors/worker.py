@@ -30,7 +30,7 @@ import traceback
 from typing import Any
 
 from pmetal.actors.serialization import load_code, pack_value, unpack_value, unpack_values
-from pmetal.config import PMetalConfig, load_config
+from pmetal.config import PMetalConfig, load_config, log_level
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--no-watch-stdin", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("PMETAL_LOG_LEVEL", "WARNING"),
+    logging.basicConfig(level=log_level(),
                         format="%(asctime)s worker %(process)d %(name)s %(levelname)s %(message)s")
     if not args.no_watch_stdin:
         threading.Thread(target=_exit_with_node, name="pmetal-node-watch", daemon=True).start()

@@ -1,0 +1,157 @@
+"""Actor-runtime suite: the figures a Ray user compares, against Ray itself
+when it is installed (``pip install ray``), measured in the same sitting.
+
+* ``init``: ``pmetal.init()`` with an embedded local node (median of runs);
+* actor call round trip ``get(a.f.remote(1))`` (median, p99);
+* pipelined actor calls: 10,000 submitted, then all gotten;
+* remote function round trip ``get(f.remote(1))``;
+* actor creation plus first call, with the worker pool warm;
+* a 64 MiB float32 numpy array passed to an actor on this machine.
+
+Ray's figures measured on this kind of machine (../shared/anchors) are printed
+beside ours when Ray is not installed here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import median, pct, table
+
+MiB = 1 << 20
+
+# ../shared/anchors/README.md, Ray 2.x on a 2-core machine like this one.
+RAY_ANCHOR = {"init_s": 6.7, "rtt_us": 2375.0, "pipelined_per_s": 1174.0, "task_rtt_us": 6300.0,
+              "create_first_call_ms": 400.0, "array_gbs": 1.65}
+
+# Like the anchor: init() timed on its own in a fresh interpreter (the
+# import is not counted), the median over several fresh processes.
+_INIT_PROBE = """
+import time
+import {mod}
+t = time.perf_counter()
+{mod}.init({args})
+print(time.perf_counter() - t)
+{mod}.shutdown()
+"""
+
+
+def _init_time(mod: str, args: str, runs: int) -> float:
+    """Median wall time of init() in fresh interpreters."""
+    times = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", _INIT_PROBE.format(mod=mod, args=args)],
+                             capture_output=True, text=True, timeout=120, check=True)
+        times.append(float(out.stdout.strip().splitlines()[-1]))
+    return median(times)
+
+
+class Target:
+    """The same workload written against pmetal or Ray (identical APIs)."""
+
+    def __init__(self, mod: Any) -> None:
+        self.mod = mod
+        remote = mod.remote
+
+        @remote
+        class Echo:
+            def f(self, x: Any) -> Any:
+                return x
+
+            def nbytes(self, a: np.ndarray) -> int:
+                return int(a.nbytes)
+
+        @remote
+        def task(x: Any) -> Any:
+            return x
+
+        self.Echo = Echo
+        self.task = task
+
+    def measure(self, quick: bool) -> dict[str, float]:
+        mod = self.mod
+        calls, pipe_n, reps = (300, 2000, 3) if quick else (2000, 10_000, 7)
+        actor = self.Echo.remote()
+        mod.get(actor.f.remote(1), timeout=60)
+        for _ in range(200):
+            mod.get(actor.f.remote(1))
+        rtt = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            mod.get(actor.f.remote(1))
+            rtt.append(time.perf_counter() - t)
+        pipe = []
+        for _ in range(max(1, reps // 2)):
+            t = time.perf_counter()
+            mod.get([actor.f.remote(1) for _ in range(pipe_n)])
+            pipe.append(pipe_n / (time.perf_counter() - t))
+        mod.get(self.task.remote(1), timeout=60)
+        task_rtt = []
+        for _ in range(calls // 2):
+            t = time.perf_counter()
+            mod.get(self.task.remote(1))
+            task_rtt.append(time.perf_counter() - t)
+        create = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            a = self.Echo.remote()
+            mod.get(a.f.remote(1), timeout=60)
+            create.append(time.perf_counter() - t)
+            mod.kill(a)
+        arr = np.random.default_rng(0).random(64 * MiB // 4, dtype=np.float32)
+        mod.get(actor.nbytes.remote(arr), timeout=60)
+        array = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            assert mod.get(actor.nbytes.remote(arr), timeout=60) == arr.nbytes
+            array.append(arr.nbytes / (time.perf_counter() - t))
+        return {"rtt_us": median(rtt) * 1e6, "rtt_p99_us": pct(rtt, 0.99) * 1e6,
+                "pipelined_per_s": median(pipe), "task_rtt_us": median(task_rtt) * 1e6,
+                "create_first_call_ms": median(create) * 1e3, "array_gbs": median(array) / 1e9}
+
+
+def main(quick: bool = False) -> dict[str, dict[str, float]]:
+    import pmetal
+    results: dict[str, dict[str, float]] = {}
+    init_runs = 2 if quick else 5
+    results["pmetal"] = {"init_s": _init_time("pmetal", "", init_runs)}
+    pmetal.init()
+    try:
+        results["pmetal"].update(Target(pmetal).measure(quick))
+    finally:
+        pmetal.shutdown()
+    try:
+        import ray
+    except ImportError:
+        ray = None
+    if ray is not None:
+        results["ray"] = {"init_s": _init_time("ray", "num_cpus=2", 1)}
+        ray.init(num_cpus=2)
+        try:
+            results["ray"].update(Target(ray).measure(quick))
+        finally:
+            ray.shutdown()
+        ray_name = "ray (this run)"
+    else:
+        results["ray"] = RAY_ANCHOR
+        ray_name = "ray (anchor figures, not installed here)"
+    ours, theirs = results["pmetal"], results["ray"]
+    rows = [
+        ["pmetal.init() / ray.init() (s)", ours["init_s"], theirs["init_s"], "< 0.5"],
+        ["actor call round trip, median (us)", ours["rtt_us"], theirs["rtt_us"], "< 300"],
+        ["actor call round trip, p99 (us)", ours["rtt_p99_us"],
+         theirs.get("rtt_p99_us", float("nan")), ""],
+        ["pipelined actor calls/s", ours["pipelined_per_s"], theirs["pipelined_per_s"],
+         ">= 15,000"],
+        ["remote function round trip (us)", ours["task_rtt_us"], theirs["task_rtt_us"], "< 500"],
+        ["actor create + first call (ms)", ours["create_first_call_ms"],
+         theirs["create_first_call_ms"], "< 50"],
+        ["64 MiB array to an actor (GB/s)", ours["array_gbs"], theirs["array_gbs"], ">= 1.65"],
+    ]
+    print(table(f"actors: pmetal vs {ray_name}", ["measure", "pmetal", "ray", "target"], rows))
+    return results
