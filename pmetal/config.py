@@ -60,6 +60,9 @@ class TransportConfig:
     chunk_bytes: int = 1 * _MiB
     """Arrays larger than this travel as several frames (zmq is ~3x faster
     with 1 MiB frames than with 64 MiB frames on loopback)."""
+    shm_min_bytes: int = 4 * _MiB
+    """Arrays at least this large go to peers on the same host through
+    shared memory instead of the socket (0: never)."""
     send_hwm: int = 10_000
     """Messages queued per peer before sends block: bounds sender memory."""
     recv_hwm: int = 10_000

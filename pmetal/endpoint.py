@@ -54,9 +54,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _limits(cfg: PMetalConfig) -> WireLimits:
+def _limits(cfg: PMetalConfig, local: bool = False) -> WireLimits:
+    """Wire limits; ``local``: for a peer on this host (arrays through shm)."""
     t = cfg.transport
-    return WireLimits(t.max_message_bytes, t.max_envelope_bytes, t.chunk_bytes)
+    return WireLimits(t.max_message_bytes, t.max_envelope_bytes, t.chunk_bytes,
+                      t.shm_min_bytes if local else 0)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -99,6 +101,7 @@ class SecureListener:
         self.namespace = namespace
         self._mode = mode_for(self.config.security)
         self._limits = _limits(self.config)
+        self._local_limits = _limits(self.config, local=True)
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._pending: dict[bytes, tuple[float, ServerHandshake]] = {}
         self._counts = collections.Counter[str]()
@@ -147,7 +150,8 @@ class SecureListener:
                 opened = session.open_part(frames)
                 if opened is None:  # a streamed message still lacks segments
                     return None, None
-                env = decode(opened, allow_pickle=True, limits=self._limits)
+                env = decode(opened, allow_pickle=True, allow_shm=session.local,
+                             limits=self._limits)
             except AuthenticationError as exc:
                 hello = self._unsealed_hello(frames)
                 if hello is not None:  # the peer re-opens its channel: start over
@@ -227,8 +231,9 @@ class SecureListener:
         if session is None:
             raise PeerError("no authenticated session with that peer (it never completed "
                             "the handshake, or it was forgotten)")
-        return session.seal_parts(encode(body, corr=corr, term=term,
-                                         sender=self.identity.node_id, limits=self._limits))
+        return session.seal_parts(encode(
+            body, corr=corr, term=term, sender=self.identity.node_id,
+            limits=self._local_limits if session.local else self._limits))
 
     def send(self, route: bytes, body: Message, *, corr: int = 0, term: int | None = None,
              timeout: float | None = None) -> None:
@@ -292,6 +297,7 @@ class Channel:
         self.namespace = namespace
         self._mode = mode_for(self.config.security)
         self._limits = _limits(self.config)
+        self._local_limits = _limits(self.config, local=True)
         self.session: Session | None = None
         self._corr = itertools.count(1)
         self._replies: dict[int, Envelope] = {}
@@ -419,7 +425,7 @@ class Channel:
             session = self.session
             assert session is not None
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                        limits=self._limits)
+                        limits=self._local_limits if session.local else self._limits)
         if len(frames) == 1:  # the common small message: one part, no streaming
             self._dialer.send(session.seal(frames), timeout)
             return
@@ -431,9 +437,10 @@ class Channel:
         if self.session is None:
             await self.aopen()
         assert self.session is not None
-        for part in self.session.seal_parts(encode(body, corr=corr, term=term,
-                                                   sender=self.identity.node_id,
-                                                   limits=self._limits)):
+        session = self.session
+        for part in session.seal_parts(encode(
+                body, corr=corr, term=term, sender=self.identity.node_id,
+                limits=self._local_limits if session.local else self._limits)):
             await self._dialer.asend(part, timeout)
 
     def send(self, body: Message, *, term: int | None = None,
@@ -528,7 +535,7 @@ class Channel:
             opened = session.open_part(frames)
             if opened is None:  # a streamed message still lacks segments
                 return
-            env = decode(opened, allow_pickle=True, limits=self._limits)
+            env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
         except (SecurityError, ProtocolError) as exc:
             unsealed = self._decode_unsealed(frames)
             if isinstance(unsealed.body, Rejected):

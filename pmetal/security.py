@@ -65,6 +65,8 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pmetal.config import SecurityConfig
 from pmetal.errors import (AuthenticationError, ConfigError, HandshakeError, ReplayError)
 from pmetal.identity import NodeIdentity, node_id_for, verify_signature
+from pmetal.shm import available as shm_available
+from pmetal.shm import host_id
 from pmetal.ids import NodeId
 from pmetal.wire import Confirm, Hello, Welcome, frame_bytes
 
@@ -163,12 +165,12 @@ def _x25519_public(key: X25519PrivateKey) -> bytes:
 
 
 def _transcript(ns: NetworkNamespace, hello: Hello, node_id: str, public_key: bytes,
-                ephemeral_key: bytes, nonce: bytes, mode: int) -> bytes:
+                ephemeral_key: bytes, nonce: bytes, mode: int, host: bytes) -> bytes:
     h = hashlib.sha256(_HS_LABEL)
     for part in (ns.name.encode(), hello.node_id.encode(), hello.public_key,
                  hello.ephemeral_key, hello.nonce, hello.namespace_tag,
-                 bytes([hello.mode & 0xFF]), node_id.encode(), public_key, ephemeral_key, nonce,
-                 bytes([mode & 0xFF])):
+                 bytes([hello.mode & 0xFF]), hello.host, node_id.encode(), public_key,
+                 ephemeral_key, nonce, bytes([mode & 0xFF]), host):
         h.update(struct.pack("<I", len(part)))
         h.update(part)
     return h.digest()
@@ -202,7 +204,7 @@ def client_hello(identity: NodeIdentity, ns: NetworkNamespace,
                  mode: int = Mode.FULL) -> ClientHandshake:
     eph = X25519PrivateKey.generate()
     hello = Hello(identity.node_id, identity.public_key, _x25519_public(eph), os.urandom(32),
-                  ns.tag, mode)
+                  ns.tag, mode, host_id())
     return ClientHandshake(hello, eph)
 
 
@@ -228,7 +230,9 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
     eph = X25519PrivateKey.generate()
     eph_pub = _x25519_public(eph)
     nonce = os.urandom(32)
-    th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce, mode)
+    host = host_id()
+    th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce, mode,
+                     host)
     proof = _proof(ns, b"server", th)
     signature = identity.sign(b"server" + th)
     th2 = hashlib.sha256(th + proof + signature).digest()
@@ -237,7 +241,7 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
     except ValueError as exc:
         raise HandshakeError(f"bad ephemeral key from peer: {exc}") from exc
     welcome = Welcome(identity.node_id, identity.public_key, eph_pub, nonce, proof, signature,
-                      mode)
+                      mode, host)
     return welcome, ServerHandshake(hello, th2, _session_keys(ns, shared, th2),
                                     max(mode, hello.mode))
 
@@ -247,7 +251,7 @@ def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHan
     """Check the server's Welcome; return the Confirm and the client session."""
     _check_peer_key(welcome.node_id, welcome.public_key, welcome.ephemeral_key, welcome.nonce)
     th = _transcript(ns, state.hello, welcome.node_id, welcome.public_key,
-                     welcome.ephemeral_key, welcome.nonce, welcome.mode)
+                     welcome.ephemeral_key, welcome.nonce, welcome.mode, welcome.host)
     if not hmac.compare_digest(welcome.proof, _proof(ns, b"server", th)):
         raise HandshakeError("server could not prove the namespace PSK: the two sides "
                              "have different PSKs")
@@ -265,7 +269,8 @@ def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHan
     if not Mode.CONTROL <= welcome.mode <= Mode.ENCRYPTED:
         raise HandshakeError(f"server uses unknown protection mode {welcome.mode}")
     session = Session(send_key=c2s, recv_key=s2c, peer=NodeId(welcome.node_id),
-                      peer_public_key=welcome.public_key, mode=max(mode, welcome.mode))
+                      peer_public_key=welcome.public_key, mode=max(mode, welcome.mode),
+                      local=_same_host(state.hello.host, welcome.host))
     return Confirm(proof, signature), session
 
 
@@ -279,7 +284,12 @@ def server_finish(ns: NetworkNamespace, state: ServerHandshake, confirm: Confirm
                              f"that is not its own")
     c2s, s2c = state.keys
     return Session(send_key=s2c, recv_key=c2s, peer=NodeId(state.hello.node_id),
-                   peer_public_key=state.hello.public_key, mode=max(mode, state.mode))
+                   peer_public_key=state.hello.public_key, mode=max(mode, state.mode),
+                   local=_same_host(state.hello.host, host_id()))
+
+
+def _same_host(a: bytes, b: bytes) -> bool:
+    return bool(a) and a == b and shm_available()
 
 
 # ----------------------------------------------------------------- session
@@ -297,10 +307,13 @@ class Session:
     """Seals outgoing and opens incoming frames for one authenticated peer."""
 
     __slots__ = ("_aead_recv", "_aead_send", "_recv_key", "_send_key", "_stats", "_stream",
-                 "mode", "peer", "peer_public_key", "recv_seq", "send_seq", "stream_bytes")
+                 "local", "mode", "peer", "peer_public_key", "recv_seq", "send_seq",
+                 "stream_bytes")
 
     def __init__(self, *, send_key: bytes, recv_key: bytes, peer: NodeId,
-                 peer_public_key: bytes, mode: int = Mode.FULL) -> None:
+                 peer_public_key: bytes, mode: int = Mode.FULL, local: bool = False) -> None:
+        # The peer proved it runs on this host: large arrays may use shm.
+        self.local = local
         self._send_key = send_key
         self._recv_key = recv_key
         self.peer = peer

@@ -27,6 +27,10 @@ faster than 64 MiB ones. A single-frame array is decoded without copying
 (and is read-only, like Ray's zero-copy arrays); a multi-frame array is
 reassembled into one new array. Zero-size arrays have no frames.
 
+Extension code 4 is an array handed over in shared memory
+(``[code, dtype, shape, name, nbytes]``, see pmetal.shm); it is accepted only
+from an authenticated peer that proved it runs on the same host.
+
 Extension code 2 carries a cloudpickle payload (:class:`Pickled`). Only
 explicitly wrapped values are pickled, and :func:`decode` refuses them
 unless the caller says the peer is authenticated (``allow_pickle=True``).
@@ -97,6 +101,7 @@ PROTOCOL_VERSION = 1
 _EXT_NUMPY = 1
 _EXT_PICKLE = 2
 _EXT_MLX = 3
+_EXT_SHM = 4
 
 # dtypes that may cross the wire; anything else (object, void, ...) is refused.
 _DTYPES = frozenset({
@@ -211,6 +216,9 @@ class Hello(Message):
     mode: int = 2
     """The protection mode the client requires (security.Mode); the session
     uses the stricter of the two sides' modes."""
+    host: bytes = b""
+    """shm.host_id() of the client: equal ids let large arrays travel
+    through shared memory instead of the socket."""
 
 
 @_message(Kind.WELCOME)
@@ -225,6 +233,7 @@ class Welcome(Message):
     proof: bytes
     signature: bytes
     mode: int = 2
+    host: bytes = b""
 
 
 @_message(Kind.CONFIRM)
@@ -554,6 +563,9 @@ class WireLimits:
     max_message_bytes: int = 2048 << 20
     max_envelope_bytes: int = 64 << 20
     chunk_bytes: int = 1 << 20
+    shm_min_bytes: int = 0
+    """Encode arrays at least this large through shared memory (0: never).
+    Set only for a peer on the same host (Session.local)."""
 
 
 _DEFAULT_LIMITS = WireLimits()
@@ -575,11 +587,12 @@ class _Default:
     """msgpack's ``default`` hook for one message: turns arrays into
     extension values and collects their buffers."""
 
-    __slots__ = ("buffers", "chunk")
+    __slots__ = ("buffers", "chunk", "shm_min")
 
-    def __init__(self, chunk: int) -> None:
+    def __init__(self, chunk: int, shm_min: int = 0) -> None:
         self.buffers: list[Any] = []
         self.chunk = chunk
+        self.shm_min = shm_min
 
     def __call__(self, obj: Any) -> Any:
         # numpy is looked up, not imported: a process that never imported it
@@ -614,6 +627,11 @@ class _Default:
         buffers, chunk = self.buffers, self.chunk
         first = len(buffers) + 1
         nbytes = host.nbytes
+        if self.shm_min and nbytes >= self.shm_min:
+            from pmetal import shm
+            name = shm.export(memoryview(host.reshape(-1)).cast("B"))
+            return msgpack.ExtType(_EXT_SHM, msgpack.packb(
+                [code, dtype, list(arr.shape), name, nbytes]))
         if nbytes:
             flat = memoryview(host.reshape(-1)).cast("B")
             if nbytes <= chunk:
@@ -634,7 +652,7 @@ def encode(body: Message, *, corr: int = 0, term: int | None = None,
     spec = _ENCODERS.get(type(body))
     if spec is None:
         spec = _encoder(type(body))
-    default = _Default(limits.chunk_bytes)
+    default = _Default(limits.chunk_bytes, limits.shm_min_bytes)
     envelope = _packb([PROTOCOL_VERSION, spec[0], corr, term, sender, spec[1](body)],
                       default=default, use_bin_type=True)
     if len(envelope) > limits.max_envelope_bytes:
@@ -658,15 +676,15 @@ def _encoder(cls: type) -> tuple[int, Callable[[Message], list[Any]]]:
     return spec
 
 
-def _no_buffers_hook(allow_pickle: bool) -> Callable[[int, bytes], Any]:
+def _no_buffers_hook(allow_pickle: bool, allow_shm: bool) -> Callable[[int, bytes], Any]:
     def hook(code: int, data: bytes) -> Any:
         if code == _EXT_PICKLE and allow_pickle:
             return Pickled(data)
-        return _ext_hook(allow_pickle, [], [], code, data)
+        return _ext_hook(allow_pickle, allow_shm, [], [], code, data)
     return hook
 
 
-def _ext_hook(allow_pickle: bool, buffers: list[memoryview], used: list[bool],
+def _ext_hook(allow_pickle: bool, allow_shm: bool, buffers: list[memoryview], used: list[bool],
               code: int, data: bytes) -> Any:
     if code == _EXT_PICKLE:
         if not allow_pickle:
@@ -674,13 +692,51 @@ def _ext_hook(allow_pickle: bool, buffers: list[memoryview], used: list[bool],
         return Pickled(data)
     if code in (_EXT_NUMPY, _EXT_MLX):
         return _unpack_array(code, data, buffers, used)
+    if code == _EXT_SHM:
+        if not allow_shm:
+            raise ProtocolError("shared-memory array from a peer that is not an authenticated "
+                                "process of this host")
+        return _attach_array(data)
     raise ProtocolError(f"unknown extension type {code}")
 
 
-_HOOKS = {True: _no_buffers_hook(True), False: _no_buffers_hook(False)}
+_HOOKS = {(p, m): _no_buffers_hook(p, m) for p in (False, True) for m in (False, True)}
 
 
-def decode(frames: Sequence[Any], *, allow_pickle: bool = False,
+def _attach_array(data: bytes) -> Any:
+    try:
+        code, dtype_name, shape, name, nbytes = msgpack.unpackb(data, raw=False)
+        shape = tuple(shape)
+        if not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
+            raise ValueError("bad shape")
+        if type(name) is not str or type(nbytes) is not int or code not in (_EXT_NUMPY,
+                                                                              _EXT_MLX):
+            raise ValueError("bad shared-memory reference")
+    except ProtocolError:
+        raise
+    except Exception as exc:
+        raise ProtocolError(f"malformed shared-memory array header: {exc}") from exc
+    allowed = _MLX_DTYPES if code == _EXT_MLX else _DTYPES
+    if dtype_name not in allowed:
+        raise ProtocolError(f"array dtype {dtype_name!r} is not allowed")
+    import numpy as np
+    from pmetal import shm
+    host_dtype = np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
+    if host_dtype.itemsize * math.prod(shape) != nbytes:
+        raise ProtocolError(f"shared-memory array {dtype_name}{list(shape)} cannot hold "
+                            f"{nbytes} bytes")
+    mapping = shm.attach(name, nbytes)
+    arr = np.frombuffer(mapping, host_dtype).reshape(shape) if nbytes else np.empty(shape,
+                                                                                     host_dtype)
+    if code == _EXT_MLX:
+        import mlx.core as mx
+        out = mx.array(arr, dtype=getattr(mx, dtype_name if dtype_name != "bfloat16"
+                                          else "uint16"))
+        return out.view(mx.bfloat16) if dtype_name == "bfloat16" else out
+    return arr
+
+
+def decode(frames: Sequence[Any], *, allow_pickle: bool = False, allow_shm: bool = False,
            limits: WireLimits = _DEFAULT_LIMITS) -> Envelope:
     """Decode ``[envelope, *buffers]`` into an :class:`Envelope`.
 
@@ -701,10 +757,10 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False,
             raise ProtocolError(f"message of {total} bytes exceeds the limit of "
                                 f"{limits.max_message_bytes}")
         used = [False] * len(buffers)
-        hook = functools.partial(_ext_hook, allow_pickle, buffers, used)
+        hook = functools.partial(_ext_hook, allow_pickle, allow_shm, buffers, used)
     else:
         used = []
-        hook = _HOOKS[allow_pickle]
+        hook = _HOOKS[allow_pickle, allow_shm]
     try:
         raw = _unpackb(head, raw=False, ext_hook=hook, strict_map_key=False)
     except ProtocolError:

@@ -1,0 +1,107 @@
+"""Shared-memory hand-off of large arrays between processes of one machine.
+
+The sender writes the array into a fresh POSIX shared-memory object
+(``/pmetal-<pid>-<n>-<random>``, mode 0600) and sends only its name; the
+receiver maps it, unlinks the name at once (so nothing is left behind once
+the array is garbage-collected) and wraps the mapping as a read-only array
+without copying. One copy in all, against two through a socket, and no
+authentication pass: the bytes never leave the machine, and the name travels
+in an authenticated message.
+
+Only peers that proved in the handshake that they run on the same host use
+this path (see :func:`host_id`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import mmap
+import os
+import socket
+import uuid
+from functools import lru_cache
+from typing import Any
+
+from pmetal.errors import ProtocolError
+
+__all__ = ["attach", "export", "host_id", "unlink"]
+
+try:
+    import _posixshmem
+except ImportError:  # Windows: no POSIX shared memory; arrays go through sockets
+    _posixshmem = None
+
+_counter = itertools.count()
+_WRITE = 8 << 20
+
+
+@lru_cache(maxsize=1)
+def host_id() -> bytes:
+    """16 bytes naming this machine and boot: equal for two processes exactly
+    when they share a kernel (and so /dev/shm), network namespaces included."""
+    parts = [socket.gethostname().encode(), uuid.getnode().to_bytes(8, "little")]
+    for path in ("/etc/machine-id", "/proc/sys/kernel/random/boot_id"):
+        try:
+            with open(path, "rb") as f:
+                parts.append(f.read().strip())
+        except OSError:
+            pass
+    return hashlib.blake2b(b"\0".join(parts), digest_size=16).digest()
+
+
+def available() -> bool:
+    return _posixshmem is not None
+
+
+def export(view: memoryview) -> str:
+    """Copy ``view`` (bytes) into a new shared-memory object; return its name."""
+    assert _posixshmem is not None
+    name = f"/pmetal-{os.getpid()}-{next(_counter)}-{os.urandom(4).hex()}"
+    fd = _posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, len(view))
+        # pwrite fills tmpfs pages without a page fault per page: about twice
+        # as fast as writing through a fresh mapping on these machines.
+        off = 0
+        while off < len(view):
+            off += os.pwrite(fd, view[off:off + _WRITE], off)
+    except BaseException:
+        _posixshmem.shm_unlink(name)
+        raise
+    finally:
+        os.close(fd)
+    return name
+
+
+def attach(name: str, nbytes: int) -> Any:
+    """Map the object ``name`` (of ``nbytes`` bytes) read-only and unlink it."""
+    if _posixshmem is None:
+        raise ProtocolError("received a shared-memory array on a platform without POSIX "
+                            "shared memory")
+    if not name.startswith("/pmetal-") or "/" in name[1:] or len(name) > 64:
+        raise ProtocolError(f"bad shared-memory name {name!r}")
+    try:
+        fd = _posixshmem.shm_open(name, os.O_RDONLY, 0o600)
+    except OSError as exc:
+        raise ProtocolError(f"shared-memory array {name} is gone: {exc}") from exc
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise ProtocolError(f"shared-memory array {name} holds {size} bytes, the message "
+                                f"says {nbytes}")
+        mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) if nbytes else b""
+    finally:
+        os.close(fd)
+        unlink(name)
+    return mapping
+
+
+def unlink(name: str) -> None:
+    """Remove ``name`` if it still exists (the receiver normally does)."""
+    if _posixshmem is None:
+        return
+    try:
+        _posixshmem.shm_unlink(name)
+    except FileNotFoundError:
+        pass
