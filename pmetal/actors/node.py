@@ -274,6 +274,8 @@ class NodeDaemon:
             stdin=asyncio.subprocess.PIPE, env=env)
         worker = WorkerProc(worker_id, role, proc)
         self.workers[worker_id] = worker
+        if self._stopping.is_set():  # shut down while this worker was starting
+            self._kill(worker)
         code = await proc.wait()
         await self._worker_exited(worker, code)
 
@@ -588,10 +590,12 @@ def node_file(home: Any = None) -> Any:
 
 
 def _watch_stdin(loop: asyncio.AbstractEventLoop, daemon: NodeDaemon) -> None:
+    # os.read on the raw fd: a daemon thread blocked in sys.stdin's buffered
+    # reader holds its lock and makes interpreter shutdown abort.
     try:
-        while sys.stdin.buffer.read(1 << 16):
+        while os.read(0, 1 << 16):
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
     loop.call_soon_threadsafe(daemon.stop)
 

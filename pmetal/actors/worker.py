@@ -262,9 +262,9 @@ class Worker:
 def _exit_with_node() -> None:
     """Exit at once when the node that started us goes away (stdin EOF)."""
     try:
-        while sys.stdin.buffer.read(1 << 16):
+        while os.read(0, 1 << 16):  # the raw fd: see node._watch_stdin
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
     os._exit(0)
 
