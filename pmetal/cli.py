@@ -2,8 +2,8 @@
 
 Each subcommand is one :class:`Command` in :data:`COMMANDS`: a help line, a
 function that declares its arguments, and a function that runs it and
-returns the exit status. A later subcommand (``start``, ``status``, ``stop``,
-``bench``, ``generate``, ``discover``) is one more entry in that table.
+returns the exit status. A later subcommand (``bench``, ``generate``,
+``discover``) is one more entry in that table.
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
 traceback), 2 a usage or configuration error, 130 interrupted.
@@ -15,18 +15,31 @@ import argparse
 import json
 import logging
 import os
+import select
+import selectors
+import signal
+import stat
+import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from pmetal._version import __version__
-from pmetal.config import config_as_dict, load_config, pmetal_home
-from pmetal.errors import ConfigError, PMetalError
+from pmetal.actors.client import CoreClient
+from pmetal.actors.node import READY_LINE, node_file
+from pmetal.config import DEFAULT_PORT, config_as_dict, load_config, pmetal_home
+from pmetal.errors import ConfigError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import KEYPAIR_FILE, NodeIdentity
+from pmetal.security import NetworkNamespace
+from pmetal.transport import normalize_address
 
 __all__ = ["COMMANDS", "Command", "main"]
 
+log = logging.getLogger(__name__)
 _PSK_BYTES = 32
 
 
@@ -107,30 +120,530 @@ def _keygen_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write the key to a new file (mode 0600) instead of printing it")
 
 
-def _run_keygen(args: argparse.Namespace) -> int:
+def _write_new_key(path: Path) -> str:
+    """Write a fresh PSK to a new file of mode 0600 and return it. Raises
+    FileExistsError rather than overwrite a key (or follow a planted symlink)."""
     psk = os.urandom(_PSK_BYTES).hex()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a restrictive umask may have removed the owner's bits
+        with os.fdopen(fd, "w") as f:
+            f.write(psk + "\n")
+    except OSError:
+        path.unlink(missing_ok=True)
+        raise
+    return psk
+
+
+def _run_keygen(args: argparse.Namespace) -> int:
     if args.out is None:
-        print(psk)
+        print(os.urandom(_PSK_BYTES).hex())
         return 0
     path = args.out.expanduser()
     try:
-        # O_EXCL: never overwrite a key (or follow a planted symlink).
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        _write_new_key(path)
     except FileExistsError:
         return _fail(args, f"{path} already exists; refusing to overwrite a key "
                            f"(remove it first if you really mean to replace it)")
     except OSError as exc:
         return _fail(args, f"cannot create {path}: {exc.strerror}")
-    try:
-        os.fchmod(fd, 0o600)  # a restrictive umask may have removed the owner's bits
-        with os.fdopen(fd, "w") as f:
-            f.write(psk + "\n")
-    except OSError as exc:
-        path.unlink(missing_ok=True)
-        return _fail(args, f"cannot write {path}: {exc.strerror}")
     print(f"wrote a new PSK to {path}; copy it to every node of the namespace and set "
           f"PMETAL_SECURITY_PSK_FILE={path.absolute()}")
     return 0
+
+
+# ------------------------------------------------------------- node daemon
+#
+# ``pmetal start`` runs ``python -m pmetal.actors.node`` and records it in
+# $PMETAL_HOME/node.json (address, node id, pid, namespace, PSK file), where
+# ``pmetal status``, ``pmetal stop`` and ``pmetal.init(address="auto")`` find it.
+# In the background the node gets a session of its own and writes its output to
+# $PMETAL_HOME/node.log; with --block it stays attached to the terminal.
+
+NODE_LOG = "node.log"
+PSK_FILE = "psk"
+_READY_TIMEOUT = 30.0
+"""Longest wait for a starting node's ready line (it comes before workers start)."""
+_STOP_TIMEOUT = 10.0
+"""How long a node may take to stop after SIGTERM before it is killed."""
+_STATUS_TIMEOUT = 5.0
+"""Cap on connect and request deadlines of ``pmetal status``."""
+
+
+def _start_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=None,
+                        help="address to listen on (default: transport.host, 127.0.0.1: this "
+                             "machine only); give this machine's LAN address, or 0.0.0.0, to "
+                             "let other machines join")
+    parser.add_argument("--port", type=int, default=None,
+                        help=f"port to listen on (default: transport.port, {DEFAULT_PORT}; "
+                             f"0 picks a free one)")
+    parser.add_argument("--namespace", default=None,
+                        help="namespace (cluster) name (default: security.namespace)")
+    parser.add_argument("--psk-file", type=Path, default=None, metavar="PATH",
+                        help="file holding the namespace PSK (default: $PMETAL_PSK, else "
+                             "security.psk_file, else $PMETAL_HOME/psk, created on first start)")
+    parser.add_argument("--peers", default="", metavar="HOST:PORT,...",
+                        help="comma-separated addresses of other nodes to join")
+    parser.add_argument("--no-discovery", action="store_true",
+                        help="do not look for nodes on the LAN (the only behaviour for now: "
+                             "discovery arrives with the cluster issue)")
+    parser.add_argument("--block", action="store_true",
+                        help="stay in the foreground until the node stops (Ctrl-C stops it)")
+
+
+def _run_start(args: argparse.Namespace) -> int:
+    home = pmetal_home()
+    running = _recorded_node(home)
+    if running is not None:
+        return _fail(args, f"a node is already running on this machine (pid {running['pid']}, "
+                           f"{running['address']}); 'pmetal stop' stops it")
+    overrides: dict[str, Any] = {}
+    if args.namespace is not None:
+        overrides["namespace"] = args.namespace
+    transport: dict[str, Any] = {}
+    if args.host is not None:
+        transport["host"] = args.host
+    if args.port is not None:
+        transport["port"] = args.port
+    cfg = load_config(security=overrides, transport=transport)
+    peers = _peer_list(args.peers)
+    NodeIdentity.load_or_create(home)  # a bad key file fails here, with its own message
+    psk_file = _psk_file_for_start(args.psk_file, cfg.security.psk_file, home)
+
+    env = dict(os.environ)
+    env["PMETAL_SECURITY_NAMESPACE"] = cfg.security.namespace
+    if psk_file is not None:
+        env.pop("PMETAL_PSK", None)  # the node would prefer it to the file
+        env["PMETAL_SECURITY_PSK_FILE"] = str(psk_file)
+        NetworkNamespace.resolve(replace(cfg.security, psk_file=str(psk_file)), env={})
+    else:
+        NetworkNamespace.resolve(cfg.security)  # PMETAL_PSK: check it is long enough
+    level = logging.getLogger("pmetal").level
+    if level and level < logging.WARNING:  # -v / -vv reach the node's log too
+        env["PMETAL_LOG_LEVEL"] = logging.getLevelName(level)
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", cfg.transport.host,
+           "--port", str(cfg.transport.port)]
+    if peers:
+        cmd += ["--peers", ",".join(peers)]
+    record = {"namespace": cfg.security.namespace,
+              "psk_file": "" if psk_file is None else str(psk_file)}
+    if args.block:
+        return _start_foreground(cmd, env, home, record)
+    return _start_background(cmd, env, home, record)
+
+
+def _peer_list(text: str) -> list[str]:
+    peers = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        try:
+            peers.append(normalize_address(item))
+        except ValueError as exc:
+            raise ConfigError(f"--peers: {exc}") from exc
+    return peers
+
+
+def _psk_file_for_start(given: Path | None, configured: str, home: Path) -> Path | None:
+    """The PSK file the node will read, or None when PMETAL_PSK holds the key.
+
+    Order: --psk-file, PMETAL_PSK, security.psk_file, then $PMETAL_HOME/psk,
+    made on first start (64 hex characters, mode 0600)."""
+    if given is None and os.environ.get("PMETAL_PSK"):
+        return None
+    if given is None and configured:
+        given = Path(configured)
+    if given is None:
+        path = home / PSK_FILE
+        if not path.exists():
+            home.mkdir(mode=0o700, parents=True, exist_ok=True)
+            try:
+                _write_new_key(path)
+                print(f"created a namespace PSK in {path}; copy it to the other machines "
+                      f"of this cluster")
+            except FileExistsError:
+                pass  # another 'pmetal start' made it meanwhile: use theirs
+            except OSError as exc:
+                raise ConfigError(f"cannot create the PSK file {path}: {exc.strerror}") from exc
+        given = path
+    path = given.expanduser().absolute()
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read the PSK file {path}: {exc.strerror}") from exc
+    if mode & 0o077:
+        log.warning("the PSK file %s can be read by other users (mode %o); run chmod 600 %s",
+                    path, stat.S_IMODE(mode), path)
+    return path
+
+
+def _start_background(cmd: list[str], env: dict[str, str], home: Path,
+                      record: dict[str, Any]) -> int:
+    home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    log_path = home / NODE_LOG
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    offset = os.fstat(fd).st_size
+    try:
+        # A session of its own: closing the terminal or Ctrl-C here does not stop it.
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=fd, stderr=fd, env=env,
+                                start_new_session=True)
+    finally:
+        os.close(fd)
+    address, node_id = _await_ready_in_log(proc, log_path, offset)
+    info = _write_node_file(home, address, node_id, proc.pid, record)
+    _print_started(info, log_path)
+    return 0
+
+
+def _await_ready_in_log(proc: subprocess.Popen[bytes], log_path: Path,
+                        offset: int) -> tuple[str, str]:
+    """The node's ready line, read from its log; the node is killed when it
+    does not come within the deadline.
+
+    The log is a regular file (so the node and its workers can write to it
+    after we exit), and regular files are always "readable" to select(): we
+    wait on the process for short slices and look at the log in between."""
+    deadline = time.monotonic() + _READY_TIMEOUT
+    while True:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            for line in f.read().decode(errors="replace").splitlines():
+                parts = line.split()
+                if len(parts) >= 3 and parts[0] == READY_LINE:
+                    return parts[1], parts[2]
+        if proc.poll() is not None:
+            raise PMetalError(f"the node exited at start (code {proc.returncode}):\n"
+                              f"{_log_tail(log_path, offset)}")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            proc.kill()
+            proc.wait()
+            raise PMetalTimeoutError(f"the node did not report ready within {_READY_TIMEOUT} s; "
+                                     f"see {log_path}")
+        try:
+            proc.wait(min(0.05, remaining))
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _log_tail(path: Path, offset: int, lines: int = 10) -> str:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace").strip().splitlines()
+    return "\n".join("  " + line for line in text[-lines:]) or "  (no output)"
+
+
+def _start_foreground(cmd: list[str], env: dict[str, str], home: Path,
+                      record: dict[str, Any]) -> int:
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.terminate())
+    path = node_file(home)
+    try:
+        line = _read_ready_line(proc)
+        parts = line.split()
+        if len(parts) < 3 or parts[0] != READY_LINE:
+            proc.kill()
+            raise PMetalError(f"unexpected first line from the node: {line!r}")
+        info = _write_node_file(home, parts[1], parts[2], proc.pid, record)
+        _print_started(info, None)
+        print("Ctrl-C stops it.", flush=True)
+        # The node's workers share this stdout: pass user output through until they close it.
+        out = sys.stdout.buffer
+        while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+            out.write(chunk)
+            out.flush()
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()  # it had SIGINT too when it shares our terminal; this makes sure
+        print("\nstopping the node", file=sys.stderr)
+        return 0 if _wait_exit(proc.pid, _STOP_TIMEOUT, proc) else _kill_hard(proc.pid, proc)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        _remove_node_file(path, proc.pid)
+
+
+def _read_ready_line(proc: subprocess.Popen[bytes]) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + _READY_TIMEOUT
+    line = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                proc.kill()
+                raise PMetalTimeoutError(f"the node did not report ready within "
+                                         f"{_READY_TIMEOUT} s")
+            chunk = os.read(proc.stdout.fileno(), 1)  # stop at the newline: the rest is user output
+            if not chunk:
+                raise PMetalError(f"the node exited at start (code {proc.wait()}); its error "
+                                  f"is printed above")
+            line += chunk
+    return line.decode(errors="replace").strip()
+
+
+def _print_started(info: dict[str, Any], log_path: Path | None) -> None:
+    print(f"started pmetal node {info['node_id']} (pid {info['pid']})")
+    print(f"  address    {info['listen']}")
+    print(f"  namespace  {info['namespace']}")
+    print(f"  psk        {info['psk_file'] or 'from PMETAL_PSK'}")
+    if log_path is not None:
+        print(f"  log        {log_path}")
+    if _host_of(info["listen"]) in ("127.0.0.1", "localhost", "::1"):
+        print("Only this machine can reach it; 'pmetal start --host <LAN address>' lets "
+              "other machines join.")
+    print('Scripts on this machine connect with pmetal.init(address="auto"); '
+          "'pmetal status' shows it, 'pmetal stop' stops it.", flush=True)
+
+
+def _host_of(address: str) -> str:
+    return address.partition("://")[2].rpartition(":")[0].strip("[]")
+
+
+def _write_node_file(home: Path, listen: str, node_id: str, pid: int,
+                     record: dict[str, Any]) -> dict[str, Any]:
+    """Write node.json atomically with mode 0600; return what was written."""
+    address = listen
+    if _host_of(listen) in ("0.0.0.0", "*", "::"):  # listening everywhere: reach it locally
+        address = f"tcp://127.0.0.1:{listen.rpartition(':')[2]}"
+    info = {"address": address, "listen": listen, "node_id": node_id, "pid": pid, **record}
+    path = node_file(home)
+    fd, tmp = tempfile.mkstemp(dir=home, prefix=".node.json.")
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return info
+
+
+def _read_node_file(home: Path) -> dict[str, Any] | None:
+    path = node_file(home)
+    try:
+        info = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise PMetalError(f"cannot read {path}: {exc}; remove it if no node is running")
+    if not isinstance(info, dict) or not isinstance(info.get("pid"), int) \
+            or not isinstance(info.get("address"), str):
+        raise PMetalError(f"{path} is not a node record; remove it if no node is running")
+    return info
+
+
+def _recorded_node(home: Path) -> dict[str, Any] | None:
+    """The node recorded in node.json if it still runs; a stale record is removed."""
+    info = _read_node_file(home)
+    if info is None:
+        return None
+    if _is_node_process(info["pid"]):
+        return info
+    _remove_node_file(node_file(home), info["pid"])
+    return None
+
+
+def _remove_node_file(path: Path, pid: int) -> None:
+    """Remove node.json if it still describes ``pid`` (a newer node may own it)."""
+    try:
+        if json.loads(path.read_text()).get("pid") == pid:
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+def _is_node_process(pid: int) -> bool:
+    """Whether ``pid`` is a live pmetal node (not a zombie, not a recycled pid)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False  # another user's process: not ours to manage
+    proc = Path(f"/proc/{pid}")
+    if proc.is_dir():
+        try:
+            if proc.joinpath("stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                return False
+            return b"pmetal.actors.node" in proc.joinpath("cmdline").read_bytes()
+        except OSError:
+            return False
+    try:  # macOS and other systems without /proc
+        out = subprocess.run(["ps", "-o", "stat=,command=", "-p", str(pid)], check=False,
+                             capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # cannot tell: trust the record
+    return bool(out) and not out.startswith("Z") and "pmetal.actors.node" in out
+
+
+def _wait_exit(pid: int, timeout: float, child: subprocess.Popen[bytes] | None = None) -> bool:
+    """Wait until process ``pid`` exits; False when ``timeout`` passes first.
+
+    Waits on an event where the OS offers one for a process that is not our
+    child (a pidfd on Linux, kqueue on macOS), else on short slices."""
+    if child is not None:
+        try:
+            child.wait(timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
+    deadline = time.monotonic() + timeout
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return True
+        try:
+            with selectors.DefaultSelector() as sel:
+                sel.register(fd, selectors.EVENT_READ)
+                return bool(sel.select(timeout))
+        finally:
+            os.close(fd)
+    if hasattr(select, "kqueue"):
+        kq = select.kqueue()
+        try:
+            event = select.kevent(pid, filter=select.KQ_FILTER_PROC,
+                                  flags=select.KQ_EV_ADD | select.KQ_EV_ONESHOT,
+                                  fflags=select.KQ_NOTE_EXIT)
+            return bool(kq.control([event], 1, timeout))
+        except ProcessLookupError:
+            return True
+        finally:
+            kq.close()
+    while _is_node_process(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_hard(pid: int, child: subprocess.Popen[bytes] | None = None) -> int:
+    print(f"pmetal: the node (pid {pid}) did not stop within {_STOP_TIMEOUT} s; killing it",
+          file=sys.stderr)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return 0
+    return 0 if _wait_exit(pid, _STOP_TIMEOUT, child) else 1
+
+
+def _run_stop(args: argparse.Namespace) -> int:
+    home = pmetal_home()
+    path = node_file(home)
+    info = _read_node_file(home)
+    if info is None:
+        print("no pmetal node is running on this machine")
+        return 0
+    pid = info["pid"]
+    if not _is_node_process(pid):
+        _remove_node_file(path, pid)
+        print(f"the node recorded in {path} (pid {pid}) was not running; removed the record")
+        return 0
+    # SIGTERM needs no PSK and works however busy the node's socket is; the
+    # node stops its workers and exits.
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    status = 0 if _wait_exit(pid, _STOP_TIMEOUT) else _kill_hard(pid)
+    if status == 0:
+        _remove_node_file(path, pid)
+        print(f"stopped pmetal node {info.get('node_id', '?')} (pid {pid})")
+        return 0
+    return _fail(args, f"could not stop the node (pid {pid})")
+
+
+def _status_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print the node's full status as JSON")
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    home = pmetal_home()
+    path = node_file(home)
+    info = _read_node_file(home)
+    if info is None:
+        raise PeerError(f"no pmetal node is running on this machine (no {path}); "
+                        f"start one with 'pmetal start'")
+    if not _is_node_process(info["pid"]):
+        raise PeerError(f"the node recorded in {path} (pid {info['pid']}) is not running; "
+                        f"'pmetal start' starts a new one")
+    cfg = load_config()
+    security = {"namespace": info.get("namespace") or cfg.security.namespace}
+    if info.get("psk_file"):
+        security["psk_file"] = info["psk_file"]
+    cfg = load_config(security=security, transport={
+        "connect_timeout": min(cfg.transport.connect_timeout, _STATUS_TIMEOUT),
+        "handshake_timeout": min(cfg.transport.handshake_timeout, _STATUS_TIMEOUT),
+        "request_timeout": min(cfg.transport.request_timeout, _STATUS_TIMEOUT)})
+    # A recorded PSK file wins over a PMETAL_PSK meant for something else.
+    namespace = NetworkNamespace.resolve(cfg.security,
+                                         env={} if info.get("psk_file") else None)
+    client = CoreClient(info["address"], namespace, cfg)
+    try:
+        status = client.status()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        _print_status(status, info)
+    return 0
+
+
+def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
+    stats = s.get("statistics", {})
+    print(f"node       {s['node_id']} (pid {s.get('pid', info['pid'])})")
+    print(f"address    {s['address']}")
+    print(f"namespace  {s.get('namespace', '?')}   members {len(s.get('members', [])) + 1}, "
+          f"epoch {s.get('epoch', 0)}")
+    print(f"resources  {_resources(s.get('resources', {}), s.get('available'))}")
+    print(f"served     {stats.get('requests', 0)} node requests; actors created "
+          f"{stats.get('actors_created', 0)}, alive {stats.get('actors_alive', 0)}, "
+          f"restarts {stats.get('actor_restarts', 0)}")
+    nodes = [(s["node_id"], s["address"], _resources(s.get("resources", {})), "this node")]
+    nodes += [(m["node_id"], m["address"], _resources(m.get("resources", {})), "")
+              for m in s.get("members", [])]
+    _table("NODES", ("NODE ID", "ADDRESS", "RESOURCES", ""), nodes)
+    _table("WORKERS", ("WORKER", "PID", "ROLE", "READY", "ACTOR", "CALLS"),
+           [(w["worker_id"], w.get("pid", ""), w.get("role", ""),
+             "yes" if w.get("ready") else "no", w.get("actor_id") or "-",
+             w.get("calls", "-")) for w in s.get("workers", [])])
+    _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "STATE", "INCARNATION", "REASON"),
+           [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-", a.get("state", ""),
+             a.get("incarnation", 0), a.get("reason") or "") for a in s.get("actors", [])])
+
+
+def _resources(total: dict[str, float], free: dict[str, float] | None = None) -> str:
+    def amount(name: str, value: float) -> str:
+        return f"{value / (1 << 30):.1f} GiB" if name == "memory" else f"{value:g}"
+    parts = []
+    for name, value in sorted(total.items()):
+        text = f"{name} {amount(name, value)}"
+        if free is not None and name in free:
+            text += f" ({amount(name, free[name])} free)"
+        parts.append(text)
+    return ", ".join(parts) or "none"
+
+
+def _table(title: str, headers: Sequence[str], rows: list[Sequence[Any]]) -> None:
+    print(f"\n{title} ({len(rows)})")
+    if not rows:
+        return
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for row in cells:
+        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
 
 
 # ------------------------------------------------------------------- table
@@ -141,6 +654,11 @@ COMMANDS: dict[str, Command] = {
     "identity": Command("show this machine's node id, creating its key pair on first use",
                         _run_identity, _identity_arguments),
     "keygen": Command("make a new random namespace PSK", _run_keygen, _keygen_arguments),
+    "start": Command("start this machine's node daemon (in the background unless --block)",
+                     _run_start, _start_arguments),
+    "status": Command("show the running node: members, workers, actors, statistics",
+                      _run_status, _status_arguments),
+    "stop": Command("stop this machine's node daemon and its workers", _run_stop),
 }
 
 
@@ -202,3 +720,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # 'pmetal status | head': the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -18,6 +18,7 @@ coroutine twin.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import itertools
 import logging
@@ -30,10 +31,11 @@ from typing import Any
 
 import msgpack
 
+from pmetal import shm
 from pmetal.config import PMetalConfig
 from pmetal.errors import (AuthenticationError, ClosedError, HandshakeError, PeerError,
                            PMetalTimeoutError, ProtocolError, RequestTimeoutError,
-                           SecurityError)
+                           SecurityError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.ids import NodeId
 from pmetal.security import (NetworkNamespace, ServerHandshake, Session, client_finish,
@@ -52,6 +54,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+_MAX_EXPORTED = 1024
 
 
 def _limits(cfg: PMetalConfig, local: bool = False) -> WireLimits:
@@ -105,6 +109,9 @@ class SecureListener:
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._pending: dict[bytes, tuple[float, ServerHandshake]] = {}
         self._counts = collections.Counter[str]()
+        # Shared-memory objects made for replies; unlinked at close (or when
+        # the list grows past its cap), in case their receiver never maps them.
+        self._exported: collections.deque[str] = collections.deque()
 
     @property
     def address(self) -> str:
@@ -153,10 +160,12 @@ class SecureListener:
                 env = decode(opened, allow_pickle=True, allow_shm=session.local,
                              limits=self._limits)
             except AuthenticationError as exc:
-                hello = self._unsealed_hello(frames)
-                if hello is not None:  # the peer re-opens its channel: start over
-                    del self._sessions[route]
-                    return None, self._handshake(route, hello)
+                restart = self._unsealed_handshake(route, frames)
+                if restart is not None:
+                    # The peer re-opens its channel. The old session stays
+                    # until the new handshake completes, so a forged Hello
+                    # cannot end it.
+                    return None, self._handshake(route, restart)
                 self._counts["auth_failures"] += 1
                 log.warning("dropped a message from %s: %s", session.peer, exc)
                 return None, None
@@ -175,12 +184,14 @@ class SecureListener:
             return None, self._rejection("no session: start with the handshake")
         return None, self._handshake(route, env.body)
 
-    def _unsealed_hello(self, frames: list[Any]) -> Hello | None:
+    def _unsealed_handshake(self, route: bytes, frames: list[Any]) -> Message | None:
         try:
             body = decode(frames, limits=self._limits).body
         except ProtocolError:
             return None
-        return body if isinstance(body, Hello) else None
+        if isinstance(body, Hello) or (isinstance(body, Confirm) and route in self._pending):
+            return body
+        return None
 
     def _handshake(self, route: bytes, body: Message) -> list[Any] | None:
         self._expire_pending()
@@ -231,9 +242,16 @@ class SecureListener:
         if session is None:
             raise PeerError("no authenticated session with that peer (it never completed "
                             "the handshake, or it was forgotten)")
-        return session.seal_parts(encode(
-            body, corr=corr, term=term, sender=self.identity.node_id,
-            limits=self._local_limits if session.local else self._limits))
+        if not session.local:
+            return session.seal_parts(encode(body, corr=corr, term=term,
+                                             sender=self.identity.node_id, limits=self._limits))
+        exported = self._exported
+        parts = session.seal_parts(encode(body, corr=corr, term=term,
+                                          sender=self.identity.node_id,
+                                          limits=self._local_limits, exported=exported))
+        while len(exported) > _MAX_EXPORTED:
+            shm.unlink(exported.popleft())
+        return parts
 
     def send(self, route: bytes, body: Message, *, corr: int = 0, term: int | None = None,
              timeout: float | None = None) -> None:
@@ -257,16 +275,18 @@ class SecureListener:
                      timeout: float | None = None) -> None:
         await self.asend(incoming.route, body, corr=incoming.envelope.corr, timeout=timeout)
 
+    # Answers to peers that are not (yet) authenticated never wait for queue
+    # room: a peer that does not read them cannot stall the listener.
     def _send_raw(self, route: bytes, frames: list[Any]) -> None:
         try:
-            self._listener.send(route, frames, self.config.transport.handshake_timeout)
-        except (PeerError, PMetalTimeoutError) as exc:
+            self._listener.send(route, frames, 0)
+        except (TransportError, PMetalTimeoutError) as exc:
             log.info("could not answer a handshake: %s", exc)
 
     async def _asend_raw(self, route: bytes, frames: list[Any]) -> None:
         try:
-            await self._listener.asend(route, frames, self.config.transport.handshake_timeout)
-        except (PeerError, PMetalTimeoutError) as exc:
+            await self._listener.asend(route, frames, 0)
+        except (TransportError, PMetalTimeoutError) as exc:
             log.info("could not answer a handshake: %s", exc)
 
     def interrupt(self) -> None:
@@ -274,6 +294,8 @@ class SecureListener:
 
     def close(self) -> None:
         self._listener.close()
+        while self._exported:
+            shm.unlink(self._exported.popleft())
 
 
 @dataclass(frozen=True)
@@ -302,6 +324,9 @@ class Channel:
         self._corr = itertools.count(1)
         self._replies: dict[int, Envelope] = {}
         self._waiting: set[int] = set()
+        self._read_lock: asyncio.Lock | None = None
+        # Shared-memory objects of requests in flight (by corr; 0: one-way).
+        self._exported: dict[int, list[str]] = {}
         self.unsolicited: collections.deque[Envelope] = collections.deque(maxlen=10_000)
         self._counts = collections.Counter[str]()
 
@@ -424,8 +449,15 @@ class Channel:
             self.open()
             session = self.session
             assert session is not None
-        frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                        limits=self._local_limits if session.local else self._limits)
+        if session.local:
+            exported: list[str] = []
+            frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
+                            limits=self._local_limits, exported=exported)
+            if exported:
+                self._exported.setdefault(corr, []).extend(exported)
+        else:
+            frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
+                            limits=self._limits)
         if len(frames) == 1:  # the common small message: one part, no streaming
             self._dialer.send(session.seal(frames), timeout)
             return
@@ -438,9 +470,13 @@ class Channel:
             await self.aopen()
         assert self.session is not None
         session = self.session
-        for part in session.seal_parts(encode(
-                body, corr=corr, term=term, sender=self.identity.node_id,
-                limits=self._local_limits if session.local else self._limits)):
+        exported: list[str] = []
+        frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
+                        limits=self._local_limits if session.local else self._limits,
+                        exported=exported)
+        if exported:
+            self._exported.setdefault(corr, []).extend(exported)
+        for part in session.seal_parts(frames):
             await self._dialer.asend(part, timeout)
 
     def send(self, body: Message, *, term: int | None = None,
@@ -479,23 +515,35 @@ class Channel:
             try:
                 frames = self._dialer.recv(_remaining(deadline))
             except PMetalTimeoutError as exc:
+                self._release(corr)
                 raise RequestTimeoutError(f"no reply from {self.address} within "
                                           f"{timeout:.3g} s") from exc
             self._file(frames)
         self._waiting.discard(corr)
+        self._release(corr)
         return self._replies.pop(corr)
 
     async def aresult(self, corr: int, timeout: float | None = None) -> Envelope:
         timeout = self.config.transport.request_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        if self._read_lock is None:
+            self._read_lock = asyncio.Lock()
         while corr not in self._replies:
+            # One reader at a time: a reader files every reply it gets, and
+            # the others find theirs in _replies when they take the lock.
             try:
-                frames = await self._dialer.arecv(_remaining(deadline))
-            except PMetalTimeoutError as exc:
+                async with asyncio.timeout(_remaining(deadline)):
+                    async with self._read_lock:
+                        if corr in self._replies:
+                            break
+                        frames = await self._dialer.arecv(_remaining(deadline))
+            except (PMetalTimeoutError, TimeoutError) as exc:
+                self._release(corr)
                 raise RequestTimeoutError(f"no reply from {self.address} within "
                                           f"{timeout:.3g} s") from exc
             self._file(frames)
         self._waiting.discard(corr)
+        self._release(corr)
         return self._replies.pop(corr)
 
     def request(self, body: Message, *, term: int | None = None,
@@ -517,13 +565,22 @@ class Channel:
         env = self._replies.pop(corr, None)
         if env is not None:
             self._waiting.discard(corr)
+            self._release(corr)
         return env
 
     def abandon(self) -> list[int]:
         """Forget every pending request (the peer died); returns their ids."""
         lost = list(self._waiting)
         self._waiting.clear()
+        for corr in list(self._exported):
+            self._release(corr)
         return lost
+
+    def _release(self, corr: int) -> None:
+        """Unlink the shared memory of request ``corr``: it was answered (so
+        mapped already) or it never will be."""
+        for name in self._exported.pop(corr, ()):
+            shm.unlink(name)
 
     def _file(self, frames: list[Any]) -> None:
         """Verify one received message and file it as a reply or unsolicited."""
@@ -555,6 +612,8 @@ class Channel:
 
     def close(self) -> None:
         self._dialer.close()
+        for corr in list(self._exported):
+            self._release(corr)
 
 
 def _peek_version(frames: list[Any]) -> int | None:
@@ -620,7 +679,9 @@ class Server:
                 log.warning("handler answer to %s cannot be sent: %s", incoming.peer, exc)
                 self.listener.reply(incoming, ErrorReply(type(exc).__name__,
                                                          f"the reply cannot be sent: {exc}"))
-        except (PeerError, PMetalTimeoutError) as exc:
+        except (TransportError, PMetalTimeoutError) as exc:
+            if isinstance(exc, ClosedError):
+                raise
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
     def stop(self, timeout: float = 5.0) -> None:

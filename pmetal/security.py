@@ -504,9 +504,12 @@ class Session:
         if self._stream is not None:
             self._drop_stream("a new message arrived before it was complete")
         cut = len(head) - _TAIL.size - 16
+        if cut < 0 or len(frames) != 2:
+            stats[2] += 1
+            raise AuthenticationError(f"malformed stream head from {self.peer}")
         seq, flags = _TAIL.unpack_from(head, len(head) - _TAIL.size)
         mode = flags & 3
-        if cut < 0 or len(frames) != 2 or mode < self.mode or mode == Mode.ENCRYPTED:
+        if mode < self.mode or mode == Mode.ENCRYPTED:
             stats[2] += 1
             raise AuthenticationError(f"malformed stream head from {self.peer}")
         lengths_raw = bytes(frame_bytes(frames[1]))

@@ -225,8 +225,15 @@ class _ZmqSocket:
             if self._closed:
                 return
             self._closed = True
-            if self._async is not None:
-                self._async.close(linger=0)
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        if self._async is not None:
+            # The asyncio twin shadows the same ZeroMQ socket: closing it
+            # cancels its waiters, leaves the event loop and closes the socket.
+            self._async.close(linger=0)
+            self._async = None
+        else:
             self._sock.close(linger=0)
 
 
@@ -265,6 +272,17 @@ class ZmqListener(_ZmqSocket):
             poke.connect(self._wake_url)
             poke.send(b"", zmq.NOBLOCK)
             poke.close()
+
+    def _close_socket(self) -> None:
+        # ZeroMQ closes the listening TCP socket later, in its I/O thread;
+        # wait (bounded) for that so the port can be bound again at once.
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        super()._close_socket()
+        try:
+            if monitor.poll(1000):
+                monitor.recv_multipart()
+        finally:
+            monitor.close(linger=0)
 
     def recv(self, timeout: float | None = None) -> tuple[bytes, Frames]:
         route, *frames = self._recv_frames(timeout)

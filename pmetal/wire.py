@@ -587,12 +587,13 @@ class _Default:
     """msgpack's ``default`` hook for one message: turns arrays into
     extension values and collects their buffers."""
 
-    __slots__ = ("buffers", "chunk", "shm_min")
+    __slots__ = ("buffers", "chunk", "exported", "shm_min")
 
-    def __init__(self, chunk: int, shm_min: int = 0) -> None:
+    def __init__(self, chunk: int, shm_min: int = 0, exported: list[str] | None = None) -> None:
         self.buffers: list[Any] = []
         self.chunk = chunk
         self.shm_min = shm_min
+        self.exported = exported
 
     def __call__(self, obj: Any) -> Any:
         # numpy is looked up, not imported: a process that never imported it
@@ -630,6 +631,8 @@ class _Default:
         if self.shm_min and nbytes >= self.shm_min:
             from pmetal import shm
             name = shm.export(memoryview(host.reshape(-1)).cast("B"))
+            if self.exported is not None:
+                self.exported.append(name)
             return msgpack.ExtType(_EXT_SHM, msgpack.packb(
                 [code, dtype, list(arr.shape), name, nbytes]))
         if nbytes:
@@ -643,16 +646,19 @@ class _Default:
 
 
 def encode(body: Message, *, corr: int = 0, term: int | None = None,
-           sender: str | None = None, limits: WireLimits = _DEFAULT_LIMITS) -> list[Any]:
+           sender: str | None = None, limits: WireLimits = _DEFAULT_LIMITS,
+           exported: list[str] | None = None) -> list[Any]:
     """Frames for ``body``: ``[envelope, *buffers]`` (no seal).
 
     Buffers are memoryviews of the arrays' own memory (zero-copy); the caller
-    must not modify the arrays until the frames have been sent.
+    must not modify the arrays until the frames have been sent. Names of
+    shared-memory objects made for the message are appended to ``exported``:
+    the caller unlinks them if the message may not have been received.
     """
     spec = _ENCODERS.get(type(body))
     if spec is None:
         spec = _encoder(type(body))
-    default = _Default(limits.chunk_bytes, limits.shm_min_bytes)
+    default = _Default(limits.chunk_bytes, limits.shm_min_bytes, exported)
     envelope = _packb([PROTOCOL_VERSION, spec[0], corr, term, sender, spec[1](body)],
                       default=default, use_bin_type=True)
     if len(envelope) > limits.max_envelope_bytes:
