@@ -173,8 +173,8 @@ _STATUS_TIMEOUT = 5.0
 def _start_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default=None,
                         help="address to listen on (default: transport.host, 127.0.0.1: this "
-                             "machine only); give this machine's LAN address, or 0.0.0.0, to "
-                             "let other machines join")
+                             "machine only); give this machine's LAN address to let other "
+                             "machines join (the node and its workers advertise it to peers)")
     parser.add_argument("--port", type=int, default=None,
                         help=f"port to listen on (default: transport.port, {DEFAULT_PORT}; "
                              f"0 picks a free one)")

@@ -56,6 +56,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _MAX_EXPORTED = 1024
+_MAX_UNAUTHENTICATED = 4096
 
 
 def _limits(cfg: PMetalConfig, local: bool = False) -> WireLimits:
@@ -176,11 +177,17 @@ class SecureListener:
             self._sessions.move_to_end(route)
             self._counts["received"] += 1
             return Incoming(route, session.peer, env), None
+        if len(frames) != 1 or len(frame_bytes(frames[0])) > _MAX_UNAUTHENTICATED:
+            # Handshake messages are one small frame; nothing bigger is even
+            # decoded before a peer has proved the PSK.
+            self._counts["malformed"] += 1
+            log.info("dropped an oversized message from an unauthenticated peer")
+            return None, self._rejection("no session: start with the handshake")
         try:
             env = decode(frames, allow_pickle=False, limits=self._limits)
         except ProtocolError as exc:
             self._counts["malformed"] += 1
-            log.info("dropped a malformed message from an unauthenticated peer: %s", exc)
+            log.info("dropped a malformed message from an unauthenticated peer: %.200s", exc)
             return None, self._rejection("no session: start with the handshake")
         return None, self._handshake(route, env.body)
 
@@ -217,7 +224,7 @@ class SecureListener:
         except HandshakeError as exc:
             self._counts["refused_handshakes"] += 1
             # INFO, not WARNING: anyone on the network can send a Hello.
-            log.info("refused a handshake: %s", exc)
+            log.info("refused a handshake: %.200s", exc)
             return self._rejection(str(exc))
         self._counts["unauthenticated"] += 1
         log.info("dropped a %s from a peer that has not completed the handshake",
@@ -225,7 +232,8 @@ class SecureListener:
         return self._rejection("no session: start with the handshake")
 
     def _rejection(self, reason: str) -> list[Any]:
-        return encode(Rejected(reason), sender=self.identity.node_id)
+        # Reasons may quote what the peer sent: keep the answer small.
+        return encode(Rejected(reason[:300]), sender=self.identity.node_id)
 
     def _expire_pending(self) -> None:
         if not self._pending:

@@ -14,7 +14,8 @@ Contract
   frames, timeout)`` answers the dialer that ``route`` names. A dialer's
   ``send``/``recv`` talk to the one listener it dialed. Messages between one
   dialer and its listener arrive in order, whole or not at all.
-* Every blocking call takes a ``timeout`` in seconds (``None``: wait for ever).
+* Every blocking call takes a ``timeout`` in seconds. For ``recv``, ``None``
+  waits for ever; for ``send``, ``None`` means ``TransportConfig.send_timeout``.
   ``recv`` raises :class:`~pmetal.errors.PMetalTimeoutError` when it passes;
   ``send`` raises :class:`~pmetal.errors.BackpressureError` when the peer's queue
   stays full (high-water mark) until the deadline, so a slow peer cannot make
