@@ -568,6 +568,10 @@ class Channel:
         reply or as unsolicited; raises PMetalTimeoutError when none came."""
         self._file(self._dialer.recv(timeout))
 
+    def arrived(self) -> list[int]:
+        """Correlation ids whose replies have arrived and not been taken."""
+        return list(self._replies)
+
     def take(self, corr: int) -> Envelope | None:
         """The reply to ``corr`` if it has arrived (it is then forgotten)."""
         env = self._replies.pop(corr, None)

@@ -43,6 +43,18 @@ _POLLIN = int(zmq.POLLIN)
 _PLAIN = frozenset({type(None), bool, float, str, bytes})
 
 
+def _plain(args: list[Any]) -> bool:
+    """True when every argument travels as it is (no refs, nothing to pickle)."""
+    for a in args:
+        t = type(a)
+        if t is int:
+            if not -(1 << 63) <= a < (1 << 64):
+                return False
+        elif t not in _PLAIN:
+            return False
+    return True
+
+
 def _call_name(handle: Any, method: str) -> str:
     return f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
 _EVENTS = int(zmq.EVENTS)
@@ -256,7 +268,7 @@ class CoreClient:
 
     def call(self, handle: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
         """Submit ``handle.method(*args, **kwargs)``; ObjectRef args resolved first."""
-        if kwargs or not all(type(a) in _PLAIN for a in args):
+        if kwargs or not _plain(args):
             args, kwargs = self._resolve_args(args, kwargs)
         with self.lock:
             link = self._actor_link(handle)
@@ -393,10 +405,14 @@ class CoreClient:
                 self._settle(link)
 
     def _settle(self, link: PeerLink) -> None:
-        for corr in [c for c in link.refs if c in link.channel._replies]:
-            env = link.channel.take(corr)
-            ref = link.refs.pop(corr)
-            if env is not None:
+        """Hand every reply that arrived on ``link`` to its ref (walks the
+        replies, not the pending refs: thousands may be pending)."""
+        channel = link.channel
+        refs = link.refs
+        for corr in channel.arrived():
+            ref = refs.pop(corr, None)
+            env = channel.take(corr)
+            if ref is not None and env is not None:
                 ref._settle(env)
 
     # --------------------------------------------------------------- cluster
