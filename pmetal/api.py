@@ -110,6 +110,9 @@ def init(address: str | None = None, *, namespace: str | None = None,
         if discovery:
             raise ConfigError("discovery=True arrives with the cluster issue; pass peers or an "
                               "address for now")
+        if peers:
+            raise ConfigError("peers= arrives with the cluster issue; start node daemons with "
+                              "'pmetal start --peers ...' and pass address= for now")
         cfg = config or load_config()
         if namespace is not None:
             cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
@@ -131,12 +134,20 @@ def init(address: str | None = None, *, namespace: str | None = None,
                     raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
                                     f"start one with 'pmetal start'") from exc
                 node_address = info["address"]
+                # The running node's own namespace and key file win over this
+                # process's environment; an explicit psk= argument wins over both.
+                security = {**cfg.security.__dict__,
+                            "namespace": info.get("namespace") or cfg.security.namespace}
+                if info.get("psk_file"):
+                    security["psk_file"] = info["psk_file"]
+                cfg = load_config(security=security, transport=cfg.transport.__dict__)
                 if psk is None and info.get("psk_file"):
-                    cfg = load_config(security={**cfg.security.__dict__,
-                                                "psk_file": info["psk_file"],
-                                                "namespace": info.get("namespace",
-                                                                      cfg.security.namespace)},
-                                      transport=cfg.transport.__dict__)
+                    from pathlib import Path
+                    try:
+                        psk = Path(info["psk_file"]).expanduser().read_bytes().strip()
+                    except OSError as exc:
+                        raise ConfigError(f"cannot read the node's PSK file "
+                                          f"{info['psk_file']}: {exc}") from exc
             else:
                 from pmetal.transport import normalize_address
                 node_address = normalize_address(address)
@@ -169,8 +180,10 @@ def client() -> CoreClient:
         raise NotInitializedError("call pmetal.init() first")
     with _lock:
         if _runtime is None:
-            _runtime = _Runtime(CoreClient(current.node_address, current.namespace,
-                                           current.config, current.identity), None)
+            core = CoreClient(current.node_address, current.namespace, current.config,
+                              current.identity)
+            core.self_address = current.address
+            _runtime = _Runtime(core, None)
         return _runtime.client
 
 

@@ -205,8 +205,11 @@ class _ZmqSocket:
     async def _arecv_frames(self, timeout: float | None) -> Frames:
         self._check_open()
         try:
-            return await asyncio.wait_for(self._asock().recv_multipart(copy=False), timeout)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a
+            # cancellation that races the receive completing.
+            async with asyncio.timeout(timeout):
+                return await self._asock().recv_multipart(copy=False)
+        except TimeoutError:
             raise PMetalTimeoutError(f"nothing received on {self.address} within "
                                      f"{timeout:.3g} s") from None
 
@@ -214,8 +217,9 @@ class _ZmqSocket:
         self._check_open()
         timeout = self._cfg.send_timeout if timeout is None else timeout
         try:
-            await asyncio.wait_for(self._asock().send_multipart(frames, copy=False), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout):
+                await self._asock().send_multipart(frames, copy=False)
+        except TimeoutError:
             raise BackpressureError(f"peer of {self.address} did not drain its queue within "
                                     f"{timeout:.3g} s") from None
         except zmq.ZMQError as exc:
@@ -277,7 +281,11 @@ class ZmqListener(_ZmqSocket):
     def _close_socket(self) -> None:
         # ZeroMQ closes the listening TCP socket later, in its I/O thread;
         # wait (bounded) for that so the port can be bound again at once.
-        monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        try:
+            monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED)
+        except zmq.ZMQError:  # already closed underneath us: nothing to wait for
+            super()._close_socket()
+            return
         super()._close_socket()
         try:
             if monitor.poll(1000):

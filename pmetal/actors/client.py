@@ -198,7 +198,15 @@ def failure_error(body: Failure, on_death: str = "") -> BaseException:
         return PlacementError(body.message)
     if body.kind == "not_found":
         return ValueError(body.message)
+    builtin = _BUILTIN_ERRORS.get(body.error_type)
+    if builtin is not None:
+        return builtin(body.message)
     return PMetalError(f"{body.error_type}: {body.message}")
+
+
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
+    "AttributeError": AttributeError}
 
 
 class CoreClient:
@@ -220,6 +228,7 @@ class CoreClient:
         self._actor_ids = itertools.count()
         self.calls = 0
         self._send_timeout = config.transport.send_timeout
+        self.self_address = ""   # set in a worker: its own listener's address
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -315,7 +324,12 @@ class CoreClient:
                 if isinstance(reply, Failure):
                     return ObjectRef.of_error(failure_error(reply))
                 assert isinstance(reply, WorkerList)
-                self._task_workers = list(reply.addresses)
+                # A task that starts a task must not queue it behind itself.
+                self._task_workers = [a for a in reply.addresses if a != self.self_address]
+                if not self._task_workers:
+                    return ObjectRef.of_error(PlacementError(
+                        f"{what}: no other task worker is free on this node to run a task "
+                        f"started from inside a task; start the node with more task workers"))
             address = self._task_workers[next(self._next_worker) % len(self._task_workers)]
             link = self.link(address)
             link.check()

@@ -175,6 +175,9 @@ class NodeDaemon:
                     on_ready(self)
                 serve = group.create_task(self._serve())
                 await self._stopping.wait()
+                # interrupt() makes the pending arecv raise ClosedError: a
+                # cancel alone can be lost when it races a completing receive.
+                self.listener.interrupt()
                 serve.cancel()
                 for task in self._cancellable:
                     task.cancel()
@@ -646,4 +649,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run main() of the imported module, not of __main__, so that module
+    # state lives in one module object.
+    from pmetal.actors import node as _node
+    sys.exit(_node.main())

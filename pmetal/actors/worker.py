@@ -291,4 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run main() of the imported module: CURRENT must be set on the module
+    # that pmetal.api imports, not on __main__.
+    from pmetal.actors import worker as _worker
+    sys.exit(_worker.main())

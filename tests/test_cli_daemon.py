@@ -1,0 +1,316 @@
+"""``pmetal start``, ``status`` and ``stop``: real daemons on 127.0.0.1.
+
+Every command runs as a real process (``python -m pmetal``) with a private
+PMETAL_HOME, every wait has a deadline, and a fixture kills any node a
+failing test left behind (by the pid its node.json recorded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pmetal.cli import main
+
+COMMAND_TIMEOUT = 40.0
+"""Deadline of one ``pmetal`` command (start waits for the node's ready line)."""
+EXIT_TIMEOUT = 10.0
+"""How long a stopped node's (or worker's) process may take to disappear."""
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private PMETAL_HOME; any node still recorded there is killed at teardown."""
+    for key in list(os.environ):
+        if key.startswith("PMETAL_"):
+            monkeypatch.delenv(key)
+    folder = tmp_path / "home"
+    monkeypatch.setenv("PMETAL_HOME", str(folder))
+    yield folder
+    _kill_recorded_node(folder)
+
+
+def _kill_recorded_node(folder: Path) -> None:
+    """Kill the node a test left running in ``folder`` (by its recorded pid)."""
+    record = folder / "node.json"
+    if record.exists():
+        pid = json.loads(record.read_text())["pid"]
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
+    env["PMETAL_HOME"] = str(home)
+    env.update(extra)
+    return env
+
+
+def pmetal(home: Path, *args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pmetal", *args], env=_env(home, **extra_env),
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat_file = Path(f"/proc/{pid}/stat")
+    try:  # a zombie waiting for its parent to reap it has exited
+        return stat_file.read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return not stat_file.parent.exists()  # no /proc (macOS): trust kill(0)
+
+
+def _wait_gone(pid: int, timeout: float = EXIT_TIMEOUT) -> bool:
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _status(home: Path, **extra_env: str) -> dict[str, Any]:
+    done = pmetal(home, "status", "--json", **extra_env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+DRIVER = """
+import pmetal
+info = pmetal.init(address="auto")
+
+@pmetal.remote
+class Counter:
+    def __init__(self):
+        self.n = 0
+    def add(self, k):
+        self.n += k
+        return self.n
+
+c = Counter.options(name="shared_counter").remote()
+print("node", info["node_id"])
+print("sum", pmetal.get([c.add.remote(k) for k in range(1, 5)])[-1])
+"""
+
+
+# ---------------------------------------------------------------- lifecycle
+
+def test_start_status_auto_init_stop(home: Path) -> None:
+    port = free_port()
+    started = pmetal(home, "start", "--port", str(port))
+    assert started.returncode == 0, started.stderr
+    assert "started pmetal node" in started.stdout
+    assert f"tcp://127.0.0.1:{port}" in started.stdout
+
+    record_file = home / "node.json"
+    assert stat.S_IMODE(record_file.stat().st_mode) == 0o600
+    record = json.loads(record_file.read_text())
+    assert record["address"] == f"tcp://127.0.0.1:{port}"
+    assert record["namespace"] == "default"
+    psk = Path(record["psk_file"])
+    assert psk == home / "psk" and stat.S_IMODE(psk.stat().st_mode) == 0o600
+    assert len(psk.read_text().strip()) == 64
+    assert _alive(record["pid"])
+
+    again = pmetal(home, "start", "--port", str(free_port()))
+    assert again.returncode == 1 and "already running" in again.stderr
+
+    status = _status(home)
+    assert status["node_id"] == record["node_id"]
+    assert status["address"] == record["address"]
+    assert status["pid"] == record["pid"]
+    assert status["members"] == [] and status["actors"] == []
+
+    driver = subprocess.run([sys.executable, "-c", DRIVER], env=_env(home), text=True,
+                            capture_output=True, timeout=COMMAND_TIMEOUT, check=False)
+    assert driver.returncode == 0, driver.stderr
+    assert f"node {record['node_id']}" in driver.stdout
+    assert "sum 10" in driver.stdout
+
+    status = _status(home)
+    [actor] = status["actors"]
+    assert (actor["name"], actor["class_name"], actor["state"], actor["incarnation"]) == \
+        ("shared_counter", "Counter", "alive", 0)
+    assert status["statistics"]["actors_created"] == 1
+    worker_pids = [w["pid"] for w in status["workers"]]
+    assert worker_pids
+
+    text = pmetal(home, "status")
+    assert text.returncode == 0, text.stderr
+    for expected in (record["node_id"], "NODES (1)", "WORKERS", "ACTORS (1)",
+                     "shared_counter", "alive"):
+        assert expected in text.stdout
+
+    stopped = pmetal(home, "stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"stopped pmetal node {record['node_id']}" in stopped.stdout
+    assert _wait_gone(record["pid"])
+    assert all(_wait_gone(pid) for pid in worker_pids)  # workers follow their node
+    assert not record_file.exists()
+
+    assert "no pmetal node is running" in pmetal(home, "stop").stdout
+    after = pmetal(home, "status")
+    assert after.returncode == 1 and "no pmetal node is running" in after.stderr
+
+
+def test_namespace_and_psk_file_reach_the_node_and_auto_init(home: Path,
+                                                             tmp_path: Path) -> None:
+    key = tmp_path / "lab.psk"
+    assert main(["keygen", "--out", str(key)]) == 0
+    started = pmetal(home, "start", "--port", "0", "--namespace", "lab",
+                     "--psk-file", str(key), "--no-discovery")
+    assert started.returncode == 0, started.stderr
+    assert not (home / "psk").exists()  # no default key when one was given
+    record = json.loads((home / "node.json").read_text())
+    assert (record["namespace"], record["psk_file"]) == ("lab", str(key))
+    # A PMETAL_PSK meant for something else does not override the recorded file.
+    assert _status(home, PMETAL_PSK="some-other-psk-of-enough-length")["namespace"] == "lab"
+
+    driver = subprocess.run([sys.executable, "-c", DRIVER], env=_env(home), text=True,
+                            capture_output=True, timeout=COMMAND_TIMEOUT, check=False)
+    assert driver.returncode == 0, driver.stderr
+    assert "sum 10" in driver.stdout
+
+    assert pmetal(home, "stop").returncode == 0
+    assert _wait_gone(record["pid"])
+
+
+def test_block_stays_in_the_foreground_until_stopped(home: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "pmetal", "start", "--port", "0", "--block"],
+                            env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        lines = []
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not any("Ctrl-C stops it" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            lines.append(proc.stdout.readline())
+        record = json.loads((home / "node.json").read_text())
+        assert _status(home)["node_id"] == record["node_id"]
+
+        proc.send_signal(signal.SIGINT)  # Ctrl-C, delivered to the command only
+        assert proc.wait(COMMAND_TIMEOUT) == 0, proc.stderr.read() if proc.stderr else ""
+        assert _wait_gone(record["pid"])
+        assert not (home / "node.json").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdout, proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+# ------------------------------------------------------------------- errors
+
+def test_node_that_cannot_bind_reports_why(home: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = pmetal(home, "start", "--port", str(port))
+    assert started.returncode == 1
+    assert "the node exited at start" in started.stderr
+    assert not (home / "node.json").exists()
+
+
+def test_stale_record_is_reported_then_cleared(home: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=True)
+    pid = int(gone.stdout)
+    home.mkdir(parents=True)
+    (home / "node.json").write_text(json.dumps({"address": "tcp://127.0.0.1:9", "pid": pid,
+                                                "node_id": "x", "namespace": "default",
+                                                "psk_file": ""}))
+    status = pmetal(home, "status")
+    assert status.returncode == 1 and "is not running" in status.stderr
+    stopped = pmetal(home, "stop")
+    assert stopped.returncode == 0 and "was not running" in stopped.stdout
+    assert not (home / "node.json").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--peers", "no-port-here"], "--peers"),
+    (["--port", "70000"], "transport.port"),
+    (["--namespace", ""], "security.namespace"),
+])
+def test_bad_start_options_are_configuration_errors(home: Path, args: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["start", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert not (home / "node.json").exists()
+
+
+def test_short_psk_is_refused_before_starting(home: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    key = tmp_path / "short.psk"
+    key.write_text("too-short\n")
+    key.chmod(0o600)
+    assert main(["start", "--psk-file", str(key)]) == 2
+    assert "PSK" in capsys.readouterr().err
+    assert not (home / "node.json").exists()
+
+
+TWO_NODES = """
+import os
+import pmetal
+pmetal.init(address="auto")
+here, there = (n["NodeID"] for n in pmetal.nodes())
+
+@pmetal.remote
+class Where:
+    def home(self):
+        return os.environ["PMETAL_HOME"]
+
+print("placed in", pmetal.get(Where.options(node=there).remote().home.remote()))
+print("cpus", pmetal.cluster_resources()["CPU"])
+"""
+
+
+def test_second_node_joins_with_peers_and_hosts_actors(home: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other-home"
+    key = tmp_path / "shared.psk"
+    assert main(["keygen", "--out", str(key)]) == 0
+    first = pmetal(home, "start", "--port", "0", "--psk-file", str(key))
+    assert first.returncode == 0, first.stderr
+    address = json.loads((home / "node.json").read_text())["address"]
+    second = pmetal(other, "start", "--port", "0", "--psk-file", str(key),
+                    "--peers", address.removeprefix("tcp://"))
+    try:
+        assert second.returncode == 0, second.stderr
+        deadline = time.monotonic() + EXIT_TIMEOUT  # the join is retried in the background
+        while not _status(home)["members"]:
+            assert time.monotonic() < deadline, "the second node never joined"
+            time.sleep(0.1)
+        driver = subprocess.run([sys.executable, "-c", TWO_NODES], env=_env(home), text=True,
+                                capture_output=True, timeout=COMMAND_TIMEOUT, check=False)
+        assert driver.returncode == 0, driver.stderr
+        assert f"placed in {other}" in driver.stdout
+        assert f"cpus {float(2 * (os.cpu_count() or 1))}" in driver.stdout
+        assert pmetal(other, "stop").returncode == 0
+        assert pmetal(home, "stop").returncode == 0
+    finally:
+        _kill_recorded_node(other)
