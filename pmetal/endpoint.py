@@ -568,6 +568,18 @@ class Channel:
         reply or as unsolicited; raises PMetalTimeoutError when none came."""
         self._file(self._dialer.recv(timeout))
 
+    def reserve(self, count: int) -> list[int]:
+        """Correlation ids for replies that answer one message sent with
+        :meth:`send` (a batch whose parts are answered one by one)."""
+        corrs = [next(self._corr) for _ in range(count)]
+        self._waiting.update(corrs)
+        self._counts["requests"] += count
+        return corrs
+
+    def pending(self) -> int:
+        """Requests sent whose replies have not been taken."""
+        return len(self._waiting)
+
     def arrived(self) -> list[int]:
         """Correlation ids whose replies have arrived and not been taken."""
         return list(self._replies)

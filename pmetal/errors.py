@@ -134,7 +134,10 @@ class RemoteError(PMetalError):
 
     def __init__(self, error_type: str, message: str, remote_traceback: str = "", *,
                  cause: BaseException | None = None) -> None:
-        super().__init__(error_type, message)
+        # Exception.__init__, not super(): in the dual class made for a remote
+        # ValueError (or a user's exception type) super() would reach the
+        # original type's __init__, whose signature is unknown.
+        Exception.__init__(self, error_type, message)
         self.error_type = error_type
         self.remote_message = message
         self.remote_traceback = remote_traceback

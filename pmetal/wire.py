@@ -63,6 +63,7 @@ __all__ = [
     "Ack",
     "ActorLocation",
     "Call",
+    "CallBatch",
     "Confirm",
     "CreateActor",
     "Envelope",
@@ -141,6 +142,7 @@ class Kind(enum.IntEnum):
     RUN_TASK = 42
     RESULT = 43
     FAILURE = 44
+    CALL_BATCH = 45
 
 
 class Message:
@@ -334,6 +336,8 @@ class LookupActor(Message):
     name: str = ""
     min_incarnation: int = 0
     wait: float = 0.0
+    local: bool = False
+    """Answer from this node's own actors only (a node asking its peers)."""
 
 
 @_message(Kind.KILL_ACTOR)
@@ -440,6 +444,19 @@ class Failure(Message):
     message: str
     traceback: str = ""
     exception: Any = None
+
+
+@_message(Kind.CALL_BATCH)
+class CallBatch(Message):
+    """Several calls to one actor in one message (one-way). ``calls`` holds
+    ``[method, args, kwargs]`` triples; the worker answers each call on its
+    own, as soon as it is done, with the correlation id in ``corrs`` at the
+    same position, so a batch never holds a result back. Callers batch only
+    calls queued behind others, so a lone call never waits."""
+
+    actor_id: str
+    calls: list
+    corrs: tuple[int, ...]
 
 
 # ------------------------------------------------------------ field checks

@@ -32,8 +32,9 @@ from pmetal.errors import (ActorDiedError, GetTimeoutError, PeerError, PMetalErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (ActorLocation, Call, CreateActor, Envelope, Failure, KillActor,
-                         LeaseWorkers, LookupActor, Message, Result, RunTask, Shutdown,
+from pmetal.wire import (ActorLocation, Call, CallBatch, CreateActor, Envelope, Failure, KillActor,
+                         LeaseWorkers, LookupActor, Message, Result, RunTask,
+                         Shutdown,
                          Status, StatusRequest, WorkerList)
 
 __all__ = ["CoreClient", "ObjectRef", "PeerLink"]
@@ -58,6 +59,8 @@ def _plain(args: list[Any]) -> bool:
 def _call_name(handle: Any, method: str) -> str:
     return f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
 _EVENTS = int(zmq.EVENTS)
+_BATCH_MAX = 256          # calls per CallBatch
+_FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
 
 
 class PeerLink:
@@ -72,6 +75,9 @@ class PeerLink:
         self.dead = ""
         self.functions: set[str] = set()   # remote functions this worker already has
         self.refs: dict[int, ObjectRef] = {}
+        # Calls queued behind calls in flight, sent together as one CallBatch.
+        self.outbox: list[tuple[ObjectRef, list[Any]]] = []
+        self.outbox_actor = ""
 
     def check(self) -> None:
         """Read connection events; a disconnect marks the link dead."""
@@ -87,7 +93,10 @@ class PeerLink:
         self.channel.abandon()
         for ref in self.refs.values():
             ref._fail_link(why)
+        for ref, _ in self.outbox:
+            ref._fail_link(why)
         self.refs.clear()
+        self.outbox.clear()
 
     def close(self) -> None:
         self.monitor.close(linger=0)
@@ -229,6 +238,9 @@ class CoreClient:
         self.calls = 0
         self._send_timeout = config.transport.send_timeout
         self.self_address = ""   # set in a worker: its own listener's address
+        self._flusher: threading.Thread | None = None
+        self._flush_wanted = threading.Event()
+        self._closing = threading.Event()
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -283,6 +295,20 @@ class CoreClient:
             link = self._actor_link(handle)
             if isinstance(link, BaseException):
                 return ObjectRef.of_error(link)
+            if link.outbox or link.channel.pending():
+                # Calls in flight already: queue this one; queued calls leave
+                # together (at get/wait, when the batch is full, or within
+                # _FLUSH_DELAY), in order. A lone call is never delayed.
+                ref = ObjectRef(self, None, 0, (handle, method))
+                ref._link = link
+                link.outbox.append((ref, [method, args, kwargs]))
+                link.outbox_actor = handle._actor_id
+                self.calls += 1
+                if len(link.outbox) >= _BATCH_MAX:
+                    self._flush(link)
+                else:
+                    self._wake_flusher()
+                return ref
             body = Call(handle._actor_id, method, args, kwargs)
             try:
                 corr = link.channel.submit(body, timeout=self._send_timeout)
@@ -291,6 +317,55 @@ class CoreClient:
                 return ObjectRef.of_error(ActorDiedError(f"{_call_name(handle, method)}: {exc}"))
             self.calls += 1
             return ObjectRef(self, link, corr, (handle, method))
+
+    def _flush(self, link: PeerLink) -> None:
+        """Send the calls queued on ``link`` (lock held)."""
+        entries, link.outbox = link.outbox, []
+        if not entries or link.dead:
+            return
+        refs = [ref for ref, _ in entries]
+        try:
+            if len(entries) == 1:
+                method, args, kwargs = entries[0][1]
+                corr = link.channel.submit(Call(link.outbox_actor, method, args, kwargs),
+                                           timeout=self._send_timeout)
+                refs[0]._corr = corr
+                link.refs[corr] = refs[0]
+            else:
+                corrs = link.channel.reserve(len(entries))
+                link.channel.send(CallBatch(link.outbox_actor, [call for _, call in entries],
+                                            tuple(corrs)), timeout=self._send_timeout)
+                for ref, corr in zip(refs, corrs):
+                    ref._corr = corr
+                    link.refs[corr] = ref
+        except PeerError as exc:
+            link.outbox = entries
+            link.die(str(exc))
+
+    def flush(self) -> None:
+        """Send every queued call now."""
+        with self.lock:
+            for link in list(self.links.values()):
+                if link.outbox:
+                    self._flush(link)
+
+    def _wake_flusher(self) -> None:
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=self._flush_loop, name="pmetal-flush",
+                                             daemon=True)
+            self._flusher.start()
+        self._flush_wanted.set()
+
+    def _flush_loop(self) -> None:
+        """Sends queued calls that no get/wait has sent within _FLUSH_DELAY,
+        so that fire-and-forget calls run even if nobody waits for them."""
+        while not self._closing.is_set():
+            if not self._flush_wanted.wait(timeout=1.0):
+                continue
+            self._flush_wanted.clear()
+            if self._closing.wait(_FLUSH_DELAY):
+                return
+            self.flush()
 
     def _actor_link(self, handle: Any) -> PeerLink | BaseException:
         link = self.links.get(handle._address)
@@ -362,6 +437,7 @@ class CoreClient:
     def get(self, refs: list[ObjectRef], timeout: float | None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
+            self._flush_links(refs)
             for ref in refs:
                 while not ref.done():
                     self._progress([ref], deadline, timeout)
@@ -371,6 +447,7 @@ class CoreClient:
              timeout: float | None) -> tuple[list[ObjectRef], list[ObjectRef]]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
+            self._flush_links(refs)
             while sum(1 for r in refs if r.done()) < num_returns:
                 try:
                     self._progress([r for r in refs if not r.done()], deadline, timeout)
@@ -379,6 +456,11 @@ class CoreClient:
         ready = [r for r in refs if r.done()][:num_returns]
         chosen = set(map(id, ready))
         return ready, [r for r in refs if id(r) not in chosen]
+
+    def _flush_links(self, refs: list[ObjectRef]) -> None:
+        for link in {id(r._link): r._link for r in refs if r._link is not None}.values():
+            if link.outbox:
+                self._flush(link)
 
     def _progress(self, pending: list[ObjectRef], deadline: float | None,
                   timeout: float | None) -> None:
@@ -424,9 +506,11 @@ class CoreClient:
         channel = link.channel
         refs = link.refs
         for corr in channel.arrived():
-            ref = refs.pop(corr, None)
             env = channel.take(corr)
-            if ref is not None and env is not None:
+            if env is None:
+                continue
+            ref = refs.pop(corr, None)
+            if ref is not None:
                 ref._settle(env)
 
     # --------------------------------------------------------------- cluster
@@ -441,6 +525,10 @@ class CoreClient:
         self.request_node(Shutdown("driver shut down"), timeout=timeout)
 
     def close(self) -> None:
+        self._closing.set()
+        self._flush_wanted.set()
+        if self._flusher is not None:
+            self._flusher.join(timeout=2.0)
         with self.lock:
             for link in self.links.values():
                 link.close()

@@ -380,7 +380,12 @@ class NodeDaemon:
                            f"no node has resources {need}; this cluster's nodes have "
                            f"{self._cluster_resources()}")
         name = options.get("name") or ""
-        if name and name in self.names and self.actors[self.names[name]].state != "dead":
+        taken = name and name in self.names and self.actors[self.names[name]].state != "dead"
+        if name and not taken:
+            # Names are unique in the cluster, not just on this node.
+            found = await self._find_remote(LookupActor(name=name))
+            taken = found is not None and found.state != "dead"
+        if taken:
             return Failure("bad_request", "ValueError",
                            f"an actor named {name!r} already exists; pick another name or "
                            f"use pmetal.get_actor({name!r})")
@@ -440,9 +445,9 @@ class NodeDaemon:
         actor_id = body.actor_id or self.names.get(body.name, "")
         record = self.actors.get(actor_id)
         if record is None:
-            for member in list(self.members.values()):
-                found = await self._ask(member, body)
-                if isinstance(found, ActorLocation):
+            if not body.local:
+                found = await self._find_remote(body)
+                if found is not None:
                     return found
             what = f"named {body.name!r}" if body.name else actor_id
             return Failure("not_found", "ValueError", f"no actor {what} in this cluster")
@@ -457,6 +462,15 @@ class NodeDaemon:
             except asyncio.TimeoutError:
                 break
         return self._locate(record)
+
+    async def _find_remote(self, body: LookupActor) -> ActorLocation | None:
+        """Ask every member for an actor (its own actors only: no loops)."""
+        query = LookupActor(body.actor_id, body.name, body.min_incarnation, body.wait, True)
+        for member in list(self.members.values()):
+            found = await self._ask(member, query)
+            if isinstance(found, ActorLocation):
+                return found
+        return None
 
     def _kill_actor(self, body: KillActor) -> Message:
         record = self.actors.get(body.actor_id)

@@ -32,11 +32,12 @@ from typing import Any
 from pmetal.actors.serialization import load_code, pack_value, unpack_value, unpack_values
 from pmetal.config import PMetalConfig, load_config, log_level
 from pmetal.endpoint import Channel, Incoming, SecureListener
-from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
+from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
+                           TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, Call, Failure, InitActor, Message, Pickled, Ping, Pong, Result,
+from pmetal.wire import (Ack, Call, CallBatch, Failure, InitActor, Message, Pickled, Ping, Pong, Result,
                          RunTask, Shutdown, WorkerReady)
 
 __all__ = ["Worker", "failure_from", "main"]
@@ -56,6 +57,15 @@ def failure_from(exc: BaseException, kind: str = "user") -> Failure:
     except Exception:  # an exception that cannot be pickled still reports its text
         pickled = None
     return Failure(kind, type(exc).__qualname__, str(exc), tb, pickled)
+
+
+_BAD_ENTRY = Failure("bad_request", "ProtocolError",
+                     "a batch entry is not [method, args, kwargs]")
+
+
+def _well_formed(entry: Any) -> bool:
+    return (type(entry) is list and len(entry) == 3 and type(entry[0]) is str
+            and type(entry[1]) is list and type(entry[2]) is dict)
 
 
 def _user_traceback(exc: BaseException) -> BaseException:
@@ -83,6 +93,7 @@ class Worker:
         self.max_concurrency = 1
         self._functions: dict[str, Any] = {}
         self._stop = False
+        self._group: asyncio.TaskGroup | None = None
         self.calls = 0
 
     @property
@@ -114,6 +125,9 @@ class Worker:
         listener = self.listener
         while not self._stop:
             incoming = listener.recv()
+            if type(incoming.body) is CallBatch:
+                self._call_batch(incoming)
+                continue
             reply = self._handle(incoming.body)
             if incoming.envelope.corr and reply is not None:
                 self._reply(incoming, reply)
@@ -165,12 +179,11 @@ class Worker:
             return failure_from(_user_traceback(exc))
         return Ack(os.getpid())
 
-    def _method(self, body: Call) -> Any:
-        if self.instance is None or body.actor_id != self.actor_id:
+    def _method(self, actor_id: str, name: str) -> Any:
+        if self.instance is None or actor_id != self.actor_id:
             return Failure("actor_died", "ActorDiedError",
-                           f"actor {body.actor_id} does not live in this worker (it was "
+                           f"actor {actor_id} does not live in this worker (it was "
                            f"killed or restarted elsewhere)")
-        name = body.method
         method = getattr(self.instance, name, None) if not name.startswith("__") else None
         if method is None or not callable(method):
             return Failure("no_such_method", "AttributeError",
@@ -178,17 +191,38 @@ class Worker:
         return method
 
     def _call(self, body: Call) -> Message:
-        method = self._method(body)
+        return self._invoke(body.actor_id, body.method, body.args, body.kwargs)
+
+    def _invoke(self, actor_id: str, name: str, args: list[Any],
+                kwargs: dict[str, Any]) -> Message:
+        method = self._method(actor_id, name)
         if isinstance(method, Failure):
             return method
         self.calls += 1
         try:
-            kwargs = body.kwargs
-            value = method(*unpack_values(body.args),
+            value = method(*unpack_values(args),
                            **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
             return Result(pack_value(value))
         except Exception as exc:
             return failure_from(_user_traceback(exc))
+
+    def _call_batch(self, incoming: Incoming) -> None:
+        """Run a batch in order, answering each call as soon as it is done."""
+        body: CallBatch = incoming.body  # type: ignore[assignment]
+        if len(body.corrs) != len(body.calls):
+            return
+        for entry, corr in zip(body.calls, body.corrs):
+            reply = self._invoke(body.actor_id, *entry) if _well_formed(entry) else _BAD_ENTRY
+            self._send_reply(incoming, reply, corr)
+
+    def _send_reply(self, incoming: Incoming, reply: Message, corr: int) -> None:
+        try:
+            try:
+                self.listener.send(incoming.route, reply, corr=corr)
+            except TypeError as exc:  # a result that cannot be packed
+                self.listener.send(incoming.route, failure_from(exc), corr=corr)
+        except (TransportError, PMetalTimeoutError) as exc:
+            log.warning("could not reply to %s: %s", incoming.peer, exc)
 
     def _task(self, body: RunTask) -> Message:
         fn = self._functions.get(body.fn_id)
@@ -215,6 +249,7 @@ class Worker:
                                                         thread_name_prefix="pmetal-actor")
         try:
             async with asyncio.TaskGroup() as group:
+                self._group = group
                 while not self._stop:
                     try:
                         incoming = await self.listener.arecv()
@@ -225,27 +260,58 @@ class Worker:
         finally:
             threads.shutdown(wait=False, cancel_futures=True)
 
+    async def _invoke_async(self, actor_id: str, name: str, args: list[Any],
+                            kwargs: dict[str, Any],
+                            threads: concurrent.futures.Executor) -> Message:
+        method = self._method(actor_id, name)
+        if isinstance(method, Failure):
+            return method
+        self.calls += 1
+        try:
+            a = unpack_values(args)
+            kw = {k: unpack_value(v) for k, v in kwargs.items()}
+            if inspect.iscoroutinefunction(method):
+                value = await method(*a, **kw)
+            else:
+                value = await asyncio.get_running_loop().run_in_executor(
+                    threads, lambda: method(*a, **kw))
+            return Result(pack_value(value))
+        except Exception as exc:
+            return failure_from(_user_traceback(exc))
+
+    async def _batch_entry_async(self, incoming: Incoming, entry: Any, corr: int,
+                                 limit: asyncio.Semaphore,
+                                 threads: concurrent.futures.Executor) -> None:
+        try:
+            body = incoming.body
+            reply = (await self._invoke_async(body.actor_id, *entry, threads)  # type: ignore[attr-defined]
+                     if _well_formed(entry) else _BAD_ENTRY)
+            try:
+                await self.listener.asend(incoming.route, reply, corr=corr)
+            except TypeError as exc:
+                await self.listener.asend(incoming.route, failure_from(exc), corr=corr)
+        except (TransportError, PMetalTimeoutError) as exc:
+            log.warning("could not reply to %s: %s", incoming.peer, exc)
+        finally:
+            limit.release()
+
     async def _handle_async(self, incoming: Incoming, limit: asyncio.Semaphore,
                             threads: concurrent.futures.Executor) -> None:
         try:
             body = incoming.body
             if type(body) is Call:
-                method = self._method(body)  # type: ignore[arg-type]
-                if isinstance(method, Failure):
-                    reply: Message = method
-                else:
-                    self.calls += 1
-                    args = unpack_values(body.args)  # type: ignore[attr-defined]
-                    kwargs = {k: unpack_value(v) for k, v in body.kwargs.items()}  # type: ignore[attr-defined]
-                    try:
-                        if inspect.iscoroutinefunction(method):
-                            value = await method(*args, **kwargs)
-                        else:
-                            value = await asyncio.get_running_loop().run_in_executor(
-                                threads, lambda: method(*args, **kwargs))
-                        reply = Result(pack_value(value))
-                    except Exception as exc:
-                        reply = failure_from(_user_traceback(exc))
+                reply: Message = await self._invoke_async(
+                    body.actor_id, body.method, body.args, body.kwargs, threads)  # type: ignore[attr-defined]
+            elif type(body) is CallBatch:
+                # Each call of the batch is its own task: an async or threaded
+                # actor runs them concurrently and answers each when done.
+                if len(body.corrs) == len(body.calls):  # type: ignore[attr-defined]
+                    for entry, corr in zip(body.calls, body.corrs):  # type: ignore[attr-defined]
+                        await limit.acquire()
+                        assert self._group is not None
+                        self._group.create_task(
+                            self._batch_entry_async(incoming, entry, corr, limit, threads))
+                return
             else:
                 reply = self._handle(body) or Ack()
             if incoming.envelope.corr:
