@@ -54,6 +54,10 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     env = dict(os.environ)
     env["PMETAL_PSK"] = namespace.psk.decode("latin-1")
     env["PMETAL_SECURITY_NAMESPACE"] = namespace.name
+    # Workers import user code by reference: give them the driver's import
+    # path (its script folder, the current folder), as Ray does for a job.
+    here = [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(here))
     cmd = [sys.executable, "-m", "pmetal.actors.node", "--embedded", "--host", "127.0.0.1",
            "--port", "0", "--resources", json.dumps(resources or {})]
     if num_workers is not None:

@@ -254,6 +254,12 @@ class CoreClient:
             if link is not None:
                 link.close()
             link = self.links[address] = PeerLink(self, address)
+            # A worker busy in a long call answers the handshake only after
+            # it: wait as long as for a request, not the short handshake time.
+            try:
+                link.channel.open(timeout=self.config.transport.request_timeout)
+            except PMetalError as exc:
+                link.die(f"cannot open a session with {address}: {exc}")
         return link
 
     def request_node(self, body: Message, timeout: float | None = None) -> Message:
@@ -434,13 +440,20 @@ class CoreClient:
 
     # ---------------------------------------------------------------- results
 
+    # A waiting get/wait holds the client lock for at most this long at a
+    # time, so other threads (or an async actor's other calls) can submit.
+    _SLICE_MS = 50
+
     def get(self, refs: list[ObjectRef], timeout: float | None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             self._flush_links(refs)
-            for ref in refs:
-                while not ref.done():
-                    self._progress([ref], deadline, timeout)
+        for ref in refs:
+            while not ref.done():
+                with self.lock:
+                    if not ref.done():
+                        self._progress([ref], deadline, timeout)
+                time.sleep(0)  # let a thread queued on the lock take it
         return [ref.result() for ref in refs]
 
     def wait(self, refs: list[ObjectRef], num_returns: int,
@@ -448,11 +461,13 @@ class CoreClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             self._flush_links(refs)
-            while sum(1 for r in refs if r.done()) < num_returns:
-                try:
+        while sum(1 for r in refs if r.done()) < num_returns:
+            try:
+                with self.lock:
                     self._progress([r for r in refs if not r.done()], deadline, timeout)
-                except GetTimeoutError:
-                    break
+            except GetTimeoutError:
+                break
+            time.sleep(0)
         ready = [r for r in refs if r.done()][:num_returns]
         chosen = set(map(id, ready))
         return ready, [r for r in refs if id(r) not in chosen]
@@ -477,13 +492,13 @@ class CoreClient:
             items.append((link.socket, _POLLIN))
             items.append((link.monitor, _POLLIN))
         if deadline is None:
-            ms = -1
+            ms = self._SLICE_MS
         else:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise GetTimeoutError(f"result not ready within {timeout:.3g} s; the call "
                                       f"goes on, call pmetal.get again to keep waiting")
-            ms = max(1, int(remaining * 1000))
+            ms = min(self._SLICE_MS, max(1, int(remaining * 1000)))
         ready = {sock for sock, ev in zmq_poll(items, ms) if ev}
         for link in list(links.values()):
             if link.monitor in ready:

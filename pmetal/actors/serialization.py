@@ -88,7 +88,10 @@ def code_ref(obj: Any) -> tuple[str, CodeRef]:
             found = _resolve(module, qualname)
         except (ImportError, AttributeError):
             found = None
-        if found is obj:
+        # The module's name may hold the @pmetal.remote wrapper of obj.
+        from pmetal.actors.handles import ActorClass, RemoteFunction
+        if found is obj or (isinstance(found, (ActorClass, RemoteFunction))
+                            and found.__wrapped__ is obj):
             ref = f"{module}:{qualname}"
             return ref, ref
     payload = Pickled.dumps(obj)
@@ -107,7 +110,9 @@ def load_code(ref: CodeRef) -> Any:
     if isinstance(ref, Pickled):
         return ref.load()
     module, _, qualname = ref.partition(":")
-    return _resolve(module, qualname)
+    found = _resolve(module, qualname)
+    from pmetal.actors.handles import ActorClass, RemoteFunction
+    return found.__wrapped__ if isinstance(found, (ActorClass, RemoteFunction)) else found
 
 
 # ---------------------------------------------------------------- exceptions
