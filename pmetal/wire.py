@@ -348,7 +348,9 @@ class KillActor(Message):
 
 @_message(Kind.LEASE_WORKERS)
 class LeaseWorkers(Message):
-    """Ask a node for the addresses of its task workers (remote functions)."""
+    """Ask a node for the addresses of its task workers (remote functions).
+    ``count`` > 0: lend that many workers to the asker alone (a task that
+    starts tasks), taken from the idle pool."""
 
     count: int = 0
 

@@ -376,9 +376,14 @@ class CoreClient:
     def _actor_link(self, handle: Any) -> PeerLink | BaseException:
         link = self.links.get(handle._address)
         if link is not None and not link.dead:
-            # Death shows up while waiting for results (the monitor socket is
-            # polled with the data socket), so the fast path checks nothing.
-            return link
+            # With calls in flight, a death shows up while waiting for their
+            # results (the monitor is polled with the data socket). An idle
+            # link may have died unnoticed: look before sending to it.
+            if link.channel.pending() or link.outbox:
+                return link
+            link.check()
+            if not link.dead:
+                return link
         if link is None and handle._state == "alive":
             return self.link(handle._address)
         # The worker we knew died: ask the node for the actor's new home.
@@ -400,29 +405,57 @@ class CoreClient:
         args, kwargs = self._resolve_args(args, kwargs)
         what = f"remote function {name}"
         with self.lock:
-            if not self._task_workers:
-                reply = self.request_node(LeaseWorkers())
-                if isinstance(reply, Failure):
-                    return ObjectRef.of_error(failure_error(reply))
-                assert isinstance(reply, WorkerList)
-                # A task that starts a task must not queue it behind itself.
-                self._task_workers = [a for a in reply.addresses if a != self.self_address]
-                if not self._task_workers:
-                    return ObjectRef.of_error(PlacementError(
-                        f"{what}: no other task worker is free on this node to run a task "
-                        f"started from inside a task; start the node with more task workers"))
-            address = self._task_workers[next(self._next_worker) % len(self._task_workers)]
-            link = self.link(address)
-            link.check()
-            if link.dead:
-                self._task_workers = []
-                return ObjectRef.of_error(ActorDiedError(f"{what}: {link.dead}"))
+            link = self._task_link(what)
+            if isinstance(link, BaseException):
+                return ObjectRef.of_error(link)
             ref_body = None if fn_id in link.functions else fn_ref
             corr = link.channel.submit(RunTask(fn_id, ref_body, args, kwargs),
                                        timeout=self._send_timeout)
             link.functions.add(fn_id)
             self.calls += 1
             return ObjectRef(self, link, corr, what)
+
+    def _task_link(self, what: str) -> PeerLink | BaseException:
+        """A live link to one of this node's task workers (round robin). A
+        dead worker makes us ask the node again: it starts replacements."""
+        for _ in range(3):
+            if not self._task_workers:
+                # Inside a worker, ask for a worker of our own (see node._lease).
+                reply = self.request_node(LeaseWorkers(1 if self.self_address else 0))
+                if isinstance(reply, Failure):
+                    return failure_error(reply)
+                assert isinstance(reply, WorkerList)
+                # A task that starts a task must not queue it behind itself.
+                self._task_workers = [a for a in reply.addresses if a != self.self_address]
+                if not self._task_workers:
+                    return PlacementError(
+                        f"{what}: no other task worker is free on this node to run a task "
+                        f"started from inside a task; start the node with more task workers")
+            address = self._task_workers[next(self._next_worker) % len(self._task_workers)]
+            known = self.links.get(address)
+            if known is not None:
+                known.check()
+                if known.dead:
+                    self._task_workers = []
+                    continue
+            link = self.link(address)
+            if not link.dead:
+                return link
+            self._task_workers = []
+        return ActorDiedError(f"{what}: no task worker of this node answers")
+
+    def check_placement(self, options: dict[str, Any], what: str) -> None:
+        """Raise PlacementError now if no node could ever run this."""
+        need = {k: float(v) for k, v in (options.get("resources") or {}).items()}
+        if options.get("num_cpus"):
+            need["CPU"] = float(options["num_cpus"])
+        if not need:
+            return
+        info = self.status()
+        nodes = [info["resources"], *(m["resources"] for m in info["members"])]
+        if not any(all(n.get(k, 0.0) >= v for k, v in need.items()) for n in nodes):
+            raise PlacementError(f"{what} needs {need}, but no node has that much; the "
+                                 f"nodes have {nodes}")
 
     def _resolve_args(self, args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         from pmetal.actors.serialization import pack_value

@@ -49,6 +49,7 @@ class RemoteFunction:
         self._fn = fn
         self._options = _check_options(options, f"@pmetal.remote {fn.__qualname__}")
         self._code: tuple[str, Any] | None = None
+        self._placement_checked: Any = None   # the client that checked the resources
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", "remote_function")
@@ -58,7 +59,11 @@ class RemoteFunction:
         if self._code is None:
             self._code = code_ref(self._fn)
         fn_id, ref = self._code
-        return _client().run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__)
+        client = _client()
+        if self._placement_checked is not client:
+            client.check_placement(self._options, f"remote function {self._fn.__qualname__}")
+            self._placement_checked = client
+        return client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})

@@ -247,12 +247,13 @@ class NodeDaemon:
         if kind is KillActor:
             return self._kill_actor(body)  # type: ignore[arg-type]
         if kind is LeaseWorkers:
-            self._later(incoming, self._lease())
+            self._later(incoming, self._lease(body.count))  # type: ignore[attr-defined]
             return None
         if kind is StatusRequest:
             return Status(self.status())
         if kind is NodeJoin:
-            return self._member_joined(body)  # type: ignore[arg-type]
+            self._later(incoming, self._member_joined(body))  # type: ignore[arg-type]
+            return None
         if kind is Shutdown:
             log.info("shutdown requested by %s: %s", incoming.peer, body.reason)  # type: ignore[attr-defined]
             asyncio.get_running_loop().call_soon(self.stop)
@@ -485,8 +486,21 @@ class NodeDaemon:
             record.notify()
         return Ack()
 
-    async def _lease(self) -> Message:
+    async def _lease(self, lend: int = 0) -> Message:
         deadline = time.monotonic() + self.config.transport.connect_timeout
+        if lend > 0:
+            # A task that waits on tasks gets workers of its own from the idle
+            # pool (replaced at once), so nested tasks never queue behind the
+            # busy tasks that wait for them.
+            lent = []
+            for _ in range(min(lend, 4)):
+                try:
+                    worker = await self._take_idle(deadline)
+                except PMetalTimeoutError as exc:
+                    return Failure("placement", "PlacementError", str(exc))
+                worker.role = "lent"
+                lent.append(worker.address)
+            return WorkerList(tuple(lent))
         tasks = [w for w in self.workers.values() if w.role == "task"]
         for w in tasks:
             try:
@@ -507,13 +521,27 @@ class NodeDaemon:
                 total[k] = total.get(k, 0.0) + v
         return total
 
-    def _member_joined(self, body: NodeJoin) -> Message:
+    async def _member_joined(self, body: NodeJoin) -> Message:
+        clone = ("two nodes share one identity (a cloned disk, VM or PMETAL_HOME?); give "
+                 "each node its own ~/.pmetal/node_keypair")
         if body.node_id == self.node_id:
             return Failure("bad_request", "PeerError",
-                           f"node id {body.node_id} is this node's own id: two nodes share one "
-                           f"identity (a cloned disk or PMETAL_HOME?); give each its own")
+                           f"refused: node id {body.node_id} is this node's own id: {clone}")
         known = self.members.get(body.node_id)
-        if known is None or known.address != body.address:
+        if known is not None and known.address != body.address:
+            # Same id, new address: a restart elsewhere, or a clone. The
+            # member we know decides: if it still answers, refuse the newcomer.
+            if isinstance(await self._ask(known, Ping("alive?")), Pong):
+                log.warning("refused node %s at %s: that id is a live member at %s",
+                            body.node_id[:8], body.address, known.address)
+                return Failure("bad_request", "PeerError",
+                               f"refused: node id {body.node_id} is already a live member at "
+                               f"{known.address}: {clone}")
+            if known.channel is not None:
+                known.channel.close()
+            del self.members[body.node_id]
+            known = None
+        if known is None:
             self.members[body.node_id] = Member(body.node_id, body.address,
                                                 {k: float(v) for k, v in body.resources.items()})
             self.epoch += 1
@@ -538,7 +566,9 @@ class NodeDaemon:
                     self.epoch += 1
                     log.info("joined peer %s at %s", member.node_id[:8], address)
                     return
-                log.warning("peer %s refused to join: %s", address, getattr(reply, "message", ""))
+                log.error("peer %s refused to join: %s", address, getattr(reply, "message", ""))
+                channel.close()
+                return
             except PMetalError as exc:
                 log.debug("peer %s not reachable yet: %s", address, exc)
             channel.close()

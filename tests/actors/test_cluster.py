@@ -1,0 +1,364 @@
+"""Several node daemons on one machine forming one cluster.
+
+Three ``python -m pmetal.actors.node`` processes on loopback, each with its
+own ``PMETAL_HOME`` (so its own identity) and the others as static peers,
+one actor worker and one task worker each. The driver joins the first one
+with ``pmetal.init(address=..., psk=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pmetal
+from pmetal import ActorDiedError, HandshakeError, NetworkNamespace, PlacementError
+from pmetal.actors.client import CoreClient
+from pmetal.config import load_config
+from pmetal.identity import KEYPAIR_FILE
+
+from .actor_classes import Counter, square
+from .conftest import (
+    WAIT,
+    assert_all_exit,
+    free_port,
+    parent_pid,
+    pid_alive,
+    read_line,
+    stop_process,
+    wait_until,
+    workers_of,
+)
+
+SECRET = "cluster-test-psk-0123456789-abcdefghijklmnop"
+START_WAIT = 30.0
+"""Deadline for a node daemon to print its ready line (a loaded 2-core box)."""
+
+REQUEST_TIMEOUT = 8.0
+"""Node-to-node and driver-to-node request deadline: a request that hangs
+fails in seconds instead of the default 30 s."""
+
+SPECIAL = 2.0
+"""A custom resource only the third node has."""
+
+
+@dataclass
+class NodeProc:
+    proc: subprocess.Popen[bytes]
+    port: int
+    home: Path
+    address: str = ""
+    node_id: str = ""
+
+    @property
+    def log(self) -> str:
+        return (self.home / "node.log").read_text(errors="replace")
+
+    @property
+    def host_port(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+def start_node(home: Path, port: int, peers: list[int], resources: dict[str, float] | None = None,
+               ) -> NodeProc:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
+    env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
+               PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT))
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
+           "--port", str(port), "--peers", ",".join(f"127.0.0.1:{p}" for p in peers),
+           "--num-workers", "1", "--num-task-workers", "1"]
+    if resources:
+        cmd += ["--resources", json.dumps(resources)]
+    # The log goes to a file: a pipe nobody reads could fill and block the node.
+    with open(home / "node.log", "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=log, env=env)
+    return NodeProc(proc, port, home)
+
+
+def await_ready(node: NodeProc) -> None:
+    line = read_line(node.proc, START_WAIT, f"node on port {node.port}")
+    head, address, node_id = line.split()[:3]
+    assert head == "PMETAL_NODE_READY", line
+    node.address, node.node_id = address, node_id
+    assert address.endswith(f":{node.port}")
+
+
+def stop_node(node: NodeProc) -> None:
+    workers = workers_of(node.address) if node.address else []
+    code = stop_process(node.proc, signal.SIGTERM)
+    assert code is not None, f"node on port {node.port} ignored SIGTERM"
+    assert_all_exit(workers, what=f"workers of the node on port {node.port}")
+
+
+def other_client(node: NodeProc) -> CoreClient:
+    """A second connection, straight to ``node`` (the driver talks to node 0)."""
+    return CoreClient(node.address, NetworkNamespace.resolve(load_config().security, SECRET),
+                      load_config())
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[NodeProc]]:
+    ports = [free_port() for _ in range(3)]
+    started: list[NodeProc] = []
+    try:
+        for i, port in enumerate(ports):
+            home = tmp_path_factory.mktemp(f"node{i}")
+            started.append(start_node(home, port, [p for p in ports if p != port],
+                                      {"special": SPECIAL} if i == 2 else None))
+        for node in started:
+            await_ready(node)
+        assert len({n.node_id for n in started}) == 3, "each node needs its own identity"
+        yield started
+    finally:
+        if pmetal.is_initialized():
+            pmetal.shutdown(timeout=3.0)
+        for node in started:
+            stop_node(node)
+
+
+def connect(node: NodeProc) -> dict[str, Any]:
+    """``pmetal.init`` joining the cluster through ``node``."""
+    return pmetal.init(address=node.host_port, psk=SECRET,
+                       config=load_config(transport={"request_timeout": REQUEST_TIMEOUT}))
+
+
+@pytest.fixture(scope="module")
+def driver(nodes: list[NodeProc]) -> Iterator[dict[str, Any]]:
+    if pmetal.is_initialized():
+        pmetal.shutdown(timeout=3.0)
+    info = connect(nodes[0])
+    assert info["node_id"] == nodes[0].node_id
+    expected = {n.node_id for n in nodes}
+    wait_until(lambda: {n["NodeID"] for n in pmetal.nodes()} == expected, WAIT,
+               what="all three nodes in pmetal.nodes()")
+    yield info
+    pmetal.shutdown(timeout=3.0)
+
+
+def on(node: NodeProc, **options: Any) -> Any:
+    """A Counter placed on ``node``."""
+    return Counter.options(node=node.node_id, **options).remote()
+
+
+def hosted_by(handle: Any, node: NodeProc) -> bool:
+    """Whether ``handle``'s actor runs in a worker process of ``node``."""
+    pid = pmetal.get(handle.pid.remote(), timeout=WAIT)
+    return parent_pid(pid) == node.proc.pid
+
+
+# ---------------------------------------------------------------- members
+
+def test_every_node_sees_every_other(nodes: list[NodeProc], driver: dict[str, Any]) -> None:
+    expected = {n.node_id for n in nodes}
+    listed = pmetal.nodes()
+    assert len(listed) == 3
+    assert {n["NodeID"] for n in listed} == expected
+    assert all(n["Alive"] for n in listed)
+    assert {n["Address"] for n in listed} == {n.address for n in nodes}
+    for node in nodes[1:]:
+        client = other_client(node)
+        try:
+            def members(c: CoreClient = client) -> set[str]:
+                info = c.status()
+                return {info["node_id"], *(m["node_id"] for m in info["members"])}
+            wait_until(lambda: members() == expected, WAIT,
+                       what=f"membership seen by node {node.port}")
+        finally:
+            client.close()
+
+
+def test_cluster_resources_add_up(nodes: list[NodeProc], driver: dict[str, Any]) -> None:
+    total = pmetal.cluster_resources()
+    per_node = [n["Resources"] for n in pmetal.nodes()]
+    assert total["CPU"] == sum(r["CPU"] for r in per_node)
+    assert total["special"] == SPECIAL
+
+
+def test_wrong_psk_is_refused(nodes: list[NodeProc]) -> None:
+    cfg = load_config(transport={"handshake_timeout": 2.0, "connect_timeout": 2.0})
+    wrong = NetworkNamespace(cfg.security.namespace, b"not-the-cluster-psk-0123456789abcdef")
+    with pytest.raises(HandshakeError):
+        CoreClient(nodes[1].address, wrong, cfg)
+
+
+# -------------------------------------------------------------- placement
+
+def test_actor_placed_on_the_chosen_node(nodes: list[NodeProc], driver: dict[str, Any],
+                                         reap: list[Any]) -> None:
+    for node in nodes:
+        actor = on(node)
+        reap.append(actor)
+        assert actor._node_id == node.node_id
+        assert hosted_by(actor, node)
+        assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+
+
+def test_custom_resource_places_on_the_node_that_has_it(nodes: list[NodeProc],
+                                                        driver: dict[str, Any],
+                                                        reap: list[Any]) -> None:
+    actor = Counter.options(resources={"special": 1}).remote()
+    reap.append(actor)
+    assert actor._node_id == nodes[2].node_id
+    assert hosted_by(actor, nodes[2])
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"resources": {"special": SPECIAL + 1}}, "special"),
+    ({"resources": {"GPU": 1}}, "GPU"),
+    ({"node": "ffffffffffffffffffffffffffffffff"}, "ffffffff"),
+])
+def test_placement_nobody_can_satisfy_fails_at_the_call_site(
+        driver: dict[str, Any], options: dict[str, Any], words: str) -> None:
+    with pytest.raises(PlacementError, match=words):
+        Counter.options(**options).remote()
+
+
+def test_actor_names_are_unique_across_the_cluster(nodes: list[NodeProc],
+                                                   driver: dict[str, Any],
+                                                   reap: list[Any]) -> None:
+    first = on(nodes[1], name="cluster-unique")
+    reap.append(first)
+    with pytest.raises(ValueError, match="cluster-unique"):
+        reap.append(on(nodes[2], name="cluster-unique"))
+
+
+# ---------------------------------------------------------------- handles
+
+def test_handles_passed_between_actors_on_different_nodes(nodes: list[NodeProc],
+                                                          driver: dict[str, Any],
+                                                          reap: list[Any]) -> None:
+    a, b = on(nodes[0]), on(nodes[1])
+    reap += [a, b]
+    # An actor on node B calls one on node A through a handle it was given,
+    # and the other way round.
+    assert pmetal.get(b.call.remote(a, "inc", 5), timeout=WAIT) == 5
+    assert pmetal.get(a.call.remote(b, "inc", 7), timeout=WAIT) == 7
+    assert pmetal.get([a.value.remote(), b.value.remote()], timeout=WAIT) == [5, 7]
+    # Calls from B to A keep their order.
+    items = list(range(100))
+    pmetal.get(b.call_many.remote(a, "record", items), timeout=WAIT)
+    assert pmetal.get(a.history.remote(), timeout=WAIT) == items
+
+
+def test_handle_travels_through_a_third_node(nodes: list[NodeProc], driver: dict[str, Any],
+                                             reap: list[Any]) -> None:
+    a, c = on(nodes[0]), on(nodes[2])
+    reap += [a, c]
+    # The driver hands C a handle to A; C returns it; the driver uses it.
+    back = pmetal.get(c.echo.remote(a), timeout=WAIT)
+    assert back == a
+    assert pmetal.get(back.inc.remote(3), timeout=WAIT) == 3
+
+
+def test_actor_on_another_node_runs_remote_functions(nodes: list[NodeProc],
+                                                     driver: dict[str, Any],
+                                                     reap: list[Any]) -> None:
+    c = on(nodes[2])
+    reap.append(c)
+    assert pmetal.get(c.run_function.remote(9), timeout=WAIT) == 81
+    assert pmetal.get(square.remote(5), timeout=WAIT) == 25
+
+
+def test_driver_disconnect_leaves_the_cluster_running(nodes: list[NodeProc],
+                                                      driver: dict[str, Any]) -> None:
+    pmetal.shutdown(timeout=3.0)
+    try:
+        assert all(n.proc.poll() is None for n in nodes)
+        assert all(pid_alive(n.proc.pid) for n in nodes)
+        # A new driver may join through any node and sees the same cluster.
+        connect(nodes[1])
+        assert {n["NodeID"] for n in pmetal.nodes()} == {n.node_id for n in nodes}
+    finally:
+        pmetal.shutdown(timeout=3.0)
+        connect(nodes[0])  # the driver the later tests expect
+
+
+# ------------------------------------------------- finding actors elsewhere
+# These ask a node about an actor that lives on another node.
+
+def test_kill_9_on_another_node_restarts_there(nodes: list[NodeProc], driver: dict[str, Any],
+                                               reap: list[Any]) -> None:
+    actor = on(nodes[1], max_restarts=1)
+    reap.append(actor)
+    assert pmetal.get(actor.inc.remote(4), timeout=WAIT) == 4
+    pid = pmetal.get(actor.pid.remote(), timeout=WAIT)
+    assert parent_pid(pid) == nodes[1].proc.pid
+    pending = actor.block.remote(60)
+    os.kill(pid, signal.SIGKILL)
+    assert_all_exit([pid], what="the SIGKILLed worker")
+    start = time.monotonic()
+    with pytest.raises(ActorDiedError):
+        pmetal.get(pending, timeout=WAIT)
+    assert time.monotonic() - start < 5.0
+    # Restarted on the same node with a fresh state, and found at once.
+    start = time.monotonic()
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+    assert time.monotonic() - start < 5.0, "finding the restarted actor took too long"
+    assert hosted_by(actor, nodes[1])
+
+
+def test_named_actor_on_another_node_is_found(nodes: list[NodeProc], driver: dict[str, Any],
+                                              reap: list[Any]) -> None:
+    actor = on(nodes[2], name="cluster-named")
+    reap.append(actor)
+    found = pmetal.get_actor("cluster-named")
+    assert found._node_id == nodes[2].node_id
+    assert pmetal.get(found.inc.remote(2), timeout=WAIT) == 2
+
+
+def test_get_actor_of_an_unknown_name_fails_promptly(driver: dict[str, Any]) -> None:
+    # Every node is asked and none has it: a clear ValueError, not a hang.
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="cluster-no-such-actor"):
+        pmetal.get_actor("cluster-no-such-actor")
+    assert time.monotonic() - start < 5.0
+
+
+# -------------------------------------------------------------- identity
+
+def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
+                                                       tmp_path_factory: pytest.TempPathFactory
+                                                       ) -> None:
+    # Runs last: when it fails, node 1 is left believing the clone is node 0.
+    # A node started from a copy of node 0's key pair claims node 0's id.
+    # Node 1 already knows node 0: it must refuse the newcomer instead of
+    # re-pointing node 0's membership at the clone.
+    home = tmp_path_factory.mktemp("clone")
+    key = nodes[0].home / KEYPAIR_FILE
+    (home / KEYPAIR_FILE).write_bytes(key.read_bytes())
+    os.chmod(home / KEYPAIR_FILE, 0o600)
+    clone = start_node(home, free_port(), [nodes[1].port])
+    client = other_client(nodes[1])
+    try:
+        await_ready(clone)
+        assert clone.node_id == nodes[0].node_id
+
+        def node0_address() -> str:
+            info = client.status()
+            return next(m["address"] for m in info["members"]
+                        if m["node_id"] == nodes[0].node_id)
+
+        def refused() -> bool:
+            return "refused" in clone.log or clone.proc.poll() is not None
+
+        # Either the clone is refused (right) or node 1 re-points node 0's id
+        # at the clone (wrong); wait for whichever happens first.
+        wait_until(lambda: refused() or node0_address() != nodes[0].address, WAIT,
+                   what="the clone refused or accepted")
+        assert node0_address() == nodes[0].address, "node 1 now believes the clone is node 0"
+        assert "identity" in clone.log, clone.log
+    finally:
+        client.close()
+        stop_node(clone)
