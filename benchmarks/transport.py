@@ -12,6 +12,9 @@ Systems: raw pyzmq DEALER/ROUTER with msgpack (the floor; the same pattern as
 ../shared/anchors/bench_zmq.py), and pmetal in each security mode: ``control``
 (bulk_auth off), ``auth`` (default: everything authenticated) and
 ``encrypt`` (ChaCha20-Poly1305). The servers run in their own processes.
+Shared memory (the same-host path for large arrays) is turned off here so
+that the bulk figures are those of the socket path; the actors suite
+measures the same-host path.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ from benchmarks.common import median, pct, table
 MiB = 1 << 20
 MODES = {"control": {"bulk_auth": False}, "auth": {}, "encrypt": {"encrypt": True}}
 PSK = b"benchmark-psk-not-secret-0123456789"
+# Both ends run on this host, where arrays would go through shared memory:
+# this suite measures the socket path, which is what crosses a network.
+SOCKET_ONLY = {"shm_min_bytes": 0}
 
 
 # ------------------------------------------------------------------ servers
@@ -70,7 +76,7 @@ def _pmetal_server(conn: Any, security: dict[str, Any]) -> None:
     from pmetal.transport import ZmqTransport
     from pmetal.wire import Pong
 
-    cfg = load_config(env={}, security=security)
+    cfg = load_config(env={}, security=security, transport=SOCKET_ONLY)
     listener = SecureListener(ZmqTransport(cfg.transport).listen("tcp://127.0.0.1:0"),
                               NodeIdentity.generate(), NetworkNamespace("bench", PSK), cfg)
     conn.send(listener.address)
@@ -129,7 +135,7 @@ class PMetalClient:
         from pmetal.wire import Ping
 
         self.name = f"pmetal {mode}"
-        cfg = load_config(env={}, security=MODES[mode])
+        cfg = load_config(env={}, security=MODES[mode], transport=SOCKET_ONLY)
         self.channel = Channel(ZmqTransport(cfg.transport).dial(address),
                                NodeIdentity.generate(), NetworkNamespace("bench", PSK), cfg)
         self.channel.open(timeout=10)

@@ -486,7 +486,8 @@ class CoreClient:
                 with self.lock:
                     if not ref.done():
                         self._progress([ref], deadline, timeout)
-                time.sleep(0)  # let a thread queued on the lock take it
+                if not ref.done():
+                    time.sleep(0)  # a long wait: let a thread queued on the lock in
         return [ref.result() for ref in refs]
 
     def wait(self, refs: list[ObjectRef], num_returns: int,
@@ -500,7 +501,8 @@ class CoreClient:
                     self._progress([r for r in refs if not r.done()], deadline, timeout)
             except GetTimeoutError:
                 break
-            time.sleep(0)
+            if sum(1 for r in refs if r.done()) < num_returns:
+                time.sleep(0)  # a long wait: let a thread queued on the lock in
         ready = [r for r in refs if r.done()][:num_returns]
         chosen = set(map(id, ready))
         return ready, [r for r in refs if id(r) not in chosen]

@@ -48,6 +48,7 @@ __all__ = ["NodeDaemon", "NodeStatistics", "main"]
 log = logging.getLogger(__name__)
 
 READY_LINE = "PMETAL_NODE_READY"
+_POOL_DELAY = 0.15
 
 
 @dataclass
@@ -165,10 +166,7 @@ class NodeDaemon:
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
-                for _ in range(self.num_workers):
-                    self._spawn("actor")
-                for _ in range(self.num_task_workers):
-                    self._spawn("task")
+                self._cancellable_task(self._fill_pools())
                 for peer in self.peers:
                     self._cancellable_task(self._join_peer(peer))
                 if on_ready is not None:
@@ -194,6 +192,20 @@ class NodeDaemon:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    async def _fill_pools(self) -> None:
+        # Starting a Python process per worker takes both cores for a few
+        # hundred ms. Give the driver that started us a moment to finish its
+        # handshake first (pmetal.init() returns as soon as it has).
+        try:
+            await asyncio.wait_for(self._stopping.wait(), _POOL_DELAY)
+            return
+        except asyncio.TimeoutError:
+            pass
+        for _ in range(self.num_workers):
+            self._spawn("actor")
+        for _ in range(self.num_task_workers):
+            self._spawn("task")
 
     async def _serve(self) -> None:
         while True:
