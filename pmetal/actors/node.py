@@ -140,6 +140,7 @@ class NodeDaemon:
         self.workers: dict[str, WorkerProc] = {}
         self.idle: list[str] = []
         self.idle_changed = asyncio.Event()
+        self.task_ready = asyncio.Event()
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
         self.members: dict[str, Member] = {}
@@ -301,6 +302,8 @@ class NodeDaemon:
             return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
         worker.address = body.address
         worker.ready.set()
+        if worker.role == "task":
+            self.task_ready.set()
         if worker.role == "actor" and not worker.actor_id:
             self.idle.append(worker.worker_id)
             self.idle_changed.set()
@@ -513,16 +516,21 @@ class NodeDaemon:
                 worker.role = "lent"
                 lent.append(worker.address)
             return WorkerList(tuple(lent))
-        tasks = [w for w in self.workers.values() if w.role == "task"]
-        for w in tasks:
+        while True:
+            ready = tuple(w.address for w in self.workers.values()
+                          if w.role == "task" and w.ready.is_set())
+            if ready:
+                return WorkerList(ready)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return Failure("placement", "PlacementError",
+                               "no task worker became ready on this node in time; the machine "
+                               "may be overloaded")
+            self.task_ready.clear()
             try:
-                await asyncio.wait_for(w.ready.wait(), max(0.0, deadline - time.monotonic()))
+                await asyncio.wait_for(self.task_ready.wait(), remaining)
             except asyncio.TimeoutError:
                 pass
-        ready = tuple(w.address for w in tasks if w.ready.is_set())
-        if not ready:
-            return Failure("placement", "PlacementError", "no task worker is ready on this node")
-        return WorkerList(ready)
 
     # ------------------------------------------------------------ membership
 
