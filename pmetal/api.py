@@ -10,18 +10,15 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import selectors
 import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.handles import ActorHandle
 from pmetal.config import PMetalConfig, load_config
-from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
-                           PMetalTimeoutError)
+from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError)
 from pmetal.security import NetworkNamespace
 
 __all__ = [
@@ -63,28 +60,8 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     if num_workers is not None:
         cmd += ["--num-workers", str(num_workers)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                proc.kill()
-                proc.wait()
-                raise PMetalTimeoutError(f"the local pmetal node did not start within {timeout} s")
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                code = proc.wait()
-                raise PMetalError(f"the local pmetal node exited at start (code {code}); "
-                                  f"its error is printed above")
-            line += chunk
-    from pmetal.actors.node import READY_LINE
-    head, address, _node_id = line.decode().split()[:3]
-    if head != READY_LINE:
-        proc.kill()
-        raise PMetalError(f"unexpected output from the local pmetal node: {line!r}")
+    from pmetal.actors.node import read_ready_line
+    _head, address, _node_id = read_ready_line(proc, timeout).split()[:3]
     return proc, address
 
 

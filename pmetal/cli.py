@@ -370,23 +370,8 @@ def _start_foreground(cmd: list[str], env: dict[str, str], home: Path,
 
 
 def _read_ready_line(proc: subprocess.Popen[bytes]) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + _READY_TIMEOUT
-    line = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                proc.kill()
-                raise PMetalTimeoutError(f"the node did not report ready within "
-                                         f"{_READY_TIMEOUT} s")
-            chunk = os.read(proc.stdout.fileno(), 1)  # stop at the newline: the rest is user output
-            if not chunk:
-                raise PMetalError(f"the node exited at start (code {proc.wait()}); its error "
-                                  f"is printed above")
-            line += chunk
-    return line.decode(errors="replace").strip()
+    from pmetal.actors.node import read_ready_line
+    return read_ready_line(proc, _READY_TIMEOUT)
 
 
 def _print_started(info: dict[str, Any], log_path: Path | None) -> None:

@@ -728,6 +728,14 @@ def _ext_hook(allow_pickle: bool, allow_shm: bool, buffers: list[memoryview], us
 _HOOKS = {(p, m): _no_buffers_hook(p, m) for p in (False, True) for m in (False, True)}
 
 
+def _host_dtype(code: int, dtype_name: Any) -> Any:
+    """The numpy dtype an array of ``dtype_name`` travels as; refuses others."""
+    import numpy as np
+    if dtype_name not in (_MLX_DTYPES if code == _EXT_MLX else _DTYPES):
+        raise ProtocolError(f"array dtype {dtype_name!r} is not allowed")
+    return np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
+
+
 def _attach_array(data: bytes) -> Any:
     try:
         code, dtype_name, shape, name, nbytes = msgpack.unpackb(data, raw=False)
@@ -741,12 +749,9 @@ def _attach_array(data: bytes) -> Any:
         raise
     except Exception as exc:
         raise ProtocolError(f"malformed shared-memory array header: {exc}") from exc
-    allowed = _MLX_DTYPES if code == _EXT_MLX else _DTYPES
-    if dtype_name not in allowed:
-        raise ProtocolError(f"array dtype {dtype_name!r} is not allowed")
+    host_dtype = _host_dtype(code, dtype_name)
     import numpy as np
     from pmetal import shm
-    host_dtype = np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
     if host_dtype.itemsize * math.prod(shape) != nbytes:
         raise ProtocolError(f"shared-memory array {dtype_name}{list(shape)} cannot hold "
                             f"{nbytes} bytes")
@@ -836,10 +841,7 @@ def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[
             raise ValueError("bad frame reference")
     except Exception as exc:
         raise ProtocolError(f"malformed array header: {exc}") from exc
-    allowed = _MLX_DTYPES if code == _EXT_MLX else _DTYPES
-    if dtype_name not in allowed:
-        raise ProtocolError(f"array dtype {dtype_name!r} is not allowed")
-    host_dtype = np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
+    host_dtype = _host_dtype(code, dtype_name)
     lo, hi = first - 1, first - 1 + count
     if count and (lo < 0 or hi > len(buffers) or any(used[lo:hi])):
         raise ProtocolError("array refers to missing or already used buffer frames")

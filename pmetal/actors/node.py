@@ -650,6 +650,35 @@ class NodeDaemon:
 
 # ----------------------------------------------------------------- process
 
+def read_ready_line(proc: Any, timeout: float) -> str:
+    """The ``PMETAL_NODE_READY <address> <node id>`` line a node process prints
+    on stdout when it serves, read byte by byte (what follows is user output)
+    with a deadline. Kills the process when it does not come."""
+    import selectors
+    deadline = time.monotonic() + timeout
+    line = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not sel.select(remaining):
+                proc.kill()
+                proc.wait()
+                raise PMetalTimeoutError(f"the pmetal node did not report ready within "
+                                         f"{timeout:.3g} s")
+            chunk = os.read(proc.stdout.fileno(), 1)
+            if not chunk:
+                raise PMetalError(f"the pmetal node exited at start (code {proc.wait()}); its "
+                                  f"error is printed above")
+            line += chunk
+    text = line.decode(errors="replace").strip()
+    if not text.startswith(READY_LINE + " "):
+        proc.kill()
+        proc.wait()
+        raise PMetalError(f"unexpected output from the pmetal node: {text!r}")
+    return text
+
+
 def node_file(home: Any = None) -> Any:
     """``~/.pmetal/node.json``: where ``address="auto"`` and ``pmetal stop``
     find the daemon running on this machine."""
