@@ -49,7 +49,8 @@ class _Runtime:
 def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: int | None,
                 resources: dict[str, float] | None, timeout: float) -> tuple[Any, str]:
     env = dict(os.environ)
-    env["PMETAL_PSK"] = namespace.psk.decode("latin-1")
+    env.pop("PMETAL_PSK", None)
+    env["PMETAL_PSK_HEX"] = namespace.psk.hex()
     env["PMETAL_SECURITY_NAMESPACE"] = namespace.name
     # Workers import user code by reference: give them the driver's import
     # path (its script folder, the current folder), as Ray does for a job.
@@ -62,7 +63,29 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
     from pmetal.actors.node import read_ready_line
     _head, address, _node_id = read_ready_line(proc, timeout).split()[:3]
+    # Workers print to the node's stdout, a pipe to us: keep draining it (to
+    # our stdout, as Ray forwards its workers' output), or a chatty actor
+    # blocks once the pipe's buffer is full. Ends when the node exits.
+    threading.Thread(target=_forward_output, args=(proc.stdout.fileno(),),
+                     name="pmetal-node-output", daemon=True).start()
     return proc, address
+
+
+def _forward_output(fd: int) -> None:
+    out = getattr(sys.stdout, "buffer", None)
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:
+            return
+        if not chunk:
+            return
+        try:
+            if out is not None:
+                out.write(chunk)
+                out.flush()
+        except (OSError, ValueError):  # our stdout closed: keep draining anyway
+            out = None
 
 
 def init(address: str | None = None, *, namespace: str | None = None,
@@ -192,8 +215,7 @@ def shutdown(timeout: float = 10.0) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+
 
 
 atexit.register(shutdown)

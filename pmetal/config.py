@@ -39,7 +39,9 @@ DEFAULT_PORT = 52416
 _MiB = 1 << 20
 
 # Variables that do not belong to a section.
-_STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_LOG_LEVEL"})
+# PMETAL_PSK_HEX is how a node hands its key to the processes it starts (any
+# bytes survive hex; a raw key does not survive an environment string).
+_STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_PSK_HEX", "PMETAL_LOG_LEVEL"})
 
 
 def _require(cond: bool, section: str, name: str, why: str) -> None:

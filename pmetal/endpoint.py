@@ -462,7 +462,12 @@ class Channel:
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._local_limits, exported=exported)
             if exported:
-                self._exported.setdefault(corr, []).extend(exported)
+                names = self._exported.setdefault(corr, [])
+                names.extend(exported)
+                if corr == 0 and len(names) > _MAX_EXPORTED:
+                    # One-way messages get no answer to release them by; their
+                    # receivers unlink them. Keep only the newest names.
+                    del names[:-_MAX_EXPORTED]
         else:
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._limits)

@@ -144,6 +144,11 @@ class NetworkNamespace:
         """The namespace from an explicit ``psk``, else ``PMETAL_PSK``, else
         ``cfg.psk_file``. Raises ConfigError when none is given."""
         env = os.environ if env is None else env
+        if psk is None and env.get("PMETAL_PSK_HEX"):
+            try:
+                psk = bytes.fromhex(env["PMETAL_PSK_HEX"])
+            except ValueError as exc:
+                raise ConfigError("PMETAL_PSK_HEX is not hexadecimal") from exc
         if psk is None:
             psk = env.get("PMETAL_PSK") or None
         if psk is None and cfg.psk_file:

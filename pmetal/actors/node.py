@@ -283,7 +283,8 @@ class NodeDaemon:
     async def _run_worker(self, role: str) -> None:
         worker_id = f"{self.node_id[:8]}-w{next(self._ids)}"
         env = dict(os.environ)
-        env["PMETAL_PSK"] = self.namespace.psk.decode("latin-1")
+        env.pop("PMETAL_PSK", None)
+        env["PMETAL_PSK_HEX"] = self.namespace.psk.hex()
         env["PMETAL_SECURITY_NAMESPACE"] = self.namespace.name
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pmetal.actors.worker", "--node", self.address,
