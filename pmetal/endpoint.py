@@ -192,6 +192,8 @@ class SecureListener:
         return None, self._handshake(route, env.body)
 
     def _unsealed_handshake(self, route: bytes, frames: list[Any]) -> Message | None:
+        if len(frames) != 1 or len(frame_bytes(frames[0])) > _MAX_UNAUTHENTICATED:
+            return None  # handshake messages are one small frame
         try:
             body = decode(frames, limits=self._limits).body
         except ProtocolError:

@@ -708,7 +708,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true",
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=log_level(),
+    try:
+        level = log_level()
+    except PMetalError as exc:
+        print(f"pmetal node: {exc}", file=sys.stderr, flush=True)
+        return 2
+    logging.basicConfig(level=level,
                         format="%(asctime)s node %(process)d %(name)s %(levelname)s %(message)s")
     try:
         config = load_config()

@@ -342,7 +342,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--no-watch-stdin", action="store_true")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=log_level(),
+    try:
+        level = log_level()
+    except PMetalError as exc:
+        print(f"pmetal worker: {exc}", file=sys.stderr, flush=True)
+        return 2
+    logging.basicConfig(level=level,
                         format="%(asctime)s worker %(process)d %(name)s %(levelname)s %(message)s")
     if not args.no_watch_stdin:
         threading.Thread(target=_exit_with_node, name="pmetal-node-watch", daemon=True).start()
