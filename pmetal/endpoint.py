@@ -335,8 +335,10 @@ class Channel:
         self._replies: dict[int, Envelope] = {}
         self._waiting: set[int] = set()
         self._read_lock: asyncio.Lock | None = None
-        # Shared-memory objects of requests in flight (by corr; 0: one-way).
+        # Shared-memory objects of requests in flight (by corr; 0: one-way),
+        # and the reusable slots that requests to a same-host peer use.
         self._exported: dict[int, list[str]] = {}
+        self._pool: shm.SlotPool | None = None
         self.unsolicited: collections.deque[Envelope] = collections.deque(maxlen=10_000)
         self._counts = collections.Counter[str]()
 
@@ -461,8 +463,11 @@ class Channel:
             assert session is not None
         if session.local:
             exported: list[str] = []
+            if corr and self._pool is None:
+                self._pool = shm.SlotPool()
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                            limits=self._local_limits, exported=exported)
+                            limits=self._local_limits, exported=exported,
+                            pool=self._pool if corr else None)
             if exported:
                 names = self._exported.setdefault(corr, [])
                 names.extend(exported)
@@ -530,7 +535,7 @@ class Channel:
             try:
                 frames = self._dialer.recv(_remaining(deadline))
             except PMetalTimeoutError as exc:
-                self._release(corr)
+                self._release(corr, answered=False)
                 raise RequestTimeoutError(f"no reply from {self.address} within "
                                           f"{timeout:.3g} s") from exc
             self._file(frames)
@@ -553,7 +558,7 @@ class Channel:
                             break
                         frames = await self._dialer.arecv(_remaining(deadline))
             except (PMetalTimeoutError, TimeoutError) as exc:
-                self._release(corr)
+                self._release(corr, answered=False)
                 raise RequestTimeoutError(f"no reply from {self.address} within "
                                           f"{timeout:.3g} s") from exc
             self._file(frames)
@@ -604,14 +609,23 @@ class Channel:
         lost = list(self._waiting)
         self._waiting.clear()
         for corr in list(self._exported):
-            self._release(corr)
+            self._release(corr, answered=False)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         return lost
 
-    def _release(self, corr: int) -> None:
-        """Unlink the shared memory of request ``corr``: it was answered (so
-        mapped already) or it never will be."""
+    def _release(self, corr: int, answered: bool = True) -> None:
+        """Free the shared memory of request ``corr``. Answered: its one-shot
+        objects were mapped already and its slots may be reused. Not
+        answered: unlink everything, the receiver may still read it."""
         for name in self._exported.pop(corr, ()):
             shm.unlink(name)
+        if self._pool is not None:
+            if answered:
+                self._pool.release(corr)
+            else:
+                self._pool.retire(corr)
 
     def _file(self, frames: list[Any]) -> None:
         """Verify one received message and file it as a reply or unsolicited."""
@@ -644,7 +658,10 @@ class Channel:
     def close(self) -> None:
         self._dialer.close()
         for corr in list(self._exported):
-            self._release(corr)
+            self._release(corr, answered=False)
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
 
 def _peek_version(frames: list[Any]) -> int | None:

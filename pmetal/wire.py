@@ -103,6 +103,7 @@ _EXT_NUMPY = 1
 _EXT_PICKLE = 2
 _EXT_MLX = 3
 _EXT_SHM = 4
+_EXT_SLOT = 5
 
 # dtypes that may cross the wire; anything else (object, void, ...) is refused.
 _DTYPES = frozenset({
@@ -606,13 +607,16 @@ class _Default:
     """msgpack's ``default`` hook for one message: turns arrays into
     extension values and collects their buffers."""
 
-    __slots__ = ("buffers", "chunk", "exported", "shm_min")
+    __slots__ = ("buffers", "chunk", "corr", "exported", "pool", "shm_min")
 
-    def __init__(self, chunk: int, shm_min: int = 0, exported: list[str] | None = None) -> None:
+    def __init__(self, chunk: int, shm_min: int = 0, exported: list[str] | None = None,
+                 pool: Any = None, corr: int = 0) -> None:
         self.buffers: list[Any] = []
         self.chunk = chunk
         self.shm_min = shm_min
         self.exported = exported
+        self.pool = pool
+        self.corr = corr
 
     def __call__(self, obj: Any) -> Any:
         # numpy is looked up, not imported: a process that never imported it
@@ -647,6 +651,10 @@ class _Default:
         buffers, chunk = self.buffers, self.chunk
         first = len(buffers) + 1
         nbytes = host.nbytes
+        if self.shm_min and nbytes >= self.shm_min and self.pool is not None:
+            name, size = self.pool.put(memoryview(host.reshape(-1)).cast("B"), self.corr)
+            return msgpack.ExtType(_EXT_SLOT, msgpack.packb(
+                [code, dtype, list(arr.shape), name, nbytes, size]))
         if self.shm_min and nbytes >= self.shm_min:
             from pmetal import shm
             name = shm.export(memoryview(host.reshape(-1)).cast("B"))
@@ -666,18 +674,20 @@ class _Default:
 
 def encode(body: Message, *, corr: int = 0, term: int | None = None,
            sender: str | None = None, limits: WireLimits = _DEFAULT_LIMITS,
-           exported: list[str] | None = None) -> list[Any]:
+           exported: list[str] | None = None, pool: Any = None) -> list[Any]:
     """Frames for ``body``: ``[envelope, *buffers]`` (no seal).
 
     Buffers are memoryviews of the arrays' own memory (zero-copy); the caller
     must not modify the arrays until the frames have been sent. Names of
     shared-memory objects made for the message are appended to ``exported``:
     the caller unlinks them if the message may not have been received.
+    With a ``pool`` (shm.SlotPool), arrays of a request go into reusable
+    slots held for ``corr`` instead (extension code 5; the receiver copies).
     """
     spec = _ENCODERS.get(type(body))
     if spec is None:
         spec = _encoder(type(body))
-    default = _Default(limits.chunk_bytes, limits.shm_min_bytes, exported)
+    default = _Default(limits.chunk_bytes, limits.shm_min_bytes, exported, pool, corr)
     envelope = _packb([PROTOCOL_VERSION, spec[0], corr, term, sender, spec[1](body)],
                       default=default, use_bin_type=True)
     if len(envelope) > limits.max_envelope_bytes:
@@ -717,11 +727,11 @@ def _ext_hook(allow_pickle: bool, allow_shm: bool, buffers: list[memoryview], us
         return Pickled(data)
     if code in (_EXT_NUMPY, _EXT_MLX):
         return _unpack_array(code, data, buffers, used)
-    if code == _EXT_SHM:
+    if code in (_EXT_SHM, _EXT_SLOT):
         if not allow_shm:
             raise ProtocolError("shared-memory array from a peer that is not an authenticated "
                                 "process of this host")
-        return _attach_array(data)
+        return _attach_array(data) if code == _EXT_SHM else _copy_slot(data)
     raise ProtocolError(f"unknown extension type {code}")
 
 
@@ -734,6 +744,36 @@ def _host_dtype(code: int, dtype_name: Any) -> Any:
     if dtype_name not in (_MLX_DTYPES if code == _EXT_MLX else _DTYPES):
         raise ProtocolError(f"array dtype {dtype_name!r} is not allowed")
     return np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
+
+
+def _copy_slot(data: bytes) -> Any:
+    """An array copied out of a reusable slot (its sender reuses the slot
+    once our reply to the request that carried it has arrived)."""
+    try:
+        code, dtype_name, shape, name, nbytes, size = msgpack.unpackb(data, raw=False)
+        shape = tuple(shape)
+        if not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
+            raise ValueError("bad shape")
+        if type(name) is not str or type(nbytes) is not int or type(size) is not int \
+                or code not in (_EXT_NUMPY, _EXT_MLX):
+            raise ValueError("bad shared-memory slot reference")
+    except Exception as exc:
+        raise ProtocolError(f"malformed shared-memory slot header: {exc}") from exc
+    host_dtype = _host_dtype(code, dtype_name)
+    if host_dtype.itemsize * math.prod(shape) != nbytes:
+        raise ProtocolError(f"shared-memory array {dtype_name}{list(shape)} cannot hold "
+                            f"{nbytes} bytes")
+    import numpy as np
+    from pmetal import shm
+    arr = np.empty(shape, host_dtype)
+    if nbytes:
+        memoryview(arr.reshape(-1)).cast("B")[:] = shm.read_slot(name, size, nbytes)
+    if code == _EXT_MLX:
+        import mlx.core as mx
+        out = mx.array(arr, dtype=getattr(mx, dtype_name if dtype_name != "bfloat16"
+                                          else "uint16"))
+        return out.view(mx.bfloat16) if dtype_name == "bfloat16" else out
+    return arr
 
 
 def _attach_array(data: bytes) -> Any:

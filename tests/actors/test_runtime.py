@@ -144,7 +144,11 @@ def test_large_arrays_leave_no_shared_memory_behind(counter: Any) -> None:
     for a, back in zip(arrays, backs):
         np.testing.assert_array_equal(back, a)
     del backs
-    assert shared_memory_objects(*pids) == []
+    # What may remain are the driver channel's request slots, kept for reuse
+    # (unlinked when the channel closes); nothing else, and nothing of the worker.
+    pool = pmetal.api.client().links[counter._address].channel._pool
+    kept = {name.lstrip("/") for name, _, _ in (pool._free if pool else [])}
+    assert set(shared_memory_objects(*pids)) <= kept
 
 
 def test_arrays_inside_containers_round_trip(counter: Any) -> None:
