@@ -29,7 +29,10 @@ reassembled into one new array. Zero-size arrays have no frames.
 
 Extension code 4 is an array handed over in shared memory
 (``[code, dtype, shape, name, nbytes]``, see pmetal.shm); it is accepted only
-from an authenticated peer that proved it runs on the same host.
+from an authenticated peer that proved it runs on the same host. Extension
+code 5 is the same for a reusable slot (``[code, dtype, shape, name, nbytes,
+slot size]``): the receiver copies the array out while decoding, and the
+sender reuses the slot once the request that carried it is answered.
 
 Extension code 2 carries a cloudpickle payload (:class:`Pickled`). Only
 explicitly wrapped values are pickled, and :func:`decode` refuses them
