@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 from zmq.backend import zmq_poll
 
+from pmetal.actors.serialization import pack_value, remote_error, unpack_value
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import (ActorDiedError, GetTimeoutError, PeerError, PMetalError,
@@ -81,7 +82,8 @@ class PeerLink:
 
     def check(self) -> None:
         """Read connection events; a disconnect marks the link dead."""
-        while self.monitor.poll(0):
+        # EVENTS, not poll(0): no system call when nothing happened.
+        while self.monitor.getsockopt(_EVENTS) & _POLLIN:
             frames = self.monitor.recv_multipart()
             if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
                 self.die(f"the connection to {self.address} dropped (its process died)")
@@ -155,7 +157,6 @@ class ObjectRef:
         return self._has_value or self._error is not None
 
     def _settle(self, env: Envelope) -> None:
-        from pmetal.actors.serialization import unpack_value
         body = env.body
         self._link = None
         if type(body) is Result:
@@ -190,7 +191,6 @@ class ObjectRef:
 
 def failure_error(body: Failure, on_death: str = "") -> BaseException:
     """The exception a Failure reply stands for."""
-    from pmetal.actors.serialization import remote_error
     if body.kind == "user":
         original = None
         if body.exception is not None:
@@ -458,7 +458,6 @@ class CoreClient:
                                  f"nodes have {nodes}")
 
     def _resolve_args(self, args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
-        from pmetal.actors.serialization import pack_value
         out = []
         for a in args:
             if type(a) is ObjectRef:
