@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 READY_LINE = "PMETAL_NODE_READY"
 _POOL_DELAY = 0.15
+_STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status`
 
 
 @dataclass
@@ -263,7 +264,8 @@ class NodeDaemon:
             self._later(incoming, self._lease(body.count))  # type: ignore[attr-defined]
             return None
         if kind is StatusRequest:
-            return Status(self.status())
+            self._later(incoming, self._status_with_calls())
+            return None
         if kind is NodeJoin:
             self._later(incoming, self._member_joined(body))  # type: ignore[arg-type]
             return None
@@ -626,6 +628,31 @@ class NodeDaemon:
                                                    spec.args, spec.kwargs, options))
 
     # --------------------------------------------------------------- status
+
+    async def _status_with_calls(self) -> Message:
+        """status() plus each worker's calls served (asked of the workers; a
+        worker busy in a long call is shown without a count)."""
+        info = self.status()
+        by_id = {w["worker_id"]: w for w in info["workers"]}
+
+        async def ask(worker: WorkerProc) -> None:
+            try:
+                if worker.channel is None:
+                    worker.channel = Channel(self.transport.dial(worker.address),
+                                             self.identity, self.namespace, self.config)
+                    await worker.channel.aopen(timeout=_STATUS_WAIT)
+                reply = (await worker.channel.arequest(StatusRequest(),
+                                                       timeout=_STATUS_WAIT)).body
+            except PMetalError:
+                return
+            if isinstance(reply, Status) and worker.worker_id in by_id:
+                by_id[worker.worker_id]["calls"] = reply.info.get("calls")
+
+        ready = [w for w in self.workers.values() if w.ready.is_set() and w.address]
+        # return_exceptions: a worker that dies meanwhile has its channel
+        # closed under the ask (which ends cancelled); the others still count.
+        await asyncio.gather(*(ask(w) for w in ready), return_exceptions=True)
+        return Status(info)
 
     def status(self) -> dict[str, Any]:
         return {

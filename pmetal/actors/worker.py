@@ -38,7 +38,8 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, Call, CallBatch, Failure, InitActor, Message, Pickled, Ping, Pong, Result,
-                         RunTask, Shutdown, WorkerReady)
+                         RunTask, Shutdown, Status, StatusRequest,
+                         WorkerReady)
 
 __all__ = ["Worker", "failure_from", "main"]
 
@@ -161,6 +162,9 @@ class Worker:
         if kind is Shutdown:
             self._stop = True
             return Ack()
+        if kind is StatusRequest:
+            return Status({"worker_id": self.worker_id, "actor_id": self.actor_id,
+                           "calls": self.calls})
         return Failure("bad_request", "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
