@@ -33,6 +33,7 @@ __all__ = [
     "load_config",
     "log_level",
     "pmetal_home",
+    "setup_process_logging",
 ]
 
 DEFAULT_PORT = 52416
@@ -140,6 +141,15 @@ def log_level(env: Mapping[str, str] | None = None) -> int:
         raise ConfigError(f"PMETAL_LOG_LEVEL={raw!r} is not a logging level; use DEBUG, INFO, "
                           f"WARNING or ERROR")
     return level
+
+
+def setup_process_logging(process: str) -> None:
+    """Logging for a process pmetal starts itself (node daemon, worker), at
+    ``PMETAL_LOG_LEVEL``. Raises ConfigError for a bad level."""
+    import logging
+    logging.basicConfig(level=log_level(),
+                        format=f"%(asctime)s {process} %(process)d %(name)s %(levelname)s "
+                               f"%(message)s")
 
 
 def _coerce(raw: Any, target: type, where: str) -> Any:

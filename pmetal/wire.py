@@ -749,64 +749,51 @@ def _host_dtype(code: int, dtype_name: Any) -> Any:
     return np.dtype("uint16" if dtype_name == "bfloat16" else dtype_name)
 
 
-def _copy_slot(data: bytes) -> Any:
-    """An array copied out of a reusable slot (its sender reuses the slot
-    once our reply to the request that carried it has arrived)."""
+def _shm_header(data: bytes, slot: bool) -> tuple[int, str, tuple[int, ...], Any, str, int, int]:
+    """Checked fields of a shared-memory array header (extension 4, or 5
+    with ``slot``): code, dtype name, shape, host dtype, name, nbytes, size."""
     try:
-        code, dtype_name, shape, name, nbytes, size = msgpack.unpackb(data, raw=False)
+        fields = msgpack.unpackb(data, raw=False)
+        if type(fields) is not list or len(fields) != (6 if slot else 5):
+            raise ValueError("wrong number of fields")
+        code, dtype_name, shape, name, nbytes = fields[:5]
+        size = fields[5] if slot else nbytes
         shape = tuple(shape)
         if not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
             raise ValueError("bad shape")
         if type(name) is not str or type(nbytes) is not int or type(size) is not int \
                 or code not in (_EXT_NUMPY, _EXT_MLX):
-            raise ValueError("bad shared-memory slot reference")
-    except Exception as exc:
-        raise ProtocolError(f"malformed shared-memory slot header: {exc}") from exc
-    host_dtype = _host_dtype(code, dtype_name)
-    if host_dtype.itemsize * math.prod(shape) != nbytes:
-        raise ProtocolError(f"shared-memory array {dtype_name}{list(shape)} cannot hold "
-                            f"{nbytes} bytes")
-    import numpy as np
-    from pmetal import shm
-    arr = np.empty(shape, host_dtype)
-    if nbytes:
-        memoryview(arr.reshape(-1)).cast("B")[:] = shm.read_slot(name, size, nbytes)
-    if code == _EXT_MLX:
-        import mlx.core as mx
-        out = mx.array(arr, dtype=getattr(mx, dtype_name if dtype_name != "bfloat16"
-                                          else "uint16"))
-        return out.view(mx.bfloat16) if dtype_name == "bfloat16" else out
-    return arr
-
-
-def _attach_array(data: bytes) -> Any:
-    try:
-        code, dtype_name, shape, name, nbytes = msgpack.unpackb(data, raw=False)
-        shape = tuple(shape)
-        if not all(type(d) is int and d >= 0 for d in shape) or len(shape) > 32:
-            raise ValueError("bad shape")
-        if type(name) is not str or type(nbytes) is not int or code not in (_EXT_NUMPY,
-                                                                              _EXT_MLX):
             raise ValueError("bad shared-memory reference")
-    except ProtocolError:
-        raise
     except Exception as exc:
         raise ProtocolError(f"malformed shared-memory array header: {exc}") from exc
     host_dtype = _host_dtype(code, dtype_name)
-    import numpy as np
-    from pmetal import shm
     if host_dtype.itemsize * math.prod(shape) != nbytes:
         raise ProtocolError(f"shared-memory array {dtype_name}{list(shape)} cannot hold "
                             f"{nbytes} bytes")
-    mapping = shm.attach(name, nbytes)
-    arr = np.frombuffer(mapping, host_dtype).reshape(shape) if nbytes else np.empty(shape,
-                                                                                     host_dtype)
-    if code == _EXT_MLX:
-        import mlx.core as mx
-        out = mx.array(arr, dtype=getattr(mx, dtype_name if dtype_name != "bfloat16"
-                                          else "uint16"))
-        return out.view(mx.bfloat16) if dtype_name == "bfloat16" else out
-    return arr
+    return code, dtype_name, shape, host_dtype, name, nbytes, size
+
+
+def _copy_slot(data: bytes) -> Any:
+    """An array copied out of a reusable slot (its sender reuses the slot
+    once our reply to the request that carried it has arrived)."""
+    import numpy as np
+    from pmetal import shm
+    code, dtype_name, shape, host_dtype, name, nbytes, size = _shm_header(data, slot=True)
+    arr = np.empty(shape, host_dtype)
+    if nbytes:
+        memoryview(arr.reshape(-1)).cast("B")[:] = shm.read_slot(name, size, nbytes)
+    return _to_mlx(arr, dtype_name) if code == _EXT_MLX else arr
+
+
+def _attach_array(data: bytes) -> Any:
+    """An array mapped (read-only, not copied) from a one-shot object."""
+    import numpy as np
+    from pmetal import shm
+    code, dtype_name, shape, host_dtype, name, nbytes, _ = _shm_header(data, slot=False)
+    mapping = shm.attach(name, nbytes)  # also unlinks the name
+    arr = (np.frombuffer(mapping, host_dtype).reshape(shape) if nbytes
+           else np.empty(shape, host_dtype))
+    return _to_mlx(arr, dtype_name) if code == _EXT_MLX else arr
 
 
 def decode(frames: Sequence[Any], *, allow_pickle: bool = False, allow_shm: bool = False,
@@ -907,16 +894,19 @@ def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[
         for p in parts:
             out[off:off + len(p)] = p
             off += len(p)
-    if code == _EXT_MLX:
-        mx = _mlx()
-        if mx is None:
-            import importlib
-            try:
-                mx = importlib.import_module("mlx.core")
-            except ImportError as exc:
-                raise ProtocolError("received an MLX array but MLX is not installed "
-                                    "here; install pmetal[mlx]") from exc
-        # mx.array() narrows float64 to float32 unless told otherwise.
-        out_arr = mx.array(arr, dtype=mx.float64) if dtype_name == "float64" else mx.array(arr)
-        return out_arr.view(mx.bfloat16) if dtype_name == "bfloat16" else out_arr
-    return arr
+    return _to_mlx(arr, dtype_name) if code == _EXT_MLX else arr
+
+
+def _to_mlx(arr: Any, dtype_name: str) -> Any:
+    """The MLX array for a decoded host array (bfloat16 travels as uint16)."""
+    mx = _mlx()
+    if mx is None:
+        import importlib
+        try:
+            mx = importlib.import_module("mlx.core")
+        except ImportError as exc:
+            raise ProtocolError("received an MLX array but MLX is not installed "
+                                "here; install pmetal[mlx]") from exc
+    # mx.array() narrows float64 to float32 unless told otherwise.
+    out = mx.array(arr, dtype=mx.float64) if dtype_name == "float64" else mx.array(arr)
+    return out.view(mx.bfloat16) if dtype_name == "bfloat16" else out

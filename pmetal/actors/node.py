@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pmetal.config import PMetalConfig, load_config, log_level, pmetal_home
+from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity
@@ -736,12 +736,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
     try:
-        level = log_level()
+        setup_process_logging("node")
     except PMetalError as exc:
         print(f"pmetal node: {exc}", file=sys.stderr, flush=True)
         return 2
-    logging.basicConfig(level=level,
-                        format="%(asctime)s node %(process)d %(name)s %(levelname)s %(message)s")
     try:
         config = load_config()
         namespace = NetworkNamespace.resolve(config.security)

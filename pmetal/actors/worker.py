@@ -30,7 +30,7 @@ import traceback
 from typing import Any
 
 from pmetal.actors.serialization import load_code, pack_value, unpack_value, unpack_values
-from pmetal.config import PMetalConfig, load_config, log_level
+from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
                            TransportError)
@@ -347,12 +347,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-watch-stdin", action="store_true")
     args = parser.parse_args(argv)
     try:
-        level = log_level()
+        setup_process_logging("worker")
     except PMetalError as exc:
         print(f"pmetal worker: {exc}", file=sys.stderr, flush=True)
         return 2
-    logging.basicConfig(level=level,
-                        format="%(asctime)s worker %(process)d %(name)s %(levelname)s %(message)s")
     if not args.no_watch_stdin:
         threading.Thread(target=_exit_with_node, name="pmetal-node-watch", daemon=True).start()
     try:
