@@ -34,8 +34,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -54,6 +56,8 @@ __all__ = [
     "ZmqTransport",
     "normalize_address",
 ]
+
+log = logging.getLogger(__name__)
 
 Frames = list[Any]
 
@@ -103,6 +107,53 @@ def normalize_address(address: str) -> str:
 
 
 # ------------------------------------------------------------------ ZeroMQ
+
+_CLOSE_WAIT = 1.0   # s a closing listener waits for ZeroMQ to release its port
+
+# Monitor readers whose socket had not finished closing when we stopped
+# waiting. libzmq sends monitor events from its I/O thread with a blocking
+# send: an event for a PAIR reader that is already closed blocks that thread
+# for good, and every socket of the context stops moving (seen as handshakes
+# that never complete). So a reader is closed only after EVENT_MONITOR_STOPPED,
+# the last event libzmq sends; until then it is parked here.
+_parked_monitors: list[zmq.Socket] = []
+_parked_lock = threading.Lock()
+
+
+def _monitor_url() -> str:
+    # pyzmq's default name comes from the socket's file descriptor, which a
+    # new socket can reuse while the old monitor's endpoint is still bound.
+    return f"inproc://pmetal-monitor-{os.urandom(8).hex()}"
+
+
+def _drained(monitor: zmq.Socket, timeout: float) -> bool:
+    """Read events until EVENT_MONITOR_STOPPED (True) or ``timeout`` (False)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if not monitor.poll(max(0, int(left * 1000))):
+            return False
+        event = monitor.recv_multipart()[0]
+        if int.from_bytes(event[:2], "little") == zmq.EVENT_MONITOR_STOPPED:
+            return True
+
+
+def _retire_monitor(monitor: zmq.Socket, timeout: float) -> None:
+    """Close the reader of a monitor whose socket is closing, once libzmq has
+    stopped the monitor; park it if that takes longer than ``timeout``."""
+    with _parked_lock:
+        still = [m for m in _parked_monitors if not _drained(m, 0)]
+        for m in _parked_monitors:
+            if m not in still:
+                m.close(linger=0)
+        _parked_monitors[:] = still
+    if _drained(monitor, timeout):
+        monitor.close(linger=0)
+        return
+    log.warning("a closed ZeroMQ socket had not stopped its monitor after %.3g s; "
+                "keeping the monitor open until it does", timeout)
+    with _parked_lock:
+        _parked_monitors.append(monitor)
 
 class _ZmqSocket:
     """Shared plumbing of the ROUTER and DEALER wrappers."""
@@ -280,18 +331,16 @@ class ZmqListener(_ZmqSocket):
 
     def _close_socket(self) -> None:
         # ZeroMQ closes the listening TCP socket later, in its I/O thread;
-        # wait (bounded) for that so the port can be bound again at once.
+        # wait (bounded) for the socket to be gone so the port can be bound
+        # again at once.
         try:
-            monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED)
+            monitor = self._sock.get_monitor_socket(zmq.EVENT_CLOSED | zmq.EVENT_MONITOR_STOPPED,
+                                                   _monitor_url())
         except zmq.ZMQError:  # already closed underneath us: nothing to wait for
             super()._close_socket()
             return
         super()._close_socket()
-        try:
-            if monitor.poll(1000):
-                monitor.recv_multipart()
-        finally:
-            monitor.close(linger=0)
+        _retire_monitor(monitor, _CLOSE_WAIT)
 
     def recv(self, timeout: float | None = None) -> tuple[bytes, Frames]:
         route, *frames = self._recv_frames(timeout)
@@ -323,11 +372,29 @@ class ZmqDialer(_ZmqSocket):
 
     def monitor_disconnects(self) -> zmq.Socket:
         """A PAIR socket that becomes readable when the TCP connection to the
-        listener drops (on one machine: the listener's process died)."""
-        return self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        listener drops (on one machine: the listener's process died).
+
+        The dialer owns it: ``close()`` stops the monitor before closing the
+        PAIR socket. Never close it yourself (see ``_retire_monitor``)."""
+        if self._monitor is None:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, _monitor_url())
+        return self._monitor
+
+    def _close_socket(self) -> None:
+        if self._monitor is not None:
+            try:
+                # Stops the monitor under libzmq's own lock: no event is sent
+                # after this, so closing the reader below is safe.
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._monitor.close(linger=0)
+            self._monitor = None
+        super()._close_socket()
 
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
         super().__init__(ctx, zmq.DEALER, cfg)
+        self._monitor: zmq.Socket | None = None
         self.route = os.urandom(8)
         self._sock.setsockopt(zmq.ROUTING_ID, self.route)
         self.address = normalize_address(address)

@@ -449,6 +449,57 @@ def test_zmq_dialer_reaches_a_listener_that_binds_later_and_restarts(
     assert replies == [b"second"]
 
 
+def round_trip_works(net: Net) -> bool:
+    """A fresh listener and dialer of ``net`` exchange a message (within WAIT)."""
+    listener = net.listen()
+    dialer = net.dial(listener.address)
+    dialer.send([b"still moving?"])
+    try:
+        route, _ = listener.recv(timeout=WAIT)
+        listener.send(route, [b"yes"])
+        return as_bytes(dialer.recv(timeout=WAIT)) == [b"yes"]
+    except PMetalTimeoutError:
+        return False
+    finally:
+        dialer.close()
+        listener.close()
+
+
+@pytest.mark.parametrize("transport_kind", ["zmq"], indirect=True)
+@pytest.mark.parametrize("order", ["listener first", "dialers first", "at the same time"])
+def test_closing_monitored_sockets_never_stalls_the_context(
+        make_net: Callable[..., Net], order: str) -> None:
+    """libzmq sends monitor events from its I/O thread with a blocking send:
+    one event for a monitor reader closed too early stops every socket of
+    the context. The dialer owns its monitor and closes it safely, whatever
+    dies first; a closing listener waits for its own monitor to stop."""
+    net = make_net()
+    for round_ in range(15):
+        listener = net.listen()
+        dialers = [net.dial(listener.address) for _ in range(3)]
+        monitors = [d.monitor_disconnects() for d in dialers]
+        for d in dialers:
+            d.send([b"connected"])
+            listener.recv(timeout=WAIT)
+        if order == "listener first":   # peers see the disconnect, then close
+            listener.close()
+            for d in dialers:
+                d.close()
+        elif order == "dialers first":
+            for d in dialers:
+                d.close()
+            listener.close()
+        else:
+            closer = threading.Thread(target=listener.close)
+            closer.start()
+            for d in dialers:
+                d.close()
+            closer.join(WAIT)
+            assert not closer.is_alive(), "listener.close() did not return"
+        assert all(m.closed for m in monitors), "a dialer left its monitor open"
+        assert round_trip_works(net), f"round {round_}: the ZeroMQ context stopped moving"
+
+
 @pytest.mark.parametrize("transport_kind", ["memory"], indirect=True)
 def test_memory_dialer_without_listener_raises_peer_error(make_net: Callable[..., Net]) -> None:
     net = make_net()
