@@ -335,6 +335,7 @@ class Channel:
         self._replies: dict[int, Envelope] = {}
         self._waiting: set[int] = set()
         self._read_lock: asyncio.Lock | None = None
+        self._aopening: asyncio.Future[NodeId] | None = None
         # Shared-memory objects of requests in flight (by corr; 0: one-way),
         # and the reusable slots that requests to a same-host peer use.
         self._exported: dict[int, list[str]] = {}
@@ -384,6 +385,28 @@ class Channel:
         return session.peer
 
     async def aopen(self, timeout: float | None = None) -> NodeId:
+        """``open`` for asyncio. Coroutines that call it while a handshake is
+        under way share that handshake: two on one connection would overwrite
+        each other's state at the listener, and both would be refused."""
+        if self._aopening is not None:
+            return await asyncio.shield(self._aopening)
+        opening = self._aopening = asyncio.get_running_loop().create_future()
+        try:
+            peer = await self._ahandshake(timeout)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                opening.cancel()
+            else:
+                opening.set_exception(exc)
+                opening.exception()  # retrieved: no warning when nobody shared it
+            raise
+        else:
+            opening.set_result(peer)
+            return peer
+        finally:
+            self._aopening = None
+
+    async def _ahandshake(self, timeout: float | None) -> NodeId:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode)

@@ -354,9 +354,12 @@ class KillActor(Message):
 class LeaseWorkers(Message):
     """Ask a node for the addresses of its task workers (remote functions).
     ``count`` > 0: lend that many workers to the asker alone (a task that
-    starts tasks), taken from the idle pool."""
+    starts tasks), taken from the idle pool. ``avoid``: addresses the asker
+    saw die, which the node may not have noticed yet; the node answers with
+    other workers (their replacements), waiting for them if it must."""
 
     count: int = 0
+    avoid: tuple[str, ...] = ()
 
 
 @_message(Kind.WORKER_LIST)

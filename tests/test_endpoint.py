@@ -236,6 +236,27 @@ def test_async_open_and_requests(make_node: MakeNode, make_channel: MakeChannel)
     assert node.handler.payloads()[-1] == "one way"
 
 
+def test_coroutines_opening_one_channel_at_once_share_one_handshake(
+        make_node: MakeNode, make_channel: MakeChannel) -> None:
+    """Two handshakes on one connection would overwrite each other's state at
+    the listener (one is then refused with "Confirm without a Hello"): the
+    node daemon's status and actor construction both open worker channels."""
+    node = make_node()
+    channel = make_channel(node.address)
+
+    async def scenario() -> list[Any]:
+        opened = await asyncio.gather(channel.aopen(), channel.aopen(),
+                                      channel.arequest(Ping("opens lazily")))
+        return [*opened[:2], opened[2].body]
+
+    peers_and_reply = asyncio.run(asyncio.wait_for(scenario(), 20))
+    assert peers_and_reply == [node.identity.node_id, node.identity.node_id,
+                               Pong("opens lazily")]
+    assert channel.statistics().handshakes == 1
+    stats = node.listener.statistics()
+    assert (stats.handshakes, stats.refused_handshakes) == (1, 0)
+
+
 def test_concurrent_awaits_on_one_channel(make_node: MakeNode, make_channel: MakeChannel
                                           ) -> None:
     """Several coroutines waiting on one channel at once (as awaiting several

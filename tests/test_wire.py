@@ -61,7 +61,7 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.LOOKUP_ACTOR: wire.LookupActor(name="counter", min_incarnation=1, wait=0.5,
                                         local=True),
     Kind.KILL_ACTOR: wire.KillActor(actor_id="actor-1", no_restart=False),
-    Kind.LEASE_WORKERS: wire.LeaseWorkers(count=3),
+    Kind.LEASE_WORKERS: wire.LeaseWorkers(count=3, avoid=("tcp://127.0.0.1:5000",)),
     Kind.WORKER_LIST: wire.WorkerList(addresses=(ADDRESS, "tcp://127.0.0.1:52418")),
     Kind.STATUS_REQUEST: wire.StatusRequest(detail=True),
     Kind.STATUS: wire.Status(info={"master": "n1", "nodes": [{"id": "n1", "cpus": 8}]}),

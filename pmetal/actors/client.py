@@ -101,8 +101,7 @@ class PeerLink:
         self.outbox.clear()
 
     def close(self) -> None:
-        self.monitor.close(linger=0)
-        self.channel.close()
+        self.channel.close()   # the dialer stops and closes its monitor too
 
 
 class ObjectRef:
@@ -417,11 +416,14 @@ class CoreClient:
 
     def _task_link(self, what: str) -> PeerLink | BaseException:
         """A live link to one of this node's task workers (round robin). A
-        dead worker makes us ask the node again: it starts replacements."""
-        for _ in range(3):
+        dead worker makes us ask the node again: it starts replacements, and
+        we tell it which workers we saw die (it may not have noticed yet)."""
+        dead: set[str] = set()
+        for _ in range(8):   # each failed try adds an address to avoid
             if not self._task_workers:
                 # Inside a worker, ask for a worker of our own (see node._lease).
-                reply = self.request_node(LeaseWorkers(1 if self.self_address else 0))
+                reply = self.request_node(LeaseWorkers(1 if self.self_address else 0,
+                                                       tuple(sorted(dead))))
                 if isinstance(reply, Failure):
                     return failure_error(reply)
                 assert isinstance(reply, WorkerList)
@@ -436,11 +438,13 @@ class CoreClient:
             if known is not None:
                 known.check()
                 if known.dead:
+                    dead.add(address)
                     self._task_workers = []
                     continue
             link = self.link(address)
             if not link.dead:
                 return link
+            dead.add(address)
             self._task_workers = []
         return ActorDiedError(f"{what}: no task worker of this node answers")
 

@@ -59,7 +59,8 @@ class WorkerProc:
     proc: asyncio.subprocess.Process
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     address: str = ""
-    channel: Channel | None = None
+    channel: Channel | None = None   # set only once its handshake has completed
+    opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     actor_id: str = ""
     killed: bool = False
 
@@ -261,7 +262,7 @@ class NodeDaemon:
         if kind is KillActor:
             return self._kill_actor(body)  # type: ignore[arg-type]
         if kind is LeaseWorkers:
-            self._later(incoming, self._lease(body.count))  # type: ignore[attr-defined]
+            self._later(incoming, self._lease(body))  # type: ignore[arg-type]
             return None
         if kind is StatusRequest:
             self._later(incoming, self._status_with_calls())
@@ -437,11 +438,8 @@ class NodeDaemon:
         init = InitActor(spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs,
                          spec.options, record.incarnation)
         try:
-            if worker.channel is None:
-                worker.channel = Channel(self.transport.dial(worker.address), self.identity,
-                                         self.namespace, self.config)
-                await worker.channel.aopen()
-            reply = (await worker.channel.arequest(init)).body
+            channel = await self._worker_channel(worker, self.config.transport.handshake_timeout)
+            reply = (await channel.arequest(init)).body
         except PMetalError as exc:
             reply = Failure("actor_died", "ActorDiedError",
                             f"the worker died while constructing the actor: {exc}")
@@ -455,6 +453,21 @@ class NodeDaemon:
         record.state, record.reason = "alive", ""
         record.notify()
         return record.location(self.node_id, worker.address)
+
+    async def _worker_channel(self, worker: WorkerProc, timeout: float) -> Channel:
+        """The node's open channel to a worker; the first caller opens it and
+        the others (actor construction, status) wait for that."""
+        async with worker.opening:
+            if worker.channel is None:
+                channel = Channel(self.transport.dial(worker.address), self.identity,
+                                  self.namespace, self.config)
+                try:
+                    await channel.aopen(timeout)
+                except BaseException:
+                    channel.close()
+                    raise
+                worker.channel = channel
+            return worker.channel
 
     def _locate(self, record: ActorRecord) -> ActorLocation:
         worker = self.workers.get(record.worker_id)
@@ -504,8 +517,9 @@ class NodeDaemon:
             record.notify()
         return Ack()
 
-    async def _lease(self, lend: int = 0) -> Message:
+    async def _lease(self, body: LeaseWorkers) -> Message:
         deadline = time.monotonic() + self.config.transport.connect_timeout
+        lend, avoid = body.count, set(body.avoid)
         if lend > 0:
             # A task that waits on tasks gets workers of its own from the idle
             # pool (replaced at once), so nested tasks never queue behind the
@@ -521,7 +535,7 @@ class NodeDaemon:
             return WorkerList(tuple(lent))
         while True:
             ready = tuple(w.address for w in self.workers.values()
-                          if w.role == "task" and w.ready.is_set())
+                          if w.role == "task" and w.ready.is_set() and w.address not in avoid)
             if ready:
                 return WorkerList(ready)
             remaining = deadline - time.monotonic()
@@ -637,13 +651,10 @@ class NodeDaemon:
 
         async def ask(worker: WorkerProc) -> None:
             try:
-                if worker.channel is None:
-                    worker.channel = Channel(self.transport.dial(worker.address),
-                                             self.identity, self.namespace, self.config)
-                    await worker.channel.aopen(timeout=_STATUS_WAIT)
-                reply = (await worker.channel.arequest(StatusRequest(),
-                                                       timeout=_STATUS_WAIT)).body
-            except PMetalError:
+                async with asyncio.timeout(_STATUS_WAIT):
+                    channel = await self._worker_channel(worker, _STATUS_WAIT)
+                    reply = (await channel.arequest(StatusRequest(), timeout=_STATUS_WAIT)).body
+            except (PMetalError, TimeoutError):
                 return
             if isinstance(reply, Status) and worker.worker_id in by_id:
                 by_id[worker.worker_id]["calls"] = reply.info.get("calls")

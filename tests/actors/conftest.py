@@ -229,3 +229,10 @@ def actor_state(handle: Any) -> dict[str, Any]:
         if actor["actor_id"] == handle._actor_id:
             return actor
     raise AssertionError(f"the node does not know actor {handle!r}")
+
+
+def alive_in_incarnation(handle: Any, incarnation: int) -> bool:
+    """One status read (two could straddle a restart): the actor is alive and
+    has been restarted ``incarnation`` times."""
+    state = actor_state(handle)
+    return state["state"] == "alive" and state["incarnation"] == incarnation

@@ -21,13 +21,22 @@ import numpy as np
 import pytest
 
 import pmetal
-from pmetal import ActorDiedError, NotInitializedError, PlacementError, RemoteError, api
+from pmetal import (
+    ActorDiedError,
+    NotInitializedError,
+    PlacementError,
+    PMetalError,
+    RemoteError,
+    api,
+)
+from pmetal.wire import LeaseWorkers, WorkerList
 
 from .actor_classes import BadInit, Counter, pause, square, worker_pid
 from .conftest import (
     EXIT_WAIT,
     WAIT,
     actor_state,
+    alive_in_incarnation,
     assert_all_exit,
     pid_alive,
     read_line,
@@ -175,8 +184,7 @@ def test_kill_with_restart_allowed_restarts_the_actor(reap: list[Any]) -> None:
     reap.append(actor)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
     pmetal.kill(actor, no_restart=False)
-    wait_until(lambda: actor_state(actor)["incarnation"] == 1
-               and actor_state(actor)["state"] == "alive", RESTART_WAIT, what="actor restarted")
+    wait_until(lambda: alive_in_incarnation(actor, 1), RESTART_WAIT, what="actor restarted")
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
 
 
@@ -238,8 +246,7 @@ def test_first_call_after_a_restart_reaches_the_new_instance(reap: list[Any]) ->
     reap.append(actor)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 21
     kill_9(worker_of(actor)["pid"])
-    wait_until(lambda: actor_state(actor)["state"] == "alive"
-               and actor_state(actor)["incarnation"] == 1, RESTART_WAIT, what="actor restarted")
+    wait_until(lambda: alive_in_incarnation(actor, 1), RESTART_WAIT, what="actor restarted")
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 21
 
 
@@ -259,12 +266,41 @@ def test_large_array_sent_to_an_actor_that_dies_leaves_no_shared_memory(
                what="no shared-memory object left behind")
 
 
+def test_actors_start_while_status_is_read(reap: list[Any]) -> None:
+    """``pmetal status`` asks every worker, idle ones included, for its calls,
+    so it races actor construction to open the node's channel to a fresh
+    worker; whichever comes first, the actor starts."""
+    stop = threading.Event()
+    problems: list[BaseException] = []
+
+    def read_status() -> None:
+        while not stop.is_set():
+            try:
+                api.client().status()
+            except PMetalError as exc:
+                problems.append(exc)
+                return
+
+    reader = threading.Thread(target=read_status, daemon=True)
+    reader.start()
+    try:
+        for i in range(8):
+            actor = Counter.remote(i)
+            reap.append(actor)
+            assert pmetal.get(actor.inc.remote(), timeout=WAIT) == i + 1
+            pmetal.kill(actor)
+    finally:
+        stop.set()
+        reader.join(WAIT)
+    assert not reader.is_alive(), "the status reader did not stop"
+    assert not problems, f"status failed while actors started: {problems[0]!r}"
+
+
 def test_named_actor_restarted_after_kill_9_is_found_by_name(reap: list[Any]) -> None:
     actor = Counter.options(name="failures-restarts", max_restarts=1).remote(1)
     reap.append(actor)
     kill_9(pmetal.get(actor.pid.remote(), timeout=WAIT))
-    wait_until(lambda: actor_state(actor)["state"] == "alive"
-               and actor_state(actor)["incarnation"] == 1, RESTART_WAIT, what="actor restarted")
+    wait_until(lambda: alive_in_incarnation(actor, 1), RESTART_WAIT, what="actor restarted")
     found = pmetal.get_actor("failures-restarts")
     assert pmetal.get(found.inc.remote(), timeout=WAIT) == 2
 
@@ -285,6 +321,17 @@ def test_task_worker_killed_fails_its_task_and_is_replaced(cluster: dict[str, An
     assert pmetal.get([square.remote(i) for i in range(4)], timeout=WAIT) == [0, 1, 4, 9]
     assert pmetal.get(worker_pid.remote(), timeout=WAIT) not in task_pids
     assert time.monotonic() - start < DEATH_WAIT
+
+
+def test_node_leaves_out_task_workers_the_caller_saw_die(cluster: dict[str, Any]) -> None:
+    """A caller can see a worker's connection drop before the node has reaped
+    the process; the caller names it and the node answers without it."""
+    workers = [w for w in api.client().status()["workers"] if w["role"] == "task"]
+    victim = workers[0]
+    kill_9(victim["pid"])
+    reply = api.client().request_node(LeaseWorkers(0, (victim["address"],)), timeout=WAIT)
+    assert isinstance(reply, WorkerList), reply
+    assert reply.addresses and victim["address"] not in reply.addresses
 
 
 # ------------------------------------------------------- shutdown, strays
