@@ -155,9 +155,13 @@ class SecureListener:
         session = self._sessions.get(route)
         if session is not None:
             try:
-                opened = session.open_part(frames)
-                if opened is None:  # a streamed message still lacks segments
-                    return None, None
+                small = session.open_small(frames[0]) if len(frames) == 1 else None
+                if small is not None:
+                    opened: list[Any] | None = [small]
+                else:
+                    opened = session.open_part(frames)
+                    if opened is None:  # a streamed message still lacks segments
+                        return None, None
                 env = decode(opened, allow_pickle=True, allow_shm=session.local,
                              limits=self._limits)
             except AuthenticationError as exc:
@@ -253,12 +257,13 @@ class SecureListener:
             raise PeerError("no authenticated session with that peer (it never completed "
                             "the handshake, or it was forgotten)")
         if not session.local:
-            return session.seal_parts(encode(body, corr=corr, term=term,
-                                             sender=self.identity.node_id, limits=self._limits))
+            frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
+                            limits=self._limits)
+            return [session.seal(frames)] if len(frames) == 1 else session.seal_parts(frames)
         exported = self._exported
-        parts = session.seal_parts(encode(body, corr=corr, term=term,
-                                          sender=self.identity.node_id,
-                                          limits=self._local_limits, exported=exported))
+        frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
+                        limits=self._local_limits, exported=exported)
+        parts = [session.seal(frames)] if len(frames) == 1 else session.seal_parts(frames)
         while len(exported) > _MAX_EXPORTED:
             shm.unlink(exported.popleft())
         return parts
@@ -657,9 +662,13 @@ class Channel:
             self._counts["dropped"] += 1
             return
         try:
-            opened = session.open_part(frames)
-            if opened is None:  # a streamed message still lacks segments
-                return
+            small = session.open_small(frames[0]) if len(frames) == 1 else None
+            if small is not None:
+                opened: list[Any] | None = [small]
+            else:
+                opened = session.open_part(frames)
+                if opened is None:  # a streamed message still lacks segments
+                    return
             env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
         except (SecurityError, ProtocolError) as exc:
             unsealed = self._decode_unsealed(frames)

@@ -91,6 +91,11 @@ _compare = hmac.compare_digest
 _TAIL = struct.Struct("<QB")   # seq, mode: the last 9 bytes of a sealed frame 0
 _HEAD1 = struct.Struct("<BQIQ")  # MAC header of a message with no buffers
 _SMALL = 16 << 10          # below this many bytes BLAKE2b is cheaper than Poly1305 setup
+_TAIL_SIZE = _TAIL.size
+_SEAL_SIZE = 16 + _TAIL.size   # tag and tail appended to frame 0
+_MIN_SMALL_SEALED = _SEAL_SIZE + 1
+_TAIL_unpack_from = _TAIL.unpack_from
+_HEAD1_pack = _HEAD1.pack
 STREAM_SEGMENT_BYTES = 8 << 20
 _HEAD = 0x80               # mode-byte flags of streamed messages
 _SEGMENT = 0x40
@@ -368,6 +373,29 @@ class Session:
         out = list(frames)
         out[0] = bytes(views[0]) + _mac(self._send_key, mode, seq, views) + tail
         return out
+
+    def open_small(self, head: Any) -> bytes | None:
+        """The envelope of a one-frame message sealed in this session's own
+        mode with the small-message MAC (nearly every control message); None
+        for anything else, which :meth:`open` then verifies (and refuses with
+        the precise error). One call instead of four on the hottest path."""
+        n = len(head)
+        if type(head) is not bytes or not _MIN_SMALL_SEALED <= n < _SMALL:
+            return None
+        seq, mode = _TAIL_unpack_from(head, n - _TAIL_SIZE)
+        if mode != self.mode or mode == Mode.ENCRYPTED or seq <= self.recv_seq:
+            return None
+        cut = n - _SEAL_SIZE
+        env = head[:cut]
+        tag = _blake2b(_HEAD1_pack(mode, seq, 1, cut) + env, key=self._recv_key,
+                       digest_size=16).digest()
+        if not _compare(head[cut:cut + 16], tag):
+            return None
+        self.recv_seq = seq
+        stats = self._stats
+        stats[1] += 1
+        stats[4] += cut
+        return env
 
     def open(self, frames: Sequence[Any]) -> list[Any]:
         """Verify the seal and strip it; raise AuthenticationError or ReplayError."""
