@@ -25,6 +25,7 @@ import logging
 import threading
 import time
 import traceback
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_tuple_new = tuple.__new__   # builds an Incoming without its Python-level __new__
 
 _MAX_EXPORTED = 1024
 _MAX_UNAUTHENTICATED = 4096
@@ -70,8 +72,7 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-@dataclass(frozen=True, slots=True)
-class Incoming:
+class Incoming(typing.NamedTuple):
     """An authenticated message received by a :class:`SecureListener`."""
 
     route: bytes
@@ -133,7 +134,8 @@ class SecureListener:
         """The next authenticated message; handshakes are served on the way."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            route, frames = self._listener.recv(_remaining(deadline))
+            route, frames = self._listener.recv(
+                None if deadline is None else max(0.0, deadline - time.monotonic()))
             incoming, reply = self._accept(route, frames)
             if reply is not None:
                 self._send_raw(route, reply)
@@ -180,7 +182,7 @@ class SecureListener:
                 return None, None
             self._sessions.move_to_end(route)
             self._counts["received"] += 1
-            return Incoming(route, session.peer, env), None
+            return _tuple_new(Incoming, (route, session.peer, env)), None
         if len(frames) != 1 or len(frame_bytes(frames[0])) > _MAX_UNAUTHENTICATED:
             # Handshake messages are one small frame; nothing bigger is even
             # decoded before a peer has proved the PSK.
@@ -561,7 +563,7 @@ class Channel:
         deadline = time.monotonic() + timeout
         while corr not in self._replies:
             try:
-                frames = self._dialer.recv(_remaining(deadline))
+                frames = self._dialer.recv(max(0.0, deadline - time.monotonic()))
             except PMetalTimeoutError as exc:
                 self._release(corr, answered=False)
                 raise RequestTimeoutError(f"no reply from {self.address} within "

@@ -316,7 +316,8 @@ class SessionStatistics:
 class Session:
     """Seals outgoing and opens incoming frames for one authenticated peer."""
 
-    __slots__ = ("_aead_recv", "_aead_send", "_recv_key", "_send_key", "_stats", "_stream",
+    __slots__ = ("_aead_recv", "_aead_send", "_mac_recv", "_mac_send", "_recv_key", "_send_key",
+                 "_stats", "_stream",
                  "local", "mode", "peer", "peer_public_key", "recv_seq", "send_seq",
                  "stream_bytes")
 
@@ -333,6 +334,10 @@ class Session:
         self.recv_seq = 0
         self._aead_send = ChaCha20Poly1305(send_key)
         self._aead_recv = ChaCha20Poly1305(recv_key)
+        # Keyed BLAKE2b states, copied per message: the key block is
+        # compressed once per session, not once per message.
+        self._mac_send = _blake2b(key=send_key, digest_size=16)
+        self._mac_recv = _blake2b(key=recv_key, digest_size=16)
         self._stats = [0, 0, 0, 0, 0]
         self._stream: _Stream | None = None
         self.stream_bytes = STREAM_SEGMENT_BYTES
@@ -354,8 +359,9 @@ class Session:
                 head = bytes(frame_bytes(head))
             stats[3] += len(head)
             if len(head) < _SMALL:
-                tag = _blake2b(_HEAD1.pack(mode, seq, 1, len(head)) + head, key=self._send_key,
-                               digest_size=16).digest()
+                mac = self._mac_send.copy()
+                mac.update(_HEAD1_pack(mode, seq, 1, len(head)) + head)
+                tag = mac.digest()
             else:
                 tag = _mac(self._send_key, mode, seq, [memoryview(head)])
             return [head + tag + tail]
@@ -387,9 +393,9 @@ class Session:
             return None
         cut = n - _SEAL_SIZE
         env = head[:cut]
-        tag = _blake2b(_HEAD1_pack(mode, seq, 1, cut) + env, key=self._recv_key,
-                       digest_size=16).digest()
-        if not _compare(head[cut:cut + 16], tag):
+        mac = self._mac_recv.copy()
+        mac.update(_HEAD1_pack(mode, seq, 1, cut) + env)
+        if not _compare(head[cut:cut + 16], mac.digest()):
             return None
         self.recv_seq = seq
         stats = self._stats
@@ -430,8 +436,9 @@ class Session:
                 raise AuthenticationError(f"unsealed message from {self.peer}")
             if len(frames) == 1 and cut < _SMALL:
                 env = head[:cut]
-                expect = _blake2b(_HEAD1.pack(mode, seq, 1, cut) + env, key=self._recv_key,
-                                  digest_size=16).digest()
+                mac = self._mac_recv.copy()
+                mac.update(_HEAD1_pack(mode, seq, 1, cut) + env)
+                expect = mac.digest()
                 views = [env]
             else:
                 views = [head[:cut], *(frame_bytes(f) for f in frames[1:])]

@@ -158,8 +158,10 @@ class SlotPool:
 
     def release(self, corr: int) -> None:
         """``corr`` was answered: its slots may be reused."""
-        for slot in self._busy.pop(corr, ()):
-            self._free.append(slot)
+        slots = self._busy.pop(corr, None)
+        if slots is None:  # the request used no slot (nearly every one)
+            return
+        self._free.extend(slots)
         while sum(s[1] for s in self._free) > self._max_free_bytes:
             self._drop(self._free.pop(0))
 

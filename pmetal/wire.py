@@ -599,6 +599,7 @@ class WireLimits:
 
 
 _DEFAULT_LIMITS = WireLimits()
+_tuple_new = tuple.__new__   # builds an Envelope without its Python-level __new__
 
 
 def frame_bytes(frame: Any) -> memoryview:
@@ -878,12 +879,12 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, allow_shm: bool
         raise ProtocolError(f"{cls.__name__} expects {required}-{len(checkers)} fields, "
                             f"got {len(body)}")
     if cls in _UNCHECKED:  # every field is Any (Ping, Pong): nothing to check
-        return Envelope(cls(*body), corr, term, sender)
+        return _tuple_new(Envelope, (cls(*body), corr, term, sender))
     try:
         values = [v if check is None else check(v) for (_, check), v in zip(checkers, body)]
     except TypeError as exc:
         raise ProtocolError(f"{cls.__name__}: {exc}") from exc
-    return Envelope(cls(*values), corr, term, sender)
+    return _tuple_new(Envelope, (cls(*values), corr, term, sender))
 
 
 def _unpack_array(code: int, data: bytes, buffers: list[memoryview], used: list[bool]) -> Any:
