@@ -286,7 +286,11 @@ class SecureListener:
             await self._listener.asend(route, part, timeout)
 
     def reply(self, incoming: Incoming, body: Message, timeout: float | None = None) -> None:
-        self.send(incoming.route, body, corr=incoming.envelope.corr, timeout=timeout)
+        route = incoming[0]
+        parts = self._seal_for(route, body, incoming[2][1], None)  # envelope.corr
+        self._counts["sent"] += 1
+        for part in parts:
+            self._listener.send(route, part, timeout)
 
     async def areply(self, incoming: Incoming, body: Message,
                      timeout: float | None = None) -> None:
@@ -599,7 +603,11 @@ class Channel:
     def request(self, body: Message, *, term: int | None = None,
                 timeout: float | None = None) -> Envelope:
         """Send ``body`` and wait for its reply."""
-        return self.result(self.submit(body, term=term, timeout=timeout), timeout)
+        corr = next(self._corr)
+        self._send_sealed(body, corr, term, timeout)
+        self._waiting.add(corr)
+        self._counts["requests"] += 1
+        return self.result(corr, timeout)
 
     async def arequest(self, body: Message, *, term: int | None = None,
                        timeout: float | None = None) -> Envelope:
