@@ -157,13 +157,9 @@ class SecureListener:
         session = self._sessions.get(route)
         if session is not None:
             try:
-                small = session.open_small(frames[0]) if len(frames) == 1 else None
-                if small is not None:
-                    opened: list[Any] | None = [small]
-                else:
-                    opened = session.open_part(frames)
-                    if opened is None:  # a streamed message still lacks segments
-                        return None, None
+                opened = session.open_part(frames)
+                if opened is None:  # a streamed message still lacks segments
+                    return None, None
                 env = decode(opened, allow_pickle=True, allow_shm=session.local,
                              limits=self._limits)
             except AuthenticationError as exc:
@@ -672,13 +668,9 @@ class Channel:
             self._counts["dropped"] += 1
             return
         try:
-            small = session.open_small(frames[0]) if len(frames) == 1 else None
-            if small is not None:
-                opened: list[Any] | None = [small]
-            else:
-                opened = session.open_part(frames)
-                if opened is None:  # a streamed message still lacks segments
-                    return
+            opened = session.open_part(frames)
+            if opened is None:  # a streamed message still lacks segments
+                return
             env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
         except (SecurityError, ProtocolError) as exc:
             unsealed = self._decode_unsealed(frames)

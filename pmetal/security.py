@@ -384,7 +384,7 @@ class Session:
         """The envelope of a one-frame message sealed in this session's own
         mode with the small-message MAC (nearly every control message); None
         for anything else, which :meth:`open` then verifies (and refuses with
-        the precise error). One call instead of four on the hottest path."""
+        the precise error). :meth:`open_part` tries it first."""
         n = len(head)
         if type(head) is not bytes or not _MIN_SMALL_SEALED <= n < _SMALL:
             return None
@@ -504,6 +504,10 @@ class Session:
     def open_part(self, frames: Sequence[Any]) -> list[Any] | None:
         """Open one received part: the message's frames once it is complete,
         None while a streamed message still lacks segments."""
+        if len(frames) == 1:
+            small = self.open_small(frames[0])
+            if small is not None:
+                return [small]
         head = frame_bytes(frames[0]) if frames else memoryview(b"")
         flags = head[-1] if len(head) else 0
         if not flags & (_HEAD | _SEGMENT):

@@ -144,11 +144,9 @@ def _retire_monitor(monitor: zmq.Socket, timeout: float) -> None:
     """Close the reader of a monitor whose socket is closing, once libzmq has
     stopped the monitor; park it if that takes longer than ``timeout``."""
     with _parked_lock:
-        still = [m for m in _parked_monitors if not _drained(m, 0)]
-        for m in _parked_monitors:
-            if m not in still:
-                m.close(linger=0)
-        _parked_monitors[:] = still
+        for parked in [m for m in _parked_monitors if _drained(m, 0)]:
+            parked.close(linger=0)
+            _parked_monitors.remove(parked)
     if _drained(monitor, timeout):
         monitor.close(linger=0)
         return
