@@ -1,8 +1,9 @@
 """Run the pmetal benchmark suites and print their tables.
 
-    python -m benchmarks                # every suite
+    python -m benchmarks                # transport and actors
     python -m benchmarks transport      # one suite
     python -m benchmarks --quick        # fewer repetitions (smoke run)
+    python -m benchmarks instructions   # opt-in: instruction counts (valgrind)
 
 All traffic stays on 127.0.0.1.
 """
@@ -12,23 +13,26 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, transport
+from benchmarks import actors, instructions, transport
 
 SUITES = {"transport": transport.main, "actors": actors.main}
+OPT_IN = {"instructions": instructions.main}   # run only when named
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suites", nargs="*", metavar="SUITE",
-                        help=f"suites to run: {', '.join(SUITES)} (default: all)")
+                        help=f"suites to run: {', '.join([*SUITES, *OPT_IN])} "
+                             f"(default: {', '.join(SUITES)})")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions")
     args = parser.parse_args(argv)
-    unknown = set(args.suites) - set(SUITES)
+    every = {**SUITES, **OPT_IN}
+    unknown = set(args.suites) - set(every)
     if unknown:
-        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {list(SUITES)}")
+        parser.error(f"unknown suite(s) {sorted(unknown)}; choose from {list(every)}")
     for name in args.suites or list(SUITES):
-        SUITES[name](quick=args.quick)
+        every[name](quick=args.quick)
     return 0
 
 
