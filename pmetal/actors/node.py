@@ -650,11 +650,12 @@ class NodeDaemon:
         by_id = {w["worker_id"]: w for w in info["workers"]}
 
         async def ask(worker: WorkerProc) -> None:
+            # Timeouts of the channel's own, not a cancellation from outside:
+            # the channel is shared with actor construction.
             try:
-                async with asyncio.timeout(_STATUS_WAIT):
-                    channel = await self._worker_channel(worker, _STATUS_WAIT)
-                    reply = (await channel.arequest(StatusRequest(), timeout=_STATUS_WAIT)).body
-            except (PMetalError, TimeoutError):
+                channel = await self._worker_channel(worker, _STATUS_WAIT)
+                reply = (await channel.arequest(StatusRequest(), timeout=_STATUS_WAIT)).body
+            except PMetalError:
                 return
             if isinstance(reply, Status) and worker.worker_id in by_id:
                 by_id[worker.worker_id]["calls"] = reply.info.get("calls")
