@@ -225,6 +225,11 @@ def get(refs: ObjectRef | list[ObjectRef], *, timeout: float | None = None) -> A
     """The value(s) of ``refs``. Raises the remote exception (as a
     RemoteError that is also the original type), ActorDiedError, or
     GetTimeoutError after ``timeout`` seconds."""
+    if type(refs) is ObjectRef:   # one ref, the common case: no list walks
+        if refs.done():
+            return refs.result()
+        runtime = _runtime
+        return (runtime.client if runtime is not None else client()).get_one(refs, timeout)
     if isinstance(refs, ObjectRef):
         return client_for([refs]).get([refs], timeout)[0]
     refs = list(refs)

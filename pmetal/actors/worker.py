@@ -94,6 +94,7 @@ class Worker:
         self.max_concurrency = 1
         self._functions: dict[str, Any] = {}
         self._stop = False
+        self.needs_loop = False   # set once the actor is built: serve it from asyncio
         self._group: asyncio.TaskGroup | None = None
         self.calls = 0
 
@@ -132,7 +133,7 @@ class Worker:
             reply = self._handle(incoming.body)
             if incoming.envelope.corr and reply is not None:
                 self._reply(incoming, reply)
-            if self.instance is not None and self._needs_loop():
+            if self.needs_loop:
                 return
 
     def _reply(self, incoming: Incoming, reply: Message) -> None:
@@ -143,7 +144,8 @@ class Worker:
         except (PeerError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
-    def _needs_loop(self) -> bool:
+    def _wants_loop(self) -> bool:
+        """Whether the actor just constructed needs the asyncio loop."""
         if self.max_concurrency > 1:
             return True
         return any(inspect.iscoroutinefunction(m)
@@ -181,6 +183,9 @@ class Worker:
         except Exception as exc:
             self.instance = None
             return failure_from(_user_traceback(exc))
+        # Decided once here, not per call: inspecting the class costs more
+        # than a whole call of a small method.
+        self.needs_loop = self._wants_loop()
         return Ack(os.getpid())
 
     def _method(self, actor_id: str, name: str) -> Any:
