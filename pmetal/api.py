@@ -281,11 +281,7 @@ def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
     with ``no_restart=False`` it is restarted if it has restarts left."""
     if not isinstance(actor, ActorHandle):
         raise TypeError(f"pmetal.kill takes an actor handle, not {type(actor).__name__}")
-    node = client()
-    if actor._node_id and actor._node_id != node.node_id:
-        raise PMetalError("pmetal.kill of an actor on another node arrives with the cluster "
-                          "issue; kill it from a driver on its node")
-    node.kill(actor._actor_id, no_restart)
+    client().kill(actor._actor_id, no_restart, actor._node_id)
 
 
 def get_actor(name: str) -> ActorHandle:

@@ -348,8 +348,13 @@ class LookupActor(Message):
 
 @_message(Kind.KILL_ACTOR)
 class KillActor(Message):
+    """Kill an actor's process. ``node_id``: the node that hosts it (from
+    the handle); a node that does not host the actor passes the request on
+    to that member."""
+
     actor_id: str
     no_restart: bool = True
+    node_id: str = ""
 
 
 @_message(Kind.LEASE_WORKERS)

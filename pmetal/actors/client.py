@@ -287,8 +287,10 @@ class CoreClient:
         assert isinstance(reply, ActorLocation)
         return reply
 
-    def kill(self, actor_id: str, no_restart: bool = True) -> None:
-        reply = self.request_node(KillActor(actor_id, no_restart))
+    def kill(self, actor_id: str, no_restart: bool = True, node_id: str = "") -> None:
+        """Kill an actor; ``node_id`` (its host) lets our node pass the
+        request on when the actor lives elsewhere."""
+        reply = self.request_node(KillActor(actor_id, no_restart, node_id))
         if isinstance(reply, Failure):
             raise failure_error(reply)
 

@@ -260,7 +260,10 @@ class NodeDaemon:
             self._later(incoming, self._lookup(body))  # type: ignore[arg-type]
             return None
         if kind is KillActor:
-            return self._kill_actor(body)  # type: ignore[arg-type]
+            if body.actor_id in self.actors or not body.node_id:  # type: ignore[attr-defined]
+                return self._kill_actor(body)  # type: ignore[arg-type]
+            self._later(incoming, self._kill_remote(body))  # type: ignore[arg-type]
+            return None
         if kind is LeaseWorkers:
             self._later(incoming, self._lease(body))  # type: ignore[arg-type]
             return None
@@ -516,6 +519,17 @@ class NodeDaemon:
             record.state, record.reason = "dead", "killed by pmetal.kill"
             record.notify()
         return Ack()
+
+    async def _kill_remote(self, body: KillActor) -> Message:
+        """Pass a kill on to the member that hosts the actor (one hop: the
+        member answers from its own actors)."""
+        member = self.members.get(body.node_id)
+        if member is None or body.node_id == self.node_id:
+            return Failure("not_found", "ValueError",
+                           f"no actor {body.actor_id} on this node, and its node "
+                           f"{body.node_id[:8]} is not a member of this cluster (it left, or "
+                           f"the handle comes from another cluster)")
+        return await self._ask(member, KillActor(body.actor_id, body.no_restart, ""))
 
     async def _lease(self, body: LeaseWorkers) -> Message:
         deadline = time.monotonic() + self.config.transport.connect_timeout

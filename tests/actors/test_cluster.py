@@ -309,6 +309,22 @@ def test_kill_9_on_another_node_restarts_there(nodes: list[NodeProc], driver: di
     assert hosted_by(actor, nodes[1])
 
 
+def test_kill_of_an_actor_on_another_node(nodes: list[NodeProc], driver: dict[str, Any],
+                                          reap: list[Any]) -> None:
+    actor = on(nodes[2], max_restarts=3)
+    reap.append(actor)
+    pid = pmetal.get(actor.pid.remote(), timeout=WAIT)
+    assert parent_pid(pid) == nodes[2].proc.pid
+    pending = actor.block.remote(60)
+    pmetal.kill(actor)   # the driver's node is nodes[0]: the kill is passed on
+    assert_all_exit([pid], what="the killed worker on the other node")
+    with pytest.raises(ActorDiedError):
+        pmetal.get(pending, timeout=WAIT)
+    # no_restart=True: not restarted although it has restarts left.
+    with pytest.raises(ActorDiedError, match="dead"):
+        pmetal.get(actor.inc.remote(), timeout=WAIT)
+
+
 def test_named_actor_on_another_node_is_found(nodes: list[NodeProc], driver: dict[str, Any],
                                               reap: list[Any]) -> None:
     actor = on(nodes[2], name="cluster-named")
