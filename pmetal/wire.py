@@ -372,6 +372,8 @@ class LeaseWorkers(Message):
 @_message(Kind.WORKER_LIST)
 class WorkerList(Message):
     addresses: tuple[str, ...]
+    starting: int = 0
+    """Task workers of the node not ready yet: ask again later to use them."""
 
 
 @_message(Kind.STATUS_REQUEST)

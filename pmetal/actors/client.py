@@ -6,8 +6,8 @@ placement, lookups) and one :class:`PeerLink` per worker it calls (data: calls
 and results go straight to the worker, never through a node). Each link
 watches its TCP connection: when the worker's process dies the connection
 drops, and every call pending on that link fails with
-:class:`~pmetal.errors.ActorDiedError` at once instead of waiting for a
-timeout. The next call on the handle asks the node where the actor lives
+:class:`~pmetal.errors.ActorDiedError` within one wait slice (50 ms)
+instead of waiting for a timeout. The next call on the handle asks the node where the actor lives
 now (it may have been restarted) and carries on.
 
 Sockets are used under one lock, so a client may be shared by threads; a
@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 from zmq.backend import zmq_poll
 
+from pmetal.actors.deferred import Deferrals
 from pmetal.actors.serialization import pack_value, remote_error, unpack_value
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
@@ -61,6 +62,7 @@ def _call_name(handle: Any, method: str) -> str:
     return f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
 _EVENTS = int(zmq.EVENTS)
 _BATCH_MAX = 256          # calls per CallBatch
+_RELEASE_AFTER = 0.2      # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
 
 
@@ -111,8 +113,8 @@ class ObjectRef:
     asyncio code. Refs are owned by the process that made them.
     """
 
-    __slots__ = ("_client", "_corr", "_error", "_has_value", "_link", "_on_death", "_value",
-                 "__weakref__")
+    __slots__ = ("_client", "_corr", "_deferred", "_error", "_has_value", "_link", "_on_death",
+                 "_value", "__weakref__")
 
     def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
                  on_death: Any = "") -> None:
@@ -123,6 +125,7 @@ class ObjectRef:
         self._value: Any = None
         self._error: BaseException | None = None
         self._on_death = on_death
+        self._deferred = False   # its call waits for ObjectRef arguments (deferred.py)
         if link is not None:
             link.refs[corr] = self
 
@@ -137,6 +140,22 @@ class ObjectRef:
         ref = cls(None)
         ref._error = error
         return ref
+
+    def _adopt(self, inner: ObjectRef) -> None:
+        """Take over the state of ``inner``, the ref of the call sent on this
+        ref's behalf (client lock held, so no reply is filed meanwhile)."""
+        self._value, self._has_value, self._error = inner._value, inner._has_value, inner._error
+        link = self._link = inner._link
+        self._corr = inner._corr
+        if link is None:
+            return
+        if link.refs.get(inner._corr) is inner:
+            link.refs[inner._corr] = self
+            return
+        for i, (queued, call) in enumerate(link.outbox):
+            if queued is inner:
+                link.outbox[i] = (self, call)
+                return
 
     def _set(self, value: Any) -> None:
         self._value = value
@@ -232,6 +251,7 @@ class CoreClient:
         self.links: dict[str, PeerLink] = {}
         self.lock = threading.RLock()
         self._task_workers: list[str] = []
+        self._lease_again = 0.0   # when to ask for task workers again (some were starting)
         self._next_worker = itertools.count()
         self._actor_ids = itertools.count()
         self.calls = 0
@@ -240,6 +260,7 @@ class CoreClient:
         self._flusher: threading.Thread | None = None
         self._flush_wanted = threading.Event()
         self._closing = threading.Event()
+        self._deferrals = Deferrals(self)
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -295,9 +316,24 @@ class CoreClient:
             raise failure_error(reply)
 
     def call(self, handle: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
-        """Submit ``handle.method(*args, **kwargs)``; ObjectRef args resolved first."""
+        """Submit ``handle.method(*args, **kwargs)``. A call with ObjectRef
+        arguments not ready yet waits for them in the background (so does a
+        later call to the same actor: calls keep their order)."""
+        deferrals = self._deferrals
         if kwargs or not _plain(args):
+            if Deferrals.unready(args, kwargs, ObjectRef) or handle._actor_id in deferrals.actors:
+                return deferrals.add(
+                    lambda a, kw: self._call_now(handle, method, a, kw), args, kwargs,
+                    handle._actor_id, (handle, method), ObjectRef)
             args, kwargs = self._resolve_args(args, kwargs)
+        elif deferrals.actors and handle._actor_id in deferrals.actors:
+            return deferrals.add(lambda a, kw: self._call_now(handle, method, a, kw),
+                                 args, kwargs, handle._actor_id, (handle, method), ObjectRef)
+        return self._call_now(handle, method, args, kwargs)
+
+    def _call_now(self, handle: Any, method: str, args: list[Any],
+                  kwargs: dict[str, Any]) -> ObjectRef:
+        """Send a call whose arguments are packed (or queue it behind calls in flight)."""
         with self.lock:
             link = self._actor_link(handle)
             if isinstance(link, BaseException):
@@ -403,7 +439,17 @@ class CoreClient:
 
     def run_task(self, fn_id: str, fn_ref: Any, args: list[Any],
                  kwargs: dict[str, Any], name: str) -> ObjectRef:
+        """Submit a remote function; with ObjectRef arguments not ready yet,
+        it is sent once they are (tasks keep no order)."""
+        if Deferrals.unready(args, kwargs, ObjectRef):
+            return self._deferrals.add(
+                lambda a, kw: self._run_task_now(fn_id, fn_ref, a, kw, name), args, kwargs, "",
+                f"remote function {name}", ObjectRef)
         args, kwargs = self._resolve_args(args, kwargs)
+        return self._run_task_now(fn_id, fn_ref, args, kwargs, name)
+
+    def _run_task_now(self, fn_id: str, fn_ref: Any, args: list[Any],
+                      kwargs: dict[str, Any], name: str) -> ObjectRef:
         what = f"remote function {name}"
         with self.lock:
             link = self._task_link(what)
@@ -421,6 +467,8 @@ class CoreClient:
         dead worker makes us ask the node again: it starts replacements, and
         we tell it which workers we saw die (it may not have noticed yet)."""
         dead: set[str] = set()
+        if self._lease_again and time.monotonic() >= self._lease_again:
+            self._task_workers = []   # workers that were starting are ready by now
         for _ in range(8):   # each failed try adds an address to avoid
             if not self._task_workers:
                 # Inside a worker, ask for a worker of our own (see node._lease).
@@ -431,11 +479,12 @@ class CoreClient:
                 assert isinstance(reply, WorkerList)
                 # A task that starts a task must not queue it behind itself.
                 self._task_workers = [a for a in reply.addresses if a != self.self_address]
+                self._lease_again = time.monotonic() + _RELEASE_AFTER if reply.starting else 0.0
                 if not self._task_workers:
                     return PlacementError(
                         f"{what}: no other task worker is free on this node to run a task "
                         f"started from inside a task; start the node with more task workers")
-            address = self._task_workers[next(self._next_worker) % len(self._task_workers)]
+            address = self._least_busy(self._task_workers)
             known = self.links.get(address)
             if known is not None:
                 known.check()
@@ -449,6 +498,22 @@ class CoreClient:
             dead.add(address)
             self._task_workers = []
         return ActorDiedError(f"{what}: no task worker of this node answers")
+
+    def _least_busy(self, addresses: list[str]) -> str:
+        """The task worker with the fewest of our tasks pending (taking
+        turns among equals), so a long task does not hold up the next one
+        while another worker is free."""
+        start = next(self._next_worker)
+        best, best_load = "", -1
+        for i in range(len(addresses)):
+            address = addresses[(start + i) % len(addresses)]
+            link = self.links.get(address)
+            load = 0 if link is None else link.channel.pending() + len(link.outbox)
+            if load == 0:
+                return address
+            if best_load < 0 or load < best_load:
+                best, best_load = address, load
+        return best
 
     def check_placement(self, options: dict[str, Any], what: str) -> None:
         """Raise PlacementError now if no node could ever run this."""
@@ -487,6 +552,11 @@ class CoreClient:
         with self.lock:
             self._flush_links(refs)
         for ref in refs:
+            if ref._deferred:
+                self._deferrals.await_submitted(ref, deadline, timeout)
+                if ref._link is not None and ref._link.outbox:
+                    with self.lock:
+                        self._flush(ref._link)
             while not ref.done():
                 with self.lock:
                     if not ref.done():
@@ -498,6 +568,8 @@ class CoreClient:
     def get_one(self, ref: ObjectRef, timeout: float | None) -> Any:
         """``get([ref], timeout)[0]`` without its list walks."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if ref._deferred:
+            self._deferrals.await_submitted(ref, deadline, timeout)
         link = ref._link
         if link is not None and link.outbox:
             with self.lock:
@@ -517,9 +589,16 @@ class CoreClient:
         with self.lock:
             self._flush_links(refs)
         while sum(1 for r in refs if r.done()) < num_returns:
+            sent = [r for r in refs if not r.done() and not r._deferred]
             try:
+                if not sent:   # all wait for their arguments: wait for one to be sent
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    self._deferrals.await_change(self._SLICE_MS / 1000)
+                    continue
                 with self.lock:
-                    self._progress([r for r in refs if not r.done()], deadline, timeout)
+                    self._flush_links(sent)
+                    self._progress(sent, deadline, timeout)
             except GetTimeoutError:
                 break
             if sum(1 for r in refs if r.done()) < num_returns:
@@ -540,7 +619,7 @@ class CoreClient:
         links = {id(r._link): r._link for r in pending if r._link is not None}
         if not links:
             for r in pending:
-                if not r.done():  # no link and no value: its link died meanwhile
+                if not r.done() and not r._deferred:  # no link, no value: its link died
                     r._fail_link("its connection was closed")
             return
         if deadline is None:
@@ -620,6 +699,7 @@ class CoreClient:
         self.request_node(Shutdown("driver shut down"), timeout=timeout)
 
     def close(self) -> None:
+        self._deferrals.close()
         self._closing.set()
         self._flush_wanted.set()
         if self._flusher is not None:

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 READY_LINE = "PMETAL_NODE_READY"
 _POOL_DELAY = 0.15
+_LEASE_GRACE = 1.0   # s a lease waits for task workers that are still starting
 _STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status`
 
 
@@ -547,13 +548,21 @@ class NodeDaemon:
                 worker.role = "lent"
                 lent.append(worker.address)
             return WorkerList(tuple(lent))
+        # Task workers that are starting (all of them, just after the node
+        # started) are waited for a little: a caller sends its tasks to the
+        # workers it is given, and a burst given one worker would run in turn.
+        grace = time.monotonic() + _LEASE_GRACE
         while True:
             ready = tuple(w.address for w in self.workers.values()
                           if w.role == "task" and w.ready.is_set() and w.address not in avoid)
-            if ready:
-                return WorkerList(ready)
-            remaining = deadline - time.monotonic()
+            starting = sum(1 for w in self.workers.values()
+                           if w.role == "task" and not w.ready.is_set())
+            if ready and (not starting or time.monotonic() >= grace):
+                return WorkerList(ready, starting)
+            remaining = (deadline if not ready else min(deadline, grace)) - time.monotonic()
             if remaining <= 0:
+                if ready:
+                    return WorkerList(ready, starting)
                 return Failure("placement", "PlacementError",
                                "no task worker became ready on this node in time; the machine "
                                "may be overloaded")

@@ -346,6 +346,57 @@ def test_failed_ref_as_argument_raises_its_error(counter: Any) -> None:
         pmetal.get(counter.echo.remote(counter.boom.remote()), timeout=WAIT)
 
 
+def test_remote_with_a_pending_ref_argument_returns_at_once(counter: Any, gate: Any) -> None:
+    pending = gate.wait.remote("defer-1", 7)
+    ref = counter.echo.remote(pending)
+    # Had .remote() waited for its argument, the gate would have to be open.
+    assert not pending.done()
+    assert pmetal.get(gate.waiters.remote("defer-1"), timeout=WAIT) == 1
+    pmetal.get(gate.open.remote("defer-1"), timeout=WAIT)
+    assert pmetal.get(ref, timeout=WAIT) == 7
+
+
+def test_a_call_waiting_for_its_argument_keeps_its_place_in_order(gate: Any,
+                                                                  reap: list[Any]) -> None:
+    c = Counter.remote()
+    reap.append(c)
+    first = c.record.remote(gate.wait.remote("defer-2", "first"))
+    later = [c.record.remote(i) for i in range(3)]   # ready arguments, but queued behind
+    assert pmetal.wait(later, num_returns=1, timeout=0.2)[0] == []
+    pmetal.get(gate.open.remote("defer-2"), timeout=WAIT)
+    assert pmetal.get([first, *later], timeout=WAIT) == [1, 2, 3, 4]
+    assert pmetal.get(c.history.remote(), timeout=WAIT) == ["first", 0, 1, 2]
+
+
+def test_a_failed_argument_fails_the_call_without_running_it(reap: list[Any]) -> None:
+    c = Counter.remote()
+    reap.append(c)
+    ref = c.record.remote(c.boom.remote("bad argument"))
+    with pytest.raises(ValueError, match="bad argument"):
+        pmetal.get(ref, timeout=WAIT)
+    assert pmetal.get(c.history.remote(), timeout=WAIT) == []
+
+
+def test_task_chains_are_submitted_without_waiting(gate: Any) -> None:
+    firsts = [gate.wait.remote(f"defer-3-{i}", i) for i in range(3)]
+    squares = [square.remote(f) for f in firsts]
+    assert not any(f.done() for f in firsts)
+    for i in reversed(range(3)):
+        pmetal.get(gate.open.remote(f"defer-3-{i}"), timeout=WAIT)
+    assert pmetal.get(squares, timeout=WAIT) == [0, 1, 4]
+
+
+def test_wait_and_timeouts_with_calls_waiting_for_arguments(counter: Any, gate: Any) -> None:
+    deferred = counter.echo.remote(gate.wait.remote("defer-4", "late"))
+    quick = square.remote(3)
+    ready, not_ready = pmetal.wait([deferred, quick], num_returns=1, timeout=WAIT)
+    assert ready == [quick] and not_ready == [deferred]
+    with pytest.raises(GetTimeoutError):
+        pmetal.get(deferred, timeout=0.1)
+    pmetal.get(gate.open.remote("defer-4"), timeout=WAIT)
+    assert pmetal.get(deferred, timeout=WAIT) == "late"
+
+
 def test_object_ref_inside_a_value_is_refused_at_the_call_site(counter: Any) -> None:
     ref = pmetal.put(1)
     with pytest.raises(TypeError, match="top-level"):

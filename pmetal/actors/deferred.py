@@ -1,0 +1,202 @@
+"""Calls and tasks whose ObjectRef arguments are not ready yet.
+
+``g.remote(f.remote(x))`` returns at once, as in Ray: the call waits here,
+in the caller's process, until ``f``'s result has arrived, and is then sent
+with the value in place of the ref. Meanwhile the caller goes on submitting,
+so a chain of tasks over many inputs runs its first stage in parallel
+instead of one input at a time.
+
+One thread per client (started with the first deferred call) watches the
+pending arguments and submits each waiting call once its arguments are
+ready. Calls from this process to one actor keep their submission order: a
+call to an actor that has a call waiting here waits behind it, even when its
+own arguments are ready. Tasks have no order and go as soon as they can.
+
+A failed argument fails the call that waits on it with the same exception,
+without running it (Ray does the same). Non-ref arguments are packed at the
+call site, so an unpicklable argument still raises there.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pmetal.actors.serialization import pack_value
+from pmetal.errors import GetTimeoutError, PMetalError
+
+if TYPE_CHECKING:
+    from pmetal.actors.client import CoreClient, ObjectRef
+
+__all__ = ["Deferrals"]
+
+log = logging.getLogger(__name__)
+
+Submit = Callable[[list[Any], dict[str, Any]], "ObjectRef"]
+
+# How long the watcher holds the client lock while waiting for arguments:
+# short, so the thread that submits calls is never kept waiting for long.
+_SLICE = 0.005
+
+
+@dataclass(eq=False)   # identity: a call waits here once
+class _Waiting:
+    ref: ObjectRef            # handed to the caller; adopts the real call's state
+    submit: Submit            # sends the call (client lock held), returns its ObjectRef
+    args: list[Any]           # packed, ObjectRefs in place
+    kwargs: dict[str, Any]
+    actor_id: str             # "" for a task
+    deps: list[ObjectRef]     # the ref arguments not yet done at the call
+
+
+class Deferrals:
+    def __init__(self, client: CoreClient) -> None:
+        self._client = client
+        self._items: list[_Waiting] = []
+        self.actors: dict[str, int] = {}   # actor id -> its calls waiting here
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.deferred = 0
+
+    @staticmethod
+    def unready(args: list[Any], kwargs: dict[str, Any], ref_type: type) -> bool:
+        """Whether any top-level argument is an ObjectRef not done yet."""
+        for a in args:
+            if type(a) is ref_type and not a.done():
+                return True
+        for v in kwargs.values():
+            if type(v) is ref_type and not v.done():
+                return True
+        return False
+
+    def add(self, submit: Submit, args: list[Any], kwargs: dict[str, Any], actor_id: str,
+            what: Any, ref_type: type) -> ObjectRef:
+        """Queue a call; its ObjectRef now, its submission once its ref
+        arguments are done."""
+        packed = [a if type(a) is ref_type else pack_value(a) for a in args]
+        packed_kw = {k: v if type(v) is ref_type else pack_value(v) for k, v in kwargs.items()}
+        deps = [a for a in [*args, *kwargs.values()] if type(a) is ref_type and not a.done()]
+        ref = ref_type(self._client, None, 0, what)
+        ref._deferred = True
+        with self._cond:
+            if self._closed:
+                raise PMetalError("the client is closed (pmetal.shutdown was called)")
+            self._items.append(_Waiting(ref, submit, packed, packed_kw, actor_id, deps))
+            if actor_id:
+                self.actors[actor_id] = self.actors.get(actor_id, 0) + 1
+            self.deferred += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pmetal-deferred",
+                                                daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        return ref
+
+    def await_submitted(self, ref: ObjectRef, deadline: float | None,
+                        timeout: float | None) -> None:
+        """Block until ``ref``'s call has been sent (or failed)."""
+        with self._cond:
+            while ref._deferred:
+                if deadline is None:
+                    self._cond.wait(1.0)
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise GetTimeoutError(
+                        f"result not ready within {timeout:.3g} s (the call still waits for "
+                        f"its ObjectRef arguments); call pmetal.get again to keep waiting")
+                self._cond.wait(min(remaining, 1.0))
+
+    def await_change(self, seconds: float) -> None:
+        """Block until some waiting call is sent, at most ``seconds``."""
+        with self._cond:
+            if self._items:
+                self._cond.wait(seconds)
+
+    def close(self) -> None:
+        """Fail every call still waiting; stop the watcher."""
+        with self._cond:
+            self._closed = True
+            items, self._items = self._items, []
+            self.actors.clear()
+            for item in items:
+                item.ref._error = PMetalError(
+                    f"{item.ref._what()}: pmetal.shutdown came before its ObjectRef "
+                    f"arguments were ready; it was never sent")
+                item.ref._deferred = False
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2.0)
+
+    # ---------------------------------------------------------- the watcher
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait(1.0)
+                if self._closed:
+                    return
+                items = list(self._items)
+            try:
+                self._step(items)
+            except Exception:  # never let the watcher die: calls would wait forever
+                log.exception("the deferred-call watcher failed a step; retrying")
+                time.sleep(_SLICE)  # back off before retrying the same step
+
+    def _step(self, items: list[_Waiting]) -> None:
+        sent = False
+        blocked: set[str] = set()
+        for item in items:
+            if item.actor_id and item.actor_id in blocked:
+                continue   # an earlier call to this actor still waits
+            if all(d.done() for d in item.deps):
+                self._send(item)
+                sent = True
+            elif item.actor_id:
+                blocked.add(item.actor_id)
+        if sent:
+            return
+        # Read results on the links of the pending arguments; arguments that
+        # are themselves waiting here are sent by this thread, not read.
+        pending = {id(d): d for item in items for d in item.deps
+                   if not d.done() and not d._deferred}
+        if pending:
+            self._client.wait(list(pending.values()), 1, _SLICE)
+            time.sleep(0)   # let a thread waiting for the client lock in
+        else:
+            self.await_change(_SLICE)
+
+    def _send(self, item: _Waiting) -> None:
+        ref = item.ref
+        ref_type = type(ref)
+        with self._client.lock:
+            try:
+                failed = next((d for d in item.deps if d._error is not None), None)
+                if failed is not None:
+                    ref._error = failed._error
+                else:
+                    args = [pack_value(a.result()) if type(a) is ref_type else a
+                            for a in item.args]
+                    kwargs = {k: pack_value(v.result()) if type(v) is ref_type else v
+                              for k, v in item.kwargs.items()}
+                    ref._adopt(item.submit(args, kwargs))
+            except Exception as exc:  # e.g. the actor is gone: the caller sees why at get
+                ref._error = exc
+            finally:
+                with self._cond:
+                    if item in self._items:
+                        self._items.remove(item)
+                    if item.actor_id:
+                        left = self.actors.get(item.actor_id, 1) - 1
+                        if left > 0:
+                            self.actors[item.actor_id] = left
+                        else:
+                            self.actors.pop(item.actor_id, None)
+                    ref._deferred = False
+                    self._cond.notify_all()
