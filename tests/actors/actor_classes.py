@@ -186,6 +186,13 @@ def pause(seconds: float) -> int:
 
 
 @pmetal.remote
+def wait_at(gate: Any, key: str) -> int:
+    """Keep a task worker busy until ``gate.open(key)``; returns its pid."""
+    pmetal.get(gate.wait.remote(key), timeout=WAIT)
+    return os.getpid()
+
+
+@pmetal.remote
 def call_actor(handle: Any, k: int) -> int:
     return pmetal.get(handle.inc.remote(k), timeout=WAIT)
 

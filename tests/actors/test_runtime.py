@@ -33,6 +33,8 @@ from .actor_classes import (
     fail,
     nested,
     square,
+    wait_at,
+    worker_pid,
 )
 from .conftest import WAIT, shared_memory_objects, wait_until
 
@@ -395,6 +397,19 @@ def test_wait_and_timeouts_with_calls_waiting_for_arguments(counter: Any, gate: 
         pmetal.get(deferred, timeout=0.1)
     pmetal.get(gate.open.remote("defer-4"), timeout=WAIT)
     assert pmetal.get(deferred, timeout=WAIT) == "late"
+
+
+def test_tasks_go_to_a_task_worker_that_is_free(gate: Any) -> None:
+    task_workers = [w for w in pmetal.api.client().status()["workers"] if w["role"] == "task"]
+    if len(task_workers) < 2:
+        pytest.skip("the node has one task worker (one CPU): nothing to choose between")
+    busy = wait_at.remote(gate, "free-1")
+    wait_until(lambda: pmetal.get(gate.waiters.remote("free-1"), timeout=WAIT) == 1, WAIT,
+               what="the first task to wait at the gate")
+    # Each of these would wait for the gate if sent to the busy worker.
+    pids = {pmetal.get(worker_pid.remote(), timeout=WAIT / 2) for _ in range(4)}
+    pmetal.get(gate.open.remote("free-1"), timeout=WAIT)
+    assert pmetal.get(busy, timeout=WAIT) not in pids
 
 
 def test_object_ref_inside_a_value_is_refused_at_the_call_site(counter: Any) -> None:
