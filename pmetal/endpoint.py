@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -249,7 +249,7 @@ class SecureListener:
     # ------------------------------------------------------------- sending
 
     def _seal_for(self, route: bytes, body: Message, corr: int,
-                  term: int | None) -> list[list[Any]]:
+                  term: int | None) -> Iterable[list[Any]]:
         session = self._sessions.get(route)
         if session is None:
             raise PeerError("no authenticated session with that peer (it never completed "
@@ -257,11 +257,11 @@ class SecureListener:
         if not session.local:
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._limits)
-            return [session.seal(frames)] if len(frames) == 1 else session.seal_parts(frames)
+            return [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
         exported = self._exported
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits, exported=exported)
-        parts = [session.seal(frames)] if len(frames) == 1 else session.seal_parts(frames)
+        parts = [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
         while len(exported) > _MAX_EXPORTED:
             shm.unlink(exported.popleft())
         return parts
@@ -511,7 +511,7 @@ class Channel:
         if len(frames) == 1:  # the common small message: one part, no streaming
             self._dialer.send(session.seal(frames), timeout)
             return
-        for part in session.seal_parts(frames):
+        for part in session.iter_parts(frames):
             self._dialer.send(part, timeout)
 
     async def _asend_sealed(self, body: Message, corr: int, term: int | None,
@@ -526,7 +526,7 @@ class Channel:
                         exported=exported)
         if exported:
             self._exported.setdefault(corr, []).extend(exported)
-        for part in session.seal_parts(frames):
+        for part in session.iter_parts(frames):
             await self._dialer.asend(part, timeout)
 
     def send(self, body: Message, *, term: int | None = None,

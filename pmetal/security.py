@@ -48,7 +48,7 @@ import hmac
 import logging
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -462,20 +462,29 @@ class Session:
     # ---------------------------------------------------------- streaming
 
     def seal_parts(self, frames: Sequence[Any]) -> list[list[Any]]:
-        """Seal a message as one or more ZeroMQ messages ("parts").
+        """Seal a message as one or more ZeroMQ messages ("parts"): the list
+        of :meth:`iter_parts`."""
+        return list(self.iter_parts(frames))
+
+    def iter_parts(self, frames: Sequence[Any]) -> Iterator[list[Any]]:
+        """Seal a message as one or more ZeroMQ messages ("parts"), each made
+        when the caller asks for it.
 
         A message whose buffers exceed ``stream_bytes`` is streamed: a head
         part (envelope plus every frame length) and segments of at most
-        ``stream_bytes`` each with a tag of its own, so that the sender
-        authenticates segment k+1 while ZeroMQ moves segment k, and the
-        receiver verifies segment k while segment k+1 arrives.
+        ``stream_bytes`` each with a tag of its own. A sender that sends each
+        part before asking for the next authenticates segment k+1 while
+        ZeroMQ moves segment k; the receiver verifies segment k while
+        segment k+1 arrives. The sequence number is taken at the first part.
         """
         mode = self.mode
         if len(frames) == 1 or mode == Mode.ENCRYPTED:
-            return [self.seal(frames)]
+            yield self.seal(frames)
+            return
         views = [frame_bytes(f) for f in frames]
         if sum(len(v) for v in views) - len(views[0]) <= self.stream_bytes:
-            return [self.seal(frames)]
+            yield self.seal(frames)
+            return
         self.send_seq += 1
         seq = self.send_seq
         self._stats[0] += 1
@@ -483,8 +492,8 @@ class Session:
         lengths = struct.pack(f"<{len(views)}Q", *(len(v) for v in views))
         head_tag = _blake2b(_HEAD1.pack(mode, seq, len(views), len(views[0])) + lengths
                             + views[0], key=self._send_key, digest_size=16).digest()
-        parts: list[list[Any]] = [[bytes(views[0]) + head_tag + _TAIL.pack(seq, mode | _HEAD),
-                                   lengths]]
+        yield [bytes(views[0]) + head_tag + _TAIL.pack(seq, mode | _HEAD), lengths]
+        index = 0
         group: list[memoryview] = []
         size = 0
         first = 1
@@ -493,13 +502,12 @@ class Session:
                 group.append(views[i])
                 size += len(views[i])
                 continue
-            index = len(parts) - 1
             tag = _segment_mac(self._send_key, mode, seq, index, first, group)
-            parts.append([tag + _SEG.pack(seq, index, mode | _SEGMENT), *group])
+            yield [tag + _SEG.pack(seq, index, mode | _SEGMENT), *group]
+            index += 1
             first = i
             if i < len(views):
                 group, size = [views[i]], len(views[i])
-        return parts
 
     def open_part(self, frames: Sequence[Any]) -> list[Any] | None:
         """Open one received part: the message's frames once it is complete,
