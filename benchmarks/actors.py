@@ -15,6 +15,7 @@ beside ours when Ray is not installed here.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import median, pct, table
+from benchmarks.common import cpu_per_call, median, pct, table
 
 MiB = 1 << 20
 
@@ -66,6 +67,9 @@ class Target:
 
             def nbytes(self, a: np.ndarray) -> int:
                 return int(a.nbytes)
+
+            def pid(self) -> int:
+                return os.getpid()
 
         @remote
         def task(x: Any) -> Any:
@@ -125,9 +129,17 @@ class Target:
             t = time.perf_counter()
             assert mod.get(actor.nbytes.remote(arr), timeout=60) == arr.nbytes
             array.append(arr.nbytes / (time.perf_counter() - t))
-        return {"rtt_us": median(rtt) * 1e6, "rtt_p99_us": pct(rtt, 0.99) * 1e6,
-                "pipelined_per_s": median(pipe), "task_rtt_us": median(task_rtt) * 1e6,
-                "create_first_call_ms": median(create) * 1e3, "array_gbs": median(array) / 1e9}
+        out = {"rtt_us": median(rtt) * 1e6, "rtt_p99_us": pct(rtt, 0.99) * 1e6,
+               "pipelined_per_s": median(pipe), "task_rtt_us": median(task_rtt) * 1e6,
+               "create_first_call_ms": median(create) * 1e3, "array_gbs": median(array) / 1e9}
+        if os.path.isdir("/proc/self/task"):
+            worker = mod.get(actor.pid.remote(), timeout=60)
+            out["cpu"] = cpu_per_call(lambda: mod.get(actor.f.remote(1)),
+                                      {"caller": os.getpid(), "actor's worker": worker},
+                                      2000 if quick else 10_000)
+        return out
+
+
 
 
 def main(quick: bool = False) -> dict[str, dict[str, float]]:
@@ -169,4 +181,9 @@ def main(quick: bool = False) -> dict[str, dict[str, float]]:
         ["64 MiB array to an actor (GB/s)", ours["array_gbs"], theirs["array_gbs"], ">= 1.65"],
     ]
     print(table(f"actors: pmetal vs {ray_name}", ["measure", "pmetal", "ray", "target"], rows))
+    if "cpu" in ours:
+        cpu = ours["cpu"]
+        print(table("actor call round trip: CPU per call by thread (us, /proc)",
+                    ["process: thread", "pmetal"],
+                    [*([k, v] for k, v in cpu.items()), ["total", sum(cpu.values())]]))
     return results

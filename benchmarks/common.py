@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def median(xs: Sequence[float]) -> float:
@@ -36,3 +38,38 @@ def _fmt(c: object) -> str:
     if isinstance(c, int):
         return f"{c:,}"
     return str(c)
+
+
+def _thread_ticks(pid: int) -> dict[str, int]:
+    """CPU clock ticks used so far by each thread of ``pid``, by thread name
+    (Linux /proc)."""
+    out: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0) + int(fields[11]) + int(fields[12])  # utime + stime
+    return out
+
+
+def cpu_per_call(call: Callable[[], Any], pids: dict[str, int], count: int) -> dict[str, float]:
+    """Microseconds of CPU per call, by process and thread: where a round
+    trip's time goes (the Python thread of each side, and ZeroMQ's I/O
+    thread of each)."""
+    before = {who: _thread_ticks(pid) for who, pid in pids.items()}
+    for _ in range(count):
+        call()
+    after = {who: _thread_ticks(pid) for who, pid in pids.items()}
+    us_per_tick = 1e6 / os.sysconf("SC_CLK_TCK") / count
+    out = {}
+    for who in pids:
+        for thread, ticks in after[who].items():
+            used = (ticks - before[who].get(thread, 0)) * us_per_tick
+            if used >= 0.5:
+                kind = "ZeroMQ I/O thread" if thread.startswith("ZMQbg/") else "Python threads"
+                out[f"{who}: {kind}"] = out.get(f"{who}: {kind}", 0.0) + used
+    return out

@@ -20,6 +20,7 @@ measures the same-host path.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from benchmarks.common import median, pct, table
+from benchmarks.common import cpu_per_call, median, pct, table
 
 MiB = 1 << 20
 MODES = {"control": {"bulk_auth": False}, "auth": {}, "encrypt": {"encrypt": True}}
@@ -201,6 +202,12 @@ def main(quick: bool = False) -> dict[str, dict[str, float]]:
             for c in clients:
                 for _ in range(calls):
                     rtt[c.name].append(_timed(c.call))
+        cpu = {}
+        if os.path.isdir("/proc/self/task"):
+            for c, p in zip(clients, procs):
+                if c.name in ("raw pyzmq", "pmetal auth"):
+                    cpu[c.name] = cpu_per_call(c.call, {"client": os.getpid(), "server": p.pid},
+                                               2000 if quick else 10_000)
         for _ in range(pipe_rounds):
             for c in clients:
                 pipe[c.name].append(pipe_n / _timed(lambda: c.pipelined(pipe_n)))
@@ -234,6 +241,12 @@ def main(quick: bool = False) -> dict[str, dict[str, float]]:
     print(table("transport: one client, one server process, TCP loopback",
                 ["system", "round trip median (us)", "p99 (us)", "pipelined msgs/s",
                  "1 MiB GB/s", "64 MiB GB/s"], rows))
+    if cpu:
+        keys = list(dict.fromkeys(k for use in cpu.values() for k in use))
+        print(table("small round trip: CPU per round trip by thread (us, /proc)",
+                    ["process: thread", *cpu],
+                    [*([k, *(cpu[n].get(k, 0.0) for n in cpu)] for k in keys),
+                     ["total", *(sum(use.values()) for use in cpu.values())]]))
     raw, auth, control = results["raw pyzmq"], results["pmetal auth"], results["pmetal control"]
     print(table("transport targets (issue 1)", ["target", "measured", "goal", "met"], [
         ["authenticated round trip / raw pyzmq", f"{auth['rtt_us'] / raw['rtt_us']:.2f}x",
