@@ -147,7 +147,7 @@ class Deferrals:
                 self._step(items)
             except Exception:  # never let the watcher die: calls would wait forever
                 log.exception("the deferred-call watcher failed a step; retrying")
-                time.sleep(_SLICE)  # back off before retrying the same step
+                self.await_change(_SLICE)  # back off before retrying the same step
 
     def _step(self, items: list[_Waiting]) -> None:
         sent = False
