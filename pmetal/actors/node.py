@@ -272,6 +272,12 @@ class NodeDaemon:
             self._later(incoming, self._status_with_calls())
             return None
         if kind is NodeJoin:
+            if body.node_id != incoming.peer:  # type: ignore[attr-defined]
+                # Member ids are the ids peers proved in the handshake (their
+                # key signs it), so one member cannot enrol under another's id.
+                return Failure("bad_request", "PeerError",
+                               f"refused: a NodeJoin for node {body.node_id[:8]} came from "  # type: ignore[attr-defined]
+                               f"node {incoming.peer[:8]}; a node joins as itself")
             self._later(incoming, self._member_joined(body))  # type: ignore[arg-type]
             return None
         if kind is Shutdown:

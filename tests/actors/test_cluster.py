@@ -26,6 +26,7 @@ from pmetal import ActorDiedError, HandshakeError, NetworkNamespace, PlacementEr
 from pmetal.actors.client import CoreClient
 from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
+from pmetal.wire import Failure, NodeJoin
 
 from .actor_classes import Counter, square
 from .conftest import (
@@ -343,6 +344,23 @@ def test_get_actor_of_an_unknown_name_fails_promptly(driver: dict[str, Any]) -> 
 
 
 # -------------------------------------------------------------- identity
+
+def test_a_node_cannot_enrol_another_nodes_id(nodes: list[NodeProc],
+                                              driver: dict[str, Any]) -> None:
+    # A PSK holder with its own key claims to be node 2, or a node that does
+    # not exist, at an address of its own.
+    impostor = other_client(nodes[1])
+    try:
+        for claimed in (nodes[2].node_id, "0123456789abcdef0123456789abcdef"):
+            reply = impostor.request_node(NodeJoin(claimed, "tcp://127.0.0.1:9", {}),
+                                          timeout=WAIT)
+            assert isinstance(reply, Failure) and "joins as itself" in reply.message
+        members = {m["node_id"]: m["address"] for m in impostor.status()["members"]}
+        assert members[nodes[2].node_id] != "tcp://127.0.0.1:9"
+        assert "0123456789abcdef0123456789abcdef" not in members
+    finally:
+        impostor.close()
+
 
 def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
                                                        tmp_path_factory: pytest.TempPathFactory
