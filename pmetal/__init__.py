@@ -6,7 +6,7 @@ The public surface is ``__all__``; everything else is internal.
 import logging as _logging
 
 from pmetal._version import __version__
-from pmetal.actors.client import ObjectRef
+from pmetal.actors.refs import ObjectRef
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
 from pmetal.api import (available_resources, cluster_resources, get, get_actor, init,
                         is_initialized, kill, nodes, put, shutdown, wait)

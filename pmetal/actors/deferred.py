@@ -30,7 +30,8 @@ from pmetal.actors.serialization import pack_value
 from pmetal.errors import GetTimeoutError, PMetalError
 
 if TYPE_CHECKING:
-    from pmetal.actors.client import CoreClient, ObjectRef
+    from pmetal.actors.client import CoreClient
+    from pmetal.actors.refs import ObjectRef
 
 __all__ = ["Deferrals"]
 

@@ -1,0 +1,155 @@
+"""Results to come: :class:`ObjectRef`, and the exception a failed call
+stands for.
+
+An ObjectRef is filled by the client that made it (``pmetal/actors/client.py``)
+when the reply arrives on its link, or failed when that link dies; a ref
+whose call waits for its own ref arguments is marked ``_deferred`` and takes
+over the state of the call once ``pmetal/actors/deferred.py`` sends it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pmetal.actors.serialization import remote_error, unpack_value
+from pmetal.errors import ActorDiedError, PeerError, PlacementError, PMetalError
+from pmetal.wire import Envelope, Failure, Result
+
+if TYPE_CHECKING:
+    from pmetal.actors.client import CoreClient, PeerLink
+
+__all__ = ["ObjectRef", "failure_error"]
+
+
+def _call_name(handle: Any, method: str) -> str:
+    return f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
+
+
+class ObjectRef:
+    """A future result: of an actor call, a remote function, or ``pmetal.put``.
+
+    ``pmetal.get(ref)`` returns the value; ``await ref`` does the same in
+    asyncio code. Refs are owned by the process that made them.
+    """
+
+    __slots__ = ("_client", "_corr", "_deferred", "_error", "_has_value", "_link", "_on_death",
+                 "_value", "__weakref__")
+
+    def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
+                 on_death: Any = "") -> None:
+        self._client = client
+        self._link = link
+        self._corr = corr
+        self._has_value = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._on_death = on_death
+        self._deferred = False   # its call waits for ObjectRef arguments (deferred.py)
+        if link is not None:
+            link.refs[corr] = self
+
+    @classmethod
+    def of_value(cls, value: Any) -> ObjectRef:
+        ref = cls(None)
+        ref._set(value)
+        return ref
+
+    @classmethod
+    def of_error(cls, error: BaseException) -> ObjectRef:
+        ref = cls(None)
+        ref._error = error
+        return ref
+
+    def _adopt(self, inner: ObjectRef) -> None:
+        """Take over the state of ``inner``, the ref of the call sent on this
+        ref's behalf (client lock held, so no reply is filed meanwhile)."""
+        self._value, self._has_value, self._error = inner._value, inner._has_value, inner._error
+        link = self._link = inner._link
+        self._corr = inner._corr
+        if link is None:
+            return
+        if link.refs.get(inner._corr) is inner:
+            link.refs[inner._corr] = self
+            return
+        for i, (queued, call) in enumerate(link.outbox):
+            if queued is inner:
+                link.outbox[i] = (self, call)
+                return
+
+    def _set(self, value: Any) -> None:
+        self._value = value
+        self._has_value = True
+        self._link = None
+
+    def _what(self) -> str:
+        what = self._on_death
+        return _call_name(*what) if isinstance(what, tuple) else what
+
+    def _fail_link(self, why: str) -> None:
+        if not self.done():
+            self._error = ActorDiedError(f"{self._what()}: {why}")
+            self._link = None
+
+    def done(self) -> bool:
+        return self._has_value or self._error is not None
+
+    def _settle(self, env: Envelope) -> None:
+        body = env.body
+        self._link = None
+        if type(body) is Result:
+            try:
+                self._set(unpack_value(body.value))  # type: ignore[attr-defined]
+            except Exception as exc:  # the value arrived but cannot be unpickled here
+                self._error = exc
+        elif isinstance(body, Failure):
+            self._error = failure_error(body, self._what())
+        else:
+            self._error = PeerError(f"unexpected reply {type(body).__name__}")
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __await__(self) -> Any:
+        import asyncio
+        from pmetal import api
+        return asyncio.to_thread(api.get, self).__await__()
+
+    def __reduce__(self) -> Any:
+        raise TypeError("an ObjectRef cannot be sent inside another value; pass it as a "
+                        "top-level argument (it is resolved before the call) or call "
+                        "pmetal.get on it first")
+
+    def __repr__(self) -> str:
+        state = "ready" if self.done() else "pending"
+        return f"ObjectRef({state})"
+
+
+def failure_error(body: Failure, on_death: str = "") -> BaseException:
+    """The exception a Failure reply stands for."""
+    if body.kind == "user":
+        original = None
+        if body.exception is not None:
+            try:
+                original = body.exception.load()
+            except Exception:  # the exception's class is not importable here
+                original = None
+        return remote_error(body.error_type, body.message, body.traceback, original)
+    if body.kind == "actor_died":
+        return ActorDiedError(f"{on_death}: {body.message}" if on_death else body.message)
+    if body.kind == "no_such_method":
+        return AttributeError(body.message)
+    if body.kind == "placement":
+        return PlacementError(body.message)
+    if body.kind == "not_found":
+        return ValueError(body.message)
+    builtin = _BUILTIN_ERRORS.get(body.error_type)
+    if builtin is not None:
+        return builtin(body.message)
+    return PMetalError(f"{body.error_type}: {body.message}")
+
+
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {
+    "ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
+    "AttributeError": AttributeError}
