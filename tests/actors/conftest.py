@@ -231,8 +231,18 @@ def actor_state(handle: Any) -> dict[str, Any]:
     raise AssertionError(f"the node does not know actor {handle!r}")
 
 
-def alive_in_incarnation(handle: Any, incarnation: int) -> bool:
-    """One status read (two could straddle a restart): the actor is alive and
-    has been restarted ``incarnation`` times."""
-    state = actor_state(handle)
-    return state["state"] == "alive" and state["incarnation"] == incarnation
+def await_restart(handle: Any, incarnation: int, timeout: float) -> None:
+    """Wait until ``handle``'s actor is alive in ``incarnation``; a failure
+    says what state the node last reported (and why)."""
+    last: list[dict[str, Any]] = []
+
+    def restarted() -> bool:
+        last[:] = [actor_state(handle)]
+        state = last[0]
+        return state["state"] == "alive" and state["incarnation"] == incarnation
+
+    try:
+        wait_until(restarted, timeout, what=f"actor alive in incarnation {incarnation}")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the node last reported {last[0] if last else None}; "
+                             f"workers: {api.client().status()['workers']}") from None

@@ -36,7 +36,7 @@ from .conftest import (
     EXIT_WAIT,
     WAIT,
     actor_state,
-    alive_in_incarnation,
+    await_restart,
     assert_all_exit,
     pid_alive,
     read_line,
@@ -184,7 +184,7 @@ def test_kill_with_restart_allowed_restarts_the_actor(reap: list[Any]) -> None:
     reap.append(actor)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
     pmetal.kill(actor, no_restart=False)
-    wait_until(lambda: alive_in_incarnation(actor, 1), RESTART_WAIT, what="actor restarted")
+    await_restart(actor, 1, RESTART_WAIT)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
 
 
@@ -246,7 +246,7 @@ def test_first_call_after_a_restart_reaches_the_new_instance(reap: list[Any]) ->
     reap.append(actor)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 21
     kill_9(worker_of(actor)["pid"])
-    wait_until(lambda: alive_in_incarnation(actor, 1), RESTART_WAIT, what="actor restarted")
+    await_restart(actor, 1, RESTART_WAIT)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 21
 
 
@@ -300,7 +300,7 @@ def test_named_actor_restarted_after_kill_9_is_found_by_name(reap: list[Any]) ->
     actor = Counter.options(name="failures-restarts", max_restarts=1).remote(1)
     reap.append(actor)
     kill_9(pmetal.get(actor.pid.remote(), timeout=WAIT))
-    wait_until(lambda: alive_in_incarnation(actor, 1), RESTART_WAIT, what="actor restarted")
+    await_restart(actor, 1, RESTART_WAIT)
     found = pmetal.get_actor("failures-restarts")
     assert pmetal.get(found.inc.remote(), timeout=WAIT) == 2
 
