@@ -42,8 +42,9 @@ from pmetal.ids import NodeId
 from pmetal.security import (NetworkNamespace, ServerHandshake, Session, client_finish,
                              client_hello, mode_for, server_finish, server_welcome)
 from pmetal.transport import Dialer, Listener
-from pmetal.wire import (PROTOCOL_VERSION, Accepted, Confirm, Envelope, ErrorReply, Hello,
-                         Message, Rejected, Welcome, WireLimits, decode, encode, frame_bytes)
+from pmetal.codec import Envelope, WireLimits, decode, encode, frame_bytes
+from pmetal.wire import (PROTOCOL_VERSION, Accepted, Confirm, ErrorReply, Hello, Message, Rejected,
+                         Welcome)
 
 __all__ = [
     "Channel",

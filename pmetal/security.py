@@ -68,7 +68,8 @@ from pmetal.identity import NodeIdentity, node_id_for, verify_signature
 from pmetal.shm import available as shm_available
 from pmetal.shm import host_id
 from pmetal.ids import NodeId
-from pmetal.wire import Confirm, Hello, Welcome, frame_bytes
+from pmetal.codec import frame_bytes
+from pmetal.wire import Confirm, Hello, Welcome
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.serialization import remote_error, unpack_value
 from pmetal.errors import ActorDiedError, PeerError, PlacementError, PMetalError
-from pmetal.wire import Envelope, Failure, Result
+from pmetal.codec import Envelope
+from pmetal.wire import Failure, Result
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient, PeerLink
