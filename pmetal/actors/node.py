@@ -9,9 +9,10 @@ installed) around one :class:`~pmetal.endpoint.SecureListener`:
 * it places actors (resources, a chosen node, a name), re-runs an actor's
   constructor in a fresh worker when its process dies and restarts remain,
   and answers where an actor lives now;
-* it keeps the member list of the cluster (static peers now; discovery and
-  election join later through the same ``NodeJoin`` path), versioned by an
-  epoch, and forwards placements aimed at other nodes.
+* it keeps the member list of the cluster (:mod:`pmetal.actors.membership`:
+  static peers now; discovery and election join later through the same
+  component), versioned by an epoch, and forwards placements and kills aimed
+  at other nodes.
 
 Started by ``pmetal start`` (a long-lived daemon) or by ``pmetal.init()``
 (embedded: bound to 127.0.0.1, nothing announced, and it exits when the
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pmetal.actors.membership import Membership
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
@@ -88,15 +90,6 @@ class ActorRecord:
         self.changed = asyncio.Event()
 
 
-@dataclass
-class Member:
-    node_id: str
-    address: str
-    resources: dict[str, float]
-    channel: Channel | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
 @dataclass(frozen=True)
 class NodeStatistics:
     workers: int
@@ -146,8 +139,7 @@ class NodeDaemon:
         self.task_ready = asyncio.Event()
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
-        self.members: dict[str, Member] = {}
-        self.epoch = 0
+        self.membership = Membership(identity, namespace, config, self.transport)
         self._ids = itertools.count()
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
@@ -160,8 +152,9 @@ class NodeDaemon:
 
     def statistics(self) -> NodeStatistics:
         alive = sum(1 for a in self.actors.values() if a.state == "alive")
+        members = self.membership.statistics()
         return NodeStatistics(len(self.workers), len(self.idle), alive, self._counts["created"],
-                              self._counts["restarts"], len(self.members) + 1, self.epoch,
+                              self._counts["restarts"], members.members, members.epoch,
                               self._counts["requests"])
 
     # ------------------------------------------------------------- running
@@ -171,8 +164,9 @@ class NodeDaemon:
             async with asyncio.TaskGroup() as group:
                 self._group = group
                 self._cancellable_task(self._fill_pools())
+                join = NodeJoin(self.node_id, self.address, self.resources)
                 for peer in self.peers:
-                    self._cancellable_task(self._join_peer(peer))
+                    self._cancellable_task(self.membership.join(peer, join, self._stopping))
                 if on_ready is not None:
                     on_ready(self)
                 serve = group.create_task(self._serve())
@@ -187,9 +181,7 @@ class NodeDaemon:
                     self._kill(w)
         finally:
             self.listener.close()
-            for m in self.members.values():
-                if m.channel is not None:
-                    m.channel.close()
+            self.membership.close()
             for w in self.workers.values():
                 if w.channel is not None:
                     w.channel.close()
@@ -278,7 +270,7 @@ class NodeDaemon:
                 return Failure("bad_request", "PeerError",
                                f"refused: a NodeJoin for node {body.node_id[:8]} came from "  # type: ignore[attr-defined]
                                f"node {incoming.peer[:8]}; a node joins as itself")
-            self._later(incoming, self._member_joined(body))  # type: ignore[arg-type]
+            self._later(incoming, self.membership.joined(body, self.status))  # type: ignore[arg-type]
             return None
         if kind is Shutdown:
             log.info("shutdown requested by %s: %s", incoming.peer, body.reason)  # type: ignore[attr-defined]
@@ -403,17 +395,17 @@ class NodeDaemon:
         if target and target != self.node_id:
             return await self._forward(target, spec)
         if not target and not self._fits(need, self.resources):
-            for member in self.members.values():
+            for member in self.membership.members.values():
                 if self._fits(need, member.resources):
                     return await self._forward(member.node_id, spec)
             return Failure("placement", "PlacementError",
                            f"no node has resources {need}; this cluster's nodes have "
-                           f"{self._cluster_resources()}")
+                           f"{self.membership.total_resources(self.resources)}")
         name = options.get("name") or ""
         taken = name and name in self.names and self.actors[self.names[name]].state != "dead"
         if name and not taken:
             # Names are unique in the cluster, not just on this node.
-            found = await self._find_remote(LookupActor(name=name))
+            found = await self.membership.find_actor(LookupActor(name=name))
             taken = found is not None and found.state != "dead"
         if taken:
             return Failure("bad_request", "ValueError",
@@ -488,7 +480,7 @@ class NodeDaemon:
         record = self.actors.get(actor_id)
         if record is None:
             if not body.local:
-                found = await self._find_remote(body)
+                found = await self.membership.find_actor(body)
                 if found is not None:
                     return found
             what = f"named {body.name!r}" if body.name else actor_id
@@ -504,15 +496,6 @@ class NodeDaemon:
             except asyncio.TimeoutError:
                 break
         return self._locate(record)
-
-    async def _find_remote(self, body: LookupActor) -> ActorLocation | None:
-        """Ask every member for an actor (its own actors only: no loops)."""
-        query = LookupActor(body.actor_id, body.name, body.min_incarnation, body.wait, True)
-        for member in list(self.members.values()):
-            found = await self._ask(member, query)
-            if isinstance(found, ActorLocation):
-                return found
-        return None
 
     def _kill_actor(self, body: KillActor) -> Message:
         record = self.actors.get(body.actor_id)
@@ -530,13 +513,13 @@ class NodeDaemon:
     async def _kill_remote(self, body: KillActor) -> Message:
         """Pass a kill on to the member that hosts the actor (one hop: the
         member answers from its own actors)."""
-        member = self.members.get(body.node_id)
+        member = self.membership.members.get(body.node_id)
         if member is None or body.node_id == self.node_id:
             return Failure("not_found", "ValueError",
                            f"no actor {body.actor_id} on this node, and its node "
                            f"{body.node_id[:8]} is not a member of this cluster (it left, or "
                            f"the handle comes from another cluster)")
-        return await self._ask(member, KillActor(body.actor_id, body.no_restart, ""))
+        return await self.membership.ask(member, KillActor(body.actor_id, body.no_restart, ""))
 
     async def _lease(self, body: LeaseWorkers) -> Message:
         deadline = time.monotonic() + self.config.transport.connect_timeout
@@ -580,95 +563,16 @@ class NodeDaemon:
 
     # ------------------------------------------------------------ membership
 
-    def _cluster_resources(self) -> dict[str, float]:
-        total = dict(self.resources)
-        for m in self.members.values():
-            for k, v in m.resources.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
-
-    async def _member_joined(self, body: NodeJoin) -> Message:
-        clone = ("two nodes share one identity (a cloned disk, VM or PMETAL_HOME?); give "
-                 "each node its own ~/.pmetal/node_keypair")
-        if body.node_id == self.node_id:
-            return Failure("bad_request", "PeerError",
-                           f"refused: node id {body.node_id} is this node's own id: {clone}")
-        known = self.members.get(body.node_id)
-        if known is not None and known.address != body.address:
-            # Same id, new address: a restart elsewhere, or a clone. The
-            # member we know decides: if it still answers, refuse the newcomer.
-            if isinstance(await self._ask(known, Ping("alive?")), Pong):
-                log.warning("refused node %s at %s: that id is a live member at %s",
-                            body.node_id[:8], body.address, known.address)
-                return Failure("bad_request", "PeerError",
-                               f"refused: node id {body.node_id} is already a live member at "
-                               f"{known.address}: {clone}")
-            if known.channel is not None:
-                known.channel.close()
-            del self.members[body.node_id]
-            known = None
-        if known is None:
-            self.members[body.node_id] = Member(body.node_id, body.address,
-                                                {k: float(v) for k, v in body.resources.items()})
-            self.epoch += 1
-            log.info("member %s joined at %s (epoch %d)", body.node_id[:8], body.address,
-                     self.epoch)
-        return Status(self.status())
-
-    async def _join_peer(self, address: str) -> None:
-        """Join a static peer, retrying with backoff until it answers."""
-        delay = 0.1
-        while not self._stopping.is_set():
-            channel = Channel(self.transport.dial(address), self.identity, self.namespace,
-                              self.config)
-            try:
-                await channel.aopen()
-                reply = (await channel.arequest(NodeJoin(self.node_id, self.address,
-                                                         self.resources))).body
-                if isinstance(reply, Status):
-                    info = reply.info
-                    member = Member(info["node_id"], info["address"], info["resources"], channel)
-                    self.members[member.node_id] = member
-                    self.epoch += 1
-                    log.info("joined peer %s at %s", member.node_id[:8], address)
-                    return
-                log.error("peer %s refused to join: %s", address, getattr(reply, "message", ""))
-                channel.close()
-                return
-            except PMetalError as exc:
-                log.debug("peer %s not reachable yet: %s", address, exc)
-            channel.close()
-            try:
-                await asyncio.wait_for(self._stopping.wait(), delay)
-            except asyncio.TimeoutError:
-                pass
-            delay = min(delay * 2, 2.0)
-
-    async def _ask(self, member: Member, body: Message) -> Message:
-        async with member.lock:
-            if member.channel is None:
-                member.channel = Channel(self.transport.dial(member.address), self.identity,
-                                         self.namespace, self.config)
-            try:
-                return (await member.channel.arequest(body)).body
-            except PMetalError as exc:
-                member.channel.close()
-                member.channel = None
-                return Failure("placement", "PeerError",
-                               f"node {member.node_id[:8]} at {member.address} did not answer: "
-                               f"{exc}")
-
     async def _forward(self, node_id: str, spec: CreateActor) -> Message:
-        member = self.members.get(node_id) or next(
-            (m for m in self.members.values() if m.node_id.startswith(node_id)), None)
+        member = self.membership.find(node_id)
         if member is None:
             return Failure("placement", "PlacementError",
                            f"no node {node_id} in this cluster; members: "
-                           f"{[self.node_id, *self.members]}")
+                           f"{[self.node_id, *self.membership.members]}")
         options = dict(spec.options)
         options["node"] = member.node_id
-        return await self._ask(member, CreateActor(spec.actor_id, spec.cls_id, spec.cls_ref,
-                                                   spec.args, spec.kwargs, options))
+        return await self.membership.ask(member, CreateActor(
+            spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs, options))
 
     # --------------------------------------------------------------- status
 
@@ -701,11 +605,10 @@ class NodeDaemon:
             "address": self.address,
             "namespace": self.namespace.name,
             "pid": os.getpid(),
-            "epoch": self.epoch,
+            "epoch": self.membership.epoch,
             "resources": self.resources,
             "available": self.available,
-            "members": [{"node_id": m.node_id, "address": m.address, "resources": m.resources}
-                        for m in self.members.values()],
+            "members": self.membership.describe(),
             "workers": [{"worker_id": w.worker_id, "pid": w.proc.pid, "role": w.role,
                          "address": w.address, "actor_id": w.actor_id,
                          "ready": w.ready.is_set()} for w in self.workers.values()],
