@@ -139,6 +139,7 @@ class NodeDaemon:
         self.task_ready = asyncio.Event()
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
+        self._claiming: set[str] = set()   # names being looked up on the peers
         self.membership = Membership(identity, namespace, config, self.transport)
         self._ids = itertools.count()
         self._stopping = asyncio.Event()
@@ -402,15 +403,26 @@ class NodeDaemon:
                            f"no node has resources {need}; this cluster's nodes have "
                            f"{self.membership.total_resources(self.resources)}")
         name = options.get("name") or ""
-        taken = name and name in self.names and self.actors[self.names[name]].state != "dead"
+        taken = name and (name in self._claiming or (
+            name in self.names and self.actors[self.names[name]].state != "dead"))
         if name and not taken:
-            # Names are unique in the cluster, not just on this node.
-            found = await self.membership.find_actor(LookupActor(name=name))
+            # Names are unique in the cluster, not just on this node. The name
+            # is claimed here while the peers are asked, so that a second
+            # request for it on this node meanwhile is refused. (Two nodes
+            # asked for one name at the same instant can still both take it:
+            # that needs one arbiter for the cluster.)
+            self._claiming.add(name)
+            try:
+                found = await self.membership.find_actor(LookupActor(name=name))
+            finally:
+                self._claiming.discard(name)
             taken = found is not None and found.state != "dead"
+            if not taken:
+                taken = name in self.names and self.actors[self.names[name]].state != "dead"
         if taken:
             return Failure("bad_request", "ValueError",
-                           f"an actor named {name!r} already exists; pick another name or "
-                           f"use pmetal.get_actor({name!r})")
+                           f"an actor named {name!r} already exists (or is being created); "
+                           f"pick another name or use pmetal.get_actor({name!r})")
         if not self._fits(need, self.available):
             return Failure("placement", "PlacementError",
                            f"node {self.node_id[:8]} has {self.available} free, the actor "

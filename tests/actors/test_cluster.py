@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,9 +25,10 @@ import pytest
 import pmetal
 from pmetal import ActorDiedError, HandshakeError, NetworkNamespace, PlacementError
 from pmetal.actors.client import CoreClient
+from pmetal.actors.serialization import code_ref
 from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
-from pmetal.wire import Failure, NodeJoin
+from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin
 
 from .actor_classes import Counter, square
 from .conftest import (
@@ -233,6 +235,51 @@ def test_actor_names_are_unique_across_the_cluster(nodes: list[NodeProc],
     reap.append(first)
     with pytest.raises(ValueError, match="cluster-unique"):
         reap.append(on(nodes[2], name="cluster-unique"))
+
+
+def _create_named(client: CoreClient, name: str) -> Any:
+    """CreateActor for a Counter named ``name``, sent by ``client`` itself
+    (not this process's pmetal client): its location, or the exception."""
+    cls = Counter.__wrapped__
+    cls_id, ref = code_ref(cls)
+    options = {"name": name, "node": "", "num_cpus": 0, "resources": {}, "max_restarts": 0,
+               "max_concurrency": 1, "class_name": cls.__qualname__, "methods": ["inc"],
+               "is_async": False}
+    try:
+        return client.create_actor(CreateActor(client.new_actor_id(), cls_id, ref, [], {},
+                                               options), timeout=WAIT)
+    except Exception as exc:  # what the test inspects
+        return exc
+
+
+def test_one_name_asked_twice_at_once_on_one_node(nodes: list[NodeProc],
+                                                  driver: dict[str, Any]) -> None:
+    # The node looks the name up on its peers before taking it; a second
+    # request for the name arriving meanwhile must not take it too.
+    clients = [other_client(nodes[0]) for _ in range(2)]
+    start = threading.Barrier(2, timeout=WAIT)
+    results: list[Any] = [None, None]
+
+    def create(i: int) -> None:
+        start.wait()
+        results[i] = _create_named(clients[i], "cluster-race")
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT)
+        made = [r for r in results if isinstance(r, ActorLocation)]
+        refused = [r for r in results if isinstance(r, ValueError)]
+        assert len(made) == 1 and len(refused) == 1, results
+        assert "cluster-race" in str(refused[0])
+    finally:
+        for r in results:
+            if isinstance(r, ActorLocation):
+                clients[0].kill(r.actor_id)
+        for c in clients:
+            c.close()
 
 
 # ---------------------------------------------------------------- handles
