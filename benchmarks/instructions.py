@@ -23,8 +23,9 @@ import textwrap
 from benchmarks.common import table
 
 PMETAL_LOOP = textwrap.dedent("""
-    import sys, threading
+    import sys, threading, time
     from pmetal.config import load_config
+    from pmetal.errors import PMetalTimeoutError
     from pmetal.endpoint import Channel, SecureListener
     from pmetal.identity import NodeIdentity
     from pmetal.security import NetworkNamespace
@@ -39,11 +40,13 @@ PMETAL_LOOP = textwrap.dedent("""
     channel = Channel(transport.dial(listener.address), NodeIdentity.generate(), ns, cfg)
     opener = threading.Thread(target=channel.open, kwargs={"timeout": 60})
     opener.start()
-    try:
-        listener.recv(timeout=60)   # serves the handshake; no request comes
-    except Exception:
-        pass
-    opener.join(60)
+    deadline = time.monotonic() + 60
+    while opener.is_alive() and time.monotonic() < deadline:
+        try:
+            listener.recv(timeout=0.2)   # serves the handshake; no request comes
+        except PMetalTimeoutError:
+            pass
+    opener.join(1)
     ping = Ping(1)
     for _ in range(int(sys.argv[1])):
         corr = channel.submit(ping)
