@@ -393,11 +393,17 @@ class Channel:
         return session.peer
 
     async def aopen(self, timeout: float | None = None) -> NodeId:
-        """``open`` for asyncio. Coroutines that call it while a handshake is
-        under way share that handshake: two on one connection would overwrite
-        each other's state at the listener, and both would be refused."""
+        """``open`` for asyncio, for a channel that is not open yet: on an
+        open channel it returns the peer at once. Coroutines that call it
+        while a handshake is under way share that handshake: two on one
+        connection would overwrite each other's state at the listener, and
+        both would be refused. (A handshake whose replies are already queued
+        completes without yielding to the loop, so a coroutine that asked at
+        the same moment may find the channel open rather than opening.)"""
         if self._aopening is not None:
             return await asyncio.shield(self._aopening)
+        if self.session is not None:
+            return self.session.peer
         opening = self._aopening = asyncio.get_running_loop().create_future()
         try:
             peer = await self._ahandshake(timeout)
