@@ -107,8 +107,11 @@ def main():
     same_counter = pmetal.get_actor("global_counter")
     print("counter via get_actor:", pmetal.get(same_counter.read.remote()))
 
-    # 2. Remote functions; an ObjectRef argument is resolved before the call.
+    # 2. Remote functions. An ObjectRef argument is resolved before the call
+    #    runs, but .remote() does not wait for it: the inner squares run side
+    #    by side, and each outer one as soon as its argument is ready.
     print("squares:", pmetal.get([square.remote(i) for i in range(5)]))
+    print("fourth powers:", pmetal.get([square.remote(square.remote(i)) for i in range(5)]))
     data = pmetal.put(np.arange(1_000_000, dtype=np.float64))
     sums = pmetal.get([chunk_sum.remote(data, i * 250_000, (i + 1) * 250_000)
                        for i in range(4)])

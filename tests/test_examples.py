@@ -18,6 +18,7 @@ EXPECTED = {
         "counter increments: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]",
         "counter via get_actor: 10",
         "squares: [0, 1, 4, 9, 16]",
+        "fourth powers: [0, 1, 16, 81, 256]",
         "sum of 0..999999 in four chunks: 499999500000",
         "after 0.1 s: 0 ready, 1 pending",
         "wait collected: ['quick', 'slow']",
