@@ -4,8 +4,9 @@ User code never runs here (it runs in workers), so the node stays responsive
 whatever actors do. The daemon is an asyncio program (uvloop when
 installed) around one :class:`~pmetal.endpoint.SecureListener`:
 
-* it pre-starts a pool of actor workers, so creating an actor is one
-  message to an idle worker, and a few task workers for remote functions;
+* it pre-starts a pool of actor workers (:mod:`pmetal.actors.pool`), so
+  creating an actor is one message to an idle worker, and a few task workers
+  for remote functions;
 * it places actors (resources, a chosen node, a name), re-runs an actor's
   constructor in a fresh worker when its process dies and restarts remain,
   and answers where an actor lives now;
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import logging
 import os
@@ -35,37 +35,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pmetal.actors.membership import Membership
+from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
-from pmetal.endpoint import Channel, Incoming, SecureListener
+from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, Ping, Pong,
-                         Shutdown, Status, StatusRequest, WorkerList, WorkerReady)
+                         Shutdown, Status, StatusRequest, WorkerReady)
 
 __all__ = ["NodeDaemon", "NodeStatistics", "main"]
 
 log = logging.getLogger(__name__)
 
 READY_LINE = "PMETAL_NODE_READY"
-_POOL_DELAY = 0.15
-_LEASE_GRACE = 1.0   # s a lease waits for task workers that are still starting
-_STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status`
-
-
-@dataclass
-class WorkerProc:
-    worker_id: str
-    role: str                      # "actor" or "task"
-    proc: asyncio.subprocess.Process
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    address: str = ""
-    channel: Channel | None = None   # set only once its handshake has completed
-    opening: asyncio.Lock = field(default_factory=asyncio.Lock)
-    actor_id: str = ""
-    killed: bool = False
 
 
 @dataclass
@@ -126,22 +111,20 @@ class NodeDaemon:
         self.transport = ZmqTransport(config.transport)
         self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
                                        namespace, config)
-        cpus = os.cpu_count() or 1
-        self.num_workers = max(1, num_workers if num_workers is not None else max(2, cpus))
-        self.num_task_workers = max(1, num_task_workers if num_task_workers is not None
-                                    else cpus)
         self.resources = {**default_resources(), **(resources or {})}
         self.available = dict(self.resources)
         self.peers = list(peers or [])
-        self.workers: dict[str, WorkerProc] = {}
-        self.idle: list[str] = []
-        self.idle_changed = asyncio.Event()
-        self.task_ready = asyncio.Event()
+        cpus = os.cpu_count() or 1
+        self.pool = WorkerPool(
+            node_id=self.node_id, host=host, identity=identity, namespace=namespace,
+            config=config, transport=self.transport,
+            num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
+            num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
+            on_exit=self._worker_exited)
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
         self._claiming: set[str] = set()   # names being looked up on the peers
         self.membership = Membership(identity, namespace, config, self.transport)
-        self._ids = itertools.count()
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
@@ -154,7 +137,7 @@ class NodeDaemon:
     def statistics(self) -> NodeStatistics:
         alive = sum(1 for a in self.actors.values() if a.state == "alive")
         members = self.membership.statistics()
-        return NodeStatistics(len(self.workers), len(self.idle), alive, self._counts["created"],
+        return NodeStatistics(len(self.pool.workers), len(self.pool.idle), alive, self._counts["created"],
                               self._counts["restarts"], members.members, members.epoch,
                               self._counts["requests"])
 
@@ -164,7 +147,8 @@ class NodeDaemon:
         try:
             async with asyncio.TaskGroup() as group:
                 self._group = group
-                self._cancellable_task(self._fill_pools())
+                self.pool.start(group, self.address, self._stopping)
+                self._cancellable_task(self.pool.fill())
                 join = NodeJoin(self.node_id, self.address, self.resources)
                 for peer in self.peers:
                     self._cancellable_task(self.membership.join(peer, join, self._stopping))
@@ -178,31 +162,14 @@ class NodeDaemon:
                 serve.cancel()
                 for task in self._cancellable:
                     task.cancel()
-                for w in list(self.workers.values()):
-                    self._kill(w)
+                self.pool.kill_all()
         finally:
             self.listener.close()
             self.membership.close()
-            for w in self.workers.values():
-                if w.channel is not None:
-                    w.channel.close()
+            self.pool.close()
 
     def stop(self) -> None:
         self._stopping.set()
-
-    async def _fill_pools(self) -> None:
-        # Starting a Python process per worker takes both cores for a few
-        # hundred ms. Give the driver that started us a moment to finish its
-        # handshake first (pmetal.init() returns as soon as it has).
-        try:
-            await asyncio.wait_for(self._stopping.wait(), _POOL_DELAY)
-            return
-        except asyncio.TimeoutError:
-            pass
-        for _ in range(self.num_workers):
-            self._spawn("actor")
-        for _ in range(self.num_task_workers):
-            self._spawn("task")
 
     async def _serve(self) -> None:
         while True:
@@ -246,7 +213,7 @@ class NodeDaemon:
         if kind is Ping:
             return Pong(body.payload)  # type: ignore[attr-defined]
         if kind is WorkerReady:
-            return self._worker_ready(body)  # type: ignore[arg-type]
+            return self.pool.ready(body)  # type: ignore[arg-type]
         if kind is CreateActor:
             self._later(incoming, self._create_actor(body))  # type: ignore[arg-type]
             return None
@@ -259,7 +226,7 @@ class NodeDaemon:
             self._later(incoming, self._kill_remote(body))  # type: ignore[arg-type]
             return None
         if kind is LeaseWorkers:
-            self._later(incoming, self._lease(body))  # type: ignore[arg-type]
+            self._later(incoming, self.pool.lease(body))  # type: ignore[arg-type]
             return None
         if kind is StatusRequest:
             self._later(incoming, self._status_with_calls())
@@ -282,75 +249,9 @@ class NodeDaemon:
 
     # -------------------------------------------------------------- workers
 
-    def _spawn(self, role: str) -> None:
-        assert self._group is not None
-        self._group.create_task(self._run_worker(role))
-
-    async def _run_worker(self, role: str) -> None:
-        worker_id = f"{self.node_id[:8]}-w{next(self._ids)}"
-        env = dict(os.environ)
-        env.pop("PMETAL_PSK", None)
-        env["PMETAL_PSK_HEX"] = self.namespace.psk.hex()
-        env["PMETAL_SECURITY_NAMESPACE"] = self.namespace.name
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pmetal.actors.worker", "--node", self.address,
-            "--worker-id", worker_id, "--host", self.host,
-            stdin=asyncio.subprocess.PIPE, env=env)
-        worker = WorkerProc(worker_id, role, proc)
-        self.workers[worker_id] = worker
-        if self._stopping.is_set():  # shut down while this worker was starting
-            self._kill(worker)
-        code = await proc.wait()
-        await self._worker_exited(worker, code)
-
-    def _worker_ready(self, body: WorkerReady) -> Message:
-        worker = self.workers.get(body.worker_id)
-        if worker is None:
-            return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
-        worker.address = body.address
-        worker.ready.set()
-        if worker.role == "task":
-            self.task_ready.set()
-        if worker.role == "actor" and not worker.actor_id:
-            self.idle.append(worker.worker_id)
-            self.idle_changed.set()
-        return Ack()
-
-    async def _take_idle(self, deadline: float) -> WorkerProc:
-        while not self.idle:
-            self.idle_changed.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PMetalTimeoutError("no idle worker became ready in time; the machine may "
-                                         "be overloaded")
-            try:
-                await asyncio.wait_for(self.idle_changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                continue
-        worker = self.workers[self.idle.pop(0)]
-        self._spawn("actor")  # keep the pool full
-        return worker
-
-    def _kill(self, worker: WorkerProc) -> None:
-        worker.killed = True
-        if worker.proc.returncode is None:
-            try:
-                worker.proc.kill()
-            except ProcessLookupError:
-                pass
-
     async def _worker_exited(self, worker: WorkerProc, code: int) -> None:
-        self.workers.pop(worker.worker_id, None)
-        if worker.worker_id in self.idle:
-            self.idle.remove(worker.worker_id)
-        if worker.channel is not None:
-            worker.channel.close()
-        if self._stopping.is_set():
-            return
-        if worker.role == "task" and not worker.killed:
-            log.warning("task worker %s exited with code %s; starting another",
-                        worker.worker_id, code)
-            self._spawn("task")
+        """The pool lost ``worker`` (it has forgotten it already): restart
+        the actor it hosted if it may."""
         record = self.actors.get(worker.actor_id) if worker.actor_id else None
         if record is None or record.worker_id != worker.worker_id:
             return
@@ -440,7 +341,7 @@ class NodeDaemon:
         for k, v in self._needs(spec.options).items():
             self.available[k] = self.available.get(k, 0.0) - v
         try:
-            worker = await self._take_idle(deadline)
+            worker = await self.pool.take_idle(deadline)
         except PMetalTimeoutError as exc:
             record.worker_id = "none"
             self._release(record)
@@ -452,14 +353,14 @@ class NodeDaemon:
         init = InitActor(spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs,
                          spec.options, record.incarnation)
         try:
-            channel = await self._worker_channel(worker, self.config.transport.handshake_timeout)
+            channel = await self.pool.channel(worker, self.config.transport.handshake_timeout)
             reply = (await channel.arequest(init)).body
         except PMetalError as exc:
             reply = Failure("actor_died", "ActorDiedError",
                             f"the worker died while constructing the actor: {exc}")
         if isinstance(reply, Failure):
             self._release(record)
-            self._kill(worker)
+            self.pool.kill(worker)
             record.state = "dead"
             record.reason = f"constructor failed: {reply.error_type}: {reply.message}"
             record.notify()
@@ -468,23 +369,8 @@ class NodeDaemon:
         record.notify()
         return record.location(self.node_id, worker.address)
 
-    async def _worker_channel(self, worker: WorkerProc, timeout: float) -> Channel:
-        """The node's open channel to a worker; the first caller opens it and
-        the others (actor construction, status) wait for that."""
-        async with worker.opening:
-            if worker.channel is None:
-                channel = Channel(self.transport.dial(worker.address), self.identity,
-                                  self.namespace, self.config)
-                try:
-                    await channel.aopen(timeout)
-                except BaseException:
-                    channel.close()
-                    raise
-                worker.channel = channel
-            return worker.channel
-
     def _locate(self, record: ActorRecord) -> ActorLocation:
-        worker = self.workers.get(record.worker_id)
+        worker = self.pool.workers.get(record.worker_id)
         return record.location(self.node_id, worker.address if worker else "")
 
     async def _lookup(self, body: LookupActor) -> Message:
@@ -514,9 +400,9 @@ class NodeDaemon:
         if record is None:
             return Failure("not_found", "ValueError", f"no actor {body.actor_id} on this node")
         record.no_restart = body.no_restart
-        worker = self.workers.get(record.worker_id)
+        worker = self.pool.workers.get(record.worker_id)
         if worker is not None:
-            self._kill(worker)
+            self.pool.kill(worker)
         elif record.state != "dead":
             record.state, record.reason = "dead", "killed by pmetal.kill"
             record.notify()
@@ -532,46 +418,6 @@ class NodeDaemon:
                            f"{body.node_id[:8]} is not a member of this cluster (it left, or "
                            f"the handle comes from another cluster)")
         return await self.membership.ask(member, KillActor(body.actor_id, body.no_restart, ""))
-
-    async def _lease(self, body: LeaseWorkers) -> Message:
-        deadline = time.monotonic() + self.config.transport.connect_timeout
-        lend, avoid = body.count, set(body.avoid)
-        if lend > 0:
-            # A task that waits on tasks gets workers of its own from the idle
-            # pool (replaced at once), so nested tasks never queue behind the
-            # busy tasks that wait for them.
-            lent = []
-            for _ in range(min(lend, 4)):
-                try:
-                    worker = await self._take_idle(deadline)
-                except PMetalTimeoutError as exc:
-                    return Failure("placement", "PlacementError", str(exc))
-                worker.role = "lent"
-                lent.append(worker.address)
-            return WorkerList(tuple(lent))
-        # Task workers that are starting (all of them, just after the node
-        # started) are waited for a little: a caller sends its tasks to the
-        # workers it is given, and a burst given one worker would run in turn.
-        grace = time.monotonic() + _LEASE_GRACE
-        while True:
-            ready = tuple(w.address for w in self.workers.values()
-                          if w.role == "task" and w.ready.is_set() and w.address not in avoid)
-            starting = sum(1 for w in self.workers.values()
-                           if w.role == "task" and not w.ready.is_set())
-            if ready and (not starting or time.monotonic() >= grace):
-                return WorkerList(ready, starting)
-            remaining = (deadline if not ready else min(deadline, grace)) - time.monotonic()
-            if remaining <= 0:
-                if ready:
-                    return WorkerList(ready, starting)
-                return Failure("placement", "PlacementError",
-                               "no task worker became ready on this node in time; the machine "
-                               "may be overloaded")
-            self.task_ready.clear()
-            try:
-                await asyncio.wait_for(self.task_ready.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
 
     # ------------------------------------------------------------ membership
 
@@ -589,26 +435,9 @@ class NodeDaemon:
     # --------------------------------------------------------------- status
 
     async def _status_with_calls(self) -> Message:
-        """status() plus each worker's calls served (asked of the workers; a
-        worker busy in a long call is shown without a count)."""
+        """status() plus each worker's calls served (asked of the workers)."""
         info = self.status()
-        by_id = {w["worker_id"]: w for w in info["workers"]}
-
-        async def ask(worker: WorkerProc) -> None:
-            # Timeouts of the channel's own, not a cancellation from outside:
-            # the channel is shared with actor construction.
-            try:
-                channel = await self._worker_channel(worker, _STATUS_WAIT)
-                reply = (await channel.arequest(StatusRequest(), timeout=_STATUS_WAIT)).body
-            except PMetalError:
-                return
-            if isinstance(reply, Status) and worker.worker_id in by_id:
-                by_id[worker.worker_id]["calls"] = reply.info.get("calls")
-
-        ready = [w for w in self.workers.values() if w.ready.is_set() and w.address]
-        # return_exceptions: a worker that dies meanwhile has its channel
-        # closed under the ask (which ends cancelled); the others still count.
-        await asyncio.gather(*(ask(w) for w in ready), return_exceptions=True)
+        await self.pool.add_calls(info["workers"])
         return Status(info)
 
     def status(self) -> dict[str, Any]:
@@ -621,9 +450,7 @@ class NodeDaemon:
             "resources": self.resources,
             "available": self.available,
             "members": self.membership.describe(),
-            "workers": [{"worker_id": w.worker_id, "pid": w.proc.pid, "role": w.role,
-                         "address": w.address, "actor_id": w.actor_id,
-                         "ready": w.ready.is_set()} for w in self.workers.values()],
+            "workers": self.pool.describe(),
             "actors": [{"actor_id": a.spec.actor_id, "name": a.spec.options.get("name") or "",
                         "class_name": a.spec.options.get("class_name") or "",
                         "state": a.state, "incarnation": a.incarnation, "reason": a.reason}

@@ -1,0 +1,264 @@
+"""A node's worker processes: the pre-started pool.
+
+The node starts ``num_actor`` actor workers and ``num_task`` task workers
+(``python -m pmetal.actors.worker``) shortly after it is ready, and keeps
+both counts up: taking an idle actor worker starts its replacement, and a
+task worker that dies is replaced. Each worker announces itself with
+``WorkerReady``; until then it is "starting". The node's channel to a worker
+is opened once, by whoever needs it first (actor construction, a status
+ask), and shared.
+
+When a worker process exits, the pool forgets it and then calls the node's
+``on_exit`` (which restarts the actor it hosted, if it may).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pmetal.config import PMetalConfig
+from pmetal.endpoint import Channel
+from pmetal.errors import PMetalError, PMetalTimeoutError
+from pmetal.identity import NodeIdentity
+from pmetal.security import NetworkNamespace
+from pmetal.transport import ZmqTransport
+from pmetal.wire import (Ack, Failure, LeaseWorkers, Message, Status, StatusRequest, WorkerList,
+                         WorkerReady)
+
+__all__ = ["WorkerPool", "WorkerProc"]
+
+log = logging.getLogger(__name__)
+
+_POOL_DELAY = 0.15   # s after the node is ready before the pool starts
+_LEASE_GRACE = 1.0   # s a lease waits for task workers that are still starting
+_STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status`
+
+
+@dataclass
+class WorkerProc:
+    worker_id: str
+    role: str                      # "actor", "task", or "lent" (a task's own worker)
+    proc: asyncio.subprocess.Process
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    address: str = ""
+    channel: Channel | None = None   # set only once its handshake has completed
+    opening: asyncio.Lock = field(default_factory=asyncio.Lock)
+    actor_id: str = ""
+    killed: bool = False
+
+
+class WorkerPool:
+    def __init__(self, *, node_id: str, host: str, identity: NodeIdentity,
+                 namespace: NetworkNamespace, config: PMetalConfig, transport: ZmqTransport,
+                 num_actor: int, num_task: int,
+                 on_exit: Callable[[WorkerProc, int], Awaitable[None]]) -> None:
+        self._node_id = node_id
+        self._host = host
+        self._identity = identity
+        self._namespace = namespace
+        self._config = config
+        self._transport = transport
+        self.num_actor = num_actor
+        self.num_task = num_task
+        self._on_exit = on_exit
+        self.workers: dict[str, WorkerProc] = {}
+        self.idle: list[str] = []
+        self.idle_changed = asyncio.Event()
+        self.task_ready = asyncio.Event()
+        self._ids = itertools.count()
+        self._group: asyncio.TaskGroup | None = None
+        self._node_address = ""
+        self._stopping = asyncio.Event()
+
+    def start(self, group: asyncio.TaskGroup, node_address: str,
+              stopping: asyncio.Event) -> None:
+        """Owned by ``group``; workers dial ``node_address``; ``stopping``
+        set means the node shuts down (no replacements)."""
+        self._group = group
+        self._node_address = node_address
+        self._stopping = stopping
+
+    async def fill(self) -> None:
+        """Start the pool. Starting a Python process per worker takes both
+        cores for a few hundred ms: the driver that started the node gets a
+        moment to finish its handshake first (pmetal.init() returns as soon
+        as it has)."""
+        try:
+            await asyncio.wait_for(self._stopping.wait(), _POOL_DELAY)
+            return
+        except asyncio.TimeoutError:
+            pass
+        for _ in range(self.num_actor):
+            self.spawn("actor")
+        for _ in range(self.num_task):
+            self.spawn("task")
+
+    def spawn(self, role: str) -> None:
+        assert self._group is not None
+        self._group.create_task(self._run(role))
+
+    async def _run(self, role: str) -> None:
+        worker_id = f"{self._node_id[:8]}-w{next(self._ids)}"
+        env = dict(os.environ)
+        env.pop("PMETAL_PSK", None)
+        env["PMETAL_PSK_HEX"] = self._namespace.psk.hex()
+        env["PMETAL_SECURITY_NAMESPACE"] = self._namespace.name
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pmetal.actors.worker", "--node", self._node_address,
+            "--worker-id", worker_id, "--host", self._host,
+            stdin=asyncio.subprocess.PIPE, env=env)
+        worker = WorkerProc(worker_id, role, proc)
+        self.workers[worker_id] = worker
+        if self._stopping.is_set():  # shut down while this worker was starting
+            self.kill(worker)
+        code = await proc.wait()
+        await self._exited(worker, code)
+
+    async def _exited(self, worker: WorkerProc, code: int) -> None:
+        self.workers.pop(worker.worker_id, None)
+        if worker.worker_id in self.idle:
+            self.idle.remove(worker.worker_id)
+        if worker.channel is not None:
+            worker.channel.close()
+        if self._stopping.is_set():
+            return
+        if worker.role == "task" and not worker.killed:
+            log.warning("task worker %s exited with code %s; starting another",
+                        worker.worker_id, code)
+            self.spawn("task")
+        await self._on_exit(worker, code)
+
+    def ready(self, body: WorkerReady) -> Message:
+        worker = self.workers.get(body.worker_id)
+        if worker is None:
+            return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
+        worker.address = body.address
+        worker.ready.set()
+        if worker.role == "task":
+            self.task_ready.set()
+        if worker.role == "actor" and not worker.actor_id:
+            self.idle.append(worker.worker_id)
+            self.idle_changed.set()
+        return Ack()
+
+    async def take_idle(self, deadline: float) -> WorkerProc:
+        """An idle actor worker (its replacement is started at once)."""
+        while not self.idle:
+            self.idle_changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise PMetalTimeoutError("no idle worker became ready in time; the machine may "
+                                         "be overloaded")
+            try:
+                await asyncio.wait_for(self.idle_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                continue
+        worker = self.workers[self.idle.pop(0)]
+        self.spawn("actor")  # keep the pool full
+        return worker
+
+    def kill(self, worker: WorkerProc) -> None:
+        worker.killed = True
+        if worker.proc.returncode is None:
+            try:
+                worker.proc.kill()
+            except ProcessLookupError:
+                pass
+
+    def kill_all(self) -> None:
+        for worker in list(self.workers.values()):
+            self.kill(worker)
+
+    def close(self) -> None:
+        for worker in self.workers.values():
+            if worker.channel is not None:
+                worker.channel.close()
+
+    async def channel(self, worker: WorkerProc, timeout: float) -> Channel:
+        """The node's open channel to a worker; the first caller opens it and
+        the others (actor construction, status) wait for that."""
+        async with worker.opening:
+            if worker.channel is None:
+                channel = Channel(self._transport.dial(worker.address), self._identity,
+                                  self._namespace, self._config)
+                try:
+                    await channel.aopen(timeout)
+                except BaseException:
+                    channel.close()
+                    raise
+                worker.channel = channel
+            return worker.channel
+
+    async def lease(self, body: LeaseWorkers) -> Message:
+        deadline = time.monotonic() + self._config.transport.connect_timeout
+        lend, avoid = body.count, set(body.avoid)
+        if lend > 0:
+            # A task that waits on tasks gets workers of its own from the idle
+            # pool (replaced at once), so nested tasks never queue behind the
+            # busy tasks that wait for them.
+            lent = []
+            for _ in range(min(lend, 4)):
+                try:
+                    worker = await self.take_idle(deadline)
+                except PMetalTimeoutError as exc:
+                    return Failure("placement", "PlacementError", str(exc))
+                worker.role = "lent"
+                lent.append(worker.address)
+            return WorkerList(tuple(lent))
+        # Task workers that are starting (all of them, just after the node
+        # started) are waited for a little: a caller sends its tasks to the
+        # workers it is given, and a burst given one worker would run in turn.
+        grace = time.monotonic() + _LEASE_GRACE
+        while True:
+            ready = tuple(w.address for w in self.workers.values()
+                          if w.role == "task" and w.ready.is_set() and w.address not in avoid)
+            starting = sum(1 for w in self.workers.values()
+                           if w.role == "task" and not w.ready.is_set())
+            if ready and (not starting or time.monotonic() >= grace):
+                return WorkerList(ready, starting)
+            remaining = (deadline if not ready else min(deadline, grace)) - time.monotonic()
+            if remaining <= 0:
+                if ready:
+                    return WorkerList(ready, starting)
+                return Failure("placement", "PlacementError",
+                               "no task worker became ready on this node in time; the machine "
+                               "may be overloaded")
+            self.task_ready.clear()
+            try:
+                await asyncio.wait_for(self.task_ready.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"worker_id": w.worker_id, "pid": w.proc.pid, "role": w.role,
+                 "address": w.address, "actor_id": w.actor_id, "ready": w.ready.is_set()}
+                for w in self.workers.values()]
+
+    async def add_calls(self, described: list[dict[str, Any]]) -> None:
+        """Fill in each described worker's calls served, asked of the workers
+        (a worker busy in a long call is left without a count)."""
+        by_id = {w["worker_id"]: w for w in described}
+
+        async def ask(worker: WorkerProc) -> None:
+            # Timeouts of the channel's own, not a cancellation from outside:
+            # the channel is shared with actor construction.
+            try:
+                channel = await self.channel(worker, _STATUS_WAIT)
+                reply = (await channel.arequest(StatusRequest(), timeout=_STATUS_WAIT)).body
+            except PMetalError:
+                return
+            if isinstance(reply, Status) and worker.worker_id in by_id:
+                by_id[worker.worker_id]["calls"] = reply.info.get("calls")
+
+        ready = [w for w in self.workers.values() if w.ready.is_set() and w.address]
+        # return_exceptions: a worker that dies meanwhile has its channel
+        # closed under the ask (which ends cancelled); the others still count.
+        await asyncio.gather(*(ask(w) for w in ready), return_exceptions=True)
