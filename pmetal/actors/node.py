@@ -456,6 +456,8 @@ class NodeDaemon:
                         "state": a.state, "incarnation": a.incarnation, "reason": a.reason}
                        for a in self.actors.values()],
             "statistics": self.statistics().__dict__,
+            "pool": self.pool.statistics().__dict__,
+            "membership": self.membership.statistics().__dict__,
         }
 
 

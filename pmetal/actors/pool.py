@@ -33,7 +33,7 @@ from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, Failure, LeaseWorkers, Message, Status, StatusRequest, WorkerList,
                          WorkerReady)
 
-__all__ = ["WorkerPool", "WorkerProc"]
+__all__ = ["PoolStatistics", "WorkerPool", "WorkerProc"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,15 @@ class WorkerProc:
     opening: asyncio.Lock = field(default_factory=asyncio.Lock)
     actor_id: str = ""
     killed: bool = False
+
+
+@dataclass(frozen=True)
+class PoolStatistics:
+    workers: int          # processes alive now, any role
+    idle: int             # actor workers ready and free
+    starting: int         # started, not ready yet
+    started: int          # processes started since the node started
+    exited: int           # processes that exited (killed, crashed, or at shutdown)
 
 
 class WorkerPool:
@@ -77,6 +86,12 @@ class WorkerPool:
         self._group: asyncio.TaskGroup | None = None
         self._node_address = ""
         self._stopping = asyncio.Event()
+        self._counts = {"started": 0, "exited": 0}
+
+    def statistics(self) -> PoolStatistics:
+        starting = sum(1 for w in self.workers.values() if not w.ready.is_set())
+        return PoolStatistics(len(self.workers), len(self.idle), starting,
+                              self._counts["started"], self._counts["exited"])
 
     def start(self, group: asyncio.TaskGroup, node_address: str,
               stopping: asyncio.Event) -> None:
@@ -117,12 +132,14 @@ class WorkerPool:
             stdin=asyncio.subprocess.PIPE, env=env)
         worker = WorkerProc(worker_id, role, proc)
         self.workers[worker_id] = worker
+        self._counts["started"] += 1
         if self._stopping.is_set():  # shut down while this worker was starting
             self.kill(worker)
         code = await proc.wait()
         await self._exited(worker, code)
 
     async def _exited(self, worker: WorkerProc, code: int) -> None:
+        self._counts["exited"] += 1
         self.workers.pop(worker.worker_id, None)
         if worker.worker_id in self.idle:
             self.idle.remove(worker.worker_id)

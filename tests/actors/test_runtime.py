@@ -412,6 +412,21 @@ def test_tasks_go_to_a_task_worker_that_is_free(gate: Any) -> None:
     assert pmetal.get(busy, timeout=WAIT) not in pids
 
 
+def test_status_counts_pool_workers_and_members() -> None:
+    client = pmetal.api.client()
+    before = client.status()["pool"]
+    c = Counter.remote()
+    assert pmetal.get(c.inc.remote(), timeout=WAIT) == 1
+    pmetal.kill(c)
+    # The killed worker is counted as exited; taking it from the idle pool
+    # started a replacement.
+    wait_until(lambda: client.status()["pool"]["exited"] > before["exited"], WAIT,
+               what="the killed worker counted as exited")
+    assert client.status()["pool"]["started"] > before["started"]
+    assert client.status()["membership"] == {"members": 1, "epoch": 0, "joins_refused": 0,
+                                             "requests_failed": 0}
+
+
 def test_object_ref_inside_a_value_is_refused_at_the_call_site(counter: Any) -> None:
     ref = pmetal.put(1)
     with pytest.raises(TypeError, match="top-level"):
