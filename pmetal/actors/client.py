@@ -60,6 +60,7 @@ def _plain(args: list[Any]) -> bool:
 
 _EVENTS = int(zmq.EVENTS)
 _BATCH_MAX = 256          # calls per CallBatch
+_TASKS = "<tasks>"          # owner of a link to a task worker
 _RELEASE_AFTER = 0.2      # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
 
@@ -79,6 +80,7 @@ class PeerLink:
         # Calls queued behind calls in flight, sent together as one CallBatch.
         self.outbox: list[tuple[ObjectRef, list[Any]]] = []
         self.outbox_actor = ""
+        self.owner = ""   # the actor this worker hosts, or _TASKS (see CoreClient._link_for)
 
     def check(self) -> None:
         """Read connection events; a disconnect marks the link dead."""
@@ -279,7 +281,7 @@ class CoreClient:
             self.flush()
 
     def _actor_link(self, handle: Any) -> PeerLink | BaseException:
-        link = self.links.get(handle._address)
+        link = self._link_for(handle._address, handle._actor_id)
         if link is not None and not link.dead:
             # With calls in flight, a death shows up while waiting for their
             # results (the monitor is polled with the data socket). An idle
@@ -290,7 +292,7 @@ class CoreClient:
             if not link.dead:
                 return link
         if link is None and handle._state == "alive":
-            return self.link(handle._address)
+            return self._own(self.link(handle._address), handle._actor_id)
         # The worker we knew died: ask the node for the actor's new home.
         try:
             loc = self.lookup(handle._actor_id, min_incarnation=handle._incarnation + 1,
@@ -301,7 +303,28 @@ class CoreClient:
         if loc.state != "alive":
             return ActorDiedError(f"actor {handle._class_name}({handle._actor_id[-8:]}) is "
                                   f"dead: {loc.reason or loc.state}")
-        return self.link(loc.address)
+        self._link_for(loc.address, handle._actor_id)   # drops a stale link there
+        return self._own(self.link(loc.address), handle._actor_id)
+
+    def _link_for(self, address: str, owner: str) -> PeerLink | None:
+        """Our link to ``address`` if it serves ``owner`` (an actor id, or
+        _TASKS). A link opened for another owner is to a worker that is gone:
+        a new worker was given its port (a port is reused once its process
+        exits). ZeroMQ would reconnect that link to the new worker, with the
+        old worker's session, so the link is dropped and a new one opened."""
+        link = self.links.get(address)
+        if link is not None and link.owner and link.owner != owner:
+            link.die(f"the worker at {address} is gone; another worker has its address now")
+            link.close()
+            del self.links[address]
+            return None
+        return link
+
+    @staticmethod
+    def _own(link: PeerLink, owner: str) -> PeerLink:
+        if not link.owner:
+            link.owner = owner
+        return link
 
     # ------------------------------------------------------------------ tasks
 
@@ -353,14 +376,14 @@ class CoreClient:
                         f"{what}: no other task worker is free on this node to run a task "
                         f"started from inside a task; start the node with more task workers")
             address = self._least_busy(self._task_workers)
-            known = self.links.get(address)
+            known = self._link_for(address, _TASKS)
             if known is not None:
                 known.check()
                 if known.dead:
                     dead.add(address)
                     self._task_workers = []
                     continue
-            link = self.link(address)
+            link = self._own(self.link(address), _TASKS)
             if not link.dead:
                 return link
             dead.add(address)

@@ -29,15 +29,16 @@ from pmetal import (
     RemoteError,
     api,
 )
-from pmetal.wire import LeaseWorkers, WorkerList
+from pmetal.actors.handles import ActorHandle
+from pmetal.wire import ActorLocation, LeaseWorkers, WorkerList
 
 from .actor_classes import BadInit, Counter, pause, square, worker_pid
 from .conftest import (
     EXIT_WAIT,
     WAIT,
     actor_state,
-    await_restart,
     assert_all_exit,
+    await_restart,
     pid_alive,
     read_line,
     shared_memory_objects,
@@ -294,6 +295,27 @@ def test_actors_start_while_status_is_read(reap: list[Any]) -> None:
         reader.join(WAIT)
     assert not reader.is_alive(), "the status reader did not stop"
     assert not problems, f"status failed while actors started: {problems[0]!r}"
+
+
+def test_a_link_serves_only_the_actor_it_was_opened_for(reap: list[Any]) -> None:
+    """Worker ports are picked by the OS and reused after a worker exits. A
+    link the client opened for actor A must not carry calls for another actor
+    whose location names the same address: ZeroMQ would have reconnected it
+    to the new worker, with A's worker's session. Here B's handle is pointed
+    at A's worker (standing in for a reused port): the client opens a fresh
+    link there, and A's next call does the same again."""
+    a, b = Counter.remote(), Counter.remote()
+    reap.extend([a, b])
+    assert pmetal.get(a.inc.remote(), timeout=WAIT) == 1
+    client = api.client()
+    first = client.links[a._address]
+    moved = ActorHandle(ActorLocation(b._actor_id, "alive", a._address, b._node_id, 0, "", "",
+                                      "Counter", ("inc",), False))
+    with pytest.raises(ActorDiedError, match="does not live in this worker"):
+        pmetal.get(moved.inc.remote(), timeout=WAIT)
+    assert client.links[a._address] is not first and first.dead
+    assert pmetal.get(a.inc.remote(), timeout=WAIT) == 2
+    assert client.links[a._address].owner == a._actor_id
 
 
 def test_named_actor_restarted_after_kill_9_is_found_by_name(reap: list[Any]) -> None:
