@@ -427,9 +427,15 @@ def test_shutdown_leaves_no_stray_process(cluster: dict[str, Any]) -> None:
     pids = {node_proc.pid, status["pid"], *(w["pid"] for w in status["workers"]),
             *workers_of(address)}
     assert len(pids) >= 1 + NUM_WORKERS
+    # A call still waiting for its ObjectRef argument is never sent: shutdown
+    # fails it, and says why.
+    waiting = square.remote(pause.remote(60))
+    assert not waiting.done()
     start = time.monotonic()
     pmetal.shutdown()
     took = time.monotonic() - start
+    with pytest.raises(PMetalError, match="shutdown came before its ObjectRef arguments"):
+        pmetal.get(waiting)
     assert node_proc.returncode is not None
     assert_all_exit(pids, what="the node and its workers after shutdown")
     assert not workers_of(address)
