@@ -22,8 +22,9 @@ from pmetal.config import PMetalConfig, load_config
 from pmetal.endpoint import Channel, Incoming, SecureListener, Server
 from pmetal.errors import HandshakeError, TransportError
 from pmetal.identity import NodeIdentity
+from pmetal.memtransport import MemoryTransport
 from pmetal.security import Mode, NetworkNamespace, Session, client_finish, client_hello
-from pmetal.transport import MemoryTransport, ZmqTransport
+from pmetal.transport import ZmqTransport
 from pmetal.wire import (
     Confirm,
     ErrorReply,
