@@ -114,20 +114,9 @@ class Channel:
         confirm, session = client_finish(self.identity, self.namespace, state, welcome,
                                          self._mode)
         self._dialer.send(encode(confirm, sender=self.identity.node_id), remaining(deadline))
-        while True:
-            frames = self._recv_raw(deadline, "Accepted")
-            try:
-                env = decode(session.open(frames), limits=self._limits)
-            except (SecurityError, ProtocolError):
-                env = self._decode_unsealed(frames)
-                if isinstance(env.body, Rejected):
-                    raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
-                continue
-            if isinstance(env.body, Accepted):
-                break
-        self.session = session
-        self._counts["handshakes"] += 1
-        return session.peer
+        while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
+            pass
+        return self._opened(session)
 
     async def aopen(self, timeout: float | None = None) -> NodeId:
         """``open`` for asyncio, for a channel that is not open yet: on an
@@ -167,17 +156,24 @@ class Channel:
                                          self._mode)
         await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
                                  remaining(deadline))
-        while True:
-            frames = await self._arecv_raw(deadline, "Accepted")
-            try:
-                env = decode(session.open(frames), limits=self._limits)
-            except (SecurityError, ProtocolError):
-                env = self._decode_unsealed(frames)
-                if isinstance(env.body, Rejected):
-                    raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
-                continue
-            if isinstance(env.body, Accepted):
-                break
+        while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
+            pass
+        return self._opened(session)
+
+    def _accepted(self, session: Session, frames: list[Any]) -> bool:
+        """Whether ``frames`` are the listener's sealed Accepted for the new
+        ``session``; raises HandshakeError when the listener refused us.
+        Anything else (a stray message) is skipped."""
+        try:
+            env = decode(session.open(frames), limits=self._limits)
+        except (SecurityError, ProtocolError):
+            env = self._decode_unsealed(frames)
+            if isinstance(env.body, Rejected):
+                raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
+            return False
+        return isinstance(env.body, Accepted)
+
+    def _opened(self, session: Session) -> NodeId:
         self.session = session
         self._counts["handshakes"] += 1
         return session.peer
