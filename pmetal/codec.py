@@ -52,18 +52,12 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
     origin = typing.get_origin(tp)
     if tp is Any:
         return lambda v: v
-    if tp is bool:
-        def check_bool(v: Any) -> bool:
-            if type(v) is not bool:
-                raise TypeError(f"expected bool, got {type(v).__name__}")
+    if tp in (bool, int):   # exactly: a bool is not an int on the wire, nor the reverse
+        def check_exact(v: Any, _tp: type = tp) -> Any:
+            if type(v) is not _tp:
+                raise TypeError(f"expected {_tp.__name__}, got {type(v).__name__}")
             return v
-        return check_bool
-    if tp is int:
-        def check_int(v: Any) -> int:
-            if type(v) is not int:
-                raise TypeError(f"expected int, got {type(v).__name__}")
-            return v
-        return check_int
+        return check_exact
     if tp is float:
         def check_float(v: Any) -> float:
             if type(v) not in (float, int):
