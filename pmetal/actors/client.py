@@ -26,7 +26,7 @@ import zmq
 from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals
-from pmetal.actors.refs import ObjectRef, _call_name, failure_error
+from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
@@ -61,7 +61,7 @@ def _plain(args: list[Any]) -> bool:
 _EVENTS = int(zmq.EVENTS)
 _BATCH_MAX = 256          # calls per CallBatch
 _TASKS = "<tasks>"          # owner of a link to a task worker
-_RELEASE_AFTER = 0.2      # s before asking again for task workers that were starting
+_LEASE_AGAIN_AFTER = 0.2  # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
 
 
@@ -190,15 +190,13 @@ class CoreClient:
         arguments not ready yet waits for them in the background (so does a
         later call to the same actor: calls keep their order)."""
         deferrals = self._deferrals
-        if kwargs or not _plain(args):
-            if Deferrals.unready(args, kwargs, ObjectRef) or handle._actor_id in deferrals.actors:
-                return deferrals.add(
-                    lambda a, kw: self._call_now(handle, method, a, kw), args, kwargs,
-                    handle._actor_id, (handle, method), ObjectRef)
-            args, kwargs = self._resolve_args(args, kwargs)
-        elif deferrals.actors and handle._actor_id in deferrals.actors:
+        plain = not kwargs and _plain(args)
+        if ((deferrals.actors and handle._actor_id in deferrals.actors)
+                or (not plain and Deferrals.unready(args, kwargs))):
             return deferrals.add(lambda a, kw: self._call_now(handle, method, a, kw),
-                                 args, kwargs, handle._actor_id, (handle, method), ObjectRef)
+                                 args, kwargs, handle._actor_id, (handle, method))
+        if not plain:
+            args, kwargs = self._resolve_args(args, kwargs)
         return self._call_now(handle, method, args, kwargs)
 
     def _call_now(self, handle: Any, method: str, args: list[Any],
@@ -227,7 +225,7 @@ class CoreClient:
                 corr = link.channel.submit(body, timeout=self._send_timeout)
             except PeerError as exc:
                 link.die(str(exc))
-                return ObjectRef.of_error(ActorDiedError(f"{_call_name(handle, method)}: {exc}"))
+                return ObjectRef.of_error(ActorDiedError(f"{call_name(handle, method)}: {exc}"))
             self.calls += 1
             return ObjectRef(self, link, corr, (handle, method))
 
@@ -332,10 +330,10 @@ class CoreClient:
                  kwargs: dict[str, Any], name: str) -> ObjectRef:
         """Submit a remote function; with ObjectRef arguments not ready yet,
         it is sent once they are (tasks keep no order)."""
-        if Deferrals.unready(args, kwargs, ObjectRef):
+        if Deferrals.unready(args, kwargs):
             return self._deferrals.add(
                 lambda a, kw: self._run_task_now(fn_id, fn_ref, a, kw, name), args, kwargs, "",
-                f"remote function {name}", ObjectRef)
+                f"remote function {name}")
         args, kwargs = self._resolve_args(args, kwargs)
         return self._run_task_now(fn_id, fn_ref, args, kwargs, name)
 
@@ -370,7 +368,7 @@ class CoreClient:
                 assert isinstance(reply, WorkerList)
                 # A task that starts a task must not queue it behind itself.
                 self._task_workers = [a for a in reply.addresses if a != self.self_address]
-                self._lease_again = time.monotonic() + _RELEASE_AFTER if reply.starting else 0.0
+                self._lease_again = time.monotonic() + _LEASE_AGAIN_AFTER if reply.starting else 0.0
                 if not self._task_workers:
                     return PlacementError(
                         f"{what}: no other task worker is free on this node to run a task "
@@ -443,22 +441,16 @@ class CoreClient:
         with self.lock:
             self._flush_links(refs)
         for ref in refs:
-            if ref._deferred:
-                self._deferrals.await_submitted(ref, deadline, timeout)
-                if ref._link is not None and ref._link.outbox:
-                    with self.lock:
-                        self._flush(ref._link)
-            while not ref.done():
-                with self.lock:
-                    if not ref.done():
-                        self._progress([ref], deadline, timeout)
-                if not ref.done():
-                    time.sleep(0)  # a long wait: let a thread queued on the lock in
+            self._await(ref, deadline, timeout)
         return [ref.result() for ref in refs]
 
     def get_one(self, ref: ObjectRef, timeout: float | None) -> Any:
         """``get([ref], timeout)[0]`` without its list walks."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        self._await(ref, None if timeout is None else time.monotonic() + timeout, timeout)
+        return ref.result()
+
+    def _await(self, ref: ObjectRef, deadline: float | None, timeout: float | None) -> None:
+        """Wait until ``ref`` is done (or raise GetTimeoutError)."""
         if ref._deferred:
             self._deferrals.await_submitted(ref, deadline, timeout)
         link = ref._link
@@ -472,7 +464,6 @@ class CoreClient:
                     self._progress(pending, deadline, timeout)
             if not ref.done():
                 time.sleep(0)  # a long wait: let a thread queued on the lock in
-        return ref.result()
 
     def wait(self, refs: list[ObjectRef], num_returns: int,
              timeout: float | None) -> tuple[list[ObjectRef], list[ObjectRef]]:
@@ -522,8 +513,7 @@ class CoreClient:
                                       f"goes on, call pmetal.get again to keep waiting")
             ms = min(self._SLICE_MS, max(1, int(remaining * 1000)))
         if len(links) == 1:
-            for link in links.values():
-                self._progress_link(link, ms, pending)
+            self._progress_link(next(iter(links.values())), ms, pending)
             return
         items = []
         for link in links.values():

@@ -26,18 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pmetal.actors.refs import ObjectRef
 from pmetal.actors.serialization import pack_value
 from pmetal.errors import GetTimeoutError, PMetalError
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
-    from pmetal.actors.refs import ObjectRef
 
 __all__ = ["Deferrals"]
 
 log = logging.getLogger(__name__)
 
-Submit = Callable[[list[Any], dict[str, Any]], "ObjectRef"]
+Submit = Callable[[list[Any], dict[str, Any]], ObjectRef]
 
 # How long the watcher holds the client lock while waiting for arguments:
 # short, so the thread that submits calls is never kept waiting for long.
@@ -65,24 +65,24 @@ class Deferrals:
         self.deferred = 0
 
     @staticmethod
-    def unready(args: list[Any], kwargs: dict[str, Any], ref_type: type) -> bool:
+    def unready(args: list[Any], kwargs: dict[str, Any]) -> bool:
         """Whether any top-level argument is an ObjectRef not done yet."""
         for a in args:
-            if type(a) is ref_type and not a.done():
+            if type(a) is ObjectRef and not a.done():
                 return True
         for v in kwargs.values():
-            if type(v) is ref_type and not v.done():
+            if type(v) is ObjectRef and not v.done():
                 return True
         return False
 
     def add(self, submit: Submit, args: list[Any], kwargs: dict[str, Any], actor_id: str,
-            what: Any, ref_type: type) -> ObjectRef:
+            what: Any) -> ObjectRef:
         """Queue a call; its ObjectRef now, its submission once its ref
         arguments are done."""
-        packed = [a if type(a) is ref_type else pack_value(a) for a in args]
-        packed_kw = {k: v if type(v) is ref_type else pack_value(v) for k, v in kwargs.items()}
-        deps = [a for a in [*args, *kwargs.values()] if type(a) is ref_type and not a.done()]
-        ref = ref_type(self._client, None, 0, what)
+        packed = [a if type(a) is ObjectRef else pack_value(a) for a in args]
+        packed_kw = {k: v if type(v) is ObjectRef else pack_value(v) for k, v in kwargs.items()}
+        deps = [a for a in [*args, *kwargs.values()] if type(a) is ObjectRef and not a.done()]
+        ref = ObjectRef(self._client, None, 0, what)
         ref._deferred = True
         with self._cond:
             if self._closed:
@@ -175,16 +175,15 @@ class Deferrals:
 
     def _send(self, item: _Waiting) -> None:
         ref = item.ref
-        ref_type = type(ref)
         with self._client.lock:
             try:
                 failed = next((d for d in item.deps if d._error is not None), None)
                 if failed is not None:
                     ref._error = failed._error
                 else:
-                    args = [pack_value(a.result()) if type(a) is ref_type else a
+                    args = [pack_value(a.result()) if type(a) is ObjectRef else a
                             for a in item.args]
-                    kwargs = {k: pack_value(v.result()) if type(v) is ref_type else v
+                    kwargs = {k: pack_value(v.result()) if type(v) is ObjectRef else v
                               for k, v in item.kwargs.items()}
                     ref._adopt(item.submit(args, kwargs))
             except Exception as exc:  # e.g. the actor is gone: the caller sees why at get

@@ -19,10 +19,10 @@ from pmetal.wire import Failure, Result
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient, PeerLink
 
-__all__ = ["ObjectRef", "failure_error"]
+__all__ = ["ObjectRef", "call_name", "failure_error"]
 
 
-def _call_name(handle: Any, method: str) -> str:
+def call_name(handle: Any, method: str) -> str:
     return f"actor {handle._class_name}({handle._actor_id[-8:]}).{method}"
 
 
@@ -84,7 +84,7 @@ class ObjectRef:
 
     def _what(self) -> str:
         what = self._on_death
-        return _call_name(*what) if isinstance(what, tuple) else what
+        return call_name(*what) if isinstance(what, tuple) else what
 
     def _fail_link(self, why: str) -> None:
         if not self.done():
