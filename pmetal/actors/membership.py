@@ -7,8 +7,8 @@ election (the cluster issue) add and remove members through this same
 component, and every change increments ``epoch``, so that a collective can
 pin a membership snapshot and refuse a plan made for another.
 
-A member's id is the one it proved in the handshake (the node checks
-``NodeJoin.node_id`` against the session before calling :meth:`joined`).
+A member's id is the one it proved in the handshake: :meth:`joined` refuses
+a ``NodeJoin`` whose id is not its sender's.
 Requests to members go over one channel per member, opened on first use and
 re-opened after a failure; a member that does not answer gives a
 ``Failure`` naming it, never an exception or a hang.
@@ -96,8 +96,17 @@ class Membership:
 
     # -------------------------------------------------------------- joining
 
-    async def joined(self, body: NodeJoin, status: Callable[[], dict[str, Any]]) -> Message:
-        """A node joins us: record it, answer with our ``status()``."""
+    async def joined(self, body: NodeJoin, sender: str,
+                     status: Callable[[], dict[str, Any]]) -> Message:
+        """A node joins us: record it, answer with our ``status()``.
+        ``sender`` is the id the joining node proved in the handshake."""
+        if body.node_id != sender:
+            # Member ids are the ids peers proved (their key signs the
+            # handshake), so one member cannot enrol under another's id.
+            self._counts["refused"] += 1
+            return Failure("bad_request", "PeerError",
+                           f"refused: a NodeJoin for node {body.node_id[:8]} came from "
+                           f"node {sender[:8]}; a node joins as itself")
         if body.node_id == self.node_id:
             self._counts["refused"] += 1
             return Failure("bad_request", "PeerError",

@@ -232,13 +232,8 @@ class NodeDaemon:
             self._later(incoming, self._status_with_calls())
             return None
         if kind is NodeJoin:
-            if body.node_id != incoming.peer:  # type: ignore[attr-defined]
-                # Member ids are the ids peers proved in the handshake (their
-                # key signs it), so one member cannot enrol under another's id.
-                return Failure("bad_request", "PeerError",
-                               f"refused: a NodeJoin for node {body.node_id[:8]} came from "  # type: ignore[attr-defined]
-                               f"node {incoming.peer[:8]}; a node joins as itself")
-            self._later(incoming, self.membership.joined(body, self.status))  # type: ignore[arg-type]
+            self._later(incoming, self.membership.joined(body, incoming.peer,  # type: ignore[arg-type]
+                                                         self.status))
             return None
         if kind is Shutdown:
             log.info("shutdown requested by %s: %s", incoming.peer, body.reason)  # type: ignore[attr-defined]
