@@ -14,7 +14,8 @@ from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_co
 from pmetal.errors import (ActorDiedError, ActorError, AuthenticationError, BackpressureError,
                            ClosedError, ConfigError, GetTimeoutError, HandshakeError,
                            IdentityError, NotInitializedError, PeerError, PlacementError,
-                           PMetalError, PMetalTimeoutError, ProtocolError, RemoteError,
+                           PMetalError, PMetalTimeoutError, PMetalTypeError,
+                           PMetalValueError, ProtocolError, RemoteError,
                            ReplayError, RequestTimeoutError, SecurityError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
@@ -40,6 +41,8 @@ __all__ = [
     "PMetalConfig",
     "PMetalError",
     "PMetalTimeoutError",
+    "PMetalTypeError",
+    "PMetalValueError",
     "PeerError",
     "PlacementError",
     "ProtocolError",

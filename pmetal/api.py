@@ -1,24 +1,30 @@
 """The Ray-style entry points: ``pmetal.init``, ``get``, ``wait``, ``put``, ...
 
-A process talks to the cluster through one :class:`~pmetal.actors.client.CoreClient`.
-In a driver it is made by :func:`init`; inside an actor or task (a worker
-process) it is made on first use and reaches the worker's own node.
+A process talks to the cluster through one :class:`~pmetal.actors.client.CoreClient`,
+held by :mod:`pmetal.actors.context` (the runtime reads it there; this facade
+sets it). In a driver it is made by :func:`init`, or, as in Ray, by the first
+``.remote()``, ``put``, ``get`` or ``wait`` without ``init`` (auto-init: an
+embedded node, logged at INFO). Inside an actor or task (a worker process) it
+is made on first use and reaches the worker's own node.
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 from typing import Any
 
+from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.handles import ActorHandle
 from pmetal.config import PMetalConfig, load_config
-from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError)
+from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
+                           PMetalTypeError, PMetalValueError)
 from pmetal.security import NetworkNamespace
 
 __all__ = [
@@ -36,14 +42,10 @@ __all__ = [
     "wait",
 ]
 
-_lock = threading.RLock()
-_runtime: _Runtime | None = None
+log = logging.getLogger(__name__)
 
-
-class _Runtime:
-    def __init__(self, client: CoreClient, node_proc: subprocess.Popen[bytes] | None) -> None:
-        self.client = client
-        self.node_proc = node_proc
+_lock = context.lock
+_node_proc: subprocess.Popen[bytes] | None = None   # the embedded node init started
 
 
 def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: int | None,
@@ -103,12 +105,12 @@ def init(address: str | None = None, *, namespace: str | None = None,
 
     Returns a dict with the node id and address.
     """
-    global _runtime
+    global _node_proc
     with _lock:
-        if _runtime is not None:
+        current = context.current_or_none()
+        if current is not None:
             if ignore_reinit_error:
-                return {"node_id": _runtime.client.node_id,
-                        "address": _runtime.client.node_address}
+                return {"node_id": current.node_id, "address": current.node_address}
             raise PMetalError("pmetal.init() was already called; call pmetal.shutdown() first "
                               "or pass ignore_reinit_error=True")
         if discovery:
@@ -163,50 +165,58 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 node_proc.kill()
                 node_proc.wait()
             raise
-        _runtime = _Runtime(client, node_proc)
+        _node_proc = node_proc
+        context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
 
 
+def _auto_init() -> CoreClient:
+    """Start an embedded node for a script that never called init (Ray's
+    auto-init); runs under the context lock."""
+    info = init()
+    log.info("Started a local pmetal instance (node %s at %s); call pmetal.init() "
+             "yourself to choose its options", info["node_id"][:12], info["address"])
+    client = context.current_or_none()
+    assert client is not None
+    return client
+
+
+context.set_auto_init(_auto_init)
+
+
 def is_initialized() -> bool:
-    from pmetal.actors import worker
-    return _runtime is not None or worker.CURRENT is not None
+    return context.current_or_none() is not None or context.in_worker()
 
 
 def client() -> CoreClient:
-    """This process's client (inside a worker: one to the worker's node)."""
-    global _runtime
-    runtime = _runtime
-    if runtime is not None:
-        return runtime.client
-    from pmetal.actors import worker
-    current = worker.CURRENT
-    if current is None:
+    """This process's client (inside a worker: one to the worker's node).
+    Unlike ``.remote()``, ``put``, ``get`` and ``wait`` it never starts a
+    node: without ``init`` it raises NotInitializedError, as Ray's
+    cluster calls do."""
+    current = context.current_or_none()
+    if current is not None:
+        return current
+    if not context.in_worker():
         raise NotInitializedError("call pmetal.init() first")
-    with _lock:
-        if _runtime is None:
-            core = CoreClient(current.node_address, current.namespace, current.config,
-                              current.identity)
-            core.self_address = current.address
-            _runtime = _Runtime(core, None)
-        return _runtime.client
+    return context.current()
 
 
 def shutdown(timeout: float = 10.0) -> None:
     """Disconnect; stop the embedded node (and its workers) if init started one."""
-    global _runtime
+    global _node_proc
     with _lock:
-        runtime, _runtime = _runtime, None
-    if runtime is None:
+        client_, proc = context.take(), _node_proc
+        _node_proc = None
+    if client_ is None:
         return
-    proc = runtime.node_proc
     try:
         if proc is not None:
             try:
-                runtime.client.shutdown_node(timeout=min(timeout, 5.0))
+                client_.shutdown_node(timeout=min(timeout, 5.0))
             except PMetalError:
                 pass
     finally:
-        runtime.client.close()
+        client_.close()
         if proc is not None:
             if proc.stdin is not None:
                 proc.stdin.close()
@@ -215,7 +225,6 @@ def shutdown(timeout: float = 10.0) -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
 
 
 atexit.register(shutdown)
@@ -228,20 +237,32 @@ def get(refs: ObjectRef | list[ObjectRef], *, timeout: float | None = None) -> A
     if type(refs) is ObjectRef:   # one ref, the common case: no list walks
         if refs.done():
             return refs.result()
-        runtime = _runtime
-        return (runtime.client if runtime is not None else client()).get_one(refs, timeout)
+        return (refs._client or context.current()).get_one(refs, timeout)
     if isinstance(refs, ObjectRef):
-        return client_for([refs]).get([refs], timeout)[0]
-    refs = list(refs)
-    if not all(isinstance(r, ObjectRef) for r in refs):
-        raise TypeError("pmetal.get takes an ObjectRef or a list of ObjectRefs")
-    return client_for(refs).get(refs, timeout)
+        return _client_for([refs]).get([refs], timeout)[0]
+    refs = _ref_list(refs, "get", "an ObjectRef or a list of ObjectRefs")
+    return _client_for(refs).get(refs, timeout)
 
 
-def client_for(refs: list[ObjectRef]) -> CoreClient:
-    if all(r.done() for r in refs) and _runtime is None:
-        return _DoneOnly()  # type: ignore[return-value]
-    return client()
+def _ref_list(refs: Any, fn: str, what: str) -> list[ObjectRef]:
+    if not isinstance(refs, (list, tuple)):
+        hint = f"; for one ref: pmetal.{fn}([ref])" if isinstance(refs, ObjectRef) else ""
+        raise PMetalTypeError(f"pmetal.{fn} takes {what}, not {type(refs).__name__}{hint}")
+    bad = next((r for r in refs if not isinstance(r, ObjectRef)), None)
+    if bad is not None:
+        raise PMetalTypeError(f"pmetal.{fn} takes {what}; the list holds a "
+                              f"{type(bad).__name__}")
+    return list(refs)
+
+
+def _client_for(refs: list[ObjectRef]) -> CoreClient:
+    """The client that waits for ``refs``: the one that made the pending ones."""
+    for r in refs:
+        if not r.done() and r._client is not None:
+            return r._client
+    if not refs:
+        return context.current()   # Ray starts a node here too
+    return _DoneOnly()  # type: ignore[return-value]
 
 
 class _DoneOnly:
@@ -259,20 +280,22 @@ def wait(refs: list[ObjectRef], *, num_returns: int = 1,
          timeout: float | None = None) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """``(ready, not_ready)``: the first ``num_returns`` refs that are done, in
     input order, once that many are done or ``timeout`` passes."""
-    refs = list(refs)
-    if not all(isinstance(r, ObjectRef) for r in refs):
-        raise TypeError("pmetal.wait takes a list of ObjectRefs")
+    refs = _ref_list(refs, "wait", "a list of ObjectRefs")
     if len(set(map(id, refs))) != len(refs):
-        raise ValueError("pmetal.wait got the same ObjectRef twice")
+        raise PMetalValueError("pmetal.wait got the same ObjectRef twice")
+    if type(num_returns) is not int:
+        raise PMetalTypeError(f"num_returns must be an int, not {type(num_returns).__name__}")
     if not 0 <= num_returns <= len(refs):
-        raise ValueError(f"num_returns={num_returns} but only {len(refs)} refs were given")
-    return client_for(refs).wait(refs, num_returns, timeout)
+        raise PMetalValueError(f"num_returns={num_returns} but only {len(refs)} refs were "
+                               f"given")
+    return _client_for(refs).wait(refs, num_returns, timeout)
 
 
 def put(value: Any) -> ObjectRef:
     """Store ``value`` in this process and return a ref to it."""
     if isinstance(value, ObjectRef):
-        raise TypeError("pmetal.put of an ObjectRef; pass the ref itself instead")
+        raise PMetalTypeError("pmetal.put of an ObjectRef; pass the ref itself instead")
+    context.current()   # as in Ray, a put without init starts a node
     return ObjectRef.of_value(value)
 
 
@@ -280,15 +303,22 @@ def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
     """Kill ``actor``'s process now. Pending calls fail with ActorDiedError;
     with ``no_restart=False`` it is restarted if it has restarts left."""
     if not isinstance(actor, ActorHandle):
-        raise TypeError(f"pmetal.kill takes an actor handle, not {type(actor).__name__}")
+        raise PMetalTypeError(f"pmetal.kill takes an actor handle, not {type(actor).__name__}")
+    if type(no_restart) is not bool:
+        raise PMetalTypeError(f"no_restart must be a bool, not {type(no_restart).__name__}")
     client().kill(actor._actor_id, no_restart, actor._node_id)
 
 
 def get_actor(name: str) -> ActorHandle:
     """The handle of the live actor created with ``.options(name=name)``."""
+    if type(name) is not str:
+        raise PMetalTypeError(f"pmetal.get_actor takes an actor name (a str), not "
+                              f"{type(name).__name__}")
+    if not name:
+        raise PMetalValueError("pmetal.get_actor needs a non-empty name")
     loc = client().lookup(name=name)
     if loc.state == "dead":
-        raise ValueError(f"actor {name!r} is dead: {loc.reason}")
+        raise PMetalValueError(f"actor {name!r} is dead: {loc.reason}")
     return ActorHandle(loc)
 
 

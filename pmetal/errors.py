@@ -2,10 +2,14 @@
 
 All of them derive from :class:`PMetalError`, so ``except pmetal.PMetalError``
 catches anything pmetal itself raised. Timeouts also derive from the builtin
-:class:`TimeoutError`, configuration errors from :class:`ValueError`::
+:class:`TimeoutError`, configuration errors and bad argument values from
+:class:`ValueError`, arguments of the wrong type from :class:`TypeError`, so
+code written for Ray's builtin exceptions keeps working::
 
     PMetalError
     ├── ConfigError (ValueError)             bad setting or environment variable
+    ├── PMetalTypeError (TypeError)          API misuse: wrong argument type, unknown option
+    ├── PMetalValueError (ValueError)        API misuse: argument value out of range
     ├── ProtocolError                        malformed, unknown, oversize message
     ├── IdentityError                        node key file missing, corrupt, unsafe
     ├── SecurityError
@@ -46,6 +50,8 @@ __all__ = [
     "NotInitializedError",
     "PMetalError",
     "PMetalTimeoutError",
+    "PMetalTypeError",
+    "PMetalValueError",
     "PeerError",
     "PlacementError",
     "ProtocolError",
@@ -63,6 +69,18 @@ class PMetalError(Exception):
 
 class ConfigError(PMetalError, ValueError):
     """A configuration value or ``PMETAL_*`` environment variable is invalid."""
+
+
+class PMetalTypeError(PMetalError, TypeError):
+    """A pmetal API was called with an argument of the wrong type, or an
+    option it does not know (``pmetal.get(5)``, ``get_actor(123)``,
+    ``@pmetal.remote(num_cpu=1)``)."""
+
+
+class PMetalValueError(PMetalError, ValueError):
+    """A pmetal API argument has the right type but a value it cannot take
+    (a negative resource amount, ``num_returns`` out of range, a name no
+    live actor has)."""
 
 
 class ProtocolError(PMetalError):

@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 from zmq.backend import zmq_poll
 
-from pmetal.actors.deferred import Deferrals
+from pmetal.actors.deferred import Deferrals, Retry
 from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
@@ -191,16 +191,20 @@ class CoreClient:
         later call to the same actor: calls keep their order)."""
         deferrals = self._deferrals
         plain = not kwargs and _plain(args)
+        retry = None
+        if handle._max_task_retries:   # resubmitted if the actor dies (deferred.Retry)
+            retry = Retry(lambda a, kw: self._call_now(handle, method, a, kw), args, kwargs,
+                          handle._actor_id, handle._max_task_retries)
         if ((deferrals.actors and handle._actor_id in deferrals.actors)
                 or (not plain and Deferrals.unready(args, kwargs))):
             return deferrals.add(lambda a, kw: self._call_now(handle, method, a, kw),
-                                 args, kwargs, handle._actor_id, (handle, method))
+                                 args, kwargs, handle._actor_id, (handle, method), retry)
         if not plain:
             args, kwargs = self._resolve_args(args, kwargs)
-        return self._call_now(handle, method, args, kwargs)
+        return self._call_now(handle, method, args, kwargs, retry)
 
     def _call_now(self, handle: Any, method: str, args: list[Any],
-                  kwargs: dict[str, Any]) -> ObjectRef:
+                  kwargs: dict[str, Any], retry: Retry | None = None) -> ObjectRef:
         """Send a call whose arguments are packed (or queue it behind calls in flight)."""
         with self.lock:
             link = self._actor_link(handle)
@@ -211,6 +215,7 @@ class CoreClient:
                 # together (at get/wait, when the batch is full, or within
                 # _FLUSH_DELAY), in order. A lone call is never delayed.
                 ref = ObjectRef(self, None, 0, (handle, method))
+                ref._retry = retry
                 ref._link = link
                 link.outbox.append((ref, [method, args, kwargs]))
                 link.outbox_actor = handle._actor_id
@@ -227,7 +232,9 @@ class CoreClient:
                 link.die(str(exc))
                 return ObjectRef.of_error(ActorDiedError(f"{call_name(handle, method)}: {exc}"))
             self.calls += 1
-            return ObjectRef(self, link, corr, (handle, method))
+            ref = ObjectRef(self, link, corr, (handle, method))
+            ref._retry = retry
+            return ref
 
     def _flush(self, link: PeerLink) -> None:
         """Send the calls queued on ``link`` (lock held)."""
@@ -326,19 +333,26 @@ class CoreClient:
 
     # ------------------------------------------------------------------ tasks
 
-    def run_task(self, fn_id: str, fn_ref: Any, args: list[Any],
-                 kwargs: dict[str, Any], name: str) -> ObjectRef:
+    def run_task(self, fn_id: str, fn_ref: Any, args: list[Any], kwargs: dict[str, Any],
+                 name: str, max_retries: int = 0,
+                 retry_exceptions: bool | tuple[type[BaseException], ...] = False) -> ObjectRef:
         """Submit a remote function; with ObjectRef arguments not ready yet,
-        it is sent once they are (tasks keep no order)."""
+        it is sent once they are (tasks keep no order). It is sent again, up
+        to ``max_retries`` times (-1: without limit), when its worker dies or
+        it raises one of ``retry_exceptions`` (True: any)."""
+        def submit(a: list[Any], kw: dict[str, Any]) -> ObjectRef:
+            return self._run_task_now(fn_id, fn_ref, a, kw, name)
+        retry = (Retry(submit, args, kwargs, "", max_retries, retry_exceptions)
+                 if max_retries else None)
         if Deferrals.unready(args, kwargs):
-            return self._deferrals.add(
-                lambda a, kw: self._run_task_now(fn_id, fn_ref, a, kw, name), args, kwargs, "",
-                f"remote function {name}")
+            return self._deferrals.add(submit, args, kwargs, "", f"remote function {name}",
+                                       retry)
         args, kwargs = self._resolve_args(args, kwargs)
-        return self._run_task_now(fn_id, fn_ref, args, kwargs, name)
+        return self._run_task_now(fn_id, fn_ref, args, kwargs, name, retry)
 
     def _run_task_now(self, fn_id: str, fn_ref: Any, args: list[Any],
-                      kwargs: dict[str, Any], name: str) -> ObjectRef:
+                      kwargs: dict[str, Any], name: str,
+                      retry: Retry | None = None) -> ObjectRef:
         what = f"remote function {name}"
         with self.lock:
             link = self._task_link(what)
@@ -349,7 +363,9 @@ class CoreClient:
                                        timeout=self._send_timeout)
             link.functions.add(fn_id)
             self.calls += 1
-            return ObjectRef(self, link, corr, what)
+            ref = ObjectRef(self, link, corr, what)
+            ref._retry = retry
+            return ref
 
     def _task_link(self, what: str) -> PeerLink | BaseException:
         """A live link to one of this node's task workers (round robin). A
@@ -404,11 +420,8 @@ class CoreClient:
                 best, best_load = address, load
         return best
 
-    def check_placement(self, options: dict[str, Any], what: str) -> None:
+    def check_placement(self, need: dict[str, float], what: str) -> None:
         """Raise PlacementError now if no node could ever run this."""
-        need = {k: float(v) for k, v in (options.get("resources") or {}).items()}
-        if options.get("num_cpus"):
-            need["CPU"] = float(options["num_cpus"])
         if not need:
             return
         info = self.status()
@@ -451,14 +464,15 @@ class CoreClient:
 
     def _await(self, ref: ObjectRef, deadline: float | None, timeout: float | None) -> None:
         """Wait until ``ref`` is done (or raise GetTimeoutError)."""
-        if ref._deferred:
-            self._deferrals.await_submitted(ref, deadline, timeout)
-        link = ref._link
-        if link is not None and link.outbox:
-            with self.lock:
-                self._flush(link)
         pending = [ref]
         while not ref.done():
+            if ref._deferred:   # waits for its arguments, or to be sent again (a retry)
+                self._deferrals.await_submitted(ref, deadline, timeout)
+                continue
+            link = ref._link
+            if link is not None and link.outbox:
+                with self.lock:
+                    self._flush(link)
             with self.lock:
                 if not ref.done():
                     self._progress(pending, deadline, timeout)

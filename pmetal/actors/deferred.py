@@ -15,6 +15,12 @@ own arguments are ready. Tasks have no order and go as soon as they can.
 A failed argument fails the call that waits on it with the same exception,
 without running it (Ray does the same). Non-ref arguments are packed at the
 call site, so an unpicklable argument still raises there.
+
+Retries go the same way: a task whose worker died (``max_retries``) or that
+raised one of its ``retry_exceptions``, and an actor call whose actor died
+(``max_task_retries``), is queued here again by its ref (see :class:`Retry`)
+and sent anew by the watcher, behind nothing and in front of later calls to
+the same actor.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from pmetal.errors import GetTimeoutError, PMetalError
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
 
-__all__ = ["Deferrals"]
+__all__ = ["Deferrals", "Retry"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +58,38 @@ class _Waiting:
     kwargs: dict[str, Any]
     actor_id: str             # "" for a task
     deps: list[ObjectRef]     # the ref arguments not yet done at the call
+
+
+@dataclass(eq=False)
+class Retry:
+    """How to send a call again, kept on its ObjectRef until it is done."""
+
+    submit: Submit            # as for _Waiting
+    args: list[Any]           # as the caller gave them (refs are done by now)
+    kwargs: dict[str, Any]
+    actor_id: str             # "" for a task
+    left: int                 # retries left; -1: without limit
+    exceptions: bool | tuple[type[BaseException], ...] = False   # user errors that retry
+    what: str = ""
+
+    def again(self, ref: ObjectRef, error: BaseException | None) -> bool:
+        """Queue ``ref``'s call again if this failure allows it: ``error``
+        None for a system failure (the worker or actor died), else the user
+        exception it raised. False: let the failure stand."""
+        if self.left == 0:
+            return False
+        if error is not None and not (self.exceptions is True or (
+                isinstance(self.exceptions, tuple) and isinstance(error, self.exceptions))):
+            return False
+        client = ref._client
+        if client is None:
+            return False
+        if self.left > 0:
+            self.left -= 1
+        log.info("%s failed (%s); sending it again (%s)", ref._what(),
+                 "its process died" if error is None else type(error).__name__,
+                 "retries without limit" if self.left < 0 else f"{self.left} retries left")
+        return client._deferrals.resubmit(ref, self)
 
 
 class Deferrals:
@@ -76,17 +114,32 @@ class Deferrals:
         return False
 
     def add(self, submit: Submit, args: list[Any], kwargs: dict[str, Any], actor_id: str,
-            what: Any) -> ObjectRef:
+            what: Any, retry: Retry | None = None) -> ObjectRef:
         """Queue a call; its ObjectRef now, its submission once its ref
         arguments are done."""
+        ref = ObjectRef(self._client, None, 0, what)
+        ref._retry = retry
+        self._queue(ref, submit, args, kwargs, actor_id)
+        return ref
+
+    def resubmit(self, ref: ObjectRef, retry: Retry) -> bool:
+        """Queue the call of a failed ``ref`` again (see :class:`Retry`);
+        False when the client is closing."""
+        try:
+            self._queue(ref, retry.submit, retry.args, retry.kwargs, retry.actor_id)
+        except PMetalError:
+            return False
+        return True
+
+    def _queue(self, ref: ObjectRef, submit: Submit, args: list[Any], kwargs: dict[str, Any],
+               actor_id: str) -> None:
         packed = [a if type(a) is ObjectRef else pack_value(a) for a in args]
         packed_kw = {k: v if type(v) is ObjectRef else pack_value(v) for k, v in kwargs.items()}
         deps = [a for a in [*args, *kwargs.values()] if type(a) is ObjectRef and not a.done()]
-        ref = ObjectRef(self._client, None, 0, what)
-        ref._deferred = True
         with self._cond:
             if self._closed:
                 raise PMetalError("the client is closed (pmetal.shutdown was called)")
+            ref._deferred = True
             self._items.append(_Waiting(ref, submit, packed, packed_kw, actor_id, deps))
             if actor_id:
                 self.actors[actor_id] = self.actors.get(actor_id, 0) + 1
@@ -96,7 +149,6 @@ class Deferrals:
                                                 daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-        return ref
 
     def await_submitted(self, ref: ObjectRef, deadline: float | None,
                         timeout: float | None) -> None:

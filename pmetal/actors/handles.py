@@ -5,41 +5,96 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from pmetal.actors import context
+from pmetal.errors import PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
-__all__ = ["ActorClass", "ActorHandle", "ActorMethod", "RemoteFunction", "remote"]
+__all__ = ["ACTOR_OPTIONS", "DEFAULT_MAX_RETRIES", "FUNCTION_OPTIONS", "ActorClass",
+           "ActorHandle", "ActorMethod", "RemoteFunction", "check_options", "needed_resources",
+           "remote"]
 
-_OPTIONS = frozenset({"name", "node", "num_cpus", "resources", "max_restarts",
-                      "max_concurrency", "num_returns", "lifetime", "namespace"})
+# Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
+# for compatibility (see docs/api.md for what each does today).
+_COMMON = frozenset({"num_cpus", "num_gpus", "resources", "num_returns", "name"})
+ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
+                           "lifetime", "namespace"}
+FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
+
+DEFAULT_MAX_RETRIES = 3
+"""Ray's default: a task is re-run up to 3 times when its worker dies."""
 
 
-def _check_options(options: dict[str, Any], where: str) -> dict[str, Any]:
-    unknown = set(options) - _OPTIONS
+def _number(options: dict[str, Any], key: str, where: str, low: float) -> None:
+    value = options.get(key)
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise PMetalTypeError(f"{where}: {key} must be a number, not {type(value).__name__}")
+    if not value >= low:   # also refuses NaN
+        raise PMetalValueError(f"{where}: {key}={value!r}; it must be at least {low:g}")
+
+
+def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
+    value = options.get(key)
+    if value is None:
+        return
+    if type(value) is not int:
+        raise PMetalTypeError(f"{where}: {key} must be an int, not {type(value).__name__}")
+    if value < low:
+        raise PMetalValueError(f"{where}: {key}={value}; it must be at least {low}"
+                               + (" (-1: without limit)" if low == -1 else ""))
+
+
+def check_options(options: dict[str, Any], where: str, known: frozenset[str]) -> dict[str, Any]:
+    """Refuse unknown options (typos) and values of the wrong type or range."""
+    unknown = set(options) - known
     if unknown:
-        raise TypeError(f"{where}: unknown option(s) {sorted(unknown)}; "
-                        f"known: {sorted(_OPTIONS)}")
+        other = ACTOR_OPTIONS if known is FUNCTION_OPTIONS else FUNCTION_OPTIONS
+        elsewhere = sorted(unknown & other)
+        hint = (f" ({', '.join(elsewhere)}: only for "
+                f"{'actors' if known is FUNCTION_OPTIONS else 'remote functions'})"
+                if elsewhere else "")
+        raise PMetalTypeError(f"{where}: unknown option(s) {sorted(unknown)}{hint}; "
+                              f"valid: {sorted(known)}")
     if options.get("num_returns", 1) != 1:
-        raise ValueError(f"{where}: num_returns other than 1 is not supported yet")
-    for key in ("num_cpus", "max_concurrency"):
-        if options.get(key) is not None and options[key] < 0:
-            raise ValueError(f"{where}: {key} must not be negative")
+        raise PMetalValueError(f"{where}: num_returns other than 1 is not supported yet")
+    _number(options, "num_cpus", where, 0)
+    _number(options, "num_gpus", where, 0)
+    _integer(options, "max_concurrency", where, 1)
+    for key in ("max_restarts", "max_task_retries", "max_retries"):
+        _integer(options, key, where, -1)
     res = options.get("resources") or {}
-    if not isinstance(res, dict) or any(not isinstance(v, (int, float)) or v < 0
-                                        for v in res.values()):
-        raise ValueError(f"{where}: resources must map names to non-negative numbers")
+    if not isinstance(res, dict) or any(
+            type(k) is not str or isinstance(v, bool) or not isinstance(v, (int, float))
+            or not v >= 0 for k, v in res.items()):
+        raise PMetalValueError(f"{where}: resources must map names to non-negative numbers, "
+                               f"not {res!r}")
+    for key, option in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        if key in res and options.get(option) is not None:
+            raise PMetalValueError(f"{where}: {key} given twice, as {option} and in resources")
+    for key in ("name", "node"):
+        if options.get(key) is not None and type(options[key]) is not str:
+            raise PMetalTypeError(f"{where}: {key} must be a str, not "
+                                  f"{type(options[key]).__name__}")
+    retry_on = options.get("retry_exceptions")
+    if retry_on is not None and type(retry_on) is not bool and not (
+            isinstance(retry_on, (list, tuple)) and all(
+                isinstance(t, type) and issubclass(t, BaseException) for t in retry_on)):
+        raise PMetalTypeError(f"{where}: retry_exceptions must be True, False or a list of "
+                              f"exception classes, not {retry_on!r}")
     return options
 
 
-_api: Any = None
+def needed_resources(options: dict[str, Any]) -> dict[str, float]:
+    """The resources ``options`` reserve: ``resources`` plus CPU and GPU."""
+    need = {k: float(v) for k, v in (options.get("resources") or {}).items()}
+    for key, option in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+        if options.get(option):
+            need[key] = float(options[option])
+    return need
 
 
-def _client() -> Any:
-    global _api
-    if _api is None:  # pmetal.api imports this module: import it on first use
-        from pmetal import api
-        _api = api
-    runtime = _api._runtime
-    return runtime.client if runtime is not None else _api.client()
+_client = context.current   # this process's client; auto-init starts a node if none
 
 
 class RemoteFunction:
@@ -47,7 +102,12 @@ class RemoteFunction:
 
     def __init__(self, fn: Any, options: dict[str, Any]) -> None:
         self._fn = fn
-        self._options = _check_options(options, f"@pmetal.remote {fn.__qualname__}")
+        self._options = check_options(options, f"@pmetal.remote {fn.__qualname__}",
+                                      FUNCTION_OPTIONS)
+        retries = options.get("max_retries")
+        self._max_retries = DEFAULT_MAX_RETRIES if retries is None else retries
+        retry_on = options.get("retry_exceptions") or False
+        self._retry_exceptions = retry_on if retry_on is True else tuple(retry_on or ())
         self._code: tuple[str, Any] | None = None
         self._placement_checked: Any = None   # the client that checked the resources
         self.__wrapped__ = fn
@@ -61,15 +121,17 @@ class RemoteFunction:
         fn_id, ref = self._code
         client = _client()
         if self._placement_checked is not client:
-            client.check_placement(self._options, f"remote function {self._fn.__qualname__}")
+            client.check_placement(needed_resources(self._options),
+                                   f"remote function {self._fn.__qualname__}")
             self._placement_checked = client
-        return client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__)
+        return client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
+                               self._max_retries, self._retry_exceptions)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"remote function {self.__name__} cannot be called directly; use "
+        raise PMetalTypeError(f"remote function {self.__name__} cannot be called directly; use "
                         f"{self.__name__}.remote(...)")
 
 
@@ -78,7 +140,8 @@ class ActorClass:
 
     def __init__(self, cls: type, options: dict[str, Any]) -> None:
         self._cls = cls
-        self._options = _check_options(options, f"@pmetal.remote {cls.__qualname__}")
+        self._options = check_options(options, f"@pmetal.remote {cls.__qualname__}",
+                                      ACTOR_OPTIONS)
         self.__wrapped__ = cls
         self.__doc__ = cls.__doc__
         self.__name__ = cls.__name__
@@ -96,9 +159,12 @@ class ActorClass:
         is_async = any(inspect.iscoroutinefunction(m)
                        for _, m in inspect.getmembers(cls, inspect.isfunction))
         opts = dict(self._options)
+        resources = dict(opts.get("resources") or {})
+        if opts.get("num_gpus"):
+            resources["GPU"] = float(opts["num_gpus"])
         options = {"name": opts.get("name") or "", "node": opts.get("node") or "",
                    "num_cpus": opts.get("num_cpus") or 0,
-                   "resources": dict(opts.get("resources") or {}),
+                   "resources": resources,
                    "max_restarts": int(opts.get("max_restarts") or 0),
                    "max_concurrency": int(opts.get("max_concurrency") or 1),
                    "class_name": cls.__qualname__, "methods": list(methods),
@@ -106,10 +172,10 @@ class ActorClass:
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)
-        return ActorHandle(loc)
+        return ActorHandle(loc, opts.get("max_task_retries") or 0)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"actor class {self.__name__} cannot be instantiated directly; use "
+        raise PMetalTypeError(f"actor class {self.__name__} cannot be instantiated directly; use "
                         f"{self.__name__}.remote(...)")
 
 
@@ -124,15 +190,18 @@ class ActorMethod:
         return _client().call(self._handle, self._name, list(args), kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(f"actor method {self._name} cannot be called directly; use "
+        raise PMetalTypeError(f"actor method {self._name} cannot be called directly; use "
                         f".{self._name}.remote(...)")
 
 
 class ActorHandle:
     """A reference to a live actor; can be passed to other actors and tasks."""
 
-    def __init__(self, loc: ActorLocation) -> None:
+    def __init__(self, loc: ActorLocation, max_task_retries: int = 0) -> None:
         self._actor_id = loc.actor_id
+        # Calls that fail because the actor died are sent again to its next
+        # incarnation this many times (Ray's max_task_retries; -1: no limit).
+        self._max_task_retries = max_task_retries
         self._update(loc)
         self._class_name = loc.class_name
         self._methods = frozenset(loc.methods)
@@ -161,7 +230,7 @@ class ActorHandle:
                             tuple(sorted(self._methods)), self._is_async)
         return (_rebuild_handle, (loc.actor_id, loc.state, loc.address, loc.node_id,
                                   loc.incarnation, loc.name, loc.class_name, loc.methods,
-                                  loc.is_async))
+                                  loc.is_async, self._max_task_retries))
 
     def __repr__(self) -> str:
         return f"ActorHandle({self._class_name}, {self._actor_id})"
@@ -175,9 +244,9 @@ class ActorHandle:
 
 def _rebuild_handle(actor_id: str, state: str, address: str, node_id: str, incarnation: int,
                     name: str, class_name: str, methods: tuple[str, ...],
-                    is_async: bool) -> ActorHandle:
+                    is_async: bool, max_task_retries: int = 0) -> ActorHandle:
     return ActorHandle(ActorLocation(actor_id, state, address, node_id, incarnation, name, "",
-                                     class_name, methods, is_async))
+                                     class_name, methods, is_async), max_task_retries)
 
 
 def remote(*args: Any, **options: Any) -> Any:
@@ -188,10 +257,10 @@ def remote(*args: Any, **options: Any) -> Any:
             return ActorClass(obj, options)
         if callable(obj):
             return RemoteFunction(obj, options)
-        raise TypeError(f"@pmetal.remote applies to functions and classes, not "
+        raise PMetalTypeError(f"@pmetal.remote applies to functions and classes, not "
                         f"{type(obj).__name__}")
     if len(args) == 1 and not options and (inspect.isclass(args[0]) or callable(args[0])):
         return wrap(args[0])
     if args:
-        raise TypeError("use @pmetal.remote or @pmetal.remote(option=value, ...)")
+        raise PMetalTypeError("use @pmetal.remote or @pmetal.remote(option=value, ...)")
     return wrap

@@ -39,6 +39,7 @@ from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
+from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -93,7 +94,8 @@ def default_resources(num_cpus: float | None = None) -> dict[str, float]:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         memory = 0.0
-    return {"CPU": cpus, "memory": memory}
+    gpus = gpu_count()   # listed only when there are some, as in Ray
+    return {"CPU": cpus, **({"GPU": float(gpus)} if gpus else {}), "memory": memory}
 
 
 class NodeDaemon:

@@ -4,20 +4,24 @@ stands for.
 An ObjectRef is filled by the client that made it (``pmetal/actors/client.py``)
 when the reply arrives on its link, or failed when that link dies; a ref
 whose call waits for its own ref arguments is marked ``_deferred`` and takes
-over the state of the call once ``pmetal/actors/deferred.py`` sends it.
+over the state of the call once ``pmetal/actors/deferred.py`` sends it. A ref
+with a ``_retry`` (a task's ``max_retries``, an actor's ``max_task_retries``)
+that fails in a way the retry allows goes back there instead of failing.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pmetal.actors.serialization import remote_error, unpack_value
-from pmetal.errors import ActorDiedError, PeerError, PlacementError, PMetalError
+from pmetal.actors.serialization import load_exception, remote_error, unpack_value
+from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalError,
+                           PMetalValueError)
 from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient, PeerLink
+    from pmetal.actors.deferred import Retry
 
 __all__ = ["ObjectRef", "call_name", "failure_error"]
 
@@ -34,7 +38,7 @@ class ObjectRef:
     """
 
     __slots__ = ("_client", "_corr", "_deferred", "_error", "_has_value", "_link", "_on_death",
-                 "_value", "__weakref__")
+                 "_retry", "_value", "__weakref__")
 
     def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
                  on_death: Any = "") -> None:
@@ -46,6 +50,7 @@ class ObjectRef:
         self._error: BaseException | None = None
         self._on_death = on_death
         self._deferred = False   # its call waits for ObjectRef arguments (deferred.py)
+        self._retry: Retry | None = None   # how to send its call again (deferred.py)
         if link is not None:
             link.refs[corr] = self
 
@@ -81,6 +86,7 @@ class ObjectRef:
         self._value = value
         self._has_value = True
         self._link = None
+        self._retry = None   # its arguments need not be kept any longer
 
     def _what(self) -> str:
         what = self._on_death
@@ -88,8 +94,10 @@ class ObjectRef:
 
     def _fail_link(self, why: str) -> None:
         if not self.done():
-            self._error = ActorDiedError(f"{self._what()}: {why}")
             self._link = None
+            if self._retry is not None and self._retry.again(self, None):
+                return
+            self._error = ActorDiedError(f"{self._what()}: {why}")
 
     def done(self) -> bool:
         return self._has_value or self._error is not None
@@ -103,7 +111,12 @@ class ObjectRef:
             except Exception as exc:  # the value arrived but cannot be unpickled here
                 self._error = exc
         elif isinstance(body, Failure):
-            self._error = failure_error(body, self._what())
+            error = failure_error(body, self._what())
+            retry = self._retry
+            if retry is not None and body.kind in ("user", "actor_died") and retry.again(
+                    self, error if body.kind == "user" else None):
+                return
+            self._error = error
         else:
             self._error = PeerError(f"unexpected reply {type(body).__name__}")
 
@@ -113,9 +126,13 @@ class ObjectRef:
         return self._value
 
     def __await__(self) -> Any:
-        import asyncio
-        from pmetal import api
-        return asyncio.to_thread(api.get, self).__await__()
+        if not self.done():
+            import asyncio
+            client = self._client
+            assert client is not None   # only of_value and of_error refs lack one: done
+            # get blocks: in a thread, so that the event loop goes on.
+            yield from asyncio.to_thread(client.get_one, self, None).__await__()
+        return self.result()
 
     def __reduce__(self) -> Any:
         raise TypeError("an ObjectRef cannot be sent inside another value; pass it as a "
@@ -130,12 +147,7 @@ class ObjectRef:
 def failure_error(body: Failure, on_death: str = "") -> BaseException:
     """The exception a Failure reply stands for."""
     if body.kind == "user":
-        original = None
-        if body.exception is not None:
-            try:
-                original = body.exception.load()
-            except Exception:  # the exception's class is not importable here
-                original = None
+        original = load_exception(body.exception) if body.exception is not None else None
         return remote_error(body.error_type, body.message, body.traceback, original)
     if body.kind == "actor_died":
         return ActorDiedError(f"{on_death}: {body.message}" if on_death else body.message)
@@ -144,7 +156,7 @@ def failure_error(body: Failure, on_death: str = "") -> BaseException:
     if body.kind == "placement":
         return PlacementError(body.message)
     if body.kind == "not_found":
-        return ValueError(body.message)
+        return PMetalValueError(body.message)
     builtin = _BUILTIN_ERRORS.get(body.error_type)
     if builtin is not None:
         return builtin(body.message)

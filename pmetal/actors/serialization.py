@@ -11,7 +11,11 @@
   or unpickles each one once.
 * Exceptions: a remote exception comes back as a :class:`RemoteError` that
   is also an instance of the original type when that type can be
-  subclassed, and carries the remote traceback text.
+  subclassed, and carries the remote traceback text. It travels pickled as
+  usual when that round-trips; an exception that does not (its ``__init__``
+  takes other arguments than its ``args``, as ``MyError(code, text)`` calling
+  ``super().__init__(f"{code}: {text}")``) travels as its class, ``args`` and
+  ``__dict__``, and is rebuilt without calling its ``__init__``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ __all__ = [
     "CodeRef",
     "code_ref",
     "load_code",
+    "load_exception",
+    "pack_exception",
     "pack_value",
     "pack_values",
     "remote_error",
@@ -120,6 +126,70 @@ def load_code(ref: CodeRef) -> Any:
 _ERROR_CLASSES: dict[type, type] = {}
 
 
+class _ExceptionState:
+    """An exception's class, args and ``__dict__``: what is needed to rebuild
+    one whose ``__init__`` cannot be called again with its ``args``."""
+
+    __slots__ = ("args", "cls", "state")
+
+    def __init__(self, cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> None:
+        self.cls, self.args, self.state = cls, args, state
+
+    def __reduce__(self) -> tuple:
+        return (_ExceptionState, (self.cls, self.args, self.state))
+
+    def rebuild(self) -> BaseException:
+        return _bare_instance(self.cls, self.args, self.state)
+
+
+def _bare_instance(cls: type, args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """An instance of exception class ``cls`` holding ``args`` and ``state``,
+    made without running its ``__init__`` (whose signature is unknown)."""
+    try:
+        err = cls.__new__(cls)
+    except TypeError:   # a __new__ that needs its arguments (ExceptionGroup)
+        err = cls.__new__(cls, *args)
+    err.args = args
+    if state:
+        try:
+            err.__dict__.update(state)
+        except AttributeError:   # a class with __slots__ and no __dict__
+            for key, value in state.items():
+                setattr(err, key, value)
+    return err
+
+
+def pack_exception(exc: BaseException) -> Pickled | None:
+    """``exc`` for a Failure: pickled as is when that round-trips, else as
+    its class, args and ``__dict__``; None when even that cannot be pickled
+    (the caller then gets a plain RemoteError with the text)."""
+    try:
+        payload = Pickled.dumps(exc)
+        payload.load()   # an __init__ with other arguments fails here, not at the caller
+    except Exception:  # any failure (cloudpickle and __init__ raise anything): use the state
+        payload = None
+    if payload is not None:
+        return payload
+    for state in (dict(getattr(exc, "__dict__", {})), {}):   # then without its attributes
+        try:
+            return Pickled.dumps(_ExceptionState(type(exc), tuple(exc.args), state))
+        except Exception:  # cloudpickle raises many types for unpicklable objects
+            continue
+    return None
+
+
+def load_exception(payload: Any) -> BaseException | None:
+    """The exception a Failure carries, or None when it cannot be rebuilt
+    here (its class is not importable in this process)."""
+    try:
+        obj = payload.load() if isinstance(payload, Pickled) else payload
+        if isinstance(obj, _ExceptionState):
+            obj = obj.rebuild()
+    except Exception:  # unpickling user classes raises anything: the text still arrives
+        return None
+    return obj if isinstance(obj, BaseException) else None
+
+
 def remote_error(error_type: str, message: str, traceback: str,
                  original: BaseException | None) -> RemoteError:
     """The exception to raise at ``get`` for a remote failure."""
@@ -137,11 +207,7 @@ def remote_error(error_type: str, message: str, traceback: str,
         except TypeError:  # a type that refuses to be subclassed (final, layout clash)
             return RemoteError(error_type, message, traceback, cause=original)
         _ERROR_CLASSES[cls] = dual
-    err = dual.__new__(dual)
-    try:
-        err.__dict__.update(getattr(original, "__dict__", {}))
-    except (AttributeError, TypeError):
-        pass
+    err = _bare_instance(dual, original.args, dict(getattr(original, "__dict__", {})))
     RemoteError.__init__(err, error_type, message, traceback, cause=original)
-    err.args = original.args if original is not None else ()
+    err.args = original.args
     return err

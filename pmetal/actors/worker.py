@@ -8,8 +8,11 @@ itself to its node with :class:`~pmetal.wire.WorkerReady`, then serves:
 * a synchronous actor (``max_concurrency`` 1): a blocking receive, execute,
   reply loop with no event loop on the path (the fastest call path);
 * an async actor (any ``async def`` method) or ``max_concurrency`` > 1: an
-  asyncio loop (uvloop when installed); coroutines run concurrently, plain
-  methods in a thread pool of ``max_concurrency`` threads;
+  asyncio loop (uvloop when installed); up to ``max_concurrency`` calls run at
+  once (an async actor's default: 1000, as in Ray), coroutines on the loop,
+  plain methods in a pool of ``max_concurrency`` threads. Each call holds one
+  slot, whether it came alone or in a CallBatch; control messages (ping,
+  status, shutdown) hold none, so a saturated actor still answers them;
 * a task worker: remote functions, one at a time.
 
 The worker exits when its node goes away: it reads its stdin, a pipe from the
@@ -29,7 +32,10 @@ import threading
 import traceback
 from typing import Any
 
-from pmetal.actors.serialization import load_code, pack_value, unpack_value, unpack_values
+from pmetal.actors import context
+from pmetal.actors.client import CoreClient
+from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
+                                         unpack_values)
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
@@ -37,7 +43,7 @@ from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, Call, CallBatch, Failure, InitActor, Message, Pickled, Ping, Pong, Result,
+from pmetal.wire import (Ack, Call, CallBatch, Failure, InitActor, Message, Ping, Pong, Result,
                          RunTask, Shutdown, Status, StatusRequest,
                          WorkerReady)
 
@@ -45,19 +51,10 @@ __all__ = ["Worker", "failure_from", "main"]
 
 log = logging.getLogger(__name__)
 
-# Set in a worker process so that pmetal.get/remote used by actor code reach
-# the worker's node (see pmetal.api).
-CURRENT: Worker | None = None
-
-
 def failure_from(exc: BaseException, kind: str = "user") -> Failure:
     """A Failure describing ``exc`` (raised while running user code)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        pickled: Any = Pickled.dumps(exc)
-    except Exception:  # an exception that cannot be pickled still reports its text
-        pickled = None
-    return Failure(kind, type(exc).__qualname__, str(exc), tb, pickled)
+    return Failure(kind, type(exc).__qualname__, str(exc), tb, pack_exception(exc))
 
 
 _BAD_ENTRY = Failure("bad_request", "ProtocolError",
@@ -95,7 +92,6 @@ class Worker:
         self._functions: dict[str, Any] = {}
         self._stop = False
         self.needs_loop = False   # set once the actor is built: serve it from asyncio
-        self._group: asyncio.TaskGroup | None = None
         self.calls = 0
 
     @property
@@ -108,9 +104,15 @@ class Worker:
 
     # ------------------------------------------------------------- serving
 
+    def client(self) -> CoreClient:
+        """A client to this worker's node, for pmetal calls made by user
+        code here (installed as the context's worker factory by run)."""
+        core = CoreClient(self.node_address, self.namespace, self.config, self.identity)
+        core.self_address = self.address
+        return core
+
     def run(self) -> None:
-        global CURRENT
-        CURRENT = self
+        context.set_worker_factory(self.client)
         self.node.open()
         self.node.request(WorkerReady(self.worker_id, self.address, os.getpid()))
         try:
@@ -258,14 +260,25 @@ class Worker:
                                                         thread_name_prefix="pmetal-actor")
         try:
             async with asyncio.TaskGroup() as group:
-                self._group = group
                 while not self._stop:
                     try:
                         incoming = await self.listener.arecv()
                     except ClosedError:
                         return
-                    await limit.acquire()
-                    group.create_task(self._handle_async(incoming, limit, threads))
+                    body = incoming.body
+                    if type(body) is CallBatch:
+                        # One slot per call, taken here: a batch holding a
+                        # slot of its own left one call fewer running at once.
+                        if len(body.corrs) == len(body.calls):  # type: ignore[attr-defined]
+                            for entry, corr in zip(body.calls, body.corrs):  # type: ignore[attr-defined]
+                                await limit.acquire()
+                                group.create_task(self._batch_entry_async(
+                                    incoming, entry, corr, limit, threads))
+                    elif type(body) is Call:
+                        await limit.acquire()
+                        group.create_task(self._handle_async(incoming, limit, threads))
+                    else:
+                        group.create_task(self._handle_async(incoming, None, threads))
         finally:
             threads.shutdown(wait=False, cancel_futures=True)
 
@@ -304,23 +317,14 @@ class Worker:
         finally:
             limit.release()
 
-    async def _handle_async(self, incoming: Incoming, limit: asyncio.Semaphore,
+    async def _handle_async(self, incoming: Incoming, limit: asyncio.Semaphore | None,
                             threads: concurrent.futures.Executor) -> None:
+        """Serve one Call (holding a slot of ``limit``) or control message."""
         try:
             body = incoming.body
             if type(body) is Call:
                 reply: Message = await self._invoke_async(
                     body.actor_id, body.method, body.args, body.kwargs, threads)  # type: ignore[attr-defined]
-            elif type(body) is CallBatch:
-                # Each call of the batch is its own task: an async or threaded
-                # actor runs them concurrently and answers each when done.
-                if len(body.corrs) == len(body.calls):  # type: ignore[attr-defined]
-                    for entry, corr in zip(body.calls, body.corrs):  # type: ignore[attr-defined]
-                        await limit.acquire()
-                        assert self._group is not None
-                        self._group.create_task(
-                            self._batch_entry_async(incoming, entry, corr, limit, threads))
-                return
             else:
                 reply = self._handle(body) or Ack()
             if incoming.envelope.corr:
@@ -331,7 +335,8 @@ class Worker:
                 except (PeerError, PMetalTimeoutError) as exc:
                     log.warning("could not reply to %s: %s", incoming.peer, exc)
         finally:
-            limit.release()
+            if limit is not None:
+                limit.release()
 
 
 def _exit_with_node() -> None:
@@ -369,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run main() of the imported module: CURRENT must be set on the module
-    # that pmetal.api imports, not on __main__.
+    # Run main() of the imported module, so that this process has one Worker
+    # class (pmetal.actors.worker's), not a second one in __main__.
     from pmetal.actors import worker as _worker
     sys.exit(_worker.main())

@@ -330,8 +330,9 @@ def test_named_actor_restarted_after_kill_9_is_found_by_name(reap: list[Any]) ->
 def test_task_worker_killed_fails_its_task_and_is_replaced(cluster: dict[str, Any]) -> None:
     task_pids = {w["pid"] for w in api.client().status()["workers"] if w["role"] == "task"}
     assert task_pids
-    # One long task per task worker (calls are spread round-robin).
-    pending = [pause.remote(60) for _ in task_pids]
+    # One long task per task worker (calls are spread round-robin); without
+    # retries (tests/actors/test_retries.py has them), each fails.
+    pending = [pause.options(max_retries=0).remote(60) for _ in task_pids]
     for pid in task_pids:
         kill_9(pid)
     for ref in pending:
@@ -379,7 +380,7 @@ MAIN_SCRIPT = textwrap.dedent("""
     greeter = Greeter.remote("main")
     out = {"greet": pmetal.get(greeter.greet.remote(), timeout=10),
            "double": pmetal.get(double.remote(21), timeout=10),
-           "node_pid": api._runtime.node_proc.pid,
+           "node_pid": api._node_proc.pid,
            "node_address": api.client().node_address,
            "worker_pids": [w["pid"] for w in api.client().status()["workers"]]}
     print(json.dumps(out), flush=True)
@@ -422,7 +423,7 @@ def test_killed_driver_leaves_no_stray_process(main_driver: dict[str, Any]) -> N
 def test_shutdown_leaves_no_stray_process(cluster: dict[str, Any]) -> None:
     # Runs last in this module: it shuts the module's cluster down.
     status = api.client().status()
-    node_proc = api._runtime.node_proc
+    node_proc = api._node_proc
     address = api.client().node_address
     pids = {node_proc.pid, status["pid"], *(w["pid"] for w in status["workers"]),
             *workers_of(address)}
@@ -442,7 +443,8 @@ def test_shutdown_leaves_no_stray_process(cluster: dict[str, Any]) -> None:
     assert took < EXIT_WAIT, f"shutdown took {took:.1f} s"
     assert node_proc.returncode == 0, "the node did not exit by itself"
     # Afterwards the API says it is not initialised; shutdown again is harmless.
+    # (.remote() would start a new node, as in Ray; get_actor does not.)
     assert not pmetal.is_initialized()
     with pytest.raises(NotInitializedError):
-        square.remote(1)
+        pmetal.get_actor("anyone")
     pmetal.shutdown()

@@ -1,0 +1,105 @@
+"""This process's current client: the one :class:`CoreClient` that handles,
+refs and the public API use.
+
+The runtime only reads it; who sets it depends on the process:
+
+* a driver: the public facade (``pmetal.api``) sets it in ``init`` and clears
+  it in ``shutdown``; it also installs the *auto-init* hook, which starts an
+  embedded node when a script calls ``.remote()``, ``put``, ``get`` or
+  ``wait`` without ``init`` (as Ray does);
+* a worker: ``pmetal.actors.worker`` installs a *worker factory* at start-up;
+  the first use builds a client to the worker's own node. It wins over
+  auto-init, so user code inside an actor never starts a node of its own.
+
+This module sits below everything that needs the client (handles, refs,
+the facade) and imports none of them, so the layers never form a loop.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pmetal.errors import NotInitializedError
+
+if TYPE_CHECKING:
+    from pmetal.actors.client import CoreClient
+
+__all__ = ["auto_init", "current", "current_or_none", "in_worker", "lock", "set_auto_init",
+           "set_current", "set_worker_factory", "take"]
+
+Factory = Callable[[], "CoreClient"]
+
+# One lock for the current client and for whoever sets it (the facade's
+# init and shutdown take it too): auto-init runs the facade's init under it,
+# so two locks would be taken in both orders.
+lock = threading.RLock()
+_lock = lock
+_current: CoreClient | None = None
+_worker_factory: Factory | None = None
+_auto_init: Factory | None = None
+
+
+def current() -> CoreClient:
+    """The current client; made on first use in a worker, or by auto-init in
+    a driver when a hook is installed; else :class:`NotInitializedError`."""
+    client = _current
+    if client is not None:   # the hot path: one global read
+        return client
+    return auto_init()
+
+
+def auto_init() -> CoreClient:
+    """:func:`current`'s slow path, for the entry points Ray auto-initialises."""
+    global _current
+    with _lock:
+        if _current is not None:
+            return _current
+        if _worker_factory is not None:
+            _current = _worker_factory()
+            return _current
+        if _auto_init is not None:
+            client = _auto_init()   # the hook calls set_current itself
+            if _current is None:
+                _current = client
+            return _current
+    raise NotInitializedError("call pmetal.init() first")
+
+
+def current_or_none() -> CoreClient | None:
+    """The current client if one is set; never makes one."""
+    return _current
+
+
+def in_worker() -> bool:
+    """Whether this process is a pmetal worker (its client reaches its node)."""
+    return _worker_factory is not None
+
+
+def set_current(client: CoreClient | None) -> None:
+    global _current
+    with _lock:
+        _current = client
+
+
+def take() -> CoreClient | None:
+    """Clear the current client and return it (for ``shutdown`` to close)."""
+    global _current
+    with _lock:
+        client, _current = _current, None
+        return client
+
+
+def set_worker_factory(factory: Factory | None) -> None:
+    global _worker_factory
+    with _lock:
+        _worker_factory = factory
+
+
+def set_auto_init(hook: Factory | None) -> None:
+    """Install the hook that starts a node when nothing is connected
+    (``None``: such calls raise :class:`NotInitializedError` instead)."""
+    global _auto_init
+    with _lock:
+        _auto_init = hook
