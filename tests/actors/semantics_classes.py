@@ -142,3 +142,28 @@ class Fragile:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+# ----------------------------------------------------------------- arrays
+
+@pmetal.remote
+def echo_task(value: object) -> object:
+    return value
+
+
+@pmetal.remote
+def array_kind(value: object) -> str:
+    """What the worker received: 'numpy', 'mlx' or the type name."""
+    module = type(value).__module__
+    return "mlx" if module.startswith("mlx") else "numpy" if module == "numpy" else module
+
+
+@pmetal.remote
+class Holder:
+    """Keeps the value its constructor got."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def get(self) -> object:
+        return self.value

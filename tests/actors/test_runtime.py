@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -37,6 +38,7 @@ from .actor_classes import (
     worker_pid,
 )
 from .conftest import WAIT, shared_memory_objects, wait_until
+from .semantics_classes import Holder, array_kind, echo_task
 
 NUM_WORKERS = 2
 
@@ -151,6 +153,54 @@ def test_large_arrays_leave_no_shared_memory_behind(counter: Any) -> None:
     pool = pmetal.api.client().links[counter._address].channel._pool
     kept = {name.lstrip("/") for name, _, _ in (pool._free if pool else [])}
     assert set(shared_memory_objects(*pids)) <= kept
+
+
+# Every path that takes numpy arrays takes MLX arrays too: sizes that go
+# in one frame, in several frames, and through shared memory.
+ARRAY_SIZES = {"small": 12, "chunked": 750_000, "shared-memory": 1_400_000}
+
+
+def make_array(lib: str, size: str) -> Any:
+    host = np.arange(ARRAY_SIZES[size], dtype=np.float32) % 251
+    return host if lib == "numpy" else mx.array(host)
+
+
+def assert_same_array(got: Any, want: Any, lib: str) -> None:
+    assert isinstance(got, np.ndarray if lib == "numpy" else mx.array), type(got)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.array(got), np.array(want))
+
+
+@pytest.mark.parametrize("size", list(ARRAY_SIZES))
+@pytest.mark.parametrize("lib", ["numpy", "mlx"])
+def test_arrays_as_arguments_and_results_of_calls_and_tasks(counter: Any, lib: str,
+                                                            size: str) -> None:
+    arr = make_array(lib, size)
+    assert_same_array(pmetal.get(counter.echo.remote(arr), timeout=WAIT), arr, lib)
+    assert_same_array(pmetal.get(echo_task.remote(arr), timeout=WAIT), arr, lib)
+    assert pmetal.get(array_kind.remote(arr), timeout=WAIT) == lib
+
+
+@pytest.mark.parametrize("lib", ["numpy", "mlx"])
+def test_arrays_through_put_refs_constructors_and_containers(lib: str,
+                                                             reap: list[Any]) -> None:
+    arr = make_array(lib, "shared-memory")
+    ref = pmetal.put(arr)
+    assert_same_array(pmetal.get(ref, timeout=WAIT), arr, lib)
+    assert_same_array(pmetal.get(echo_task.remote(ref), timeout=WAIT), arr, lib)
+    holder = Holder.remote({"w": arr, "steps": [make_array(lib, "small"), 7]})
+    reap.append(holder)
+    back = pmetal.get(holder.get.remote(), timeout=WAIT)
+    assert_same_array(back["w"], arr, lib)
+    assert_same_array(back["steps"][0], make_array(lib, "small"), lib)
+    assert back["steps"][1] == 7
+
+
+def test_mlx_bfloat16_arrays_keep_their_dtype(counter: Any) -> None:
+    arr = mx.arange(1000).astype(mx.bfloat16).reshape(20, 50)
+    back = pmetal.get(counter.echo.remote(arr), timeout=WAIT)
+    assert isinstance(back, mx.array) and back.dtype == mx.bfloat16
+    assert mx.array_equal(back, arr).item()
 
 
 def test_arrays_inside_containers_round_trip(counter: Any) -> None:
