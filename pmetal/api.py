@@ -106,6 +106,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
     Returns a dict with the node id and address.
     """
     global _node_proc
+    _check_init_arguments(num_workers, resources)
     with _lock:
         current = context.current_or_none()
         if current is not None:
@@ -168,6 +169,32 @@ def init(address: str | None = None, *, namespace: str | None = None,
         _node_proc = node_proc
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
+
+
+def _check_init_arguments(num_workers: Any, resources: Any) -> None:
+    if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
+        raise PMetalValueError(f"num_workers must be a non-negative int, not {num_workers!r}")
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise PMetalTypeError(f"resources must be a dict of names to amounts, not "
+                              f"{type(resources).__name__}")
+    for name, amount in resources.items():
+        if type(name) is not str or isinstance(amount, bool) or not isinstance(
+                amount, (int, float)):
+            raise PMetalTypeError(f"resources: {name!r}: {amount!r}; give each resource "
+                                  f"name (a str) an amount (a number)")
+        if not 0 <= amount < float("inf"):
+            raise PMetalValueError(f"resources: {name}={amount!r}; amounts must be finite "
+                                   f"and not negative")
+
+
+def _check_timeout(timeout: Any, fn: str) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise PMetalTypeError(f"pmetal.{fn}: timeout must be a number of seconds or None, "
+                              f"not {type(timeout).__name__}")
+    if not timeout >= 0:
+        raise PMetalValueError(f"pmetal.{fn}: timeout={timeout!r}; it must not be negative")
 
 
 def _auto_init() -> CoreClient:
@@ -234,6 +261,8 @@ def get(refs: ObjectRef | list[ObjectRef], *, timeout: float | None = None) -> A
     """The value(s) of ``refs``. Raises the remote exception (as a
     RemoteError that is also the original type), ActorDiedError, or
     GetTimeoutError after ``timeout`` seconds."""
+    if timeout is not None:
+        _check_timeout(timeout, "get")
     if type(refs) is ObjectRef:   # one ref, the common case: no list walks
         if refs.done():
             return refs.result()
@@ -281,6 +310,8 @@ def wait(refs: list[ObjectRef], *, num_returns: int = 1,
     """``(ready, not_ready)``: the first ``num_returns`` refs that are done, in
     input order, once that many are done or ``timeout`` passes."""
     refs = _ref_list(refs, "wait", "a list of ObjectRefs")
+    if timeout is not None:
+        _check_timeout(timeout, "wait")
     if len(set(map(id, refs))) != len(refs):
         raise PMetalValueError("pmetal.wait got the same ObjectRef twice")
     if type(num_returns) is not int:

@@ -161,8 +161,9 @@ class Deferrals:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise GetTimeoutError(
-                        f"result not ready within {timeout:.3g} s (the call still waits for "
-                        f"its ObjectRef arguments); call pmetal.get again to keep waiting")
+                        f"result not ready within {timeout:.3g} s (the call still waits to "
+                        f"be sent: for its ObjectRef arguments, or again after a failure); "
+                        f"call pmetal.get again to keep waiting")
                 self._cond.wait(min(remaining, 1.0))
 
     def await_change(self, seconds: float) -> None:

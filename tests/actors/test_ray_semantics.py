@@ -42,8 +42,18 @@ PROMPT = 2.0
     (lambda: pmetal.wait(pmetal.put(1)), TypeError, r"pmetal.wait\(\[ref\]\)"),
     (lambda: pmetal.wait([pmetal.put(1)], num_returns="1"), TypeError, "num_returns"),
     (lambda: pmetal.put(pmetal.put(1)), TypeError, "ObjectRef"),
+    (lambda: pmetal.get(pmetal.put(1), timeout="5"), TypeError, "timeout must be a number"),
+    (lambda: pmetal.wait([pmetal.put(1)], timeout=-1), ValueError, "timeout=-1"),
+    (lambda: pmetal.init(ignore_reinit_error=True, resources={"CPU": "lots"}), TypeError,
+     "'CPU': 'lots'"),
+    (lambda: pmetal.init(ignore_reinit_error=True, resources={"GPU": -1}), ValueError,
+     "GPU=-1"),
+    (lambda: pmetal.init(ignore_reinit_error=True, num_workers=-2), ValueError,
+     "num_workers"),
 ], ids=["get_actor-int", "get_actor-empty", "get_actor-unknown", "kill-str", "get-int",
-        "get-str", "get-list-of-int", "wait-one-ref", "wait-num_returns-str", "put-ref"])
+        "get-str", "get-list-of-int", "wait-one-ref", "wait-num_returns-str", "put-ref",
+        "get-timeout-str", "wait-timeout-negative", "init-resource-str",
+        "init-resource-negative", "init-num_workers-negative"])
 def test_misuse_raises_at_the_call_as_builtin_and_pmetal_error(
         call: Any, builtin: type[Exception], match: str) -> None:
     start = time.monotonic()
