@@ -190,6 +190,20 @@ def load_exception(payload: Any) -> BaseException | None:
     return obj if isinstance(obj, BaseException) else None
 
 
+def _reduce_dual(err: RemoteError) -> tuple:
+    """Pickle a dual RemoteError as what rebuilds it, so that one re-raised
+    by user code (an actor that calls another and lets its error through)
+    still arrives as the original type."""
+    cause = pack_exception(err.cause) if err.cause is not None else None
+    return (_rebuild_dual, (err.error_type, err.remote_message, err.remote_traceback, cause))
+
+
+def _rebuild_dual(error_type: str, message: str, traceback: str,
+                  cause: Pickled | None) -> RemoteError:
+    return remote_error(error_type, message, traceback,
+                        load_exception(cause) if cause is not None else None)
+
+
 def remote_error(error_type: str, message: str, traceback: str,
                  original: BaseException | None) -> RemoteError:
     """The exception to raise at ``get`` for a remote failure."""
@@ -203,7 +217,7 @@ def remote_error(error_type: str, message: str, traceback: str,
         try:
             dual = type(f"RemoteError({cls.__name__})", (RemoteError, cls), {
                 "__init__": RemoteError.__init__, "__str__": RemoteError.__str__,
-                "__module__": __name__})
+                "__reduce__": _reduce_dual, "__module__": __name__})
         except TypeError:  # a type that refuses to be subclassed (final, layout clash)
             return RemoteError(error_type, message, traceback, cause=original)
         _ERROR_CLASSES[cls] = dual

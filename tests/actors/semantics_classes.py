@@ -42,6 +42,9 @@ class Raiser:
     def keyword_only(self, reason: str) -> None:
         raise KeywordOnlyError(reason=reason)
 
+    def through_a_task(self, code: int, text: str) -> None:
+        pmetal.get(raise_app_error.remote(code, text), timeout=WAIT)   # lets it through
+
 
 # ------------------------------------------------------------ concurrency
 

@@ -132,6 +132,10 @@ def test_an_exception_whose_init_takes_other_arguments_is_caught_by_its_class(
     with pytest.raises(AppError) as info:
         pmetal.get(raise_app_error.remote(7, "seven"), timeout=WAIT)
     _check_app_error(info.value)
+    # Raised in a task, let through by the actor that waited for it: still AppError.
+    with pytest.raises(AppError) as info:
+        pmetal.get(raiser.through_a_task.remote(7, "seven"), timeout=WAIT)
+    _check_app_error(info.value)
     with pytest.raises(KeywordOnlyError) as kw_info:
         pmetal.get(raiser.keyword_only.remote("why not"), timeout=WAIT)
     assert kw_info.value.reason == "why not"
