@@ -196,6 +196,13 @@ def test_a_task_whose_worker_dies_is_retried_by_default(tmp_path: Path) -> None:
     assert pmetal.get(ref, timeout=WAIT + 10) == "ran again"
 
 
+def test_wait_sees_a_retried_task_as_pending_until_its_rerun_is_done(tmp_path: Path) -> None:
+    ref = exit_the_first_time.remote(str(tmp_path / "marker"))
+    ready, pending = pmetal.wait([ref], timeout=WAIT + 10)
+    assert (ready, pending) == ([ref], [])
+    assert pmetal.get(ref, timeout=0) == "ran again"
+
+
 def test_max_retries_zero_fails_a_task_whose_worker_dies(tmp_path: Path) -> None:
     ref = exit_the_first_time.options(max_retries=0).remote(str(tmp_path / "marker"))
     with pytest.raises(ActorDiedError):
