@@ -214,8 +214,7 @@ class CoreClient:
                 # Calls in flight already: queue this one; queued calls leave
                 # together (at get/wait, when the batch is full, or within
                 # _FLUSH_DELAY), in order. A lone call is never delayed.
-                ref = ObjectRef(self, None, 0, (handle, method))
-                ref._retry = retry
+                ref = ObjectRef(self, None, 0, (handle, method), retry)
                 ref._link = link
                 link.outbox.append((ref, [method, args, kwargs]))
                 link.outbox_actor = handle._actor_id
@@ -232,9 +231,7 @@ class CoreClient:
                 link.die(str(exc))
                 return ObjectRef.of_error(ActorDiedError(f"{call_name(handle, method)}: {exc}"))
             self.calls += 1
-            ref = ObjectRef(self, link, corr, (handle, method))
-            ref._retry = retry
-            return ref
+            return ObjectRef(self, link, corr, (handle, method), retry)
 
     def _flush(self, link: PeerLink) -> None:
         """Send the calls queued on ``link`` (lock held)."""
@@ -363,9 +360,7 @@ class CoreClient:
                                        timeout=self._send_timeout)
             link.functions.add(fn_id)
             self.calls += 1
-            ref = ObjectRef(self, link, corr, what)
-            ref._retry = retry
-            return ref
+            return ObjectRef(self, link, corr, what, retry)
 
     def _task_link(self, what: str) -> PeerLink | BaseException:
         """A live link to one of this node's task workers (round robin). A

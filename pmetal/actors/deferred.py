@@ -117,8 +117,7 @@ class Deferrals:
             what: Any, retry: Retry | None = None) -> ObjectRef:
         """Queue a call; its ObjectRef now, its submission once its ref
         arguments are done."""
-        ref = ObjectRef(self._client, None, 0, what)
-        ref._retry = retry
+        ref = ObjectRef(self._client, None, 0, what, retry)
         self._queue(ref, submit, args, kwargs, actor_id)
         return ref
 

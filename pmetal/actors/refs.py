@@ -41,7 +41,7 @@ class ObjectRef:
                  "_retry", "_value", "__weakref__")
 
     def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
-                 on_death: Any = "") -> None:
+                 on_death: Any = "", retry: Retry | None = None) -> None:
         self._client = client
         self._link = link
         self._corr = corr
@@ -50,7 +50,7 @@ class ObjectRef:
         self._error: BaseException | None = None
         self._on_death = on_death
         self._deferred = False   # its call waits for ObjectRef arguments (deferred.py)
-        self._retry: Retry | None = None   # how to send its call again (deferred.py)
+        self._retry = retry   # how to send its call again (deferred.py)
         if link is not None:
             link.refs[corr] = self
 
