@@ -18,7 +18,8 @@ PACKAGES = sorted(
     ".".join(("pmetal", *init.parent.relative_to(PACKAGE_ROOT).parts))
     for init in PACKAGE_ROOT.rglob("__init__.py"))
 # Modules whose public names are part of this suite's contract.
-MODULES = ["pmetal.config", "pmetal.errors", "pmetal.ids", "pmetal.wire"]
+MODULES = ["pmetal.actors.context", "pmetal.actors.handles", "pmetal.api", "pmetal.config",
+           "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.wire"]
 
 
 def test_the_package_list_is_found() -> None:

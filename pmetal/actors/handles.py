@@ -9,9 +9,8 @@ from pmetal.actors import context
 from pmetal.errors import PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
-__all__ = ["ACTOR_OPTIONS", "DEFAULT_MAX_RETRIES", "FUNCTION_OPTIONS", "ActorClass",
-           "ActorHandle", "ActorMethod", "RemoteFunction", "check_options", "needed_resources",
-           "remote"]
+__all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
+           "FUNCTION_OPTIONS", "RemoteFunction", "check_options", "needed_resources", "remote"]
 
 # Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
 # for compatibility (see docs/api.md for what each does today).
