@@ -30,8 +30,8 @@ from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
-from pmetal.errors import (ActorDiedError, GetTimeoutError, PeerError, PMetalError,
-                           PMetalTimeoutError, PlacementError, TransportError)
+from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerError,
+                           PMetalError, PMetalTimeoutError, PlacementError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -63,6 +63,8 @@ _BATCH_MAX = 256          # calls per CallBatch
 _TASKS = "<tasks>"          # owner of a link to a task worker
 _LEASE_AGAIN_AFTER = 0.2  # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
+_CLOSED = ("the result was still pending when pmetal.shutdown() closed the client that "
+           "made the call; it will never arrive")
 
 
 class PeerLink:
@@ -459,6 +461,8 @@ class CoreClient:
 
     def _await(self, ref: ObjectRef, deadline: float | None, timeout: float | None) -> None:
         """Wait until ``ref`` is done (or raise GetTimeoutError)."""
+        if self._closing.is_set() and not ref.done():
+            raise ClosedError(_CLOSED)
         pending = [ref]
         while not ref.done():
             if ref._deferred:   # waits for its arguments, or to be sent again (a retry)
@@ -477,6 +481,8 @@ class CoreClient:
     def wait(self, refs: list[ObjectRef], num_returns: int,
              timeout: float | None) -> tuple[list[ObjectRef], list[ObjectRef]]:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._closing.is_set() and sum(1 for r in refs if r.done()) < num_returns:
+            raise ClosedError(_CLOSED)
         with self.lock:
             self._flush_links(refs)
         while sum(1 for r in refs if r.done()) < num_returns:

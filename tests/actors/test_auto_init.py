@@ -88,3 +88,30 @@ def test_cluster_queries_without_init_still_say_to_call_init(script: Path) -> No
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=False)
     assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_a_result_pending_at_shutdown_raises_closed_error_instead_of_starting_a_node() -> None:
+    code = textwrap.dedent("""
+        import time, pmetal
+
+        @pmetal.remote
+        def slow():
+            time.sleep(60)
+
+        pmetal.init(num_workers=1)
+        ref = slow.remote()
+        pmetal.shutdown()
+        for call in (lambda: pmetal.get(ref, timeout=10), lambda: pmetal.wait([ref])):
+            start = time.monotonic()
+            try:
+                call()
+            except pmetal.ClosedError as exc:
+                assert "pmetal.shutdown()" in str(exc), exc
+                assert time.monotonic() - start < 2, "took too long"
+            else:
+                raise AssertionError("no ClosedError")
+        assert not pmetal.is_initialized()
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert (result.returncode, result.stderr) == (0, "")
