@@ -29,6 +29,19 @@ class KeywordOnlyError(Exception):
         self.reason = reason
 
 
+class HoldsALockError(Exception):
+    """An attribute that cannot be pickled: the error still arrives as this class."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.lock = threading.Lock()
+
+
+@pmetal.remote
+def raise_holding_a_lock(what: str) -> None:
+    raise HoldsALockError(what)
+
+
 @pmetal.remote
 def raise_app_error(code: int, text: str) -> None:
     raise AppError(code, text)

@@ -18,8 +18,9 @@ from pmetal.hardware import gpu_count
 
 from .actor_classes import Counter, square
 from .conftest import WAIT
-from .semantics_classes import (AppError, AsyncMeeting, Fragile, KeywordOnlyError, Meeting,
-                                Raiser, exit_the_first_time, fail_times, raise_app_error)
+from .semantics_classes import (AppError, AsyncMeeting, Fragile, HoldsALockError,
+                                KeywordOnlyError, Meeting, Raiser, exit_the_first_time,
+                                fail_times, raise_app_error, raise_holding_a_lock)
 
 NUM_WORKERS = 3
 
@@ -140,6 +141,14 @@ def test_an_exception_whose_init_takes_other_arguments_is_caught_by_its_class(
         pmetal.get(raiser.keyword_only.remote("why not"), timeout=WAIT)
     assert kw_info.value.reason == "why not"
     assert isinstance(kw_info.value, RemoteError)
+
+
+def test_an_exception_with_an_unpicklable_attribute_keeps_its_class_and_args() -> None:
+    with pytest.raises(HoldsALockError) as info:
+        pmetal.get(raise_holding_a_lock.remote("locked"), timeout=WAIT)
+    assert info.value.args == ("locked",)
+    assert "lock" not in vars(info.value)   # what could not travel stays behind
+    assert isinstance(info.value, RemoteError)
 
 
 def test_an_exception_class_defined_in_the_test_travels_by_value() -> None:
