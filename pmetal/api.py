@@ -212,6 +212,7 @@ context.set_auto_init(_auto_init)
 
 
 def is_initialized() -> bool:
+    """Whether this process is connected: after init (or auto-init), or in a worker."""
     return context.current_or_none() is not None or context.in_worker()
 
 
