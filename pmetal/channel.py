@@ -212,15 +212,24 @@ class Channel:
         try:
             return self._dialer.recv(remaining(deadline))
         except PMetalTimeoutError as exc:
-            raise RequestTimeoutError(f"no {what} from {self.address} during the handshake; "
-                                      f"is a pmetal node listening there?") from exc
+            raise self._silent(what) from exc
 
     async def _arecv_raw(self, deadline: float, what: str) -> list[Any]:
         try:
             return await self._dialer.arecv(remaining(deadline))
         except PMetalTimeoutError as exc:
-            raise RequestTimeoutError(f"no {what} from {self.address} during the handshake; "
-                                      f"is a pmetal node listening there?") from exc
+            raise self._silent(what) from exc
+
+    def _silent(self, what: str) -> HandshakeError | RequestTimeoutError:
+        refused = getattr(self._dialer, "refused", None)
+        if refused is not None and refused():
+            # libzmq retries a refused CURVE handshake quietly; its monitor
+            # is the only sign that the listener has other namespace keys.
+            return HandshakeError(
+                f"{self.address} refused the transport handshake: it belongs to another "
+                f"namespace or has another PSK (check PMETAL_PSK and security.namespace)")
+        return RequestTimeoutError(f"no {what} from {self.address} during the handshake; "
+                                   f"is a pmetal node listening there?")
 
     # ----------------------------------------------------- sending, replies
 

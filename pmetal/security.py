@@ -50,6 +50,7 @@ import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ from pmetal.shm import available as shm_available
 from pmetal.shm import host_id
 from pmetal.ids import NodeId
 from pmetal.codec import frame_bytes
+from pmetal.transport import CurveKeys
 from pmetal.wire import Confirm, Hello, Welcome
 
 log = logging.getLogger(__name__)
@@ -139,6 +141,16 @@ class NetworkNamespace:
         return hashlib.blake2b(self.name.encode(), key=self.psk, digest_size=8,
                                person=b"pmetal-ns-tag").digest()
 
+    def curve_keys(self) -> CurveKeys:
+        """The namespace's ZMTP CURVE keys, derived from name and PSK.
+
+        Every member's listener is a CURVE server with one server key pair
+        and every dialer a CURVE client with one client key pair, so only a
+        PSK holder gets through libzmq's handshake (see pmetal.transport).
+        The keys identify the namespace, not a node: pmetal's own handshake
+        on top proves each node's identity."""
+        return _curve_keys(self.name, self.psk)
+
     @classmethod
     def generate(cls, name: str = "local") -> NetworkNamespace:
         """A namespace with a fresh random PSK (an embedded local cluster)."""
@@ -170,6 +182,18 @@ class NetworkNamespace:
 
 
 # --------------------------------------------------------------- handshake
+
+@lru_cache(maxsize=16)
+def _curve_keys(name: str, psk: bytes) -> CurveKeys:
+    def pair(role: bytes) -> tuple[bytes, bytes]:
+        secret = HKDF(hashes.SHA256(), 32, salt=b"pmetal-curve-1",
+                      info=role + b"|" + name.encode()).derive(psk)
+        return _x25519_public(X25519PrivateKey.from_private_bytes(secret)), secret
+
+    server_public, server_secret = pair(b"server")
+    client_public, client_secret = pair(b"client")
+    return CurveKeys(server_public, server_secret, client_public, client_secret)
+
 
 def _x25519_public(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)

@@ -108,7 +108,7 @@ class NodeDaemon:
         self.node_id = identity.node_id
         self.host = host
         self.embedded = embedded
-        self.transport = ZmqTransport(config.transport)
+        self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
                                        namespace, config)
         self.resources = {**default_resources(), **(resources or {})}
