@@ -167,9 +167,9 @@ class Channel:
         try:
             env = decode(session.open(frames), limits=self._limits)
         except (SecurityError, ProtocolError):
-            env = self._decode_unsealed(frames)
-            if isinstance(env.body, Rejected):
-                raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
+            plain = self._decode_unsealed(frames)
+            if plain is not None and isinstance(plain.body, Rejected):
+                raise HandshakeError(f"{self.address} refused us: {plain.body.reason}")
             return False
         return isinstance(env.body, Accepted)
 
@@ -178,19 +178,28 @@ class Channel:
         self._counts["handshakes"] += 1
         return session.peer
 
-    def _decode_unsealed(self, frames: list[Any]) -> Envelope:
+    def _decode_unsealed(self, frames: list[Any]) -> Envelope | None:
+        """An unsealed message (handshake replies, a listener's Rejected);
+        None, counted as dropped, when it does not decode: a garbled or
+        duplicated message is never taken for a refusal. Unsealed messages
+        can only come from a holder of the namespace keys, since the
+        transport's CURVE handshake admits nobody else."""
         try:
             return decode(frames, limits=self._limits)
         except ProtocolError as exc:
+            self._counts["dropped"] += 1
+            log.warning("dropped an undecodable message from %s: %s", self.address, exc)
+            return None
+
+    def _check_handshake_reply(self, frames: list[Any], want: type) -> Any:
+        env = self._decode_unsealed(frames)
+        if env is None:
             version = _peek_version(frames)
             if version is not None and version != PROTOCOL_VERSION:
                 raise HandshakeError(
                     f"{self.address} speaks pmetal protocol version {version}, this process "
-                    f"{PROTOCOL_VERSION}; install the same pmetal version on every node") from exc
-            return Envelope(Rejected(f"garbled handshake reply ({exc})"))
-
-    def _check_handshake_reply(self, frames: list[Any], want: type) -> Any:
-        env = self._decode_unsealed(frames)
+                    f"{PROTOCOL_VERSION}; install the same pmetal version on every node")
+            return None
         if isinstance(env.body, Rejected):
             raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
         return env.body if isinstance(env.body, want) else None
@@ -422,8 +431,13 @@ class Channel:
                 return
             env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
         except (SecurityError, ProtocolError) as exc:
-            unsealed = self._decode_unsealed(frames)
-            if isinstance(unsealed.body, Rejected):
+            # A duplicated, garbled or forged message is dropped: only a
+            # listener's well-formed Rejected ends the session.
+            try:
+                unsealed: Envelope | None = decode(frames, limits=self._limits)
+            except ProtocolError:
+                unsealed = None
+            if unsealed is not None and isinstance(unsealed.body, Rejected):
                 # The listener forgot us (it restarted): the next send re-handshakes.
                 self.session = None
                 self._waiting.clear()

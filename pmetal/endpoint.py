@@ -95,9 +95,12 @@ class SecureListener:
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._pending: dict[bytes, tuple[float, ServerHandshake]] = {}
         self._counts = collections.Counter[str]()
-        # Shared-memory objects made for replies; unlinked at close (or when
-        # the list grows past its cap), in case their receiver never maps them.
+        # Shared-memory objects made for replies. Their receiver unlinks each
+        # one once it has mapped it; those still there at close are unlinked
+        # then. Never unlinked earlier: a receiver that is slow to read its
+        # replies must still find every result.
         self._exported: collections.deque[str] = collections.deque()
+        self._exported_check = MAX_EXPORTED
 
     @property
     def address(self) -> str:
@@ -246,9 +249,17 @@ class SecureListener:
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits, exported=exported)
         parts = [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
-        while len(exported) > MAX_EXPORTED:
-            shm.unlink(exported.popleft())
+        if len(exported) > self._exported_check:
+            self._forget_mapped()
         return parts
+
+    def _forget_mapped(self) -> None:
+        """Stop tracking the exported objects that their receivers mapped
+        (and so unlinked); check again when the list has doubled."""
+        kept = collections.deque(name for name in self._exported if shm.exists(name))
+        self._exported.clear()
+        self._exported.extend(kept)
+        self._exported_check = max(MAX_EXPORTED, 2 * len(kept))
 
     def send(self, route: bytes, body: Message, *, corr: int = 0, term: int | None = None,
              timeout: float | None = None) -> None:

@@ -103,6 +103,21 @@ def attach(name: str, nbytes: int) -> Any:
     return mapping
 
 
+def exists(name: str) -> bool:
+    """Whether the object ``name`` is still there (its receiver unlinks it
+    once it has mapped it)."""
+    if _posixshmem is None:
+        return False
+    try:
+        fd = _posixshmem.shm_open(name, os.O_RDONLY, 0o600)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True   # there, but not ours to open
+    os.close(fd)
+    return True
+
+
 def unlink(name: str) -> None:
     """Remove ``name`` if it still exists (the receiver normally does)."""
     if _posixshmem is None:

@@ -34,6 +34,7 @@ from conftest import (
 )
 
 from pmetal import shm
+from pmetal.channel import MAX_EXPORTED
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import (
@@ -341,6 +342,25 @@ def test_slow_client_that_never_reads_cannot_kill_the_server(make_node: MakeNode
     assert node.server.error is None
     other = make_channel(node.address, cfg)
     assert other.request(Ping("still serving"), timeout=WAIT).body == Pong("still serving")
+
+
+def test_slow_consumer_gets_every_shared_memory_reply(make_node: MakeNode,
+                                                      make_channel: MakeChannel) -> None:
+    """More replies in shared memory than a listener tracks at once
+    (MAX_EXPORTED), all unread until the last was sent: none is unlinked
+    before its receiver maps it, so every result arrives."""
+    cfg = make_config(shm_min_bytes=1024)
+    node = make_node(cfg)
+    node.handler.answer = lambda incoming: Pong(np.full(512, incoming.body.payload, np.float64))
+    channel = make_channel(node.address, cfg)
+    channel.open()
+    count = MAX_EXPORTED + 200
+    corrs = [channel.submit(Ping(i)) for i in range(count)]
+    assert node.handler.wait_count(count, timeout=30)
+    for i, corr in enumerate(corrs):
+        payload = channel.result(corr).body.payload
+        assert payload.shape == (512,) and payload[0] == i, f"reply {i} lost"
+    assert channel.statistics().dropped == 0
 
 
 def test_shared_memory_of_undelivered_arrays_is_freed(make_node: MakeNode,
