@@ -195,7 +195,7 @@ class NodeDaemon:
         async def run() -> None:
             try:
                 reply = await work
-            except PMetalError as exc:
+            except (PMetalError, OSError) as exc:  # OSError: out of descriptors, processes
                 reply = Failure("bad_request", type(exc).__name__, str(exc))
             await self._reply(incoming, reply)
         self._cancellable_task(run())
