@@ -78,6 +78,9 @@ class ListenerStatistics:
     dropped_unauthenticated: int
     dropped_malformed: int
     dropped_auth_failures: int
+    pending_handshakes: int
+    expired_handshakes: int
+    evicted_handshakes: int
 
 
 class SecureListener:
@@ -110,7 +113,8 @@ class SecureListener:
         c = self._counts
         return ListenerStatistics(c["received"], c["sent"], len(self._sessions), c["handshakes"],
                                   c["refused_handshakes"], c["unauthenticated"], c["malformed"],
-                                  c["auth_failures"])
+                                  c["auth_failures"], len(self._pending),
+                                  c["expired_handshakes"], c["evicted_handshakes"])
 
     def session(self, route: bytes) -> Session | None:
         return self._sessions.get(route)
@@ -196,9 +200,14 @@ class SecureListener:
         try:
             if isinstance(body, Hello):
                 welcome, state = server_welcome(self.identity, self.namespace, body, self._mode)
-                if len(self._pending) >= self.config.transport.max_sessions:
-                    raise HandshakeError("too many handshakes in progress")
-                self._pending[route] = (time.monotonic(), state)
+                pending = self._pending
+                pending.pop(route, None)
+                while len(pending) >= self.config.transport.max_pending_handshakes:
+                    # The oldest goes: Hellos that are never confirmed cannot
+                    # keep a new peer out, they only push each other out.
+                    del pending[next(iter(pending))]
+                    self._counts["evicted_handshakes"] += 1
+                pending[route] = (time.monotonic(), state)
                 return encode(welcome, sender=self.identity.node_id)
             if isinstance(body, Confirm):
                 pending = self._pending.pop(route, None)
@@ -229,9 +238,15 @@ class SecureListener:
     def _expire_pending(self) -> None:
         if not self._pending:
             return
+        # Oldest first (insertion order): stop at the first that is young.
         cutoff = time.monotonic() - self.config.transport.handshake_timeout
-        for route in [r for r, (t, _) in self._pending.items() if t < cutoff]:
-            del self._pending[route]
+        pending = self._pending
+        while pending:
+            route = next(iter(pending))
+            if pending[route][0] >= cutoff:
+                break
+            del pending[route]
+            self._counts["expired_handshakes"] += 1
 
     # ------------------------------------------------------------- sending
 

@@ -261,6 +261,11 @@ class _ZmqSocket:
         # A connection that has not completed the ZMTP (CURVE) handshake by
         # then is closed: idle half-open connections do not hold descriptors.
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout * 1000))
+        # A listener refuses a connection that claims a routing id in use:
+        # heartbeats close a connection that died half-open, so that its
+        # peer's reconnection is not refused for ever.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_ivl * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_ivl * 3000))
         self._rcvtimeo = -1
         self._async: zmq.asyncio.Socket | None = None
         self._lock = threading.Lock()

@@ -636,6 +636,47 @@ def test_channel_can_open_again_on_the_same_connection(make_node: MakeNode,
     assert channel.request(Ping(2)).body == Pong(2)
 
 
+def test_hellos_that_never_confirm_cannot_keep_a_new_peer_out(
+        make_node: MakeNode, make_channel: MakeChannel, zmq_context: zmq.Context) -> None:
+    """Unconfirmed Hellos from many connections (a namespace member's flood)
+    fill the pending handshakes; each new one evicts the oldest, so a real
+    peer still gets in, and the pending table never holds more than its
+    bound."""
+    cfg = make_config(max_pending_handshakes=8)
+    node = make_node(cfg)
+    flooders = [raw_dealer(zmq_context, node.address) for _ in range(40)]
+    for sock in flooders:
+        sock.send_multipart(encode(client_hello(NodeIdentity.generate(),
+                                                node.namespace).hello))
+    for sock in flooders:
+        assert isinstance(recv_reply(sock), Welcome)
+    stats = node.listener.statistics()
+    assert stats.pending_handshakes == 8 and stats.evicted_handshakes == 32
+    assert make_channel(node.address, cfg).request(Ping("in")).body == Pong("in")
+    assert node.listener.statistics().pending_handshakes <= 8
+    for sock in flooders:
+        sock.close()
+
+
+def test_pending_handshakes_expire(make_node: MakeNode, make_channel: MakeChannel,
+                                   zmq_context: zmq.Context) -> None:
+    cfg = make_config(handshake_timeout=0.2)
+    node = make_node(cfg)
+    half_open = raw_dealer(zmq_context, node.address)
+    half_open.send_multipart(encode(client_hello(NodeIdentity.generate(),
+                                                 node.namespace).hello))
+    assert isinstance(recv_reply(half_open), Welcome)
+    assert node.listener.statistics().pending_handshakes == 1
+    # Not a synchronisation: the handshake must age past its timeout, and
+    # nothing happens when it does (expiry is checked at the next Hello).
+    threading.Event().wait(0.3)
+    # The next handshake sweeps the expired one.
+    assert make_channel(node.address, cfg).request(Ping("in")).body == Pong("in")
+    stats = node.listener.statistics()
+    assert stats.pending_handshakes == 0 and stats.expired_handshakes == 1
+    half_open.close()
+
+
 def test_a_connection_cannot_take_over_a_routing_id_in_use(
         make_node: MakeNode, zmq_context: zmq.Context) -> None:
     """A second connection that claims the routing id of a live session (it
