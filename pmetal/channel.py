@@ -109,10 +109,13 @@ class Channel:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode)
-        self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
-        welcome = self._handshake_reply(Welcome, deadline)
-        confirm, session = client_finish(self.identity, self.namespace, state, welcome,
-                                         self._mode)
+        try:
+            self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
+            welcome = self._handshake_reply(Welcome, deadline)
+            confirm, session = client_finish(self.identity, self.namespace, state, welcome,
+                                             self._mode)
+        finally:
+            state.discard()
         self._dialer.send(encode(confirm, sender=self.identity.node_id), remaining(deadline))
         while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
             pass
@@ -150,10 +153,13 @@ class Channel:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode)
-        await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
-        welcome = await self._ahandshake_reply(Welcome, deadline)
-        confirm, session = client_finish(self.identity, self.namespace, state, welcome,
-                                         self._mode)
+        try:
+            await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
+            welcome = await self._ahandshake_reply(Welcome, deadline)
+            confirm, session = client_finish(self.identity, self.namespace, state, welcome,
+                                             self._mode)
+        finally:
+            state.discard()
         await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
                                  remaining(deadline))
         while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
@@ -250,9 +256,9 @@ class Channel:
             session = self.session
             assert session is not None
         if session.local:
-            exported: list[str] = []
+            exported = shm.Exports(session.peer_pid)
             if corr and self._pool is None:
-                self._pool = shm.SlotPool()
+                self._pool = shm.SlotPool(reader=session.peer_pid)
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._local_limits, exported=exported,
                             pool=self._pool if corr else None)
@@ -278,7 +284,7 @@ class Channel:
             await self.aopen()
         assert self.session is not None
         session = self.session
-        exported: list[str] = []
+        exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits if session.local else self._limits,
                         exported=exported)

@@ -260,11 +260,12 @@ class SecureListener:
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._limits)
             return [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
-        exported = self._exported
+        exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits, exported=exported)
         parts = [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
-        if len(exported) > self._exported_check:
+        self._exported.extend(exported)
+        if len(self._exported) > self._exported_check:
             self._forget_mapped()
         return parts
 

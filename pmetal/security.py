@@ -66,8 +66,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from pmetal.config import SecurityConfig
 from pmetal.errors import (AuthenticationError, ConfigError, HandshakeError, ReplayError)
 from pmetal.identity import NodeIdentity, node_id_for, verify_signature
-from pmetal.shm import available as shm_available
-from pmetal.shm import host_id
+from pmetal import shm
 from pmetal.ids import NodeId
 from pmetal.codec import frame_bytes
 from pmetal.transport import CurveKeys
@@ -233,14 +232,22 @@ class ClientHandshake:
 
     hello: Hello
     ephemeral: X25519PrivateKey
+    host_token: shm.HostToken | None = None
+
+    def discard(self) -> None:
+        """Free what the handshake holds (its same-machine token); a no-op
+        once :func:`client_finish` has run."""
+        if self.host_token is not None:
+            self.host_token.discard()
 
 
 def client_hello(identity: NodeIdentity, ns: NetworkNamespace,
                  mode: int = Mode.FULL) -> ClientHandshake:
     eph = X25519PrivateKey.generate()
+    host, token = shm.offer()
     hello = Hello(identity.node_id, identity.public_key, _x25519_public(eph), os.urandom(32),
-                  ns.tag, mode, host_id())
-    return ClientHandshake(hello, eph)
+                  ns.tag, mode, host)
+    return ClientHandshake(hello, eph, token)
 
 
 @dataclass
@@ -251,6 +258,7 @@ class ServerHandshake:
     th2: bytes
     keys: tuple[bytes, bytes]
     mode: int = Mode.FULL
+    peer_host: shm.Peer = shm.Peer()
 
 
 def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
@@ -265,7 +273,7 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
     eph = X25519PrivateKey.generate()
     eph_pub = _x25519_public(eph)
     nonce = os.urandom(32)
-    host = host_id()
+    host, peer_host = shm.answer(hello.host)
     th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce, mode,
                      host)
     proof = _proof(ns, b"server", th)
@@ -278,7 +286,7 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
     welcome = Welcome(identity.node_id, identity.public_key, eph_pub, nonce, proof, signature,
                       mode, host)
     return welcome, ServerHandshake(hello, th2, _session_keys(ns, shared, th2),
-                                    max(mode, hello.mode))
+                                    max(mode, hello.mode), peer_host)
 
 
 def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHandshake,
@@ -303,9 +311,10 @@ def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHan
     c2s, s2c = _session_keys(ns, shared, th2)
     if not Mode.CONTROL <= welcome.mode <= Mode.ENCRYPTED:
         raise HandshakeError(f"server uses unknown protection mode {welcome.mode}")
+    peer_host = shm.confirm(state.host_token, welcome.host) if state.host_token else shm.Peer()
     session = Session(send_key=c2s, recv_key=s2c, peer=NodeId(welcome.node_id),
                       peer_public_key=welcome.public_key, mode=max(mode, welcome.mode),
-                      local=_same_host(state.hello.host, welcome.host))
+                      local=peer_host.local, peer_pid=peer_host.pid)
     return Confirm(proof, signature), session
 
 
@@ -320,11 +329,7 @@ def server_finish(ns: NetworkNamespace, state: ServerHandshake, confirm: Confirm
     c2s, s2c = state.keys
     return Session(send_key=s2c, recv_key=c2s, peer=NodeId(state.hello.node_id),
                    peer_public_key=state.hello.public_key, mode=max(mode, state.mode),
-                   local=_same_host(state.hello.host, host_id()))
-
-
-def _same_host(a: bytes, b: bytes) -> bool:
-    return bool(a) and a == b and shm_available()
+                   local=state.peer_host.local, peer_pid=state.peer_host.pid)
 
 
 # ----------------------------------------------------------------- session
@@ -343,13 +348,17 @@ class Session:
 
     __slots__ = ("_aead_recv", "_aead_send", "_mac_recv", "_mac_send", "_recv_key", "_send_key",
                  "_stats", "_stream",
-                 "local", "mode", "peer", "peer_public_key", "recv_seq", "send_seq",
+                 "local", "mode", "peer", "peer_pid", "peer_public_key", "recv_seq", "send_seq",
                  "stream_bytes")
 
     def __init__(self, *, send_key: bytes, recv_key: bytes, peer: NodeId,
-                 peer_public_key: bytes, mode: int = Mode.FULL, local: bool = False) -> None:
-        # The peer proved it runs on this host: large arrays may use shm.
+                 peer_public_key: bytes, mode: int = Mode.FULL, local: bool = False,
+                 peer_pid: int = 0) -> None:
+        # The peer proved it shares this machine's /dev/shm: large arrays may
+        # use shm. Its pid (0: unknown) names it as the reader of objects
+        # made for it, so that they can be swept when it dies.
         self.local = local
+        self.peer_pid = peer_pid
         self._send_key = send_key
         self._recv_key = recv_key
         self.peer = peer

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
+from pmetal import shm
 from pmetal.config import PMetalConfig, load_config
 from pmetal.endpoint import Channel, Incoming, SecureListener, Server
 from pmetal.errors import HandshakeError, TransportError
@@ -339,8 +340,4 @@ def error_text(body: Message) -> str:
 
 def shm_objects() -> set[str]:
     """Names of the shared-memory objects this process's pmetal code made."""
-    folder = "/dev/shm"
-    if not os.path.isdir(folder):
-        return set()
-    prefix = f"pmetal-{os.getpid()}-"
-    return {name for name in os.listdir(folder) if name.startswith(prefix)}
+    return {name[1:] for name in shm.objects(creators=(os.getpid(),))}
