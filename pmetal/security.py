@@ -65,7 +65,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from pmetal.config import SecurityConfig
 from pmetal.errors import (AuthenticationError, ConfigError, HandshakeError, ReplayError)
-from pmetal.identity import NodeIdentity, node_id_for, verify_signature
+from pmetal.identity import NodeIdentity, check_private_file, node_id_for, verify_signature
 from pmetal import shm
 from pmetal.ids import NodeId
 from pmetal.codec import frame_bytes
@@ -170,6 +170,7 @@ class NetworkNamespace:
             psk = env.get("PMETAL_PSK") or None
         if psk is None and cfg.psk_file:
             path = Path(cfg.psk_file).expanduser()
+            check_private_file(path, "the PSK file", ConfigError)
             try:
                 psk = path.read_bytes().strip()
             except OSError as exc:
