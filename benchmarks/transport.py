@@ -9,7 +9,9 @@ sides alike:
   acknowledges it.
 
 Systems: raw pyzmq DEALER/ROUTER with msgpack (the floor; the same pattern as
-../shared/anchors/bench_zmq.py), and pmetal in each security mode: ``control``
+../shared/anchors/bench_zmq.py), the same with ZeroMQ's CURVE mechanism (what
+every pmetal socket runs, to keep strangers out of libzmq's buffers), and
+pmetal in each security mode: ``control``
 (bulk_auth off), ``auth`` (default: everything authenticated) and
 ``encrypt`` (ChaCha20-Poly1305). The servers run in their own processes.
 Shared memory (the same-host path for large arrays) is turned off here so
@@ -41,9 +43,17 @@ SOCKET_ONLY = {"shm_min_bytes": 0}
 
 # ------------------------------------------------------------------ servers
 
-def _raw_server(conn: Any) -> None:
+def _curve() -> Any:
+    from pmetal.security import NetworkNamespace
+    return NetworkNamespace("bench", PSK).curve_keys()
+
+
+def _raw_server(conn: Any, curve: bool = False) -> None:
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
+    if curve:
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, _curve().server_secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
@@ -78,7 +88,7 @@ def _pmetal_server(conn: Any, security: dict[str, Any]) -> None:
     from pmetal.wire import Pong
 
     cfg = load_config(env={}, security=security, transport=SOCKET_ONLY)
-    listener = SecureListener(ZmqTransport(cfg.transport).listen("tcp://127.0.0.1:0"),
+    listener = SecureListener(ZmqTransport(cfg.transport, curve=_curve()).listen("tcp://127.0.0.1:0"),
                               NodeIdentity.generate(), NetworkNamespace("bench", PSK), cfg)
     conn.send(listener.address)
 
@@ -94,10 +104,14 @@ def _pmetal_server(conn: Any, security: dict[str, Any]) -> None:
 # ------------------------------------------------------------------ clients
 
 class RawClient:
-    name = "raw pyzmq"
-
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, curve: bool = False) -> None:
+        self.name = "raw pyzmq curve" if curve else "raw pyzmq"
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        if curve:
+            keys = _curve()
+            self.sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public)
+            self.sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public)
+            self.sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
@@ -137,7 +151,7 @@ class PMetalClient:
 
         self.name = f"pmetal {mode}"
         cfg = load_config(env={}, security=MODES[mode], transport=SOCKET_ONLY)
-        self.channel = Channel(ZmqTransport(cfg.transport).dial(address),
+        self.channel = Channel(ZmqTransport(cfg.transport, curve=_curve()).dial(address),
                                NodeIdentity.generate(), NetworkNamespace("bench", PSK), cfg)
         self.channel.open(timeout=10)
         self.Ping = Ping
@@ -184,9 +198,10 @@ def main(quick: bool = False) -> dict[str, dict[str, float]]:
 
     procs = []
     clients: list[Any] = []
-    proc, addr = _start(_raw_server)
-    procs.append(proc)
-    clients.append(RawClient(addr))
+    for curve in (False, True):
+        proc, addr = _start(_raw_server, curve)
+        procs.append(proc)
+        clients.append(RawClient(addr, curve))
     for mode, security in MODES.items():
         proc, addr = _start(_pmetal_server, security)
         procs.append(proc)

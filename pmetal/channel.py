@@ -109,10 +109,13 @@ class Channel:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode)
-        self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
-        welcome = self._handshake_reply(Welcome, deadline)
-        confirm, session = client_finish(self.identity, self.namespace, state, welcome,
-                                         self._mode)
+        try:
+            self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
+            welcome = self._handshake_reply(Welcome, deadline)
+            confirm, session = client_finish(self.identity, self.namespace, state, welcome,
+                                             self._mode)
+        finally:
+            state.discard()
         self._dialer.send(encode(confirm, sender=self.identity.node_id), remaining(deadline))
         while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
             pass
@@ -150,10 +153,13 @@ class Channel:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode)
-        await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
-        welcome = await self._ahandshake_reply(Welcome, deadline)
-        confirm, session = client_finish(self.identity, self.namespace, state, welcome,
-                                         self._mode)
+        try:
+            await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
+            welcome = await self._ahandshake_reply(Welcome, deadline)
+            confirm, session = client_finish(self.identity, self.namespace, state, welcome,
+                                             self._mode)
+        finally:
+            state.discard()
         await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
                                  remaining(deadline))
         while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
@@ -167,9 +173,9 @@ class Channel:
         try:
             env = decode(session.open(frames), limits=self._limits)
         except (SecurityError, ProtocolError):
-            env = self._decode_unsealed(frames)
-            if isinstance(env.body, Rejected):
-                raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
+            plain = self._decode_unsealed(frames)
+            if plain is not None and isinstance(plain.body, Rejected):
+                raise HandshakeError(f"{self.address} refused us: {plain.body.reason}")
             return False
         return isinstance(env.body, Accepted)
 
@@ -178,19 +184,28 @@ class Channel:
         self._counts["handshakes"] += 1
         return session.peer
 
-    def _decode_unsealed(self, frames: list[Any]) -> Envelope:
+    def _decode_unsealed(self, frames: list[Any]) -> Envelope | None:
+        """An unsealed message (handshake replies, a listener's Rejected);
+        None, counted as dropped, when it does not decode: a garbled or
+        duplicated message is never taken for a refusal. Unsealed messages
+        can only come from a holder of the namespace keys, since the
+        transport's CURVE handshake admits nobody else."""
         try:
             return decode(frames, limits=self._limits)
         except ProtocolError as exc:
+            self._counts["dropped"] += 1
+            log.warning("dropped an undecodable message from %s: %s", self.address, exc)
+            return None
+
+    def _check_handshake_reply(self, frames: list[Any], want: type) -> Any:
+        env = self._decode_unsealed(frames)
+        if env is None:
             version = _peek_version(frames)
             if version is not None and version != PROTOCOL_VERSION:
                 raise HandshakeError(
                     f"{self.address} speaks pmetal protocol version {version}, this process "
-                    f"{PROTOCOL_VERSION}; install the same pmetal version on every node") from exc
-            return Envelope(Rejected(f"garbled handshake reply ({exc})"))
-
-    def _check_handshake_reply(self, frames: list[Any], want: type) -> Any:
-        env = self._decode_unsealed(frames)
+                    f"{PROTOCOL_VERSION}; install the same pmetal version on every node")
+            return None
         if isinstance(env.body, Rejected):
             raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
         return env.body if isinstance(env.body, want) else None
@@ -212,15 +227,24 @@ class Channel:
         try:
             return self._dialer.recv(remaining(deadline))
         except PMetalTimeoutError as exc:
-            raise RequestTimeoutError(f"no {what} from {self.address} during the handshake; "
-                                      f"is a pmetal node listening there?") from exc
+            raise self._silent(what) from exc
 
     async def _arecv_raw(self, deadline: float, what: str) -> list[Any]:
         try:
             return await self._dialer.arecv(remaining(deadline))
         except PMetalTimeoutError as exc:
-            raise RequestTimeoutError(f"no {what} from {self.address} during the handshake; "
-                                      f"is a pmetal node listening there?") from exc
+            raise self._silent(what) from exc
+
+    def _silent(self, what: str) -> HandshakeError | RequestTimeoutError:
+        refused = getattr(self._dialer, "refused", None)
+        if refused is not None and refused():
+            # libzmq retries a refused CURVE handshake quietly; its monitor
+            # is the only sign that the listener has other namespace keys.
+            return HandshakeError(
+                f"{self.address} refused the transport handshake: it belongs to another "
+                f"namespace or has another PSK (check PMETAL_PSK and security.namespace)")
+        return RequestTimeoutError(f"no {what} from {self.address} during the handshake; "
+                                   f"is a pmetal node listening there?")
 
     # ----------------------------------------------------- sending, replies
 
@@ -232,9 +256,9 @@ class Channel:
             session = self.session
             assert session is not None
         if session.local:
-            exported: list[str] = []
+            exported = shm.Exports(session.peer_pid)
             if corr and self._pool is None:
-                self._pool = shm.SlotPool()
+                self._pool = shm.SlotPool(reader=session.peer_pid)
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._local_limits, exported=exported,
                             pool=self._pool if corr else None)
@@ -260,7 +284,7 @@ class Channel:
             await self.aopen()
         assert self.session is not None
         session = self.session
-        exported: list[str] = []
+        exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits if session.local else self._limits,
                         exported=exported)
@@ -413,8 +437,13 @@ class Channel:
                 return
             env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
         except (SecurityError, ProtocolError) as exc:
-            unsealed = self._decode_unsealed(frames)
-            if isinstance(unsealed.body, Rejected):
+            # A duplicated, garbled or forged message is dropped: only a
+            # listener's well-formed Rejected ends the session.
+            try:
+                unsealed: Envelope | None = decode(frames, limits=self._limits)
+            except ProtocolError:
+                unsealed = None
+            if unsealed is not None and isinstance(unsealed.body, Rejected):
                 # The listener forgot us (it restarted): the next send re-handshakes.
                 self.session = None
                 self._waiting.clear()

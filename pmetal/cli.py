@@ -33,7 +33,7 @@ from pmetal.actors.client import CoreClient
 from pmetal.actors.node import READY_LINE, node_file
 from pmetal.config import DEFAULT_PORT, config_as_dict, load_config, pmetal_home
 from pmetal.errors import ConfigError, PeerError, PMetalError, PMetalTimeoutError
-from pmetal.identity import KEYPAIR_FILE, NodeIdentity
+from pmetal.identity import KEYPAIR_FILE, NodeIdentity, check_home, check_private_file
 from pmetal.security import NetworkNamespace
 from pmetal.transport import normalize_address
 
@@ -415,6 +415,10 @@ def _write_node_file(home: Path, listen: str, node_id: str, pid: int,
 
 def _read_node_file(home: Path) -> dict[str, Any] | None:
     path = node_file(home)
+    if not path.exists():
+        return None
+    check_home(home)
+    check_private_file(path, "the node record", ConfigError)
     try:
         info = json.loads(path.read_text())
     except FileNotFoundError:

@@ -237,7 +237,8 @@ class _Default:
                 [code, dtype, list(arr.shape), name, nbytes, size]))
         if self.shm_min and nbytes >= self.shm_min:
             from pmetal import shm
-            name = shm.export(memoryview(host.reshape(-1)).cast("B"))
+            name = shm.export(memoryview(host.reshape(-1)).cast("B"),
+                              getattr(self.exported, "reader", 0))  # shm.Exports
             if self.exported is not None:
                 self.exported.append(name)
             return msgpack.ExtType(_EXT_SHM, msgpack.packb(

@@ -79,17 +79,26 @@ class TransportConfig:
     max_sessions: int = 4096
     """Authenticated sessions kept per listener; the least recently used
     session beyond this is forgotten (its peer re-handshakes)."""
+    max_pending_handshakes: int = 256
+    """Handshakes between Hello and Confirm kept per listener (about 1 KiB
+    each); a Hello beyond this evicts the oldest, so a flood of Hellos that
+    never complete cannot keep a real peer out."""
+    heartbeat_ivl: float = 5.0
+    """ZMTP heartbeat interval: a connection that stays silent for three
+    intervals is closed, so a connection that died half-open (a sleeping
+    laptop) frees its routing id for the peer's reconnection."""
 
     def __post_init__(self) -> None:
         s = "transport"
         _require(0 <= self.port < 65536, s, "port", f"{self.port} is not a TCP port")
         for name in ("max_message_bytes", "max_envelope_bytes", "chunk_bytes",
-                     "send_hwm", "recv_hwm", "max_sessions"):
+                     "send_hwm", "recv_hwm", "max_sessions", "max_pending_handshakes"):
             _require(getattr(self, name) > 0, s, name, "must be positive")
         _require(self.chunk_bytes <= self.max_message_bytes, s, "chunk_bytes",
                  "must not exceed max_message_bytes")
         for name in ("send_timeout", "request_timeout", "connect_timeout",
-                     "handshake_timeout", "reconnect_ivl", "reconnect_ivl_max"):
+                     "handshake_timeout", "reconnect_ivl", "reconnect_ivl_max",
+                     "heartbeat_ivl"):
             _require(getattr(self, name) > 0, s, name, "must be a positive number of seconds")
 
 

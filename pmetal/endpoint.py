@@ -78,6 +78,9 @@ class ListenerStatistics:
     dropped_unauthenticated: int
     dropped_malformed: int
     dropped_auth_failures: int
+    pending_handshakes: int
+    expired_handshakes: int
+    evicted_handshakes: int
 
 
 class SecureListener:
@@ -95,9 +98,12 @@ class SecureListener:
         self._sessions: collections.OrderedDict[bytes, Session] = collections.OrderedDict()
         self._pending: dict[bytes, tuple[float, ServerHandshake]] = {}
         self._counts = collections.Counter[str]()
-        # Shared-memory objects made for replies; unlinked at close (or when
-        # the list grows past its cap), in case their receiver never maps them.
+        # Shared-memory objects made for replies. Their receiver unlinks each
+        # one once it has mapped it; those still there at close are unlinked
+        # then. Never unlinked earlier: a receiver that is slow to read its
+        # replies must still find every result.
         self._exported: collections.deque[str] = collections.deque()
+        self._exported_check = MAX_EXPORTED
 
     @property
     def address(self) -> str:
@@ -107,7 +113,8 @@ class SecureListener:
         c = self._counts
         return ListenerStatistics(c["received"], c["sent"], len(self._sessions), c["handshakes"],
                                   c["refused_handshakes"], c["unauthenticated"], c["malformed"],
-                                  c["auth_failures"])
+                                  c["auth_failures"], len(self._pending),
+                                  c["expired_handshakes"], c["evicted_handshakes"])
 
     def session(self, route: bytes) -> Session | None:
         return self._sessions.get(route)
@@ -193,9 +200,14 @@ class SecureListener:
         try:
             if isinstance(body, Hello):
                 welcome, state = server_welcome(self.identity, self.namespace, body, self._mode)
-                if len(self._pending) >= self.config.transport.max_sessions:
-                    raise HandshakeError("too many handshakes in progress")
-                self._pending[route] = (time.monotonic(), state)
+                pending = self._pending
+                pending.pop(route, None)
+                while len(pending) >= self.config.transport.max_pending_handshakes:
+                    # The oldest goes: Hellos that are never confirmed cannot
+                    # keep a new peer out, they only push each other out.
+                    del pending[next(iter(pending))]
+                    self._counts["evicted_handshakes"] += 1
+                pending[route] = (time.monotonic(), state)
                 return encode(welcome, sender=self.identity.node_id)
             if isinstance(body, Confirm):
                 pending = self._pending.pop(route, None)
@@ -226,9 +238,15 @@ class SecureListener:
     def _expire_pending(self) -> None:
         if not self._pending:
             return
+        # Oldest first (insertion order): stop at the first that is young.
         cutoff = time.monotonic() - self.config.transport.handshake_timeout
-        for route in [r for r, (t, _) in self._pending.items() if t < cutoff]:
-            del self._pending[route]
+        pending = self._pending
+        while pending:
+            route = next(iter(pending))
+            if pending[route][0] >= cutoff:
+                break
+            del pending[route]
+            self._counts["expired_handshakes"] += 1
 
     # ------------------------------------------------------------- sending
 
@@ -242,13 +260,22 @@ class SecureListener:
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                             limits=self._limits)
             return [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
-        exported = self._exported
+        exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits, exported=exported)
         parts = [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
-        while len(exported) > MAX_EXPORTED:
-            shm.unlink(exported.popleft())
+        self._exported.extend(exported)
+        if len(self._exported) > self._exported_check:
+            self._forget_mapped()
         return parts
+
+    def _forget_mapped(self) -> None:
+        """Stop tracking the exported objects that their receivers mapped
+        (and so unlinked); check again when the list has doubled."""
+        kept = collections.deque(name for name in self._exported if shm.exists(name))
+        self._exported.clear()
+        self._exported.extend(kept)
+        self._exported_check = max(MAX_EXPORTED, 2 * len(kept))
 
     def send(self, route: bytes, body: Message, *, corr: int = 0, term: int | None = None,
              timeout: float | None = None) -> None:

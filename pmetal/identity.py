@@ -23,10 +23,11 @@ from cryptography.hazmat.primitives.serialization import (Encoding, NoEncryption
                                                           PrivateFormat, PublicFormat)
 
 from pmetal.config import pmetal_home
-from pmetal.errors import IdentityError
+from pmetal.errors import IdentityError, PMetalError
 from pmetal.ids import NodeId
 
-__all__ = ["KEYPAIR_FILE", "NodeIdentity", "node_id_for", "verify_signature"]
+__all__ = ["KEYPAIR_FILE", "NodeIdentity", "check_home", "check_private_file", "node_id_for",
+           "verify_signature"]
 
 KEYPAIR_FILE = "node_keypair"
 _FILE_BYTES = 64
@@ -35,6 +36,54 @@ _FILE_BYTES = 64
 def node_id_for(public_key: bytes) -> NodeId:
     """The node id that belongs to an Ed25519 public key."""
     return NodeId(hashlib.sha256(public_key).hexdigest()[:32])
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return str(uid)
+
+
+def _check_owner_and_writers(path: Path, st: os.stat_result, what: str,
+                             error: type[PMetalError], chmod: str) -> None:
+    """ssh's rule: what we trust must be ours (or root's) and writable by
+    nobody else; otherwise another local user could plant it."""
+    if not hasattr(os, "getuid"):  # Windows: no POSIX owners to check
+        return
+    me = os.getuid()
+    if st.st_uid not in (me, 0):
+        raise error(f"{what} {path} belongs to user {_user(st.st_uid)}, not to you "
+                    f"({_user(me)}); another user could have planted it. If you trust it, "
+                    f"run 'sudo chown {_user(me)} {path}'; otherwise remove it")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o022:
+        raise error(f"{what} {path} is writable by other users (mode {mode:04o}), who could "
+                    f"replace it; run 'chmod {chmod} {path}' and start again")
+
+
+def check_home(folder: Path) -> None:
+    """Refuse a pmetal folder another user owns or others may write into
+    (they could plant a key file, a PSK or a node record). Raises
+    IdentityError; a folder that does not exist yet passes."""
+    try:
+        st = folder.stat()
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise IdentityError(f"cannot inspect the pmetal folder {folder}: {exc}") from exc
+    _check_owner_and_writers(folder, st, "the pmetal folder", IdentityError, "go-w")
+
+
+def check_private_file(path: Path, what: str, error: type[PMetalError] = IdentityError) -> None:
+    """Refuse a secret or state file (PSK, node record) that another user
+    owns or others may write, as ssh refuses such a key. Raises ``error``."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc}") from exc
+    _check_owner_and_writers(path, st, what, error, "go-w")
 
 
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
@@ -68,6 +117,7 @@ class NodeIdentity:
         """Load the key pair from ``home`` (default: ``PMETAL_HOME`` or
         ``~/.pmetal``), creating it on first use."""
         folder = Path(home) if home is not None else pmetal_home()
+        check_home(folder)
         path = folder / KEYPAIR_FILE
         if not path.exists():
             cls._create(folder, path)
@@ -105,9 +155,11 @@ class NodeIdentity:
     @classmethod
     def _load(cls, path: Path) -> NodeIdentity:
         try:
-            mode = path.stat().st_mode
+            st = path.stat()
+            mode = st.st_mode
             if not stat.S_ISREG(mode):
                 raise IdentityError(f"node key file {path} is not a regular file")
+            _check_owner_and_writers(path, st, "node key file", IdentityError, "600")
             if mode & 0o077:
                 raise IdentityError(
                     f"node key file {path} is readable by other users (mode "

@@ -50,6 +50,7 @@ import os
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +65,11 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from pmetal.config import SecurityConfig
 from pmetal.errors import (AuthenticationError, ConfigError, HandshakeError, ReplayError)
-from pmetal.identity import NodeIdentity, node_id_for, verify_signature
-from pmetal.shm import available as shm_available
-from pmetal.shm import host_id
+from pmetal.identity import NodeIdentity, check_private_file, node_id_for, verify_signature
+from pmetal import shm
 from pmetal.ids import NodeId
 from pmetal.codec import frame_bytes
+from pmetal.transport import CurveKeys
 from pmetal.wire import Confirm, Hello, Welcome
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,16 @@ class NetworkNamespace:
         return hashlib.blake2b(self.name.encode(), key=self.psk, digest_size=8,
                                person=b"pmetal-ns-tag").digest()
 
+    def curve_keys(self) -> CurveKeys:
+        """The namespace's ZMTP CURVE keys, derived from name and PSK.
+
+        Every member's listener is a CURVE server with one server key pair
+        and every dialer a CURVE client with one client key pair, so only a
+        PSK holder gets through libzmq's handshake (see pmetal.transport).
+        The keys identify the namespace, not a node: pmetal's own handshake
+        on top proves each node's identity."""
+        return _curve_keys(self.name, self.psk)
+
     @classmethod
     def generate(cls, name: str = "local") -> NetworkNamespace:
         """A namespace with a fresh random PSK (an embedded local cluster)."""
@@ -159,6 +170,7 @@ class NetworkNamespace:
             psk = env.get("PMETAL_PSK") or None
         if psk is None and cfg.psk_file:
             path = Path(cfg.psk_file).expanduser()
+            check_private_file(path, "the PSK file", ConfigError)
             try:
                 psk = path.read_bytes().strip()
             except OSError as exc:
@@ -170,6 +182,18 @@ class NetworkNamespace:
 
 
 # --------------------------------------------------------------- handshake
+
+@lru_cache(maxsize=16)
+def _curve_keys(name: str, psk: bytes) -> CurveKeys:
+    def pair(role: bytes) -> tuple[bytes, bytes]:
+        secret = HKDF(hashes.SHA256(), 32, salt=b"pmetal-curve-1",
+                      info=role + b"|" + name.encode()).derive(psk)
+        return _x25519_public(X25519PrivateKey.from_private_bytes(secret)), secret
+
+    server_public, server_secret = pair(b"server")
+    client_public, client_secret = pair(b"client")
+    return CurveKeys(server_public, server_secret, client_public, client_secret)
+
 
 def _x25519_public(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
@@ -209,14 +233,22 @@ class ClientHandshake:
 
     hello: Hello
     ephemeral: X25519PrivateKey
+    host_token: shm.HostToken | None = None
+
+    def discard(self) -> None:
+        """Free what the handshake holds (its same-machine token); a no-op
+        once :func:`client_finish` has run."""
+        if self.host_token is not None:
+            self.host_token.discard()
 
 
 def client_hello(identity: NodeIdentity, ns: NetworkNamespace,
                  mode: int = Mode.FULL) -> ClientHandshake:
     eph = X25519PrivateKey.generate()
+    host, token = shm.offer()
     hello = Hello(identity.node_id, identity.public_key, _x25519_public(eph), os.urandom(32),
-                  ns.tag, mode, host_id())
-    return ClientHandshake(hello, eph)
+                  ns.tag, mode, host)
+    return ClientHandshake(hello, eph, token)
 
 
 @dataclass
@@ -227,6 +259,7 @@ class ServerHandshake:
     th2: bytes
     keys: tuple[bytes, bytes]
     mode: int = Mode.FULL
+    peer_host: shm.Peer = shm.Peer()
 
 
 def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
@@ -241,7 +274,7 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
     eph = X25519PrivateKey.generate()
     eph_pub = _x25519_public(eph)
     nonce = os.urandom(32)
-    host = host_id()
+    host, peer_host = shm.answer(hello.host)
     th = _transcript(ns, hello, identity.node_id, identity.public_key, eph_pub, nonce, mode,
                      host)
     proof = _proof(ns, b"server", th)
@@ -254,7 +287,7 @@ def server_welcome(identity: NodeIdentity, ns: NetworkNamespace, hello: Hello,
     welcome = Welcome(identity.node_id, identity.public_key, eph_pub, nonce, proof, signature,
                       mode, host)
     return welcome, ServerHandshake(hello, th2, _session_keys(ns, shared, th2),
-                                    max(mode, hello.mode))
+                                    max(mode, hello.mode), peer_host)
 
 
 def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHandshake,
@@ -279,9 +312,10 @@ def client_finish(identity: NodeIdentity, ns: NetworkNamespace, state: ClientHan
     c2s, s2c = _session_keys(ns, shared, th2)
     if not Mode.CONTROL <= welcome.mode <= Mode.ENCRYPTED:
         raise HandshakeError(f"server uses unknown protection mode {welcome.mode}")
+    peer_host = shm.confirm(state.host_token, welcome.host) if state.host_token else shm.Peer()
     session = Session(send_key=c2s, recv_key=s2c, peer=NodeId(welcome.node_id),
                       peer_public_key=welcome.public_key, mode=max(mode, welcome.mode),
-                      local=_same_host(state.hello.host, welcome.host))
+                      local=peer_host.local, peer_pid=peer_host.pid)
     return Confirm(proof, signature), session
 
 
@@ -296,11 +330,7 @@ def server_finish(ns: NetworkNamespace, state: ServerHandshake, confirm: Confirm
     c2s, s2c = state.keys
     return Session(send_key=s2c, recv_key=c2s, peer=NodeId(state.hello.node_id),
                    peer_public_key=state.hello.public_key, mode=max(mode, state.mode),
-                   local=_same_host(state.hello.host, host_id()))
-
-
-def _same_host(a: bytes, b: bytes) -> bool:
-    return bool(a) and a == b and shm_available()
+                   local=state.peer_host.local, peer_pid=state.peer_host.pid)
 
 
 # ----------------------------------------------------------------- session
@@ -319,13 +349,17 @@ class Session:
 
     __slots__ = ("_aead_recv", "_aead_send", "_mac_recv", "_mac_send", "_recv_key", "_send_key",
                  "_stats", "_stream",
-                 "local", "mode", "peer", "peer_public_key", "recv_seq", "send_seq",
+                 "local", "mode", "peer", "peer_pid", "peer_public_key", "recv_seq", "send_seq",
                  "stream_bytes")
 
     def __init__(self, *, send_key: bytes, recv_key: bytes, peer: NodeId,
-                 peer_public_key: bytes, mode: int = Mode.FULL, local: bool = False) -> None:
-        # The peer proved it runs on this host: large arrays may use shm.
+                 peer_public_key: bytes, mode: int = Mode.FULL, local: bool = False,
+                 peer_pid: int = 0) -> None:
+        # The peer proved it shares this machine's /dev/shm: large arrays may
+        # use shm. Its pid (0: unknown) names it as the reader of objects
+        # made for it, so that they can be swept when it dies.
         self.local = local
+        self.peer_pid = peer_pid
         self._send_key = send_key
         self._recv_key = recv_key
         self.peer = peer

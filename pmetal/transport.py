@@ -27,6 +27,22 @@ Contract
   server thread is stopped). Everything else belongs to the thread that uses
   the object (ZeroMQ sockets are not thread-safe).
 * A ZeroMQ dialer reconnects by itself when its listener restarts.
+
+ZeroMQ sockets and strangers
+----------------------------
+libzmq reads whole multipart messages (and queues them, counting messages,
+not bytes) before pmetal sees their first byte, so a check in pmetal cannot
+bound what a peer without a session makes a process hold. A
+:class:`ZmqTransport` built with :class:`CurveKeys` (what every pmetal
+process uses; the keys come from the namespace PSK, see
+``NetworkNamespace.curve_keys``) therefore runs the ZMTP CURVE mechanism on
+every TCP connection: a peer that does not know the namespace keys cannot
+complete the ZMTP handshake, and libzmq drops its connection before it
+reads a frame of application data. A connection that has not completed that
+handshake within ``handshake_timeout`` is closed. Dialers take random
+128-bit routing ids (sent inside the encrypted handshake), and a listener
+refuses a second connection that claims a routing id already in use: a
+connection cannot take over another's route.
 """
 
 from __future__ import annotations
@@ -37,7 +53,13 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+try:
+    import resource
+except ImportError:  # Windows
+    resource = None  # type: ignore[assignment]
 
 import zmq
 import zmq.asyncio
@@ -47,6 +69,7 @@ from pmetal.errors import (BackpressureError, ClosedError, PeerError, PMetalTime
                            TransportError)
 
 __all__ = [
+    "CurveKeys",
     "Dialer",
     "Listener",
     "Transport",
@@ -107,6 +130,54 @@ def normalize_address(address: str) -> str:
 
 # ------------------------------------------------------------------ ZeroMQ
 
+@dataclass(frozen=True, repr=False)
+class CurveKeys:
+    """ZMTP CURVE keys (32 raw bytes each) shared by a namespace: every
+    listener is a CURVE server with the server pair, every dialer a CURVE
+    client with the client pair."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    def __post_init__(self) -> None:
+        for name in ("server_public", "server_secret", "client_public", "client_secret"):
+            if len(getattr(self, name)) != 32:
+                raise ValueError(f"CurveKeys.{name} must be 32 bytes")
+
+    def __repr__(self) -> str:  # never print the secrets
+        return f"CurveKeys(server_public={self.server_public.hex()[:16]}...)"
+
+
+_MAX_OPEN_FILES = 1 << 16
+_raised_nofile = False
+
+
+def raise_open_file_limit(cap: int = _MAX_OPEN_FILES) -> int:
+    """Raise this process's soft limit of open files to its hard limit
+    (at most ``cap``), once; returns the soft limit in force.
+
+    Each TCP connection holds a file descriptor, and the usual soft limits
+    (256 on macOS, 1024 on Linux) are reached by a thousand idle
+    connections, while the hard limit is usually far higher."""
+    global _raised_nofile
+    if resource is None:
+        return -1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if _raised_nofile:
+        return soft
+    _raised_nofile = True
+    want = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open-file limit from %s to %s: %s", soft, want, exc)
+    return soft
+
+
 _CLOSE_WAIT = 1.0   # s a closing listener waits for ZeroMQ to release its port
 
 # Monitor readers whose socket had not finished closing when we stopped
@@ -116,6 +187,9 @@ _CLOSE_WAIT = 1.0   # s a closing listener waits for ZeroMQ to release its port
 # that never complete). So a reader is closed only after EVENT_MONITOR_STOPPED,
 # the last event libzmq sends; until then it is parked here.
 _parked_monitors: list[zmq.Socket] = []
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_MONITORED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
 _parked_lock = threading.Lock()
 
 
@@ -123,6 +197,18 @@ def _monitor_url() -> str:
     # pyzmq's default name comes from the socket's file descriptor, which a
     # new socket can reuse while the old monitor's endpoint is still bound.
     return f"inproc://pmetal-monitor-{os.urandom(8).hex()}"
+
+
+def _open_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """A reader of ``sock``'s monitor events with no queue limit: libzmq
+    sends events with a blocking send, so a full queue of events nobody
+    read would stall every socket of the context."""
+    url = _monitor_url()
+    sock.monitor(url, events)
+    reader = sock.context.socket(zmq.PAIR)
+    reader.setsockopt(zmq.RCVHWM, 0)
+    reader.connect(url)
+    return reader
 
 
 def _drained(monitor: zmq.Socket, timeout: float) -> bool:
@@ -159,14 +245,27 @@ class _ZmqSocket:
         self._ctx = ctx
         self._cfg = cfg
         self._closed = False
-        sock = ctx.socket(kind)
+        try:
+            sock = ctx.socket(kind)
+        except zmq.ZMQError as exc:
+            # EMFILE: out of file descriptors or of ZeroMQ sockets. A
+            # TransportError, so that callers report it instead of dying.
+            raise TransportError(f"cannot open a ZeroMQ socket: {exc}") from exc
+        self._sock = sock
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, cfg.send_hwm)
         sock.setsockopt(zmq.RCVHWM, cfg.recv_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes)
         sock.setsockopt(zmq.RECONNECT_IVL, int(cfg.reconnect_ivl * 1000))
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(cfg.reconnect_ivl_max * 1000))
-        self._sock = sock
+        # A connection that has not completed the ZMTP (CURVE) handshake by
+        # then is closed: idle half-open connections do not hold descriptors.
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout * 1000))
+        # A listener refuses a connection that claims a routing id in use:
+        # heartbeats close a connection that died half-open, so that its
+        # peer's reconnection is not refused for ever.
+        sock.setsockopt(zmq.HEARTBEAT_IVL, int(cfg.heartbeat_ivl * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(cfg.heartbeat_ivl * 3000))
         self._rcvtimeo = -1
         self._async: zmq.asyncio.Socket | None = None
         self._lock = threading.Lock()
@@ -302,10 +401,16 @@ class ZmqListener(_ZmqSocket):
 
     _copied = 2
 
-    def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig,
+                 curve: CurveKeys | None = None) -> None:
+        raise_open_file_limit()
         super().__init__(ctx, zmq.ROUTER, cfg)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # No ROUTER_HANDOVER: a connection that claims a routing id in use is
+        # refused, so nobody can take over another peer's route.
+        if curve is not None:
+            self._sock.setsockopt(zmq.CURVE_SERVER, 1)
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, curve.server_secret)
         url = normalize_address(address)
         if url.startswith("tcp://") and url.endswith(":0"):
             url = url[:-2] + ":*"
@@ -389,13 +494,30 @@ class ZmqDialer(_ZmqSocket):
 
     def monitor_disconnects(self) -> zmq.Socket:
         """A PAIR socket that becomes readable when the TCP connection to the
-        listener drops (on one machine: the listener's process died).
+        listener drops (on one machine: the listener's process died). Its
+        events are EVENT_DISCONNECTED and, for a CURVE dialer, the
+        EVENT_HANDSHAKE_FAILED_* kinds (each followed by a disconnect).
 
         The dialer owns it: ``close()`` stops the monitor before closing the
         PAIR socket. Never close it yourself (see ``_retire_monitor``)."""
         if self._monitor is None:
-            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED, _monitor_url())
+            self._monitor = _open_monitor(self._sock, _MONITORED)
         return self._monitor
+
+    def refused(self) -> bool:
+        """Whether the listener refused this dialer's ZMTP CURVE handshake
+        (it has other namespace keys: another PSK or namespace name).
+
+        Reads the pending monitor events, so call it only once a pmetal
+        handshake has failed: a disconnect read here is not seen by a
+        reader of :meth:`monitor_disconnects`."""
+        if self._monitor is None or self._closed:
+            return False
+        while self._monitor.poll(0):
+            event = self._monitor.recv_multipart()[0]
+            if int.from_bytes(event[:2], "little") & _HANDSHAKE_FAILED:
+                self._refused = True
+        return self._refused
 
     def _close_socket(self) -> None:
         if self._monitor is not None:
@@ -409,13 +531,29 @@ class ZmqDialer(_ZmqSocket):
             self._monitor = None
         super()._close_socket()
 
-    def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig) -> None:
+    def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig,
+                 curve: CurveKeys | None = None) -> None:
         super().__init__(ctx, zmq.DEALER, cfg)
         self._monitor: zmq.Socket | None = None
-        self.route = os.urandom(8)
+        # Random, so not guessable; sent inside the encrypted CURVE handshake.
+        self.route = os.urandom(16)
         self._sock.setsockopt(zmq.ROUTING_ID, self.route)
+        if curve is not None:
+            self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+            self._sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public)
+            self._sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret)
+        self._refused = False
+        if curve is not None:
+            # Watched from the start: a refused CURVE handshake is retried
+            # quietly by libzmq, and this is how a Channel tells "another
+            # namespace" from "nobody listens".
+            self.monitor_disconnects()
         self.address = normalize_address(address)
-        self._sock.connect(self.address)
+        try:
+            self._sock.connect(self.address)
+        except zmq.ZMQError as exc:
+            self.close()
+            raise TransportError(f"cannot dial {self.address}: {exc}") from exc
 
     def recv(self, timeout: float | None = None) -> Frames:
         return self._recv_frames(timeout)
@@ -440,15 +578,22 @@ class ZmqDialer(_ZmqSocket):
 
 class ZmqTransport:
     """ROUTER/DEALER over TCP. One per process is enough; it owns nothing but
-    the ZeroMQ context (shared by default)."""
+    the ZeroMQ context (shared by default).
+
+    ``curve``: the namespace's CURVE keys (``NetworkNamespace.curve_keys()``).
+    Every pmetal process passes them; without them the sockets run ZeroMQ's
+    NULL mechanism, and a stranger can make a listener buffer messages
+    before pmetal's handshake sees them (tests of the bare transport only).
+    """
 
     def __init__(self, cfg: TransportConfig | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, *, curve: CurveKeys | None = None) -> None:
         self.config = cfg or TransportConfig()
         self.context = context or zmq.Context.instance()
+        self.curve = curve
 
     def listen(self, address: str) -> ZmqListener:
-        return ZmqListener(self.context, address, self.config)
+        return ZmqListener(self.context, address, self.config, self.curve)
 
     def dial(self, address: str) -> ZmqDialer:
-        return ZmqDialer(self.context, address, self.config)
+        return ZmqDialer(self.context, address, self.config, self.curve)

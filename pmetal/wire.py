@@ -199,8 +199,8 @@ class Hello(Message):
     """The protection mode the client requires (security.Mode); the session
     uses the stricter of the two sides' modes."""
     host: bytes = b""
-    """shm.host_id() of the client: equal ids let large arrays travel
-    through shared memory instead of the socket."""
+    """The client's half of the same-machine proof (shm.offer): boot id,
+    pid and a shared-memory token; see docs/protocol.md."""
 
 
 @_message(Kind.WELCOME)
@@ -216,6 +216,8 @@ class Welcome(Message):
     signature: bytes
     mode: int = 2
     host: bytes = b""
+    """The server's answer to the same-machine proof (shm.answer); empty
+    when the client is not on this machine."""
 
 
 @_message(Kind.CONFIRM)

@@ -18,13 +18,14 @@ from typing import Any, TypeVar
 import pytest
 import zmq
 
+from pmetal import shm
 from pmetal.config import PMetalConfig, load_config
 from pmetal.endpoint import Channel, Incoming, SecureListener, Server
 from pmetal.errors import HandshakeError, TransportError
 from pmetal.identity import NodeIdentity
 from pmetal.memtransport import MemoryTransport
 from pmetal.security import Mode, NetworkNamespace, Session, client_finish, client_hello
-from pmetal.transport import ZmqTransport
+from pmetal.transport import CurveKeys, ZmqTransport
 from pmetal.wire import (
     Confirm,
     ErrorReply,
@@ -110,7 +111,8 @@ class Net:
         self.kind = kind
         self.config = cfg
         if kind == "zmq":
-            self.transport: ZmqTransport | MemoryTransport = ZmqTransport(cfg.transport, ctx)
+            self.transport: ZmqTransport | MemoryTransport = ZmqTransport(
+                cfg.transport, ctx, curve=TEST_NAMESPACE.curve_keys())
             self.any_address = LOOPBACK
         else:
             self.transport = MemoryTransport(cfg.transport)
@@ -165,9 +167,12 @@ def identity() -> NodeIdentity:
     return NodeIdentity.generate()
 
 
+TEST_NAMESPACE = NetworkNamespace("test", b"0123456789abcdef-test-psk")
+
+
 @pytest.fixture
 def namespace() -> NetworkNamespace:
-    return NetworkNamespace("test", b"0123456789abcdef-test-psk")
+    return TEST_NAMESPACE
 
 
 # ------------------------------------------------------------- secure server
@@ -219,7 +224,7 @@ class SecureNode:
                  address: str = LOOPBACK, identity: NodeIdentity | None = None) -> None:
         self.config = cfg
         self.namespace = namespace
-        self.transport = ZmqTransport(cfg.transport, ctx)
+        self.transport = ZmqTransport(cfg.transport, ctx, curve=namespace.curve_keys())
         self.identity = identity or NodeIdentity.generate()
         self.listener = SecureListener(self.transport.listen(address), self.identity,
                                        namespace, cfg)
@@ -265,8 +270,9 @@ def make_channel(zmq_context: zmq.Context, namespace: NetworkNamespace
     def make(address: str, cfg: PMetalConfig | None = None, ns: NetworkNamespace | None = None,
              identity: NodeIdentity | None = None) -> Channel:
         cfg = cfg or make_config()
-        dialer = ZmqTransport(cfg.transport, zmq_context).dial(address)
-        channel = Channel(dialer, identity or NodeIdentity.generate(), ns or namespace, cfg)
+        ns = ns or namespace
+        dialer = ZmqTransport(cfg.transport, zmq_context, curve=ns.curve_keys()).dial(address)
+        channel = Channel(dialer, identity or NodeIdentity.generate(), ns, cfg)
         channels.append(channel)
         return channel
 
@@ -278,10 +284,17 @@ def make_channel(zmq_context: zmq.Context, namespace: NetworkNamespace
 # -------------------------------------------------------- raw ZeroMQ peers
 
 def raw_dealer(ctx: zmq.Context, address: str, *, routing_id: bytes | None = None,
+               curve: CurveKeys | None = TEST_NAMESPACE.curve_keys(),
                **options: int) -> zmq.Socket:
     """A bare DEALER, as an attacker would open one: no pmetal code involved.
-    Sends and receives time out after :data:`WAIT` unless told otherwise."""
+    ``curve``: the namespace's transport keys (by default those of the test
+    namespace: an attacker who holds the PSK; None: a stranger). Sends and
+    receives time out after :data:`WAIT` unless told otherwise."""
     sock = ctx.socket(zmq.DEALER)
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDTIMEO, int(WAIT * 1000))
     sock.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
@@ -327,8 +340,4 @@ def error_text(body: Message) -> str:
 
 def shm_objects() -> set[str]:
     """Names of the shared-memory objects this process's pmetal code made."""
-    folder = "/dev/shm"
-    if not os.path.isdir(folder):
-        return set()
-    prefix = f"pmetal-{os.getpid()}-"
-    return {name for name in os.listdir(folder) if name.startswith(prefix)}
+    return {name[1:] for name in shm.objects(creators=(os.getpid(),))}

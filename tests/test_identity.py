@@ -12,7 +12,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
-from pmetal.errors import IdentityError, PMetalError
+from pmetal.config import SecurityConfig
+from pmetal.errors import ConfigError, IdentityError, PMetalError
+from pmetal.security import NetworkNamespace
 from pmetal.identity import KEYPAIR_FILE, NodeIdentity, node_id_for, verify_signature
 
 
@@ -226,3 +228,85 @@ def test_loaded_identity_signs_like_the_one_that_created_it(tmp_path: Path) -> N
     loaded = NodeIdentity.load_or_create(tmp_path)
     sig = loaded.sign(b"payload")
     assert verify_signature(created.public_key, sig, b"payload")
+
+
+# ------------------------------------------ files another user could plant
+
+OTHER_UID = 65534   # "nobody"
+as_root = pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0,
+                             reason="giving a file to another user needs root")
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777], ids=["world", "group", "sticky"])
+def test_home_writable_by_others_is_refused_with_the_fix(tmp_path: Path, mode: int) -> None:
+    home = tmp_path / "home"
+    NodeIdentity.load_or_create(home)
+    home.chmod(mode)
+    with pytest.raises(IdentityError, match=rf"chmod go-w {home}"):
+        NodeIdentity.load_or_create(home)
+
+
+def test_key_file_writable_by_others_is_refused(tmp_path: Path) -> None:
+    path = NodeIdentity.load_or_create(tmp_path).path
+    assert path is not None
+    path.chmod(0o622)
+    with pytest.raises(IdentityError, match=rf"chmod 600 {path}"):
+        NodeIdentity.load_or_create(tmp_path)
+
+
+@as_root
+def test_key_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    path = NodeIdentity.load_or_create(tmp_path).path
+    assert path is not None
+    os.chown(path, OTHER_UID, -1)
+    with pytest.raises(IdentityError, match=rf"belongs to user .*chown \w+ {path}"):
+        NodeIdentity.load_or_create(tmp_path)
+
+
+@as_root
+def test_home_of_another_user_is_refused(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    NodeIdentity.load_or_create(home)
+    os.chown(home, OTHER_UID, -1)
+    with pytest.raises(IdentityError, match="belongs to user"):
+        NodeIdentity.load_or_create(home)
+
+
+def _psk_file(folder: Path) -> Path:
+    path = folder / "psk"
+    path.write_text("0123456789abcdef0123456789abcdef\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_psk_file_writable_by_others_is_refused(tmp_path: Path) -> None:
+    path = _psk_file(tmp_path)
+    cfg = SecurityConfig(psk_file=str(path))
+    assert NetworkNamespace.resolve(cfg, env={}).psk.startswith(b"0123")
+    path.chmod(0o666)
+    with pytest.raises(ConfigError, match=rf"chmod go-w {path}"):
+        NetworkNamespace.resolve(cfg, env={})
+
+
+@as_root
+def test_psk_file_of_another_user_is_refused(tmp_path: Path) -> None:
+    """A PSK planted by another local user would let that user run code as
+    this node's user: refused, as ssh refuses such a key."""
+    path = _psk_file(tmp_path)
+    os.chown(path, OTHER_UID, -1)
+    with pytest.raises(ConfigError, match=rf"belongs to user .*chown \w+ {path}"):
+        NetworkNamespace.resolve(SecurityConfig(psk_file=str(path)), env={})
+
+
+def test_node_record_writable_by_others_is_refused(tmp_path: Path) -> None:
+    from pmetal.actors.node import node_file
+    from pmetal.cli import _read_node_file
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    record = node_file(home)
+    record.write_text('{"pid": 1, "address": "tcp://127.0.0.1:1"}\n')
+    record.chmod(0o600)
+    assert _read_node_file(home) is not None
+    record.chmod(0o646)
+    with pytest.raises(ConfigError, match=rf"chmod go-w {record}"):
+        _read_node_file(home)

@@ -11,7 +11,7 @@ from pmetal.wire import Ping, Pong
 def test_request_reply_over_tcp() -> None:
     cfg = load_config(env={})
     ns = NetworkNamespace.generate()
-    transport = ZmqTransport(cfg.transport)
+    transport = ZmqTransport(cfg.transport, curve=ns.curve_keys())
     listener = SecureListener(transport.listen("tcp://127.0.0.1:0"), NodeIdentity.generate(),
                               ns, cfg)
     with Server(listener, lambda inc: Pong(inc.body.payload)):

@@ -116,7 +116,7 @@ class CoreClient:
         self.config = config
         self.namespace = namespace
         self.identity = identity or NodeIdentity.generate()
-        self.transport = ZmqTransport(config.transport)
+        self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.node_address = node_address
         self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)
         self.node_id = self.node.open(timeout=config.transport.connect_timeout)

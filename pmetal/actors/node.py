@@ -110,7 +110,7 @@ class NodeDaemon:
         self.node_id = identity.node_id
         self.host = host
         self.embedded = embedded
-        self.transport = ZmqTransport(config.transport)
+        self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
                                        namespace, config)
         self.resources = {**default_resources(), **(resources or {})}
@@ -197,7 +197,7 @@ class NodeDaemon:
         async def run() -> None:
             try:
                 reply = await work
-            except PMetalError as exc:
+            except (PMetalError, OSError) as exc:  # OSError: out of descriptors, processes
                 reply = Failure("bad_request", type(exc).__name__, str(exc))
             await self._reply(incoming, reply)
         self._cancellable_task(run())

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pmetal import shm
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import PMetalError, PMetalTimeoutError
@@ -145,6 +146,7 @@ class WorkerPool:
             self.idle.remove(worker.worker_id)
         if worker.channel is not None:
             worker.channel.close()
+        shm.sweep()   # what the worker was sent and never read, what it made for nobody
         if self._stopping.is_set():
             return
         if worker.role == "task" and not worker.killed:

@@ -82,7 +82,7 @@ class Worker:
         self.node_address = node_address
         self.identity = NodeIdentity.generate()
         self.namespace = namespace
-        self.transport = ZmqTransport(config.transport)
+        self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.listener = SecureListener(self.transport.listen(f"tcp://{host}:0"), self.identity,
                                        namespace, config)
         self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import pmetal
-from pmetal import api
+from pmetal import api, shm
 from pmetal.config import load_config
 
 from . import actor_classes
@@ -107,11 +107,7 @@ def shared_memory_objects(*pids: int) -> list[str]:
     """pmetal's POSIX shared-memory objects (large arrays in flight between
     processes of this machine) that processes ``pids`` created and that
     still exist."""
-    prefixes = tuple(f"pmetal-{pid}-" for pid in pids)
-    try:
-        return sorted(n for n in os.listdir("/dev/shm") if n.startswith(prefixes))
-    except FileNotFoundError:
-        return []
+    return sorted(name[1:] for name in shm.objects(creators=pids))
 
 
 def free_port() -> int:

@@ -1,0 +1,352 @@
+"""Attacks on a live node daemon and a live worker, from loopback.
+
+One daemon (``python -m pmetal.actors.node``) runs for the module, started
+with its soft open-file limit lowered to 1,024 (the usual default, and what
+a thousand idle connections exhausted before). A legitimate driver connects
+to it with ``pmetal.init`` and keeps one actor; each test attacks the daemon
+or that actor's worker and then checks that
+
+* the attacked process is alive,
+* its resident memory stayed within :data:`RSS_BOUND` of what it held before
+  (memory held on behalf of peers without a session),
+* the driver's calls succeed during and after the attack,
+* no stranger detached or took over a session.
+
+A *stranger* has no PSK: it speaks ZeroMQ without the namespace's CURVE keys
+(or raw TCP). A *member* holds the PSK (its transport keys are right) but
+knows no session key. Every attack is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+import pmetal
+from pmetal import api
+from pmetal.config import load_config
+from pmetal.security import NetworkNamespace
+from pmetal.transport import CurveKeys, raise_open_file_limit
+from pmetal.actors.client import CoreClient
+from pmetal.identity import NodeIdentity
+from pmetal.security import client_hello
+from pmetal.wire import Ping, encode
+
+from actors.actor_classes import Counter
+from actors.conftest import (EXIT_WAIT, read_line, stop_process, wait_until, worker_import_root,
+                             workers_of, assert_all_exit)
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                reason="reads process memory from /proc")
+
+SECRET = "adversarial-test-psk-0123456789abcdef"
+NAMESPACE = NetworkNamespace("default", SECRET.encode())
+MiB = 1 << 20
+RSS_BOUND = 64 * MiB
+"""Growth of a process's resident memory that the attacks may cause, in all."""
+WAIT = 10.0
+START_WAIT = 30.0
+HANDSHAKE_TIMEOUT = 2.0
+"""The daemon's (and its workers') transport handshake timeout: half-open
+connections are closed after it."""
+DAEMON_NOFILE = 1024
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def soft_nofile(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no open-file limit for {pid}")
+
+
+def _lower_nofile() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (DAEMON_NOFILE, hard))
+
+
+class Daemon:
+    def __init__(self, home: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
+        env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
+                   PMETAL_TRANSPORT_HANDSHAKE_TIMEOUT=str(HANDSHAKE_TIMEOUT),
+                   PYTHONPATH=os.pathsep.join(p for p in (worker_import_root(),
+                                                          env.get("PYTHONPATH")) if p))
+        self.log_path = home / "node.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
+                 "--port", str(self.port), "--num-workers", "2", "--num-task-workers", "1"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+                preexec_fn=_lower_nofile)
+        line = read_line(self.proc, START_WAIT, "adversarial node")
+        assert line.startswith("PMETAL_NODE_READY"), line
+        self.address = line.split()[1]
+        self.pid = self.proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    raise_open_file_limit()   # this process opens a thousand sockets too
+    if pmetal.is_initialized():
+        pmetal.shutdown(timeout=3.0)
+    node = Daemon(tmp_path_factory.mktemp("adversarial"))
+    workers: list[int] = []
+    try:
+        pmetal.init(address=f"127.0.0.1:{node.port}", psk=SECRET,
+                    config=load_config(env={}, transport={"request_timeout": WAIT}))
+        workers = workers_of(node.address)
+        yield node
+    finally:
+        if pmetal.is_initialized():
+            pmetal.shutdown(timeout=3.0)
+        stop_process(node.proc)
+        assert_all_exit(workers, EXIT_WAIT, "workers of the adversarial node")
+
+
+@pytest.fixture(scope="module")
+def actor(daemon: Daemon) -> Iterator[Any]:
+    handle = Counter.remote()
+    assert pmetal.get(handle.inc.remote(), timeout=WAIT) == 1
+    yield handle
+    try:
+        pmetal.kill(handle)
+    except pmetal.PMetalError:
+        pass
+
+
+def worker_record(handle: Any) -> dict[str, Any]:
+    for worker in api.client().status()["workers"]:
+        if worker["actor_id"] == handle._actor_id:
+            return worker
+    raise AssertionError(f"no worker hosts {handle!r}")
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    context.setsockopt(zmq.MAX_SOCKETS, 8192)
+    yield context
+    context.destroy(linger=0)
+
+
+def targets(daemon: Daemon, actor: Any) -> list[tuple[str, int, str]]:
+    worker = worker_record(actor)
+    return [("daemon", daemon.pid, daemon.address),
+            ("worker", worker["pid"], worker["address"])]
+
+
+def dealer(ctx: zmq.Context, address: str, curve: CurveKeys | None = None,
+           routing_id: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    if curve is not None:
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret)
+    return sock
+
+
+def refused_events(monitor: zmq.Socket, count: int, timeout: float) -> None:
+    """Wait for ``count`` failed ZMTP handshakes on a monitored socket: the
+    attacked process closed the connection before reading a frame."""
+    seen = 0
+    failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+              | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_DISCONNECTED)
+    deadline_ms = int(timeout * 1000)
+    while seen < count:
+        assert monitor.poll(deadline_ms), f"only {seen} of {count} connections were closed"
+        event = monitor.recv_multipart()[0]
+        if int.from_bytes(event[:2], "little") & failed:
+            seen += 1
+
+
+def driver_works(actor: Any, count: int = 5) -> None:
+    start = pmetal.get(actor.value.remote(), timeout=WAIT)
+    refs = [actor.inc.remote() for _ in range(count)]
+    assert pmetal.get(refs, timeout=WAIT) == list(range(start + 1, start + count + 1))
+
+
+# ------------------------------------------------------------------ attacks
+
+def test_unfinished_multipart_floods_are_never_buffered(daemon: Daemon, actor: Any,
+                                                        ctx: zmq.Context) -> None:
+    """24 frames of 64 MiB whose last part never comes, then 100 connections
+    with a 64 MiB unfinished message each, against the daemon and the
+    worker: libzmq drops every stranger at the CURVE handshake, so neither
+    process holds their bytes, and the driver is served throughout."""
+    chunk = bytes(64 * MiB)
+    for name, pid, address in targets(daemon, actor):
+        before = rss(pid)
+        big = dealer(ctx, address)
+        monitor = big.get_monitor_socket(zmq.EVENT_ALL)
+        big.connect(address)
+        for _ in range(24):
+            big.send(chunk, zmq.SNDMORE, copy=False)
+        refused_events(monitor, 1, WAIT)
+        driver_works(actor)
+        many = [dealer(ctx, address) for _ in range(100)]
+        monitors = [s.get_monitor_socket(zmq.EVENT_ALL) for s in many]
+        for sock in many:
+            sock.connect(address)
+            sock.send(chunk, zmq.SNDMORE, copy=False)
+        driver_works(actor)
+        for mon in monitors:
+            refused_events(mon, 1, WAIT)
+        driver_works(actor)
+        grown = rss(pid) - before
+        assert grown < RSS_BOUND, f"the {name} grew by {grown / MiB:.0f} MiB under a flood"
+        for sock in [big, *many]:
+            sock.disable_monitor()
+            sock.close(linger=0)
+        for mon in [monitor, *monitors]:
+            mon.close(linger=0)
+    assert daemon.alive, daemon.log()
+
+
+def test_routing_id_takeover_cannot_detach_or_hijack(daemon: Daemon, actor: Any,
+                                                     ctx: zmq.Context) -> None:
+    """A connection claiming the driver's routing id, with or without the
+    namespace keys, gets nothing and leaves the driver's session working."""
+    client = api.client()
+    worker = worker_record(actor)
+    routes = [(daemon.address, client.node._dialer.route),
+              (worker["address"], client.links[worker["address"]].channel._dialer.route)]
+    for address, route in routes:
+        for keys in (None, NAMESPACE.curve_keys()):
+            thief = dealer(ctx, address, keys, routing_id=route)
+            thief.setsockopt(zmq.RCVTIMEO, 500)
+            thief.connect(address)
+            thief.send_multipart(encode(Ping("mine now"), corr=1))
+            driver_works(actor)
+            assert pmetal.nodes(), "the driver's session with the node broke"
+            with pytest.raises(zmq.Again):
+                thief.recv_multipart()
+            thief.close(linger=0)
+            # The thief gone, the victim is still connected and served.
+            driver_works(actor)
+    assert daemon.alive, daemon.log()
+
+
+def test_a_thousand_idle_connections_do_not_end_the_daemon(daemon: Daemon, actor: Any) -> None:
+    """1,100 TCP connections that never speak: more than the daemon's soft
+    open-file limit at start. The daemon raised its limit to the hard one,
+    keeps creating actors for the driver meanwhile, and closes each idle
+    connection once the handshake timeout has passed (so strangers hold at
+    most what they can open within one handshake timeout)."""
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(1100):
+            conn = socket.create_connection(("127.0.0.1", daemon.port), timeout=WAIT)
+            conns.append(conn)
+        assert soft_nofile(daemon.pid) > DAEMON_NOFILE + len(conns)
+        fresh = Counter.remote()
+        assert pmetal.get(fresh.inc.remote(), timeout=WAIT) == 1
+        pmetal.kill(fresh)
+        # Half-open connections are closed by the daemon, not kept for ever.
+        for conn in conns:
+            conn.settimeout(HANDSHAKE_TIMEOUT + WAIT)
+            try:
+                data = conn.recv(4096)
+                while data:  # the ZMTP greeting, then the close
+                    data = conn.recv(4096)
+            except ConnectionResetError:
+                pass
+    finally:
+        for conn in conns:
+            conn.close()
+    assert daemon.alive, daemon.log()
+    driver_works(actor)
+
+
+def test_hello_floods_do_not_block_a_new_handshake(daemon: Daemon, actor: Any,
+                                                   ctx: zmq.Context) -> None:
+    """4,200 Hellos from strangers (over 300 connections) never reach
+    pmetal's handshake; a new driver connection completes its handshake
+    meanwhile. (Hellos from a PSK holder: test_endpoint's pending-handshake
+    tests.)"""
+    hello = encode(client_hello(NodeIdentity.generate(), NAMESPACE).hello)
+    socks = []
+    try:
+        for _ in range(300):
+            sock = dealer(ctx, daemon.address)
+            sock.connect(daemon.address)
+            for _ in range(14):
+                sock.send_multipart(hello)
+            socks.append(sock)
+        other = CoreClient(daemon.address, NAMESPACE, load_config(env={}))
+        try:
+            assert other.node_id
+        finally:
+            other.close()
+    finally:
+        for sock in socks:
+            sock.close(linger=0)
+    driver_works(actor)
+    assert daemon.alive, daemon.log()
+
+
+def test_duplicated_and_garbled_replies_are_dropped(daemon: Daemon, actor: Any) -> None:
+    """Replies that arrive twice, and garbage among them, on the driver's live
+    channel to the worker: dropped and counted, every call gets its own
+    result, and the session stays up."""
+    worker = worker_record(actor)
+    link = api.client().links[worker["address"]]
+    channel = link.channel
+    real = channel._dialer
+
+    class Faulty:
+        """Delivers each received message twice and a garbled one between."""
+
+        def __init__(self) -> None:
+            self.queued: list[Any] = []
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def recv(self, timeout: float | None = None) -> list[Any]:
+            if self.queued:
+                return self.queued.pop(0)
+            frames = real.recv(timeout)
+            self.queued += [[b"\x93garbage" + os.urandom(20)], list(frames)]
+            return frames
+
+    dropped = channel.statistics().dropped
+    channel._dialer = Faulty()
+    try:
+        driver_works(actor, count=20)
+        assert channel.session is not None
+    finally:
+        channel._dialer = real
+    assert channel.statistics().dropped > dropped
+    driver_works(actor)
+
