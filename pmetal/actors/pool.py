@@ -85,7 +85,8 @@ class WorkerPool:
         self.num_task = num_task
         self._on_exit = on_exit
         self._fork_server = fork_server
-        self._spawning = 0       # actor workers asked for, not yet in ``workers``
+        self._spawning = {"actor": 0, "task": 0}   # asked for, not yet in ``workers``
+        self._started = asyncio.Event()   # a worker became ready or exited
         self._waiting = 0        # creations waiting for an idle actor worker
         self.workers: dict[str, WorkerProc] = {}
         self.idle: list[str] = []
@@ -98,7 +99,7 @@ class WorkerPool:
         self._counts = {"started": 0, "exited": 0}
 
     def statistics(self) -> PoolStatistics:
-        starting = sum(1 for w in self.workers.values() if not w.ready.is_set())
+        starting = self._starting()
         forked = self._fork_server.forked if self._fork_server is not None else 0
         return PoolStatistics(len(self.workers), len(self.idle), starting,
                               self._counts["started"], forked, self._counts["exited"])
@@ -112,35 +113,56 @@ class WorkerPool:
         self._stopping = stopping
 
     async def fill(self) -> None:
-        """Start the pool: at once when workers are forked (a fork costs the
+        """Start the pool. Forked workers start at once (a fork costs the
         node next to nothing, and the first actor of a fresh driver waits for
-        one). Starting an interpreter per worker takes both cores for a few
-        hundred ms: then the driver that started the node gets a moment to
-        finish its handshake first (pmetal.init() returns as soon as it has)."""
-        if not self._forking():
+        one); on two cores, the actor workers first, then the task workers,
+        then the fork server's heavy imports (numpy), so that the first
+        actor's worker does not share the CPUs with the rest. Starting an
+        interpreter per worker takes both cores for a few hundred ms: then
+        the driver that started the node gets a moment to finish its
+        handshake first (pmetal.init() returns as soon as it has)."""
+        server = self._fork_server
+        if server is None or not server.alive:
             try:
                 await asyncio.wait_for(self._stopping.wait(), _POOL_DELAY)
                 return
             except asyncio.TimeoutError:
                 pass
+        deadline = time.monotonic() + self._config.transport.connect_timeout
         for _ in range(self.num_actor):
             self.spawn("actor")
+        await self._until_started(deadline)
         for _ in range(self.num_task):
             self.spawn("task")
+        await self._until_started(deadline)
+        if server is not None:
+            server.preload()
 
-    def _forking(self) -> bool:
-        return self._fork_server is not None and self._fork_server.alive
+    def _starting(self) -> int:
+        return sum(self._spawning.values()) + sum(
+            1 for w in self.workers.values() if not w.ready.is_set())
+
+    async def _until_started(self, deadline: float) -> None:
+        """Until no worker is starting, or ``deadline``."""
+        while self._starting():
+            self._started.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._started.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
 
     def spawn(self, role: str) -> None:
         assert self._group is not None
-        if role == "actor":
-            self._spawning += 1
+        self._spawning[role] = self._spawning.get(role, 0) + 1
         self._group.create_task(self._run(role))
 
     def _top_up(self) -> None:
         """Start actor workers until those idle or starting cover the pool's
         size plus every creation waiting for one."""
-        unclaimed = len(self.idle) + self._spawning + sum(
+        unclaimed = len(self.idle) + self._spawning["actor"] + sum(
             1 for w in self.workers.values()
             if w.role == "actor" and not w.ready.is_set() and not w.actor_id and not w.killed)
         for _ in range(self.num_actor + self._waiting - unclaimed):
@@ -168,8 +190,7 @@ class WorkerPool:
         try:
             proc = await self._start(worker_id)
         finally:
-            if role == "actor":
-                self._spawning -= 1
+            self._spawning[role] -= 1
         worker = WorkerProc(worker_id, role, proc)
         self.workers[worker_id] = worker
         self._counts["started"] += 1
@@ -180,6 +201,7 @@ class WorkerPool:
 
     async def _exited(self, worker: WorkerProc, code: int) -> None:
         self._counts["exited"] += 1
+        self._started.set()
         self.workers.pop(worker.worker_id, None)
         if worker.worker_id in self.idle:
             self.idle.remove(worker.worker_id)
@@ -201,6 +223,7 @@ class WorkerPool:
             return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
         worker.address = body.address
         worker.ready.set()
+        self._started.set()
         if worker.role == "task":
             self.task_ready.set()
         if worker.role == "actor" and not worker.actor_id:
@@ -288,8 +311,8 @@ class WorkerPool:
         while True:
             ready = tuple(w.address for w in self.workers.values()
                           if w.role == "task" and w.ready.is_set() and w.address not in avoid)
-            starting = sum(1 for w in self.workers.values()
-                           if w.role == "task" and not w.ready.is_set())
+            starting = self._spawning["task"] + sum(
+                1 for w in self.workers.values() if w.role == "task" and not w.ready.is_set())
             if ready and (not starting or time.monotonic() >= grace):
                 return WorkerList(ready, starting)
             remaining = (deadline if not ready else min(deadline, grace)) - time.monotonic()

@@ -22,7 +22,8 @@ Node and zygote talk over a Unix socket pair (inherited, never on a network
 or a file system path): frames of a 4-byte big-endian length and a JSON
 object.
 
-* node to zygote: ``{"op": "fork", "tag": N, "argv": [...], "env": {...}}``
+* node to zygote: ``{"op": "preload"}`` (import the heavier modules now), and
+  ``{"op": "fork", "tag": N, "argv": [...], "env": {...}}``
   with one file descriptor attached (``SCM_RIGHTS``): the worker's
   *lifeline*, one end of a socket pair whose other end the node keeps. The
   child reads it as its stdin, so it exits when the node goes away (the
@@ -43,6 +44,7 @@ with the code unknown: :data:`UNKNOWN_EXIT`).
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib
 import itertools
 import json
@@ -66,11 +68,12 @@ UNKNOWN_EXIT = -255
 """Exit code reported for a forked worker that exited after its zygote died
 (nobody was left to learn the real code)."""
 
-# Imported by the zygote before it serves, in this order, one at a time
-# between requests: the first workers of a cold node need not wait for numpy.
+# Imported by the zygote one at a time between requests: PRELOAD at once,
+# PRELOAD_LATER when the node says its first workers run (on two cores, the
+# first actor of a fresh driver would otherwise wait for numpy to load).
 # Never mlx (see the module docstring).
-PRELOAD = ("pmetal.actors.worker", "pmetal.aio", "cloudpickle", "uvloop", "numpy",
-           "concurrent.futures")
+PRELOAD = ("pmetal.actors.worker", "pmetal.aio", "cloudpickle")
+PRELOAD_LATER = ("uvloop", "concurrent.futures", "numpy", "numpy.random")
 
 _HEADER = struct.Struct(">I")
 _MAX_FRAME = 1 << 20
@@ -132,6 +135,10 @@ class _Zygote:
         # decides what stops, and the zygote follows when the node closes.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGCHLD, lambda *_: None)
+        # No collections here, and everything frozen before each fork: a
+        # child's collector then never walks (and so never copies the pages
+        # of) the objects it inherits, as the gc module's documentation advises.
+        gc.disable()
         signal.set_wakeup_fd(self.wake_w.fileno())
         with selectors.DefaultSelector() as sel:
             sel.register(self.control, selectors.EVENT_READ)
@@ -155,6 +162,9 @@ class _Zygote:
                         raise ForkServerError("file descriptors were cut off a fork request")
                     self.buffer += data
                     for request in _frames(self.buffer):
+                        if request.get("op") == "preload":
+                            self.preload += PRELOAD_LATER
+                            continue
                         child = self._fork(request)
                         if child is not None:
                             sel.close()
@@ -194,6 +204,7 @@ class _Zygote:
         lifeline = self.fds.pop(0)
         sys.stdout.flush()
         sys.stderr.flush()
+        gc.freeze()
         try:
             pid = os.fork()
         except OSError as exc:
@@ -207,6 +218,7 @@ class _Zygote:
         # The child: nothing of the zygote's may stay open in it (the node
         # sees the zygote's end of the control socket close only when every
         # copy is closed).
+        gc.enable()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -387,6 +399,14 @@ class ForkServer:
                 entry[1].close()
         self.forked += 1
         return proc
+
+    def preload(self) -> None:
+        """Let the zygote import the heavier modules (numpy) now."""
+        if self.alive:
+            try:
+                self._control.send(_frame({"op": "preload"}))
+            except OSError as exc:
+                self._died(f"cannot reach it: {exc}")
 
     def _readable(self) -> None:
         try:

@@ -68,6 +68,12 @@ class Crasher:
 
 @pmetal.remote
 class Draws:
+    def __init__(self) -> None:
+        self.inherited = "numpy.random" in sys.modules   # loaded by the fork server
+
+    def inherited_numpy(self) -> bool:
+        return self.inherited
+
     def draw(self) -> tuple[float, float]:
         import random
 
@@ -105,9 +111,18 @@ def test_a_crashing_worker_reports_its_code_and_leaves_the_fork_server_serving()
 
 
 def test_forked_workers_draw_different_random_numbers() -> None:
-    # numpy's global generator is seeded once in the fork server: each
-    # worker must reseed it, or every actor draws the same numbers.
-    actors = [Draws.remote() for _ in range(3)]
+    # numpy's global generator is seeded once, in the fork server (which
+    # loads numpy.random once the pool's first workers run): each worker
+    # must reseed it, or every actor draws the same numbers.
+    def forked_with_numpy() -> Any:
+        actor = Draws.remote()
+        if pmetal.get(actor.inherited_numpy.remote(), timeout=WAIT):
+            return actor
+        pmetal.kill(actor)
+        return None
+
+    actors = [wait_until(forked_with_numpy, WAIT, what="a worker forked with numpy loaded")
+              for _ in range(3)]
     try:
         draws = pmetal.get([a.draw.remote() for a in actors], timeout=WAIT)
         assert len({d[0] for d in draws}) == 3
