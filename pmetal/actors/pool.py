@@ -86,7 +86,8 @@ class WorkerPool:
         self._on_exit = on_exit
         self._fork_server = fork_server
         self._spawning = {"actor": 0, "task": 0}   # asked for, not yet in ``workers``
-        self._started = asyncio.Event()   # a worker became ready or exited
+        self._settled = 0                 # workers that became ready, or exited before
+        self._settled_changed = asyncio.Event()
         self._waiting = 0        # creations waiting for an idle actor worker
         self.workers: dict[str, WorkerProc] = {}
         self.idle: list[str] = []
@@ -131,10 +132,10 @@ class WorkerPool:
         deadline = time.monotonic() + self._config.transport.connect_timeout
         for _ in range(self.num_actor):
             self.spawn("actor")
-        await self._until_started(deadline)
+        await self._until_settled(self._settled + self.num_actor, deadline)
         for _ in range(self.num_task):
             self.spawn("task")
-        await self._until_started(deadline)
+        await self._until_settled(self._settled + self.num_task, deadline)
         if server is not None:
             server.preload()
 
@@ -142,17 +143,22 @@ class WorkerPool:
         return sum(self._spawning.values()) + sum(
             1 for w in self.workers.values() if not w.ready.is_set())
 
-    async def _until_started(self, deadline: float) -> None:
-        """Until no worker is starting, or ``deadline``."""
-        while self._starting():
-            self._started.clear()
+    async def _until_settled(self, count: int, deadline: float) -> None:
+        """Until ``count`` workers have settled (ready, or exited before),
+        or ``deadline``."""
+        while self._settled < count:
+            self._settled_changed.clear()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
             try:
-                await asyncio.wait_for(self._started.wait(), remaining)
+                await asyncio.wait_for(self._settled_changed.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+
+    def _settle(self) -> None:
+        self._settled += 1
+        self._settled_changed.set()
 
     def spawn(self, role: str) -> None:
         assert self._group is not None
@@ -201,7 +207,8 @@ class WorkerPool:
 
     async def _exited(self, worker: WorkerProc, code: int) -> None:
         self._counts["exited"] += 1
-        self._started.set()
+        if not worker.ready.is_set():
+            self._settle()
         self.workers.pop(worker.worker_id, None)
         if worker.worker_id in self.idle:
             self.idle.remove(worker.worker_id)
@@ -221,9 +228,10 @@ class WorkerPool:
         worker = self.workers.get(body.worker_id)
         if worker is None:
             return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
+        if not worker.ready.is_set():
+            self._settle()
         worker.address = body.address
         worker.ready.set()
-        self._started.set()
         if worker.role == "task":
             self.task_ready.set()
         if worker.role == "actor" and not worker.actor_id:
