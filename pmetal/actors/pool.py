@@ -220,7 +220,9 @@ class WorkerPool:
             log.warning("task worker %s exited with code %s; starting another",
                         worker.worker_id, code)
             self.spawn("task")
-        if worker.role == "actor" and not worker.actor_id:  # an idle or starting one
+        if worker.role == "actor" and not worker.actor_id and worker.ready.is_set():
+            # An idle worker died: replace it. One that died before it was
+            # ready is not (a worker that cannot start would be forked in a loop).
             self._top_up()
         await self._on_exit(worker, code)
 

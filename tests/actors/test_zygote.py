@@ -148,6 +148,20 @@ def test_creations_beyond_the_pool_fork_workers_on_demand() -> None:
                what="the pool back to its size")
 
 
+def test_an_idle_worker_that_dies_is_replaced() -> None:
+    wait_until(lambda: pool()["idle"] == NUM_WORKERS, WAIT, what="a full pool")
+    idle = [w for w in api.client().status()["workers"]
+            if w["role"] == "actor" and not w["actor_id"] and w["ready"]]
+    os.kill(idle[0]["pid"], signal.SIGKILL)
+
+    def replaced() -> bool:
+        workers = api.client().status()["workers"]
+        return (idle[0]["pid"] not in {w["pid"] for w in workers}
+                and pool()["idle"] == NUM_WORKERS)
+
+    wait_until(replaced, WAIT, what="the dead idle worker replaced")
+
+
 DRIVER = textwrap.dedent("""
     import json, os, sys
     import pmetal
