@@ -127,6 +127,7 @@ class _Zygote:
         self.buffer = bytearray()
         self.fds: list[int] = []
         self.preload = list(PRELOAD)
+        self.node_gone = False
 
     def serve(self) -> _Child | None:
         """Serve fork requests until the node closes the socket (None), or
@@ -143,7 +144,7 @@ class _Zygote:
         with selectors.DefaultSelector() as sel:
             sel.register(self.control, selectors.EVENT_READ)
             sel.register(self.wake_r, selectors.EVENT_READ)
-            while True:
+            while not self.node_gone:
                 self._reap()
                 # Preload between requests: a request waiting is served first.
                 events = sel.select(0 if self.preload else None)
@@ -154,7 +155,10 @@ class _Zygote:
                     if key.fileobj is self.wake_r:
                         self._drain_wakeups()
                         continue
-                    data, fds, flags, _ = socket.recv_fds(self.control, 1 << 16, 16)
+                    try:
+                        data, fds, flags, _ = socket.recv_fds(self.control, 1 << 16, 16)
+                    except ConnectionResetError:  # the node died with our news unread
+                        return None
                     self.fds.extend(fds)
                     if not data:
                         return None
@@ -169,6 +173,7 @@ class _Zygote:
                         if child is not None:
                             sel.close()
                             return child
+        return None
 
     def _import(self, name: str) -> None:
         try:
@@ -194,7 +199,10 @@ class _Zygote:
             self._send({"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def _send(self, message: dict[str, Any]) -> None:
-        self.control.sendall(_frame(message))
+        try:
+            self.control.sendall(_frame(message))
+        except OSError:  # the node closed its end (it stops): so do we
+            self.node_gone = True
 
     def _fork(self, request: dict[str, Any]) -> _Child | None:
         tag = request.get("tag")
