@@ -129,15 +129,16 @@ class WorkerPool:
                 return
             except asyncio.TimeoutError:
                 pass
+            for role, count in (("actor", self.num_actor), ("task", self.num_task)):
+                for _ in range(count):
+                    self.spawn(role)
+            return
         deadline = time.monotonic() + self._config.transport.connect_timeout
-        for _ in range(self.num_actor):
-            self.spawn("actor")
-        await self._until_settled(self._settled + self.num_actor, deadline)
-        for _ in range(self.num_task):
-            self.spawn("task")
-        await self._until_settled(self._settled + self.num_task, deadline)
-        if server is not None:
-            server.preload()
+        for role, count in (("actor", self.num_actor), ("task", self.num_task)):
+            for _ in range(count):
+                self.spawn(role)
+            await self._until_settled(self._settled + count, deadline)
+        server.preload()
 
     def _starting(self) -> int:
         return sum(self._spawning.values()) + sum(
