@@ -516,8 +516,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true",
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
-    # First, while this process has one thread and no ZeroMQ context: the
-    # fork server that starts workers in milliseconds (pmetal.actors.zygote).
+    # First, while this process has one thread and no ZeroMQ context, and
+    # before it loads its key pair (workers run user code): the fork server
+    # that starts workers in milliseconds (pmetal.actors.zygote).
     fork_server = ForkServer.fork_here()
     try:
         setup_process_logging("node")
