@@ -22,7 +22,10 @@ Node and zygote talk over a Unix socket pair (inherited, never on a network
 or a file system path): frames of a 4-byte big-endian length and a JSON
 object.
 
-* node to zygote: ``{"op": "preload"}`` (import the heavier modules now), and
+* node to zygote: ``{"op": "preload"}`` (import the heavier modules now),
+  ``{"op": "kill", "pid": P}`` (SIGKILL a child not reaped yet: only the zygote
+  knows whether ``P`` is still its child, or already a pid the system may have
+  given to an unrelated process), and
   ``{"op": "fork", "tag": N, "argv": [...], "env": {...}}``
   with one file descriptor attached (``SCM_RIGHTS``): the worker's
   *lifeline*, one end of a socket pair whose other end the node keeps. The
@@ -128,6 +131,7 @@ class _Zygote:
         self.fds: list[int] = []
         self.preload = list(PRELOAD)
         self.node_gone = False
+        self.children: set[int] = set()   # forked, not reaped yet
 
     def serve(self) -> _Child | None:
         """Serve fork requests until the node closes the socket (None), or
@@ -169,6 +173,9 @@ class _Zygote:
                         if request.get("op") == "preload":
                             self.preload += PRELOAD_LATER
                             continue
+                        if request.get("op") == "kill":
+                            self._kill(request.get("pid"))
+                            continue
                         child = self._fork(request)
                         if child is not None:
                             sel.close()
@@ -188,6 +195,13 @@ class _Zygote:
         except BlockingIOError:
             pass
 
+    def _kill(self, pid: Any) -> None:
+        if pid in self.children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def _reap(self) -> None:
         while True:
             try:
@@ -196,6 +210,7 @@ class _Zygote:
                 return
             if pid == 0:
                 return
+            self.children.discard(pid)
             self._send({"op": "exited", "pid": pid, "code": os.waitstatus_to_exitcode(status)})
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -221,6 +236,7 @@ class _Zygote:
             return None
         if pid:
             os.close(lifeline)
+            self.children.add(pid)
             self._send({"op": "started", "tag": tag, "pid": pid})
             return None
         # The child: nothing of the zygote's may stay open in it (the node
@@ -284,10 +300,11 @@ class ForkedProcess:
     started itself (the fields and methods of
     :class:`asyncio.subprocess.Process` the pool uses)."""
 
-    def __init__(self, pid: int, lifeline: socket.socket) -> None:
+    def __init__(self, pid: int, lifeline: socket.socket, server: ForkServer) -> None:
         self.pid = pid
         self.returncode: int | None = None
         self._lifeline = lifeline
+        self._server = server
         self._done = asyncio.Event()
         self._watching = False
 
@@ -297,13 +314,18 @@ class ForkedProcess:
         return self.returncode
 
     def kill(self) -> None:
-        # The zygote reaps the child and then tells us: until we hear it,
-        # the pid is still this worker's (or a zombie's).
-        if self.returncode is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        if self.returncode is not None:
+            return
+        # Through the zygote: it reaps the child before telling us, so the
+        # pid may already be free (and reused) when we would signal it.
+        if self._server._kill(self.pid):
+            return
+        # The zygote is gone: this orphan's exit shows on its lifeline,
+        # which has not shown it yet.
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _exited(self, code: int) -> None:
         if self.returncode is not None:
@@ -408,13 +430,28 @@ class ForkServer:
         self.forked += 1
         return proc
 
+    def _tell(self, message: dict[str, Any]) -> bool:
+        """Send the zygote a message that needs no answer; False when it is gone."""
+        if not self.alive:
+            return False
+        frame = _frame(message)
+        try:
+            sent = self._control.send(frame)
+        except OSError as exc:
+            self._died(f"cannot reach it: {exc}")
+            return False
+        if sent != len(frame):  # it stopped reading: a frame cut in two
+            self._died("its socket is full")
+            return False
+        return True
+
+    def _kill(self, pid: int) -> bool:
+        """Ask the zygote to SIGKILL its child ``pid``; False when it is gone."""
+        return self._tell({"op": "kill", "pid": pid})
+
     def preload(self) -> None:
         """Let the zygote import the heavier modules (numpy) now."""
-        if self.alive:
-            try:
-                self._control.send(_frame({"op": "preload"}))
-            except OSError as exc:
-                self._died(f"cannot reach it: {exc}")
+        self._tell({"op": "preload"})
 
     def _readable(self) -> None:
         try:
@@ -448,7 +485,7 @@ class ForkServer:
             return
         future, lifeline = entry
         if op == "started":
-            proc = ForkedProcess(int(message["pid"]), lifeline)
+            proc = ForkedProcess(int(message["pid"]), lifeline, self)
             self._procs[proc.pid] = proc
             future.set_result(proc)
         else:
