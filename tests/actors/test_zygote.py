@@ -224,6 +224,9 @@ def test_a_dead_fork_server_makes_the_node_start_interpreters() -> None:
         assert f"exited with code {UNKNOWN_EXIT}" in state["reason"]
         with pytest.raises(ActorDiedError):
             pmetal.get(victim.pid.remote(), timeout=WAIT)
+        # pmetal.kill still reaches an orphan (the node signals it itself).
+        pmetal.kill(survivor)
+        assert_all_exit([survivor_pid], what="the orphaned worker killed by pmetal.kill")
     finally:
         for a in [*fresh, survivor]:
             pmetal.kill(a)
