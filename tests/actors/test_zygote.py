@@ -69,9 +69,11 @@ class Crasher:
 @pmetal.remote
 class Draws:
     def __init__(self) -> None:
-        self.inherited = "numpy.random" in sys.modules   # loaded by the fork server
+        # What the worker got from the fork server, before any code of its own.
+        self.inherited = sorted(m for m in ("numpy.random", "mlx", "mlx.core")
+                                if m in sys.modules)
 
-    def inherited_numpy(self) -> bool:
+    def inherited_modules(self) -> list[str]:
         return self.inherited
 
     def draw(self) -> tuple[float, float]:
@@ -116,7 +118,10 @@ def test_forked_workers_draw_different_random_numbers() -> None:
     # must reseed it, or every actor draws the same numbers.
     def forked_with_numpy() -> Any:
         actor = Draws.remote()
-        if pmetal.get(actor.inherited_numpy.remote(), timeout=WAIT):
+        inherited = pmetal.get(actor.inherited_modules.remote(), timeout=WAIT)
+        # MLX (Metal on macOS) must never be loaded before a fork.
+        assert "mlx" not in inherited and "mlx.core" not in inherited
+        if "numpy.random" in inherited:
             return actor
         pmetal.kill(actor)
         return None
