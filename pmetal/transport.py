@@ -392,6 +392,11 @@ class _ZmqSocket:
             # cancels its waiters, leaves the event loop and closes the socket.
             self._async.close(linger=0)
             self._async = None
+            # The owner must know, or it closes that address again when it is
+            # garbage-collected, and by then libzmq may have given the memory
+            # to a new socket (seen as "Socket operation on non-socket" on a
+            # node's fresh channel to a worker).
+            self._sock._closed = True
         else:
             self._sock.close(linger=0)
 

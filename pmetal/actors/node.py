@@ -36,6 +36,7 @@ from typing import Any
 
 from pmetal.actors.membership import Membership
 from pmetal.actors.pool import WorkerPool, WorkerProc
+from pmetal.actors.zygote import ForkServer
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
@@ -103,7 +104,7 @@ class NodeDaemon:
                  identity: NodeIdentity, *, host: str = "127.0.0.1", port: int = 0,
                  num_workers: int | None = None, num_task_workers: int | None = None,
                  resources: dict[str, float] | None = None, peers: list[str] | None = None,
-                 embedded: bool = False) -> None:
+                 embedded: bool = False, fork_server: ForkServer | None = None) -> None:
         self.config = config
         self.namespace = namespace
         self.identity = identity
@@ -122,7 +123,7 @@ class NodeDaemon:
             config=config, transport=self.transport,
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
             num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
-            on_exit=self._worker_exited)
+            on_exit=self._worker_exited, fork_server=fork_server)
         self.actors: dict[str, ActorRecord] = {}
         self.names: dict[str, str] = {}
         self._claiming: set[str] = set()   # names being looked up on the peers
@@ -517,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true",
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
+    # First, while this process has one thread and no ZeroMQ context, and
+    # before it loads its key pair (workers run user code): the fork server
+    # that starts workers in milliseconds (pmetal.actors.zygote).
+    fork_server = ForkServer.fork_here()
     try:
         setup_process_logging("node")
     except PMetalError as exc:
@@ -535,8 +540,10 @@ def main(argv: list[str] | None = None) -> int:
                             num_workers=args.num_workers, num_task_workers=args.num_task_workers,
                             resources=json.loads(args.resources),
                             peers=[p for p in args.peers.split(",") if p],
-                            embedded=args.embedded)
+                            embedded=args.embedded, fork_server=fork_server)
     except (PMetalError, ValueError) as exc:
+        if fork_server is not None:
+            fork_server.close()
         print(f"pmetal node: {exc}", file=sys.stderr, flush=True)
         return 1
 

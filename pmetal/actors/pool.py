@@ -1,12 +1,15 @@
 """A node's worker processes: the pre-started pool.
 
-The node starts ``num_actor`` actor workers and ``num_task`` task workers
-(``python -m pmetal.actors.worker``) shortly after it is ready, and keeps
-both counts up: taking an idle actor worker starts its replacement, and a
-task worker that dies is replaced. Each worker announces itself with
-``WorkerReady``; until then it is "starting". The node's channel to a worker
-is opened once, by whoever needs it first (actor construction, a status
-ask), and shared.
+The node starts ``num_actor`` actor workers and ``num_task`` task workers as
+soon as it serves, and keeps both counts up: taking an idle actor worker
+starts its replacement, a creation that finds no idle worker starts one of
+its own at once, and a task worker that dies is replaced. Workers are forked
+by the node's fork server (:mod:`pmetal.actors.zygote`: a few milliseconds
+each) or, where there is none or it died, started as interpreters
+(``python -m pmetal.actors.worker``: a few hundred). Each worker announces
+itself with ``WorkerReady``; until then it is "starting". The node's channel
+to a worker is opened once, by whoever needs it first (actor construction, a
+status ask), and shared.
 
 When a worker process exits, the pool forgets it and then calls the node's
 ``on_exit`` (which restarts the actor it hosted, if it may).
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pmetal import shm
+from pmetal.actors.zygote import ForkedProcess, ForkServer, ForkServerError
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import PMetalError, PMetalTimeoutError
@@ -38,7 +42,7 @@ __all__ = ["PoolStatistics", "WorkerPool", "WorkerProc"]
 
 log = logging.getLogger(__name__)
 
-_POOL_DELAY = 0.15   # s after the node is ready before the pool starts
+_POOL_DELAY = 0.15   # s after the node is ready before the pool starts interpreters
 _LEASE_GRACE = 1.0   # s a lease waits for task workers that are still starting
 _STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status`
 
@@ -47,7 +51,7 @@ _STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status
 class WorkerProc:
     worker_id: str
     role: str                      # "actor", "task", or "lent" (a task's own worker)
-    proc: asyncio.subprocess.Process
+    proc: asyncio.subprocess.Process | ForkedProcess
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     address: str = ""
     channel: Channel | None = None   # set only once its handshake has completed
@@ -62,6 +66,7 @@ class PoolStatistics:
     idle: int             # actor workers ready and free
     starting: int         # started, not ready yet
     started: int          # processes started since the node started
+    forked: int           # of which forked by the fork server (the others: interpreters)
     exited: int           # processes that exited (killed, crashed, or at shutdown)
 
 
@@ -69,7 +74,8 @@ class WorkerPool:
     def __init__(self, *, node_id: str, host: str, identity: NodeIdentity,
                  namespace: NetworkNamespace, config: PMetalConfig, transport: ZmqTransport,
                  num_actor: int, num_task: int,
-                 on_exit: Callable[[WorkerProc, int], Awaitable[None]]) -> None:
+                 on_exit: Callable[[WorkerProc, int], Awaitable[None]],
+                 fork_server: ForkServer | None = None) -> None:
         self._node_id = node_id
         self._host = host
         self._identity = identity
@@ -79,6 +85,11 @@ class WorkerPool:
         self.num_actor = num_actor
         self.num_task = num_task
         self._on_exit = on_exit
+        self._fork_server = fork_server
+        self._spawning = {"actor": 0, "task": 0}   # asked for, not yet in ``workers``
+        self._settled = 0                 # workers that became ready, or exited before
+        self._settled_changed = asyncio.Event()
+        self._waiting = 0        # creations waiting for an idle actor worker
         self.workers: dict[str, WorkerProc] = {}
         self.idle: list[str] = []
         self.idle_changed = asyncio.Event()
@@ -90,9 +101,10 @@ class WorkerPool:
         self._counts = {"started": 0, "exited": 0}
 
     def statistics(self) -> PoolStatistics:
-        starting = sum(1 for w in self.workers.values() if not w.ready.is_set())
+        starting = self._starting()
+        forked = self._fork_server.forked if self._fork_server is not None else 0
         return PoolStatistics(len(self.workers), len(self.idle), starting,
-                              self._counts["started"], self._counts["exited"])
+                              self._counts["started"], forked, self._counts["exited"])
 
     def start(self, group: asyncio.TaskGroup, node_address: str,
               stopping: asyncio.Event) -> None:
@@ -103,34 +115,90 @@ class WorkerPool:
         self._stopping = stopping
 
     async def fill(self) -> None:
-        """Start the pool. Starting a Python process per worker takes both
-        cores for a few hundred ms: the driver that started the node gets a
-        moment to finish its handshake first (pmetal.init() returns as soon
-        as it has)."""
-        try:
-            await asyncio.wait_for(self._stopping.wait(), _POOL_DELAY)
+        """Start the pool. Forked workers start at once (a fork costs the
+        node next to nothing, and the first actor of a fresh driver waits for
+        one); on two cores, the actor workers first, then the task workers,
+        then the fork server's heavy imports (numpy), so that the first
+        actor's worker does not share the CPUs with the rest. Starting an
+        interpreter per worker takes both cores for a few hundred ms: then
+        the driver that started the node gets a moment to finish its
+        handshake first (pmetal.init() returns as soon as it has)."""
+        server = self._fork_server
+        if server is None or not server.alive:
+            try:
+                await asyncio.wait_for(self._stopping.wait(), _POOL_DELAY)
+                return
+            except asyncio.TimeoutError:
+                pass
+            for role, count in (("actor", self.num_actor), ("task", self.num_task)):
+                for _ in range(count):
+                    self.spawn(role)
             return
-        except asyncio.TimeoutError:
-            pass
-        for _ in range(self.num_actor):
-            self.spawn("actor")
-        for _ in range(self.num_task):
-            self.spawn("task")
+        deadline = time.monotonic() + self._config.transport.connect_timeout
+        for role, count in (("actor", self.num_actor), ("task", self.num_task)):
+            for _ in range(count):
+                self.spawn(role)
+            await self._until_settled(self._settled + count, deadline)
+        server.preload()
+
+    def _starting(self) -> int:
+        return sum(self._spawning.values()) + sum(
+            1 for w in self.workers.values() if not w.ready.is_set())
+
+    async def _until_settled(self, count: int, deadline: float) -> None:
+        """Until ``count`` workers have settled (ready, or exited before),
+        or ``deadline``."""
+        while self._settled < count:
+            self._settled_changed.clear()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._settled_changed.wait(), remaining)
+            except asyncio.TimeoutError:
+                return
+
+    def _settle(self) -> None:
+        self._settled += 1
+        self._settled_changed.set()
 
     def spawn(self, role: str) -> None:
         assert self._group is not None
+        self._spawning[role] = self._spawning.get(role, 0) + 1
         self._group.create_task(self._run(role))
+
+    def _top_up(self) -> None:
+        """Start actor workers until those idle or starting cover the pool's
+        size plus every creation waiting for one."""
+        unclaimed = len(self.idle) + self._spawning["actor"] + sum(
+            1 for w in self.workers.values()
+            if w.role == "actor" and not w.ready.is_set() and not w.actor_id and not w.killed)
+        for _ in range(self.num_actor + self._waiting - unclaimed):
+            self.spawn("actor")
+
+    async def _start(self, worker_id: str) -> asyncio.subprocess.Process | ForkedProcess:
+        argv = ["--node", self._node_address, "--worker-id", worker_id, "--host", self._host]
+        extra = {"PMETAL_PSK_HEX": self._namespace.psk.hex(),
+                 "PMETAL_SECURITY_NAMESPACE": self._namespace.name}
+        if self._fork_server is not None and self._fork_server.alive:
+            try:
+                return await self._fork_server.spawn(argv, extra,
+                                                     self._config.transport.connect_timeout)
+            except ForkServerError as exc:
+                log.warning("worker %s: %s; starting an interpreter instead", worker_id, exc)
+        env = dict(os.environ)
+        env.pop("PMETAL_PSK", None)
+        env.update(extra)
+        return await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pmetal.actors.worker", *argv,
+            stdin=asyncio.subprocess.PIPE, env=env)
 
     async def _run(self, role: str) -> None:
         worker_id = f"{self._node_id[:8]}-w{next(self._ids)}"
-        env = dict(os.environ)
-        env.pop("PMETAL_PSK", None)
-        env["PMETAL_PSK_HEX"] = self._namespace.psk.hex()
-        env["PMETAL_SECURITY_NAMESPACE"] = self._namespace.name
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pmetal.actors.worker", "--node", self._node_address,
-            "--worker-id", worker_id, "--host", self._host,
-            stdin=asyncio.subprocess.PIPE, env=env)
+        try:
+            proc = await self._start(worker_id)
+        finally:
+            self._spawning[role] -= 1
         worker = WorkerProc(worker_id, role, proc)
         self.workers[worker_id] = worker
         self._counts["started"] += 1
@@ -141,6 +209,8 @@ class WorkerPool:
 
     async def _exited(self, worker: WorkerProc, code: int) -> None:
         self._counts["exited"] += 1
+        if not worker.ready.is_set():
+            self._settle()
         self.workers.pop(worker.worker_id, None)
         if worker.worker_id in self.idle:
             self.idle.remove(worker.worker_id)
@@ -153,12 +223,18 @@ class WorkerPool:
             log.warning("task worker %s exited with code %s; starting another",
                         worker.worker_id, code)
             self.spawn("task")
+        if worker.role == "actor" and not worker.actor_id and worker.ready.is_set():
+            # An idle worker died: replace it. One that died before it was
+            # ready is not (a worker that cannot start would be forked in a loop).
+            self._top_up()
         await self._on_exit(worker, code)
 
     def ready(self, body: WorkerReady) -> Message:
         worker = self.workers.get(body.worker_id)
         if worker is None:
             return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
+        if not worker.ready.is_set():
+            self._settle()
         worker.address = body.address
         worker.ready.set()
         if worker.role == "task":
@@ -169,19 +245,26 @@ class WorkerPool:
         return Ack()
 
     async def take_idle(self, deadline: float) -> WorkerProc:
-        """An idle actor worker (its replacement is started at once)."""
-        while not self.idle:
-            self.idle_changed.clear()
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise PMetalTimeoutError("no idle worker became ready in time; the machine may "
-                                         "be overloaded")
+        """The first actor worker to be idle (its replacement is started at
+        once; with none idle, one is started for this caller at once)."""
+        if not self.idle:
+            self._waiting += 1
             try:
-                await asyncio.wait_for(self.idle_changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                continue
+                self._top_up()
+                while not self.idle:
+                    self.idle_changed.clear()
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise PMetalTimeoutError("no idle worker became ready in time; the "
+                                                 "machine may be overloaded")
+                    try:
+                        await asyncio.wait_for(self.idle_changed.wait(), remaining)
+                    except asyncio.TimeoutError:
+                        continue
+            finally:
+                self._waiting -= 1
         worker = self.workers[self.idle.pop(0)]
-        self.spawn("actor")  # keep the pool full
+        self._top_up()  # keep the pool full
         return worker
 
     def kill(self, worker: WorkerProc) -> None:
@@ -200,6 +283,8 @@ class WorkerPool:
         for worker in self.workers.values():
             if worker.channel is not None:
                 worker.channel.close()
+        if self._fork_server is not None:
+            self._fork_server.close()
 
     async def channel(self, worker: WorkerProc, timeout: float) -> Channel:
         """The node's open channel to a worker; the first caller opens it and
@@ -239,8 +324,8 @@ class WorkerPool:
         while True:
             ready = tuple(w.address for w in self.workers.values()
                           if w.role == "task" and w.ready.is_set() and w.address not in avoid)
-            starting = sum(1 for w in self.workers.values()
-                           if w.role == "task" and not w.ready.is_set())
+            starting = self._spawning["task"] + sum(
+                1 for w in self.workers.values() if w.role == "task" and not w.ready.is_set())
             if ready and (not starting or time.monotonic() >= grace):
                 return WorkerList(ready, starting)
             remaining = (deadline if not ready else min(deadline, grace)) - time.monotonic()

@@ -1,7 +1,8 @@
 """Worker process: runs user code (one actor, or remote-function tasks).
 
-A node daemon pre-starts workers (``python -m pmetal.actors.worker``) so that
-creating an actor costs one message, not a process start. A worker listens on
+A node daemon pre-starts workers so that creating an actor costs one message,
+not a process start: forks of its fork server (:mod:`pmetal.actors.zygote`),
+which calls :func:`main` in the child, or ``python -m pmetal.actors.worker``. A worker listens on
 its own ROUTER socket; callers reach it directly, peer to peer. It announces
 itself to its node with :class:`~pmetal.wire.WorkerReady`, then serves:
 
@@ -16,7 +17,8 @@ itself to its node with :class:`~pmetal.wire.WorkerReady`, then serves:
 * a task worker: remote functions, one at a time.
 
 The worker exits when its node goes away: it reads its stdin, a pipe from the
-node, and end-of-file means the node died.
+node (or, in a forked worker, one end of a socket pair the node holds the other
+end of), and end-of-file means the node died.
 """
 
 from __future__ import annotations

@@ -87,9 +87,32 @@ def processes_matching(*needles: str) -> list[int]:
     return found
 
 
-def workers_of(node_address: str) -> list[int]:
-    """Pids of every worker process started for the node at ``node_address``."""
-    return processes_matching("pmetal.actors.worker", f"--node {node_address} ")
+def ancestors(pid: int) -> list[int]:
+    """The parent of ``pid``, its parent, ... up to init."""
+    out = []
+    while pid > 1:
+        pid = parent_pid(pid)
+        out.append(pid)
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    """Live processes descended from ``pid``: a node's workers, and the fork
+    server that forks them (pmetal.actors.zygote)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(parent_pid(int(entry.name)), []).append(int(entry.name))
+            except (OSError, ValueError):  # gone meanwhile
+                continue
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if pid_alive(child):
+            found.append(child)
+        todo.extend(children.get(child, []))
+    return found
 
 
 def assert_all_exit(pids: Iterable[int], timeout: float = EXIT_WAIT, what: str = "") -> None:

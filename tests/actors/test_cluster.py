@@ -33,14 +33,14 @@ from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin
 from .actor_classes import Counter, square
 from .conftest import (
     WAIT,
+    ancestors,
     assert_all_exit,
+    descendants,
     free_port,
-    parent_pid,
     pid_alive,
     read_line,
     stop_process,
     wait_until,
-    workers_of,
 )
 
 SECRET = "cluster-test-psk-0123456789-abcdefghijklmnop"
@@ -99,7 +99,7 @@ def await_ready(node: NodeProc) -> None:
 
 
 def stop_node(node: NodeProc) -> None:
-    workers = workers_of(node.address) if node.address else []
+    workers = descendants(node.proc.pid)
     code = stop_process(node.proc, signal.SIGTERM)
     assert code is not None, f"node on port {node.port} ignored SIGTERM"
     assert_all_exit(workers, what=f"workers of the node on port {node.port}")
@@ -158,7 +158,7 @@ def on(node: NodeProc, **options: Any) -> Any:
 def hosted_by(handle: Any, node: NodeProc) -> bool:
     """Whether ``handle``'s actor runs in a worker process of ``node``."""
     pid = pmetal.get(handle.pid.remote(), timeout=WAIT)
-    return parent_pid(pid) == node.proc.pid
+    return node.proc.pid in ancestors(pid)
 
 
 # ---------------------------------------------------------------- members
@@ -342,7 +342,7 @@ def test_kill_9_on_another_node_restarts_there(nodes: list[NodeProc], driver: di
     reap.append(actor)
     assert pmetal.get(actor.inc.remote(4), timeout=WAIT) == 4
     pid = pmetal.get(actor.pid.remote(), timeout=WAIT)
-    assert parent_pid(pid) == nodes[1].proc.pid
+    assert nodes[1].proc.pid in ancestors(pid)
     pending = actor.block.remote(60)
     os.kill(pid, signal.SIGKILL)
     assert_all_exit([pid], what="the SIGKILLed worker")
@@ -362,7 +362,7 @@ def test_kill_of_an_actor_on_another_node(nodes: list[NodeProc], driver: dict[st
     actor = on(nodes[2], max_restarts=3)
     reap.append(actor)
     pid = pmetal.get(actor.pid.remote(), timeout=WAIT)
-    assert parent_pid(pid) == nodes[2].proc.pid
+    assert nodes[2].proc.pid in ancestors(pid)
     pending = actor.block.remote(60)
     pmetal.kill(actor)   # the driver's node is nodes[0]: the kill is passed on
     assert_all_exit([pid], what="the killed worker on the other node")
