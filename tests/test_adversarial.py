@@ -43,7 +43,7 @@ from pmetal.wire import Ping, encode
 
 from actors.actor_classes import Counter
 from actors.conftest import (EXIT_WAIT, read_line, stop_process, wait_until, worker_import_root,
-                             workers_of, assert_all_exit)
+                             descendants, assert_all_exit)
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="reads process memory from /proc")
@@ -121,7 +121,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     try:
         pmetal.init(address=f"127.0.0.1:{node.port}", psk=SECRET,
                     config=load_config(env={}, transport={"request_timeout": WAIT}))
-        workers = workers_of(node.address)
+        workers = descendants(node.proc.pid)
         yield node
     finally:
         if pmetal.is_initialized():

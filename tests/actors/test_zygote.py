@@ -41,8 +41,8 @@ pytestmark = pytest.mark.usefixtures("cluster")
 
 
 def node_pid() -> int:
-    assert api._runtime is not None and api._runtime.node_proc is not None
-    return api._runtime.node_proc.pid
+    assert api._node_proc is not None
+    return api._node_proc.pid
 
 
 def pool() -> dict[str, Any]:
@@ -180,7 +180,7 @@ DRIVER = textwrap.dedent("""
 
     pmetal.init()
     pid = pmetal.get(Greeter.remote().greet.remote(), timeout=30)
-    info = {"worker": pid, "node": pmetal.api._runtime.node_proc.pid,
+    info = {"worker": pid, "node": pmetal.api._node_proc.pid,
             "pool": pmetal.api.client().status()["pool"]}
     print("RESULT " + json.dumps(info), flush=True)
     pmetal.shutdown()
