@@ -68,6 +68,7 @@ class PoolStatistics:
     started: int          # processes started since the node started
     forked: int           # of which forked by the fork server (the others: interpreters)
     exited: int           # processes that exited (killed, crashed, or at shutdown)
+    spawn_failures: int   # starts refused by the OS (no processes, memory or descriptors left)
 
 
 class WorkerPool:
@@ -98,13 +99,14 @@ class WorkerPool:
         self._group: asyncio.TaskGroup | None = None
         self._node_address = ""
         self._stopping = asyncio.Event()
-        self._counts = {"started": 0, "exited": 0}
+        self._counts = {"started": 0, "exited": 0, "spawn_failures": 0}
 
     def statistics(self) -> PoolStatistics:
         starting = self._starting()
         forked = self._fork_server.forked if self._fork_server is not None else 0
         return PoolStatistics(len(self.workers), len(self.idle), starting,
-                              self._counts["started"], forked, self._counts["exited"])
+                              self._counts["started"], forked, self._counts["exited"],
+                              self._counts["spawn_failures"])
 
     def start(self, group: asyncio.TaskGroup, node_address: str,
               stopping: asyncio.Event) -> None:
@@ -197,6 +199,14 @@ class WorkerPool:
         worker_id = f"{self._node_id[:8]}-w{next(self._ids)}"
         try:
             proc = await self._start(worker_id)
+        except OSError as exc:
+            # Out of processes, memory or descriptors: the node lives on, and
+            # a creation waiting for this worker times out saying the machine
+            # is overloaded.
+            self._counts["spawn_failures"] += 1
+            self._settle()
+            log.error("cannot start worker %s: %s", worker_id, exc)
+            return
         finally:
             self._spawning[role] -= 1
         worker = WorkerProc(worker_id, role, proc)
