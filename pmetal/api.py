@@ -117,6 +117,12 @@ def init(address: str | None = None, *, namespace: str | None = None,
         if peers:
             raise ConfigError("peers= arrives with the cluster issue; start node daemons with "
                               "'pmetal start --peers ...' and pass address= for now")
+        if resources is not None:
+            from pmetal.actors.placement import check_resources
+            try:
+                resources = check_resources(resources, "pmetal.init(resources=...)")
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(str(exc)) from exc
         cfg = config or load_config()
         if namespace is not None:
             cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
@@ -137,6 +143,11 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 except (OSError, ValueError) as exc:
                     raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
                                     f"start one with 'pmetal start'") from exc
+                from pmetal.actors.node import is_node_process
+                if not isinstance(info, dict) or not is_node_process(info.get("pid")):
+                    raise PeerError(f"address='auto': the node recorded in {path} (pid "
+                                    f"{info.get('pid') if isinstance(info, dict) else '?'}) is "
+                                    f"not running; start one with 'pmetal start'")
                 node_address = info["address"]
                 # The running node's own namespace and key file win over this
                 # process's environment; an explicit psk= argument wins over both.

@@ -30,7 +30,7 @@ from typing import Any
 
 from pmetal._version import __version__
 from pmetal.actors.client import CoreClient
-from pmetal.actors.node import READY_LINE, node_file
+from pmetal.actors.node import READY_LINE, is_node_process, node_file
 from pmetal.config import DEFAULT_PORT, config_as_dict, load_config, pmetal_home
 from pmetal.errors import ConfigError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import KEYPAIR_FILE, NodeIdentity
@@ -447,28 +447,7 @@ def _remove_node_file(path: Path, pid: int) -> None:
         pass
 
 
-def _is_node_process(pid: int) -> bool:
-    """Whether ``pid`` is a live pmetal node (not a zombie, not a recycled pid)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # another user's process: not ours to manage
-    proc = Path(f"/proc/{pid}")
-    if proc.is_dir():
-        try:
-            if proc.joinpath("stat").read_text().rpartition(")")[2].split()[0] == "Z":
-                return False
-            return b"pmetal.actors.node" in proc.joinpath("cmdline").read_bytes()
-        except OSError:
-            return False
-    try:  # macOS and other systems without /proc
-        out = subprocess.run(["ps", "-o", "stat=,command=", "-p", str(pid)], check=False,
-                             capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return True  # cannot tell: trust the record
-    return bool(out) and not out.startswith("Z") and "pmetal.actors.node" in out
+_is_node_process = is_node_process
 
 
 def _wait_exit(pid: int, timeout: float, child: subprocess.Popen[bytes] | None = None) -> bool:

@@ -108,7 +108,8 @@ class Counter:
         self.n += k
         return self.n
 
-c = Counter.options(name="shared_counter").remote()
+# Detached: it outlives this driver (an actor a driver owns dies with it).
+c = Counter.options(name="shared_counter", lifetime="detached").remote()
 print("node", info["node_id"])
 print("sum", pmetal.get([c.add.remote(k) for k in range(1, 5)])[-1])
 """
@@ -314,3 +315,82 @@ def test_second_node_joins_with_peers_and_hosts_actors(home: Path, tmp_path: Pat
         assert pmetal(home, "stop").returncode == 0
     finally:
         _kill_recorded_node(other)
+
+
+# ------------------------------------------------------------ node death
+
+def test_stale_record_makes_auto_init_fail_at_once(home: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=True)
+    home.mkdir(parents=True)
+    (home / "node.json").write_text(json.dumps({"address": "tcp://127.0.0.1:9",
+                                                "pid": int(gone.stdout), "node_id": "x",
+                                                "namespace": "default", "psk_file": ""}))
+    script = ("import time, pmetal\nt = time.monotonic()\ntry:\n"
+              "    pmetal.init(address='auto')\nexcept pmetal.PeerError as e:\n"
+              "    print(round(time.monotonic() - t, 2), e)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(home), text=True,
+                          capture_output=True, timeout=COMMAND_TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr
+    took, _, message = done.stdout.partition(" ")
+    assert float(took) < 2.0, done.stdout   # the old client waited 10 s for a Welcome
+    assert "not running" in message and "pmetal start" in message
+
+
+KILLED_NODE_DRIVER = """
+import sys, time, pmetal
+pmetal.init(address="auto")
+
+@pmetal.remote
+class Slow:
+    def __init__(self, flag):
+        open(flag, "w").close()
+        time.sleep(60)
+
+@pmetal.remote
+class Quick:
+    def ping(self):
+        return "pong"
+
+quick = Quick.remote()
+print(pmetal.get(quick.ping.remote(), timeout=20), flush=True)
+for what, step in (("create", lambda: Slow.remote(sys.argv[1])),
+                   ("call", lambda: pmetal.get(quick.ping.remote(), timeout=30))):
+    t = time.monotonic()
+    try:
+        step()
+        print(what, "ok", flush=True)
+    except pmetal.PMetalError as e:
+        print(what, type(e).__name__, round(time.monotonic() - t, 2), e, flush=True)
+"""
+
+
+def test_kill_9_of_the_node_fails_a_creation_and_the_next_call_at_once(home: Path,
+                                                                       tmp_path: Path) -> None:
+    started = pmetal(home, "start", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    node_pid = json.loads((home / "node.json").read_text())["pid"]
+    flag = tmp_path / "constructing"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_NODE_DRIVER, str(flag)],
+                              env=_env(home), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        assert driver.stdout.readline().strip() == "pong"
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not flag.exists():   # the creation is in flight: its constructor runs
+            assert time.monotonic() < deadline and driver.poll() is None, driver.stderr.read()
+            time.sleep(0.05)
+        os.kill(node_pid, signal.SIGKILL)
+        out, err = driver.communicate(timeout=COMMAND_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    for what in ("create", "call"):
+        kind, took, message = lines[what].split(" ", 2)
+        # The old client waited 29 s (creation) and 40 s (call).
+        assert kind in ("PeerError", "ActorDiedError"), (what, lines[what], err)
+        assert float(took) < 3.0, (what, lines[what])
+        assert "died" in message, (what, message)

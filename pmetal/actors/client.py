@@ -31,7 +31,8 @@ from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import (ActorDiedError, GetTimeoutError, PeerError, PMetalError,
-                           PMetalTimeoutError, PlacementError, TransportError)
+                           PMetalTimeoutError, PlacementError, RequestTimeoutError,
+                           TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -116,7 +117,12 @@ class CoreClient:
         self.identity = identity or NodeIdentity.generate()
         self.transport = ZmqTransport(config.transport)
         self.node_address = node_address
-        self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)
+        dialer = self.transport.dial(node_address)
+        self.node = Channel(dialer, self.identity, namespace, config)
+        # The node's death (kill -9) drops this connection: requests waiting
+        # on it fail within a slice instead of at their timeout.
+        self._node_monitor = dialer.monitor_disconnects()
+        self.node_dead = ""
         self.node_id = self.node.open(timeout=config.transport.connect_timeout)
         self.links: dict[str, PeerLink] = {}
         self.lock = threading.RLock()
@@ -153,8 +159,40 @@ class CoreClient:
         return link
 
     def request_node(self, body: Message, timeout: float | None = None) -> Message:
+        """``body``'s answer from our node. PeerError as soon as the
+        connection to the node drops (it died), RequestTimeoutError when it
+        is alive but silent for ``timeout``."""
+        timeout = self.config.transport.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         with self.lock:
-            return self.node.request(body, timeout=timeout).body
+            self._check_node()
+            corr = self.node.submit(body, timeout=min(timeout, self._send_timeout))
+            while (env := self.node.take(corr)) is None:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        env = self.node.result(corr, 0.0)   # releases corr, raises
+                        break
+                    self.node.pump(min(self._SLICE_MS / 1000, remaining))
+                except RequestTimeoutError as exc:
+                    raise RequestTimeoutError(f"no reply from the node at {self.node_address} "
+                                              f"within {timeout:.3g} s") from exc
+                except PMetalTimeoutError:
+                    self._check_node()
+            return env.body
+
+    def _check_node(self) -> None:
+        """Raise PeerError if the connection to our node has dropped."""
+        if not self.node_dead:
+            while self._node_monitor.getsockopt(_EVENTS) & _POLLIN:
+                frames = self._node_monitor.recv_multipart()
+                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                    self.node_dead = (f"the connection to the pmetal node at "
+                                      f"{self.node_address} dropped: the node died or stopped; "
+                                      f"start it again ('pmetal start') and call "
+                                      f"pmetal.init() again")
+        if self.node_dead:
+            raise PeerError(self.node_dead)
 
     # --------------------------------------------------------------- actors
 
@@ -162,6 +200,10 @@ class CoreClient:
         return f"{self.identity.node_id[:12]}-{os.getpid()}-{next(self._actor_ids)}"
 
     def create_actor(self, spec: CreateActor, timeout: float) -> ActorLocation:
+        # This process owns the actor (it dies with us unless detached), and
+        # the node answers before our deadline, also when it must queue it.
+        spec.options.setdefault("owner_pid", os.getpid())
+        spec.options["timeout"] = timeout
         reply = self.request_node(spec, timeout=timeout)
         if isinstance(reply, Failure):
             raise failure_error(reply, f"creating actor {spec.options.get('class_name')}")

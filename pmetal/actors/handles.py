@@ -23,6 +23,9 @@ def _check_options(options: dict[str, Any], where: str) -> dict[str, Any]:
     for key in ("num_cpus", "max_concurrency"):
         if options.get(key) is not None and options[key] < 0:
             raise ValueError(f"{where}: {key} must not be negative")
+    if options.get("lifetime") not in (None, "detached", "non_detached"):
+        raise ValueError(f"{where}: lifetime must be 'detached', 'non_detached' or None, not "
+                         f"{options['lifetime']!r}")
     res = options.get("resources") or {}
     if not isinstance(res, dict) or any(not isinstance(v, (int, float)) or v < 0
                                         for v in res.values()):
@@ -101,6 +104,7 @@ class ActorClass:
                    "resources": dict(opts.get("resources") or {}),
                    "max_restarts": int(opts.get("max_restarts") or 0),
                    "max_concurrency": int(opts.get("max_concurrency") or 1),
+                   "lifetime": opts.get("lifetime") or "",
                    "class_name": cls.__qualname__, "methods": list(methods),
                    "is_async": is_async}
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
