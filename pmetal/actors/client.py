@@ -226,6 +226,13 @@ class CoreClient:
         reply = self.request_node(KillActor(actor_id, no_restart, node_id))
         if isinstance(reply, Failure):
             raise failure_error(reply)
+        # Its process is being killed: calls made from now on must not go to
+        # it (and fail when it dies) but ask the node for the actor's next
+        # incarnation (or learn that it is dead), as Ray's kill promises.
+        with self.lock:
+            for link in list(self.links.values()):
+                if link.owner == actor_id:
+                    link.die(f"actor {actor_id} was killed by pmetal.kill")
 
     def call(self, handle: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
         """Submit ``handle.method(*args, **kwargs)``. A call with ObjectRef

@@ -237,6 +237,22 @@ def test_kill_with_restart_allowed_restarts_the_actor(reap: list[Any]) -> None:
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
 
 
+def test_call_right_after_kill_with_restart_goes_to_the_new_incarnation(
+        reap: list[Any]) -> None:
+    # The docs promise the call goes to the restarted actor; the old client
+    # sent it to the dying process and raised ActorDiedError (3 runs of 4).
+    actor = Counter.options(max_restarts=1).remote(10)
+    reap.append(actor)
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
+    first_pid = worker_of(actor)["pid"]
+    pmetal.kill(actor, no_restart=False)
+    start = time.monotonic()
+    assert pmetal.get(actor.inc.remote(), timeout=RESTART_WAIT) == 11   # a fresh instance
+    assert time.monotonic() - start < RESTART_WAIT
+    assert pmetal.get(actor.pid.remote(), timeout=WAIT) != first_pid
+    assert actor_state(actor)["incarnation"] == 1
+
+
 def test_kill_rejects_what_is_not_a_handle(cluster: dict[str, Any]) -> None:
     with pytest.raises(TypeError):
         pmetal.kill("not a handle")  # type: ignore[arg-type]
