@@ -533,6 +533,20 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
+    client = _client_of_recorded_node()
+    try:
+        status = client.status()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        _print_status(status, _read_node_file(pmetal_home()) or {"pid": "?"})
+    return 0
+
+
+def _client_of_recorded_node() -> CoreClient:
+    """A client of the node recorded in node.json, with short deadlines."""
     home = pmetal_home()
     path = node_file(home)
     info = _read_node_file(home)
@@ -553,15 +567,29 @@ def _run_status(args: argparse.Namespace) -> int:
     # A recorded PSK file wins over a PMETAL_PSK meant for something else.
     namespace = NetworkNamespace.resolve(cfg.security,
                                          env={} if info.get("psk_file") else None)
-    client = CoreClient(info["address"], namespace, cfg)
+    return CoreClient(info["address"], namespace, cfg)
+
+
+def _kill_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="name of the actor (as given to .options(name=...))")
+    parser.add_argument("--restart", action="store_true",
+                        help="let it restart if it has restarts left (default: it stays dead)")
+
+
+def _run_kill(args: argparse.Namespace) -> int:
+    client = _client_of_recorded_node()
     try:
-        status = client.status()
+        try:
+            loc = client.lookup(name=args.name)
+        except ValueError as exc:
+            return _fail(args, str(exc))
+        if loc.state == "dead":
+            return _fail(args, f"actor {args.name!r} is already dead: {loc.reason}")
+        client.kill(loc.actor_id, not args.restart, loc.node_id)
     finally:
         client.close()
-    if args.json:
-        print(json.dumps(status, indent=2, default=str))
-    else:
-        _print_status(status, info)
+    print(f"killed actor {args.name!r} ({loc.class_name}, {loc.actor_id}) on node "
+          f"{loc.node_id[:8]}")
     return 0
 
 
@@ -583,9 +611,16 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
            [(w["worker_id"], w.get("pid", ""), w.get("role", ""),
              "yes" if w.get("ready") else "no", w.get("actor_id") or "-",
              w.get("calls", "-")) for w in s.get("workers", [])])
-    _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "STATE", "INCARNATION", "REASON"),
-           [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-", a.get("state", ""),
-             a.get("incarnation", 0), a.get("reason") or "") for a in s.get("actors", [])])
+    _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "OWNER", "NODE", "STATE", "INCARNATION",
+                      "RESOURCES", "REASON"),
+           [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-",
+             "detached" if a.get("lifetime") == "detached" else a.get("owner", "-"),
+             str(a.get("node_id", ""))[:8], a.get("state", ""), a.get("incarnation", 0),
+             _resources(a.get("resources") or {}) if a.get("resources") else "-",
+             a.get("reason") or "") for a in s.get("actors", [])])
+    if s.get("refused_peers"):
+        _table("REFUSED PEERS", ("ADDRESS", "REASON"),
+               [(p["address"], p["reason"]) for p in s["refused_peers"]])
 
 
 def _resources(total: dict[str, float], free: dict[str, float] | None = None) -> str:
@@ -623,6 +658,8 @@ COMMANDS: dict[str, Command] = {
     "status": Command("show the running node: members, workers, actors, statistics",
                       _run_status, _status_arguments),
     "stop": Command("stop this machine's node daemon and its workers", _run_stop),
+    "kill": Command("kill a named actor of the cluster (through this machine's node)",
+                    _run_kill, _kill_arguments),
 }
 
 

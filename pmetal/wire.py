@@ -466,7 +466,8 @@ class Failure(Message):
     """A call or task failed. ``kind``: "user" (the user code raised;
     ``exception`` is the Pickled exception when it could be pickled),
     "actor_died", "no_such_method", "unknown_function", "bad_request",
-    "placement", "not_found"."""
+    "placement", "not_found", "timeout" (a creation waited for resources past
+    its deadline)."""
 
     kind: str
     error_type: str

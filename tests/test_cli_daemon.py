@@ -394,3 +394,81 @@ def test_kill_9_of_the_node_fails_a_creation_and_the_next_call_at_once(home: Pat
         assert kind in ("PeerError", "ActorDiedError"), (what, lines[what], err)
         assert float(took) < 3.0, (what, lines[what])
         assert "died" in message, (what, message)
+
+
+# --------------------------------------------------------------- lifetime
+
+OWNER_DRIVER = """
+import json, os, sys, pmetal
+pmetal.init(address="auto")
+
+@pmetal.remote
+class Box:
+    def pid(self):
+        return os.getpid()
+    def make_child(self):
+        self.child = Box.remote()        # owned by this actor's worker
+        return pmetal.get(self.child.pid.remote(), timeout=20)
+
+owned = Box.options(name="owned", num_cpus=1).remote()
+parent = Box.options(name="parent").remote()
+kept = Box.options(name="kept", lifetime="detached").remote()
+pids = {"owned": pmetal.get(owned.pid.remote(), timeout=20),
+        "parent": pmetal.get(parent.pid.remote(), timeout=20),
+        "child": pmetal.get(parent.make_child.remote(), timeout=20),
+        "kept": pmetal.get(kept.pid.remote(), timeout=20)}
+print(json.dumps(pids), flush=True)
+sys.stdin.read()                         # the test kills this process
+"""
+
+
+def test_actors_die_with_their_killed_driver_unless_detached(home: Path) -> None:
+    started = pmetal(home, "start", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    free_cpus = _status(home)["available"]["CPU"]
+    driver = subprocess.Popen([sys.executable, "-c", OWNER_DRIVER], env=_env(home), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        pids = json.loads(driver.stdout.readline())
+        assert _status(home)["available"]["CPU"] == free_cpus - 1
+        driver.kill()   # kill -9: no atexit, no shutdown
+        driver.wait(EXIT_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    # Its actors go (the child with the parent that owned it), their workers
+    # exit and the CPU they held is free again; the detached one stays.
+    for name in ("owned", "parent", "child"):
+        assert _wait_gone(pids[name]), f"the worker of {name} outlived the driver"
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    while True:
+        status = _status(home)
+        states = {a["name"] or "child": a["state"] for a in status["actors"]}
+        if states == {"owned": "dead", "parent": "dead", "child": "dead", "kept": "alive"} \
+                and status["available"]["CPU"] == free_cpus:
+            break
+        assert time.monotonic() < deadline, (states, status["available"])
+        time.sleep(0.1)
+    assert _alive(pids["kept"])
+    owned = next(a for a in status["actors"] if a["name"] == "owned")
+    assert "owner" in owned["reason"] and owned["resources"] == {"CPU": 1.0}
+    text = pmetal(home, "status")
+    assert "OWNER" in text.stdout and "detached" in text.stdout
+    # The detached actor is reachable by name from a new driver, and
+    # 'pmetal kill NAME' ends it.
+    use = subprocess.run([sys.executable, "-c",
+                          "import pmetal; pmetal.init(address='auto'); "
+                          "print(pmetal.get(pmetal.get_actor('kept').pid.remote(), timeout=20))"],
+                         env=_env(home), text=True, capture_output=True,
+                         timeout=COMMAND_TIMEOUT, check=False)
+    assert use.returncode == 0 and int(use.stdout) == pids["kept"], use.stderr
+    killed = pmetal(home, "kill", "kept")
+    assert killed.returncode == 0 and "killed actor 'kept'" in killed.stdout, killed.stderr
+    assert _wait_gone(pids["kept"])
+    again = pmetal(home, "kill", "kept")
+    assert again.returncode == 1 and "dead" in again.stderr
+    missing = pmetal(home, "kill", "no-such-actor")
+    assert missing.returncode == 1 and "no-such-actor" in missing.stderr
+    assert pmetal(home, "stop").returncode == 0

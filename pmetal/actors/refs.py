@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.serialization import remote_error, unpack_value
-from pmetal.errors import ActorDiedError, PeerError, PlacementError, PMetalError
+from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalError,
+                           PMetalTimeoutError)
 from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
 
@@ -145,6 +146,8 @@ def failure_error(body: Failure, on_death: str = "") -> BaseException:
         return PlacementError(body.message)
     if body.kind == "not_found":
         return ValueError(body.message)
+    if body.kind == "timeout":   # e.g. a creation that waited in a node's queue too long
+        return PMetalTimeoutError(body.message)
     builtin = _BUILTIN_ERRORS.get(body.error_type)
     if builtin is not None:
         return builtin(body.message)

@@ -390,6 +390,117 @@ def test_get_actor_of_an_unknown_name_fails_promptly(driver: dict[str, Any]) -> 
     assert time.monotonic() - start < 5.0
 
 
+# ------------------------------------------------- placement by free resources
+
+def _fill(nodes: list[NodeProc], reap: list[Any]) -> list[Any]:
+    """An actor holding every CPU of each node in ``nodes`` (waiting, if it
+    must, for the CPUs an actor of an earlier test still holds)."""
+    fillers = []
+    for node in nodes:
+        filler = on(node, num_cpus=float(os.cpu_count() or 1))
+        reap.append(filler)
+        fillers.append(filler)
+    return fillers
+
+
+def test_actor_that_does_not_fit_here_goes_to_a_member_with_room(
+        nodes: list[NodeProc], driver: dict[str, Any], reap: list[Any]) -> None:
+    # The driver's node has no CPU free; the others have: the old node
+    # answered PlacementError because it had checked totals, not free CPUs.
+    _fill(nodes[:1], reap)
+    start = time.monotonic()
+    actor = Counter.options(num_cpus=1).remote()
+    reap.append(actor)
+    assert time.monotonic() - start < WAIT
+    assert actor._node_id != nodes[0].node_id
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+
+
+def test_actor_that_fits_nowhere_now_waits_for_room(nodes: list[NodeProc],
+                                                   driver: dict[str, Any],
+                                                   reap: list[Any]) -> None:
+    fillers = _fill(nodes, reap)
+    made: list[Any] = []
+    creating = threading.Thread(
+        target=lambda: made.append(Counter.options(num_cpus=1).remote(5)), daemon=True)
+    creating.start()
+    # Every node could hold it once empty: it waits in the queue of the
+    # driver's node until the filler there goes.
+    killer = other_client(nodes[0])
+    try:
+        wait_until(lambda: killer.status()["queue"], WAIT, what="the creation queued")
+        killer.kill(fillers[0]._actor_id, True, nodes[0].node_id)
+    finally:
+        killer.close()
+    creating.join(WAIT)
+    assert made, "the queued creation did not complete once CPUs were free"
+    reap.append(made[0])
+    assert made[0]._node_id == nodes[0].node_id
+    assert pmetal.get(made[0].inc.remote(), timeout=WAIT) == 6
+
+
+def test_queued_creation_times_out_saying_what_it_waited_for(nodes: list[NodeProc],
+                                                             driver: dict[str, Any],
+                                                             reap: list[Any]) -> None:
+    _fill(nodes, reap)
+    impatient = CoreClient(nodes[0].address,
+                           NetworkNamespace.resolve(load_config().security, SECRET),
+                           load_config(transport={"request_timeout": 2.0}))
+    try:
+        cls_id, ref = code_ref(Counter.__wrapped__)
+        spec = CreateActor(impatient.new_actor_id(), cls_id, ref, [], {},
+                           {"name": "", "node": "", "num_cpus": 1, "resources": {},
+                            "max_restarts": 0, "max_concurrency": 1, "class_name": "Counter",
+                            "methods": ["inc"], "is_async": False})
+        start = time.monotonic()
+        with pytest.raises(pmetal.PMetalTimeoutError, match="waited for resources") as info:
+            impatient.create_actor(spec, timeout=2.0)
+        assert time.monotonic() - start < 2.0 + 1.0
+        assert "CPU" in str(info.value)
+        assert not impatient.status()["queue"]
+    finally:
+        impatient.close()
+
+
+# ------------------------------------------------------------------ owners
+
+CLUSTER_DRIVER = """
+import os, sys, pmetal
+pmetal.init(address=sys.argv[1], psk=sys.argv[2])
+
+@pmetal.remote
+class Box:
+    def pid(self):
+        return os.getpid()
+
+box = Box.options(node=sys.argv[3]).remote()
+print(pmetal.get(box.pid.remote(), timeout=20), box._actor_id, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_actor_on_another_node_dies_with_its_killed_driver(nodes: list[NodeProc],
+                                                           driver: dict[str, Any]) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CLUSTER_DRIVER, nodes[0].host_port, SECRET,
+                             nodes[1].node_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        pid_text, actor_id = read_line(proc, START_WAIT, "the driver").split()
+        pid = int(pid_text)
+        assert parent_pid(pid) == nodes[1].proc.pid
+        proc.kill()   # kill -9 of the owner: its node tells node 1
+        proc.wait(WAIT)
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert_all_exit([pid], what="the worker of the killed driver's actor on node 1")
+    watcher = other_client(nodes[1])
+    try:
+        wait_until(lambda: any(a["actor_id"] == actor_id and a["state"] == "dead"
+                               for a in watcher.status()["actors"]), WAIT,
+                   what="node 1 marks the actor dead")
+    finally:
+        watcher.close()
+
+
 # -------------------------------------------------------------- identity
 
 def test_a_node_cannot_enrol_another_nodes_id(nodes: list[NodeProc],
@@ -443,3 +554,4 @@ def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
     finally:
         client.close()
         stop_node(clone)
+
