@@ -472,3 +472,37 @@ def test_actors_die_with_their_killed_driver_unless_detached(home: Path) -> None
     missing = pmetal(home, "kill", "no-such-actor")
     assert missing.returncode == 1 and "no-such-actor" in missing.stderr
     assert pmetal(home, "stop").returncode == 0
+
+
+# ---------------------------------------------------------- refused peers
+
+@pytest.mark.parametrize("differs", ["psk", "namespace"])
+def test_peer_of_another_namespace_is_a_warning_and_listed_in_status(
+        home: Path, tmp_path: Path, differs: str) -> None:
+    other = tmp_path / "other-home"
+    keys = [tmp_path / "a.psk", tmp_path / "b.psk"]
+    for key in keys:
+        assert main(["keygen", "--out", str(key)]) == 0
+    first = pmetal(home, "start", "--port", "0", "--psk-file", str(keys[0]))
+    assert first.returncode == 0, first.stderr
+    address = json.loads((home / "node.json").read_text())["address"].removeprefix("tcp://")
+    mismatch = (["--psk-file", str(keys[1])] if differs == "psk"
+                else ["--psk-file", str(keys[0]), "--namespace", "elsewhere"])
+    second = pmetal(other, "start", "--port", "0", "--peers", address, *mismatch,
+                    PMETAL_TRANSPORT_HANDSHAKE_TIMEOUT="1.0")
+    try:
+        assert second.returncode == 0, second.stderr
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        while not (refused := _status(other).get("refused_peers")):
+            assert time.monotonic() < deadline, "the refusal never showed in pmetal status"
+            time.sleep(0.1)
+        assert refused[0]["address"] == f"tcp://{address}"
+        reason = refused[0]["reason"]
+        assert "PSK or namespace" in reason, reason
+        log = (other / "node.log").read_text()
+        assert "WARNING" in log and address in log and "PSK or namespace" in log, log
+        text = pmetal(other, "status")
+        assert "REFUSED PEERS (1)" in text.stdout and address in text.stdout
+        assert _status(other)["members"] == [] and _status(home)["members"] == []
+    finally:
+        _kill_recorded_node(other)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -181,16 +182,30 @@ class CoreClient:
                     self._check_node()
             return env.body
 
+    def _node_listening(self) -> bool:
+        """Whether something accepts TCP connections at the node's address
+        (a dropped connection to a live node is re-made by ZeroMQ; a dead
+        node's port refuses at once)."""
+        host, _, port = self.node_address.partition("://")[2].rpartition(":")
+        if not port.isdigit():
+            return True   # not a TCP address: cannot tell, keep waiting for the reply
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        except OSError:
+            return False
+        return True
+
     def _check_node(self) -> None:
         """Raise PeerError if the connection to our node has dropped."""
         if not self.node_dead:
             while self._node_monitor.getsockopt(_EVENTS) & _POLLIN:
                 frames = self._node_monitor.recv_multipart()
-                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED \
+                        and not self._node_listening():
                     self.node_dead = (f"the connection to the pmetal node at "
-                                      f"{self.node_address} dropped: the node died or stopped; "
-                                      f"start it again ('pmetal start') and call "
-                                      f"pmetal.init() again")
+                                      f"{self.node_address} dropped and nothing listens there "
+                                      f"any more: the node died or stopped; start it again "
+                                      f"('pmetal start') and call pmetal.init() again")
         if self.node_dead:
             raise PeerError(self.node_dead)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -73,12 +74,12 @@ class NodeProc:
 
 
 def start_node(home: Path, port: int, peers: list[int], resources: dict[str, float] | None = None,
-               ) -> NodeProc:
+               host: str = "127.0.0.1") -> NodeProc:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
     env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
                PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT))
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", host,
            "--port", str(port), "--peers", ",".join(f"127.0.0.1:{p}" for p in peers),
            "--num-workers", "1", "--num-task-workers", "1"]
     if resources:
@@ -499,6 +500,36 @@ def test_actor_on_another_node_dies_with_its_killed_driver(nodes: list[NodeProc]
                    what="node 1 marks the actor dead")
     finally:
         watcher.close()
+
+
+# --------------------------------------------------------------- addresses
+
+def test_node_on_all_interfaces_advertises_a_concrete_address(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Bound to 0.0.0.0, the node and its workers must tell peers an address
+    # they can dial, never tcp://0.0.0.0:PORT. Only loopback is dialled here:
+    # binding to the advertised host proves it is an address of this machine.
+    node = start_node(tmp_path_factory.mktemp("wildcard"), free_port(), [], host="0.0.0.0")
+    try:
+        await_ready(node)
+        client = CoreClient(f"tcp://127.0.0.1:{node.port}",
+                            NetworkNamespace.resolve(load_config().security, SECRET),
+                            load_config())
+        try:
+            wait_until(lambda: all(w["ready"] for w in client.status()["workers"]), START_WAIT,
+                       what="the workers ready")
+            info = client.status()
+        finally:
+            client.close()
+        advertised = [info["address"], node.address,
+                      *(w["address"] for w in info["workers"])]
+        for address in advertised:
+            host = address.removeprefix("tcp://").rpartition(":")[0]
+            assert host not in ("0.0.0.0", "*", "::", ""), advertised
+            with socket.socket() as probe:
+                probe.bind((host, 0))   # OSError if it is not an address of this machine
+    finally:
+        stop_node(node)
 
 
 # -------------------------------------------------------------- identity
