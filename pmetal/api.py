@@ -104,6 +104,12 @@ def init(address: str | None = None, *, namespace: str | None = None,
     Returns a dict with the node id and address.
     """
     global _runtime
+    if resources is not None:
+        from pmetal.actors.placement import check_resources
+        try:
+            resources = check_resources(resources, "pmetal.init(resources=...)")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(str(exc)) from exc
     with _lock:
         if _runtime is not None:
             if ignore_reinit_error:
@@ -117,12 +123,6 @@ def init(address: str | None = None, *, namespace: str | None = None,
         if peers:
             raise ConfigError("peers= arrives with the cluster issue; start node daemons with "
                               "'pmetal start --peers ...' and pass address= for now")
-        if resources is not None:
-            from pmetal.actors.placement import check_resources
-            try:
-                resources = check_resources(resources, "pmetal.init(resources=...)")
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(str(exc)) from exc
         cfg = config or load_config()
         if namespace is not None:
             cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},

@@ -31,8 +31,7 @@ import signal
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pmetal.actors.membership import Member, Membership
@@ -40,6 +39,7 @@ from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read
                                     routable_address)
 from pmetal.actors.owners import OwnerWatch
 from pmetal.actors.placement import PlacementQueue, check_options, check_resources, fits, needs
+from pmetal.actors.records import ActorRecord, ActorTable, exit_text
 from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
@@ -59,46 +59,12 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 
 log = logging.getLogger(__name__)
 
-DEAD_TAIL = 200
-"""Dead actors whose records a node keeps (for ``pmetal status`` and for
-handles that ask about them); older ones are forgotten."""
-
 _REPLY_MARGIN = 0.5
 """s before the creator's deadline at which a queued creation gives up, so
 that its answer (a clear timeout) arrives before the creator stops waiting."""
 
 _ASK_RESOURCES = 2.0
 """s a member may take to say what it has free before placement skips it."""
-
-
-@dataclass
-class ActorRecord:
-    spec: CreateActor
-    state: str = "pending"         # pending, alive, restarting, dead
-    worker_id: str = ""
-    incarnation: int = 0
-    restarts_left: int = 0
-    reason: str = ""
-    no_restart: bool = False
-    owner: tuple[str, int] = ("", 0)   # (node id, pid) of the process that created it
-    held: dict[str, float] = field(default_factory=dict)   # resources reserved for it
-    constructing: bool = False     # its constructor runs: _construct owns a worker exit
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)   # killed while queued
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def detached(self) -> bool:
-        return self.spec.options.get("lifetime") == "detached"
-
-    def location(self, node_id: str, address: str) -> ActorLocation:
-        o = self.spec.options
-        return ActorLocation(self.spec.actor_id, self.state, address, node_id, self.incarnation,
-                             o.get("name") or "", self.reason, o.get("class_name") or "",
-                             tuple(o.get("methods") or ()), bool(o.get("is_async")))
-
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
 
 
 @dataclass(frozen=True)
@@ -154,9 +120,9 @@ class NodeDaemon:
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
             num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
             on_exit=self._worker_exited)
-        self.actors: dict[str, ActorRecord] = {}
-        self.names: dict[str, str] = {}
-        self._dead: deque[str] = deque()   # ids of dead actors, oldest first
+        self.table = ActorTable()
+        self.actors = self.table.actors   # actor id -> record (dead ones: the last DEAD_TAIL)
+        self.names = self.table.names     # name -> actor id
         self._claiming: set[str] = set()   # names being looked up on the peers
         self.membership = Membership(identity, namespace, config, self.transport)
         self.owners = OwnerWatch(self._owner_exited)
@@ -327,7 +293,7 @@ class NodeDaemon:
             return   # (a death during the constructor is _construct's to report)
         record.worker_id = ""
         why = ("killed by pmetal.kill" if record.no_restart else
-               f"its worker process (pid {worker.proc.pid}) {_exit_text(code)}")
+               f"its worker process (pid {worker.proc.pid}) {exit_text(code)}")
         if record.no_restart or record.restarts_left == 0:
             self._mark_dead(record, record.reason or why)
             return
@@ -353,15 +319,7 @@ class NodeDaemon:
 
     def _mark_dead(self, record: ActorRecord, reason: str) -> None:
         self._release(record)
-        if record.state != "dead":
-            self._dead.append(record.spec.actor_id)
-        record.state, record.reason = "dead", reason
-        record.notify()
-        while len(self._dead) > DEAD_TAIL:
-            gone = self.actors.pop(self._dead.popleft(), None)
-            name = gone.spec.options.get("name") if gone is not None else ""
-            if name and self.names.get(name) == gone.spec.actor_id:  # type: ignore[union-attr]
-                del self.names[name]
+        self.table.mark_dead(record, reason)
 
     async def _create_actor(self, spec: CreateActor, incoming: Incoming | None = None) -> Message:
         options = spec.options
@@ -499,7 +457,7 @@ class NodeDaemon:
             except asyncio.TimeoutError:
                 return Failure("actor_died", "ActorDiedError",
                                f"the worker of actor {cls} failed while constructing it: {exc}")
-        why = "was killed by pmetal.kill" if worker.killed else _exit_text(worker.proc.returncode)
+        why = "was killed by pmetal.kill" if worker.killed else exit_text(worker.proc.returncode)
         return Failure("actor_died", "ActorDiedError",
                        f"the worker process (pid {worker.proc.pid}) of actor {cls} {why} "
                        f"while running its constructor")
@@ -649,35 +607,12 @@ class NodeDaemon:
             "members": self.membership.describe(),
             "refused_peers": self.membership.describe_refused(),
             "workers": self.pool.describe(),
-            "actors": [{"actor_id": a.spec.actor_id, "name": a.spec.options.get("name") or "",
-                        "class_name": a.spec.options.get("class_name") or "",
-                        "state": a.state, "incarnation": a.incarnation, "reason": a.reason,
-                        "node_id": self.node_id, "owner": _owner_text(a),
-                        "lifetime": a.spec.options.get("lifetime") or "non_detached",
-                        "resources": needs(a.spec.options)}
-                       for a in self.actors.values()],
+            "actors": self.table.describe(self.node_id),
             "queue": self.queue.describe(),
             "statistics": self.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
         }
-
-
-def _owner_text(record: ActorRecord) -> str:
-    node, pid = record.owner
-    return f"pid {pid} on {node[:8]}" if pid else (f"node {node[:8]}" if node else "-")
-
-
-def _exit_text(code: int | None) -> str:
-    if code is None:
-        return "exited"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
 
 
 # ----------------------------------------------------------------- process

@@ -158,6 +158,20 @@ def test_bad_create_actor_from_a_peer_is_refused_and_the_node_lives(
     assert client.status()["statistics"]["requests_failed"] == failed_before + 1
 
 
+@pytest.mark.parametrize("resources, words", [
+    ({"CPU": "lots"}, "'CPU' must be a number"),
+    ({"GPU": -1}, "'GPU' must not be negative"),
+    ({"GPU": float("nan")}, "'GPU' must be a number"),
+    (["CPU"], "resources must be a dict"),
+])
+def test_init_with_bad_resources_fails_at_the_call(resources: Any, words: str) -> None:
+    # Checked before anything starts (here a cluster runs already: the bad
+    # argument is still the error reported).
+    with pytest.raises(pmetal.ConfigError, match=words) as info:
+        pmetal.init(resources=resources)
+    assert isinstance(info.value, ValueError)
+
+
 @pytest.mark.parametrize("options, words", [
     ({"resources": {"GPU": 1}}, "GPU"),
     ({"num_cpus": 10_000}, "CPU"),
