@@ -29,7 +29,7 @@ from pmetal.actors.client import CoreClient
 from pmetal.actors.serialization import code_ref
 from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
-from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin
+from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin, OwnerDied
 
 from .actor_classes import Counter, square
 from .conftest import (
@@ -549,6 +549,33 @@ def test_a_node_cannot_enrol_another_nodes_id(nodes: list[NodeProc],
         assert "0123456789abcdef0123456789abcdef" not in members
     finally:
         impostor.close()
+
+
+def test_a_node_reports_only_its_own_owners_deaths(nodes: list[NodeProc],
+                                                 driver: dict[str, Any],
+                                                 reap: list[Any]) -> None:
+    # OwnerDied names the sender's own node: a PSK holder cannot have node 1
+    # kill the actors that a process of node 0 owns.
+    actor = on(nodes[1])
+    reap.append(actor)
+    owner = next(a["owner"] for a in other_client_status(nodes[1])["actors"]
+                 if a["actor_id"] == actor._actor_id)
+    pid = int(owner.split()[1])
+    impostor = other_client(nodes[1])
+    try:
+        reply = impostor.request_node(OwnerDied(nodes[0].node_id, pid), timeout=WAIT)
+        assert isinstance(reply, Failure) and "reports its own processes" in reply.message
+    finally:
+        impostor.close()
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+
+
+def other_client_status(node: NodeProc) -> dict[str, Any]:
+    client = other_client(node)
+    try:
+        return client.status()
+    finally:
+        client.close()
 
 
 def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
