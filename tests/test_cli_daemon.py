@@ -393,7 +393,7 @@ def test_kill_9_of_the_node_fails_a_creation_and_the_next_call_at_once(home: Pat
         # The old client waited 29 s (creation) and 40 s (call).
         assert kind in ("PeerError", "ActorDiedError"), (what, lines[what], err)
         assert float(took) < 3.0, (what, lines[what])
-        assert "died" in message, (what, message)
+        assert "node" in message and "died" in message, (what, message)
 
 
 # --------------------------------------------------------------- lifetime

@@ -72,6 +72,7 @@ class PeerLink:
 
     def __init__(self, client: CoreClient, address: str) -> None:
         dialer = client.transport.dial(address)
+        self.client = client
         self.address = address
         self.channel = Channel(dialer, client.identity, client.namespace, client.config)
         self.socket = dialer.socket
@@ -90,7 +91,10 @@ class PeerLink:
         while self.monitor.getsockopt(_EVENTS) & _POLLIN:
             frames = self.monitor.recv_multipart()
             if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
-                self.die(f"the connection to {self.address} dropped (its process died)")
+                why = f"the connection to {self.address} dropped (its process died)"
+                if self.client.node_gone():
+                    why += f"; {self.client.node_dead}"
+                self.die(why)
 
     def die(self, why: str) -> None:
         if self.dead:
@@ -182,6 +186,10 @@ class CoreClient:
                     self._check_node()
             return env.body
 
+    _NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing listens there "
+                  "any more: the node died or stopped; start it again ('pmetal start') and "
+                  "call pmetal.init() again")
+
     def _node_listening(self) -> bool:
         """Whether something accepts TCP connections at the node's address
         (a dropped connection to a live node is re-made by ZeroMQ; a dead
@@ -195,6 +203,17 @@ class CoreClient:
             return False
         return True
 
+    def node_gone(self) -> bool:
+        """Whether our node has died (asked when a worker's connection drops:
+        a node's death takes its workers with it)."""
+        try:
+            self._check_node()
+        except PeerError:
+            return True
+        if not self._node_listening():
+            self.node_dead = self._NODE_DEAD.format(self.node_address)
+        return bool(self.node_dead)
+
     def _check_node(self) -> None:
         """Raise PeerError if the connection to our node has dropped."""
         if not self.node_dead:
@@ -202,10 +221,7 @@ class CoreClient:
                 frames = self._node_monitor.recv_multipart()
                 if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED \
                         and not self._node_listening():
-                    self.node_dead = (f"the connection to the pmetal node at "
-                                      f"{self.node_address} dropped and nothing listens there "
-                                      f"any more: the node died or stopped; start it again "
-                                      f"('pmetal start') and call pmetal.init() again")
+                    self.node_dead = self._NODE_DEAD.format(self.node_address)
         if self.node_dead:
             raise PeerError(self.node_dead)
 

@@ -341,7 +341,7 @@ class NodeDaemon:
             spec = replace(spec, options=options)
         if target and target != self.node_id:
             return await self._forward(target, spec)
-        if not target and (self.queue or not fits(need, self.available)):
+        if not target and not fits(need, self.available):
             elsewhere = await self._place_elsewhere(need)
             if elsewhere is not None:
                 return await self._forward(elsewhere.node_id, spec)
@@ -433,11 +433,19 @@ class NodeDaemon:
     async def _init_or_exit(self, worker: WorkerProc, init: InitActor) -> Message:
         """The worker's answer to ``init``, or a Failure as soon as its
         process exits (whichever comes first)."""
-        async def construct() -> Message:
+        cls = init.options.get("class_name") or init.actor_id
+        try:
+            # Opened here, before anything else is scheduled, as status asks
+            # of the pool race to open it too (a worker that dies during the
+            # handshake fails it within handshake_timeout).
             channel = await self.pool.channel(worker, self.config.transport.handshake_timeout)
+        except PMetalError as exc:
+            return Failure("actor_died", "ActorDiedError",
+                           f"the worker of actor {cls} did not open a session: {exc}")
+
+        async def construct() -> Message:
             return (await channel.arequest(init)).body
 
-        cls = init.options.get("class_name") or init.actor_id
         # Both tasks are owned here: the loser is cancelled before returning.
         answer = asyncio.ensure_future(construct())
         exited = asyncio.ensure_future(worker.proc.wait())
