@@ -293,6 +293,12 @@ class _ZmqSocket:
             # cancels its waiters, leaves the event loop and closes the socket.
             self._async.close(linger=0)
             self._async = None
+            # The sync wrapper does not know: when it is garbage collected its
+            # __del__ would check the freed handle, find a new socket that
+            # libzmq put at the same address (a socket opened since), and
+            # close *that* one ('Socket operation on non-socket', or a
+            # handshake that never gets an answer). Mark it closed.
+            self._sock._closed = True
         else:
             self._sock.close(linger=0)
 
