@@ -551,6 +551,45 @@ def test_a_node_cannot_enrol_another_nodes_id(nodes: list[NodeProc],
         impostor.close()
 
 
+QUEUED_DRIVER = """
+import sys, pmetal
+pmetal.init(address=sys.argv[1], psk=sys.argv[2])
+
+@pmetal.remote
+class Box:
+    pass
+
+print("creating", flush=True)
+Box.options(num_cpus=1).remote()     # waits in the queue: the test kills us meanwhile
+"""
+
+
+def test_creation_queued_for_a_killed_driver_leaves_the_queue(nodes: list[NodeProc],
+                                                              driver: dict[str, Any],
+                                                              reap: list[Any]) -> None:
+    fillers = _fill(nodes, reap)
+    proc = subprocess.Popen([sys.executable, "-c", QUEUED_DRIVER, nodes[0].host_port, SECRET],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    watcher = other_client(nodes[0])
+    try:
+        assert read_line(proc, START_WAIT, "the driver").strip() == "creating"
+        wait_until(lambda: watcher.status()["queue"], WAIT, what="the creation queued")
+        proc.kill()
+        proc.wait(WAIT)
+        wait_until(lambda: not watcher.status()["queue"], WAIT,
+                   what="the dead driver's creation gone from the queue")
+        status = watcher.status()
+        box = next(a for a in status["actors"] if a["class_name"] == "Box")
+        assert box["state"] == "dead" and "owner" in box["reason"], box
+        # Nothing is held for it: freeing the filler frees every CPU.
+        watcher.kill(fillers[0]._actor_id, True, nodes[0].node_id)
+        wait_until(lambda: watcher.status()["available"]["CPU"]
+                   == watcher.status()["resources"]["CPU"], WAIT, what="all CPUs free")
+    finally:
+        stop_process(proc, signal.SIGKILL)
+        watcher.close()
+
+
 def test_a_node_reports_only_its_own_owners_deaths(nodes: list[NodeProc],
                                                  driver: dict[str, Any],
                                                  reap: list[Any]) -> None:
