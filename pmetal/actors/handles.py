@@ -21,7 +21,11 @@ def _check_options(options: dict[str, Any], where: str) -> dict[str, Any]:
     if options.get("num_returns", 1) != 1:
         raise ValueError(f"{where}: num_returns other than 1 is not supported yet")
     for key in ("num_cpus", "max_concurrency"):
-        if options.get(key) is not None and options[key] < 0:
+        value = options.get(key)
+        if value is not None and (type(value) not in (int, float) or value != value):
+            raise TypeError(f"{where}: {key} must be a number, not {type(value).__name__} "
+                            f"{value!r:.40}")
+        if value is not None and value < 0:
             raise ValueError(f"{where}: {key} must not be negative")
     if options.get("lifetime") not in (None, "detached", "non_detached"):
         raise ValueError(f"{where}: lifetime must be 'detached', 'non_detached' or None, not "

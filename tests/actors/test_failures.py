@@ -121,6 +121,13 @@ def test_constructor_that_exits_its_process_is_actor_died_at_once() -> None:
     assert "ExitInit" in str(info.value) and "constructor" in str(info.value)
 
 
+def test_bad_num_cpus_is_a_clear_error_at_the_call_site() -> None:
+    with pytest.raises(TypeError, match="num_cpus must be a number, not str 'lots'"):
+        Counter.options(num_cpus="lots").remote()
+    with pytest.raises(ValueError, match="num_cpus must not be negative"):
+        Counter.options(num_cpus=-1).remote()
+
+
 def _raw_create(options: dict[str, Any]) -> CreateActor:
     """A CreateActor as any authenticated peer could send it (no client-side checks)."""
     cls = Counter.__wrapped__
