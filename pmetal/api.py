@@ -106,7 +106,15 @@ def init(address: str | None = None, *, namespace: str | None = None,
     Returns a dict with the node id and address.
     """
     global _node_proc
-    _check_init_arguments(num_workers, resources)
+    _check_init_arguments(num_workers)
+    if resources is not None:
+        from pmetal.actors.placement import check_resources
+        try:
+            resources = check_resources(resources, "pmetal.init(resources=...)")
+        except TypeError as exc:
+            raise PMetalTypeError(str(exc)) from exc
+        except ValueError as exc:
+            raise PMetalValueError(str(exc)) from exc
     with _lock:
         current = context.current_or_none()
         if current is not None:
@@ -140,6 +148,11 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 except (OSError, ValueError) as exc:
                     raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
                                     f"start one with 'pmetal start'") from exc
+                from pmetal.actors.node import is_node_process
+                if not isinstance(info, dict) or not is_node_process(info.get("pid")):
+                    raise PeerError(f"address='auto': the node recorded in {path} (pid "
+                                    f"{info.get('pid') if isinstance(info, dict) else '?'}) is "
+                                    f"not running; start one with 'pmetal start'")
                 node_address = info["address"]
                 # The running node's own namespace and key file win over this
                 # process's environment; an explicit psk= argument wins over both.
@@ -171,22 +184,9 @@ def init(address: str | None = None, *, namespace: str | None = None,
         return {"node_id": client.node_id, "address": node_address}
 
 
-def _check_init_arguments(num_workers: Any, resources: Any) -> None:
+def _check_init_arguments(num_workers: Any) -> None:
     if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
         raise PMetalValueError(f"num_workers must be a non-negative int, not {num_workers!r}")
-    if resources is None:
-        return
-    if not isinstance(resources, dict):
-        raise PMetalTypeError(f"resources must be a dict of names to amounts, not "
-                              f"{type(resources).__name__}")
-    for name, amount in resources.items():
-        if type(name) is not str or isinstance(amount, bool) or not isinstance(
-                amount, (int, float)):
-            raise PMetalTypeError(f"resources: {name!r}: {amount!r}; give each resource "
-                                  f"name (a str) an amount (a number)")
-        if not 0 <= amount < float("inf"):
-            raise PMetalValueError(f"resources: {name}={amount!r}; amounts must be finite "
-                                   f"and not negative")
 
 
 def _check_timeout(timeout: Any, fn: str) -> None:

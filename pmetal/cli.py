@@ -30,7 +30,7 @@ from typing import Any
 
 from pmetal._version import __version__
 from pmetal.actors.client import CoreClient
-from pmetal.actors.node import READY_LINE, node_file
+from pmetal.actors.node import READY_LINE, is_node_process, node_file
 from pmetal.config import DEFAULT_PORT, config_as_dict, load_config, pmetal_home
 from pmetal.errors import ConfigError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.identity import KEYPAIR_FILE, NodeIdentity, check_home, check_private_file
@@ -451,28 +451,7 @@ def _remove_node_file(path: Path, pid: int) -> None:
         pass
 
 
-def _is_node_process(pid: int) -> bool:
-    """Whether ``pid`` is a live pmetal node (not a zombie, not a recycled pid)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return False  # another user's process: not ours to manage
-    proc = Path(f"/proc/{pid}")
-    if proc.is_dir():
-        try:
-            if proc.joinpath("stat").read_text().rpartition(")")[2].split()[0] == "Z":
-                return False
-            return b"pmetal.actors.node" in proc.joinpath("cmdline").read_bytes()
-        except OSError:
-            return False
-    try:  # macOS and other systems without /proc
-        out = subprocess.run(["ps", "-o", "stat=,command=", "-p", str(pid)], check=False,
-                             capture_output=True, text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return True  # cannot tell: trust the record
-    return bool(out) and not out.startswith("Z") and "pmetal.actors.node" in out
+_is_node_process = is_node_process
 
 
 def _wait_exit(pid: int, timeout: float, child: subprocess.Popen[bytes] | None = None) -> bool:
@@ -558,6 +537,20 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_status(args: argparse.Namespace) -> int:
+    client = _client_of_recorded_node()
+    try:
+        status = client.status()
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps(status, indent=2, default=str))
+    else:
+        _print_status(status, _read_node_file(pmetal_home()) or {"pid": "?"})
+    return 0
+
+
+def _client_of_recorded_node() -> CoreClient:
+    """A client of the node recorded in node.json, with short deadlines."""
     home = pmetal_home()
     path = node_file(home)
     info = _read_node_file(home)
@@ -578,15 +571,29 @@ def _run_status(args: argparse.Namespace) -> int:
     # A recorded PSK file wins over a PMETAL_PSK meant for something else.
     namespace = NetworkNamespace.resolve(cfg.security,
                                          env={} if info.get("psk_file") else None)
-    client = CoreClient(info["address"], namespace, cfg)
+    return CoreClient(info["address"], namespace, cfg)
+
+
+def _kill_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", help="name of the actor (as given to .options(name=...))")
+    parser.add_argument("--restart", action="store_true",
+                        help="let it restart if it has restarts left (default: it stays dead)")
+
+
+def _run_kill(args: argparse.Namespace) -> int:
+    client = _client_of_recorded_node()
     try:
-        status = client.status()
+        try:
+            loc = client.lookup(name=args.name)
+        except ValueError as exc:
+            return _fail(args, str(exc))
+        if loc.state == "dead":
+            return _fail(args, f"actor {args.name!r} is already dead: {loc.reason}")
+        client.kill(loc.actor_id, not args.restart, loc.node_id)
     finally:
         client.close()
-    if args.json:
-        print(json.dumps(status, indent=2, default=str))
-    else:
-        _print_status(status, info)
+    print(f"killed actor {args.name!r} ({loc.class_name}, {loc.actor_id}) on node "
+          f"{loc.node_id[:8]}")
     return 0
 
 
@@ -608,9 +615,16 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
            [(w["worker_id"], w.get("pid", ""), w.get("role", ""),
              "yes" if w.get("ready") else "no", w.get("actor_id") or "-",
              w.get("calls", "-")) for w in s.get("workers", [])])
-    _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "STATE", "INCARNATION", "REASON"),
-           [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-", a.get("state", ""),
-             a.get("incarnation", 0), a.get("reason") or "") for a in s.get("actors", [])])
+    _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "OWNER", "NODE", "STATE", "INCARNATION",
+                      "RESOURCES", "REASON"),
+           [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-",
+             "detached" if a.get("lifetime") == "detached" else a.get("owner", "-"),
+             str(a.get("node_id", ""))[:8], a.get("state", ""), a.get("incarnation", 0),
+             _resources(a.get("resources") or {}) if a.get("resources") else "-",
+             a.get("reason") or "") for a in s.get("actors", [])])
+    if s.get("refused_peers"):
+        _table("REFUSED PEERS", ("ADDRESS", "REASON"),
+               [(p["address"], p["reason"]) for p in s["refused_peers"]])
 
 
 def _resources(total: dict[str, float], free: dict[str, float] | None = None) -> str:
@@ -648,6 +662,8 @@ COMMANDS: dict[str, Command] = {
     "status": Command("show the running node: members, workers, actors, statistics",
                       _run_status, _status_arguments),
     "stop": Command("stop this machine's node daemon and its workers", _run_stop),
+    "kill": Command("kill a named actor of the cluster (through this machine's node)",
+                    _run_kill, _kill_arguments),
 }
 
 

@@ -43,6 +43,10 @@ Decoding anything malformed (garbage, truncation, wrong version, unknown
 kind, wrong field types, oversize, buffers that do not match the envelope)
 raises :class:`~pmetal.errors.ProtocolError` and nothing else.
 
+Kinds added after version 1 was fixed (still version 1: an old node answers
+them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
+(37) and ``Resources`` (38), node to node, for actor lifetime and placement.
+
 This module holds the messages; :mod:`pmetal.codec` turns them into frames
 and back (:func:`encode`, :func:`decode`, :class:`Envelope`,
 :class:`WireLimits`, :func:`frame_bytes`, importable from here too).
@@ -73,11 +77,14 @@ __all__ = [
     "LookupActor",
     "Message",
     "NodeJoin",
+    "OwnerDied",
     "PROTOCOL_VERSION",
     "Pickled",
     "Ping",
     "Pong",
     "Rejected",
+    "Resources",
+    "ResourcesRequest",
     "Result",
     "RunTask",
     "Shutdown",
@@ -115,6 +122,10 @@ class Kind(enum.IntEnum):
     ACK = 29
     SHUTDOWN = 30
     NODE_JOIN = 31
+    # (32-35 left free for other node-control kinds)
+    OWNER_DIED = 36
+    RESOURCES_REQUEST = 37
+    RESOURCES = 38
     # actor runtime: execution in workers
     INIT_ACTOR = 40
     CALL = 41
@@ -384,6 +395,32 @@ class NodeJoin(Message):
     resources: dict
 
 
+@_message(Kind.OWNER_DIED)
+class OwnerDied(Message):
+    """Node to a member: process ``pid`` on node ``node_id`` (the sender
+    itself) exited; kill the actors it owned that are not detached. Sent to
+    the members that host actors of that owner; the answer is an Ack."""
+
+    node_id: str
+    pid: int
+
+
+@_message(Kind.RESOURCES_REQUEST)
+class ResourcesRequest(Message):
+    """Node to a member: its resources now (placement); the answer is
+    :class:`Resources`."""
+
+
+@_message(Kind.RESOURCES)
+class Resources(Message):
+    """A node's resources: ``total`` and ``available`` (not held by actors),
+    and how many creations wait in its queue for resources."""
+
+    total: dict
+    available: dict
+    queued: int = 0
+
+
 # -------------------------------------------- actor runtime: execution
 
 @_message(Kind.INIT_ACTOR)
@@ -431,7 +468,8 @@ class Failure(Message):
     """A call or task failed. ``kind``: "user" (the user code raised;
     ``exception`` is the Pickled exception when it could be pickled),
     "actor_died", "no_such_method", "unknown_function", "bad_request",
-    "placement", "not_found"."""
+    "placement", "not_found", "timeout" (a creation waited for resources past
+    its deadline)."""
 
     kind: str
     error_type: str

@@ -108,7 +108,8 @@ class Counter:
         self.n += k
         return self.n
 
-c = Counter.options(name="shared_counter").remote()
+# Detached: it outlives this driver (an actor a driver owns dies with it).
+c = Counter.options(name="shared_counter", lifetime="detached").remote()
 print("node", info["node_id"])
 print("sum", pmetal.get([c.add.remote(k) for k in range(1, 5)])[-1])
 """
@@ -312,5 +313,196 @@ def test_second_node_joins_with_peers_and_hosts_actors(home: Path, tmp_path: Pat
         assert f"cpus {float(2 * (os.cpu_count() or 1))}" in driver.stdout
         assert pmetal(other, "stop").returncode == 0
         assert pmetal(home, "stop").returncode == 0
+    finally:
+        _kill_recorded_node(other)
+
+
+# ------------------------------------------------------------ node death
+
+def test_stale_record_makes_auto_init_fail_at_once(home: Path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT, check=True)
+    home.mkdir(parents=True)
+    (home / "node.json").write_text(json.dumps({"address": "tcp://127.0.0.1:9",
+                                                "pid": int(gone.stdout), "node_id": "x",
+                                                "namespace": "default", "psk_file": ""}))
+    script = ("import time, pmetal\nt = time.monotonic()\ntry:\n"
+              "    pmetal.init(address='auto')\nexcept pmetal.PeerError as e:\n"
+              "    print(round(time.monotonic() - t, 2), e)\n")
+    done = subprocess.run([sys.executable, "-c", script], env=_env(home), text=True,
+                          capture_output=True, timeout=COMMAND_TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr
+    took, _, message = done.stdout.partition(" ")
+    assert float(took) < 2.0, done.stdout   # the old client waited 10 s for a Welcome
+    assert "not running" in message and "pmetal start" in message
+
+
+KILLED_NODE_DRIVER = """
+import sys, time, pmetal
+pmetal.init(address="auto")
+
+@pmetal.remote
+class Slow:
+    def __init__(self, flag):
+        open(flag, "w").close()
+        time.sleep(60)
+
+@pmetal.remote
+class Quick:
+    def ping(self):
+        return "pong"
+
+quick = Quick.remote()
+print(pmetal.get(quick.ping.remote(), timeout=20), flush=True)
+for what, step in (("create", lambda: Slow.remote(sys.argv[1])),
+                   ("call", lambda: pmetal.get(quick.ping.remote(), timeout=30))):
+    t = time.monotonic()
+    try:
+        step()
+        print(what, "ok", flush=True)
+    except pmetal.PMetalError as e:
+        print(what, type(e).__name__, round(time.monotonic() - t, 2), e, flush=True)
+"""
+
+
+def test_kill_9_of_the_node_fails_a_creation_and_the_next_call_at_once(home: Path,
+                                                                       tmp_path: Path) -> None:
+    started = pmetal(home, "start", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    node_pid = json.loads((home / "node.json").read_text())["pid"]
+    flag = tmp_path / "constructing"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_NODE_DRIVER, str(flag)],
+                              env=_env(home), text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        assert driver.stdout.readline().strip() == "pong"
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while not flag.exists():   # the creation is in flight: its constructor runs
+            assert time.monotonic() < deadline and driver.poll() is None, driver.stderr.read()
+            time.sleep(0.05)
+        os.kill(node_pid, signal.SIGKILL)
+        out, err = driver.communicate(timeout=COMMAND_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
+    for what in ("create", "call"):
+        kind, took, message = lines[what].split(" ", 2)
+        # The old client waited 29 s (creation) and 40 s (call).
+        assert kind in ("PeerError", "ActorDiedError"), (what, lines[what], err)
+        assert float(took) < 3.0, (what, lines[what])
+        assert "node" in message and "died" in message, (what, message)
+
+
+# --------------------------------------------------------------- lifetime
+
+OWNER_DRIVER = """
+import json, os, sys, pmetal
+pmetal.init(address="auto")
+
+@pmetal.remote
+class Box:
+    def pid(self):
+        return os.getpid()
+    def make_child(self):
+        self.child = Box.remote()        # owned by this actor's worker
+        return pmetal.get(self.child.pid.remote(), timeout=20)
+
+owned = Box.options(name="owned", num_cpus=1).remote()
+parent = Box.options(name="parent").remote()
+kept = Box.options(name="kept", lifetime="detached").remote()
+pids = {"owned": pmetal.get(owned.pid.remote(), timeout=20),
+        "parent": pmetal.get(parent.pid.remote(), timeout=20),
+        "child": pmetal.get(parent.make_child.remote(), timeout=20),
+        "kept": pmetal.get(kept.pid.remote(), timeout=20)}
+print(json.dumps(pids), flush=True)
+sys.stdin.read()                         # the test kills this process
+"""
+
+
+def test_actors_die_with_their_killed_driver_unless_detached(home: Path) -> None:
+    started = pmetal(home, "start", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    free_cpus = _status(home)["available"]["CPU"]
+    driver = subprocess.Popen([sys.executable, "-c", OWNER_DRIVER], env=_env(home), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        pids = json.loads(driver.stdout.readline())
+        assert _status(home)["available"]["CPU"] == free_cpus - 1
+        driver.kill()   # kill -9: no atexit, no shutdown
+        driver.wait(EXIT_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    # Its actors go (the child with the parent that owned it), their workers
+    # exit and the CPU they held is free again; the detached one stays.
+    for name in ("owned", "parent", "child"):
+        assert _wait_gone(pids[name]), f"the worker of {name} outlived the driver"
+    deadline = time.monotonic() + EXIT_TIMEOUT
+    while True:
+        status = _status(home)
+        states = {a["name"] or "child": a["state"] for a in status["actors"]}
+        if states == {"owned": "dead", "parent": "dead", "child": "dead", "kept": "alive"} \
+                and status["available"]["CPU"] == free_cpus:
+            break
+        assert time.monotonic() < deadline, (states, status["available"])
+        time.sleep(0.1)
+    assert _alive(pids["kept"])
+    owned = next(a for a in status["actors"] if a["name"] == "owned")
+    assert "owner" in owned["reason"] and owned["resources"] == {"CPU": 1.0}
+    text = pmetal(home, "status")
+    assert "OWNER" in text.stdout and "detached" in text.stdout
+    # The detached actor is reachable by name from a new driver, and
+    # 'pmetal kill NAME' ends it.
+    use = subprocess.run([sys.executable, "-c",
+                          "import pmetal; pmetal.init(address='auto'); "
+                          "print(pmetal.get(pmetal.get_actor('kept').pid.remote(), timeout=20))"],
+                         env=_env(home), text=True, capture_output=True,
+                         timeout=COMMAND_TIMEOUT, check=False)
+    assert use.returncode == 0 and int(use.stdout) == pids["kept"], use.stderr
+    killed = pmetal(home, "kill", "kept")
+    assert killed.returncode == 0 and "killed actor 'kept'" in killed.stdout, killed.stderr
+    assert _wait_gone(pids["kept"])
+    again = pmetal(home, "kill", "kept")
+    assert again.returncode == 1 and "dead" in again.stderr
+    missing = pmetal(home, "kill", "no-such-actor")
+    assert missing.returncode == 1 and "no-such-actor" in missing.stderr
+    assert pmetal(home, "stop").returncode == 0
+
+
+# ---------------------------------------------------------- refused peers
+
+@pytest.mark.parametrize("differs", ["psk", "namespace"])
+def test_peer_of_another_namespace_is_a_warning_and_listed_in_status(
+        home: Path, tmp_path: Path, differs: str) -> None:
+    other = tmp_path / "other-home"
+    keys = [tmp_path / "a.psk", tmp_path / "b.psk"]
+    for key in keys:
+        assert main(["keygen", "--out", str(key)]) == 0
+    first = pmetal(home, "start", "--port", "0", "--psk-file", str(keys[0]))
+    assert first.returncode == 0, first.stderr
+    address = json.loads((home / "node.json").read_text())["address"].removeprefix("tcp://")
+    mismatch = (["--psk-file", str(keys[1])] if differs == "psk"
+                else ["--psk-file", str(keys[0]), "--namespace", "elsewhere"])
+    second = pmetal(other, "start", "--port", "0", "--peers", address, *mismatch,
+                    PMETAL_TRANSPORT_HANDSHAKE_TIMEOUT="1.0")
+    try:
+        assert second.returncode == 0, second.stderr
+        deadline = time.monotonic() + EXIT_TIMEOUT
+        while not (refused := _status(other).get("refused_peers")):
+            assert time.monotonic() < deadline, "the refusal never showed in pmetal status"
+            time.sleep(0.1)
+        assert refused[0]["address"] == f"tcp://{address}"
+        reason = refused[0]["reason"]
+        assert "PSK or namespace" in reason, reason
+        log = (other / "node.log").read_text()
+        assert "WARNING" in log and address in log and "PSK or namespace" in log, log
+        text = pmetal(other, "status")
+        assert "REFUSED PEERS (1)" in text.stdout and address in text.stdout
+        assert _status(other)["members"] == [] and _status(home)["members"] == []
     finally:
         _kill_recorded_node(other)

@@ -69,6 +69,9 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.SHUTDOWN: wire.Shutdown(reason="operator request"),
     Kind.NODE_JOIN: wire.NodeJoin(
         node_id="e" * 32, address=ADDRESS, resources={"CPU": 8, "GPU": 0.5}),
+    Kind.OWNER_DIED: wire.OwnerDied("ab" * 16, 4321),
+    Kind.RESOURCES_REQUEST: wire.ResourcesRequest(),
+    Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1),
     Kind.INIT_ACTOR: wire.InitActor(
         actor_id="actor-1", cls_id="cls-1", cls_ref=Pickled(pickle.dumps(dict)), args=[],
         kwargs={"a": 1}, options={}, incarnation=1),

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -31,7 +32,8 @@ from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerError,
-                           PMetalError, PMetalTimeoutError, PlacementError, TransportError)
+                           PMetalError, PMetalTimeoutError, PlacementError, RequestTimeoutError,
+                           TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -72,6 +74,7 @@ class PeerLink:
 
     def __init__(self, client: CoreClient, address: str) -> None:
         dialer = client.transport.dial(address)
+        self.client = client
         self.address = address
         self.channel = Channel(dialer, client.identity, client.namespace, client.config)
         self.socket = dialer.socket
@@ -90,7 +93,10 @@ class PeerLink:
         while self.monitor.getsockopt(_EVENTS) & _POLLIN:
             frames = self.monitor.recv_multipart()
             if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
-                self.die(f"the connection to {self.address} dropped (its process died)")
+                why = f"the connection to {self.address} dropped (its process died)"
+                if self.client.node_gone():
+                    why += f"; {self.client.node_dead}"
+                self.die(why)
 
     def die(self, why: str) -> None:
         if self.dead:
@@ -118,7 +124,12 @@ class CoreClient:
         self.identity = identity or NodeIdentity.generate()
         self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.node_address = node_address
-        self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)
+        dialer = self.transport.dial(node_address)
+        self.node = Channel(dialer, self.identity, namespace, config)
+        # The node's death (kill -9) drops this connection: requests waiting
+        # on it fail within a slice instead of at their timeout.
+        self._node_monitor = dialer.monitor_disconnects()
+        self.node_dead = ""
         self.node_id = self.node.open(timeout=config.transport.connect_timeout)
         self.links: dict[str, PeerLink] = {}
         self.lock = threading.RLock()
@@ -155,8 +166,66 @@ class CoreClient:
         return link
 
     def request_node(self, body: Message, timeout: float | None = None) -> Message:
+        """``body``'s answer from our node. PeerError as soon as the
+        connection to the node drops (it died), RequestTimeoutError when it
+        is alive but silent for ``timeout``."""
+        timeout = self.config.transport.request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         with self.lock:
-            return self.node.request(body, timeout=timeout).body
+            self._check_node()
+            corr = self.node.submit(body, timeout=min(timeout, self._send_timeout))
+            while (env := self.node.take(corr)) is None:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        env = self.node.result(corr, 0.0)   # releases corr, raises
+                        break
+                    self.node.pump(min(self._SLICE_MS / 1000, remaining))
+                except RequestTimeoutError as exc:
+                    raise RequestTimeoutError(f"no reply from the node at {self.node_address} "
+                                              f"within {timeout:.3g} s") from exc
+                except PMetalTimeoutError:
+                    self._check_node()
+            return env.body
+
+    _NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing listens there "
+                  "any more: the node died or stopped; start it again ('pmetal start') and "
+                  "call pmetal.init() again")
+
+    def _node_listening(self) -> bool:
+        """Whether something accepts TCP connections at the node's address
+        (a dropped connection to a live node is re-made by ZeroMQ; a dead
+        node's port refuses at once)."""
+        host, _, port = self.node_address.partition("://")[2].rpartition(":")
+        if not port.isdigit():
+            return True   # not a TCP address: cannot tell, keep waiting for the reply
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        except OSError:
+            return False
+        return True
+
+    def node_gone(self) -> bool:
+        """Whether our node has died (asked when a worker's connection drops:
+        a node's death takes its workers with it)."""
+        try:
+            self._check_node()
+        except PeerError:
+            return True
+        if not self._node_listening():
+            self.node_dead = self._NODE_DEAD.format(self.node_address)
+        return bool(self.node_dead)
+
+    def _check_node(self) -> None:
+        """Raise PeerError if the connection to our node has dropped."""
+        if not self.node_dead:
+            while self._node_monitor.getsockopt(_EVENTS) & _POLLIN:
+                frames = self._node_monitor.recv_multipart()
+                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED \
+                        and not self._node_listening():
+                    self.node_dead = self._NODE_DEAD.format(self.node_address)
+        if self.node_dead:
+            raise PeerError(self.node_dead)
 
     # --------------------------------------------------------------- actors
 
@@ -164,6 +233,10 @@ class CoreClient:
         return f"{self.identity.node_id[:12]}-{os.getpid()}-{next(self._actor_ids)}"
 
     def create_actor(self, spec: CreateActor, timeout: float) -> ActorLocation:
+        # This process owns the actor (it dies with us unless detached), and
+        # the node answers before our deadline, also when it must queue it.
+        spec.options.setdefault("owner_pid", os.getpid())
+        spec.options["timeout"] = timeout
         reply = self.request_node(spec, timeout=timeout)
         if isinstance(reply, Failure):
             raise failure_error(reply, f"creating actor {spec.options.get('class_name')}")
@@ -186,6 +259,13 @@ class CoreClient:
         reply = self.request_node(KillActor(actor_id, no_restart, node_id))
         if isinstance(reply, Failure):
             raise failure_error(reply)
+        # Its process is being killed: calls made from now on must not go to
+        # it (and fail when it dies) but ask the node for the actor's next
+        # incarnation (or learn that it is dead), as Ray's kill promises.
+        with self.lock:
+            for link in list(self.links.values()):
+                if link.owner == actor_id:
+                    link.die(f"actor {actor_id} was killed by pmetal.kill")
 
     def call(self, handle: Any, method: str, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
         """Submit ``handle.method(*args, **kwargs)``. A call with ObjectRef

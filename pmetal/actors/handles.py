@@ -28,7 +28,8 @@ def _number(options: dict[str, Any], key: str, where: str, low: float) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PMetalTypeError(f"{where}: {key} must be a number, not {type(value).__name__}")
+        raise PMetalTypeError(f"{where}: {key} must be a number, not {type(value).__name__} "
+                              f"{value!r:.40}")
     if not value >= low:   # also refuses NaN
         raise PMetalValueError(f"{where}: {key}={value!r}; it must be at least {low:g}")
 
@@ -38,7 +39,8 @@ def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
     if value is None:
         return
     if type(value) is not int:
-        raise PMetalTypeError(f"{where}: {key} must be an int, not {type(value).__name__}")
+        raise PMetalTypeError(f"{where}: {key} must be an int, not {type(value).__name__} "
+                              f"{value!r:.40}")
     if value < low:
         raise PMetalValueError(f"{where}: {key}={value}; it must be at least {low}"
                                + (" (-1: without limit)" if low == -1 else ""))
@@ -62,6 +64,9 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
     _integer(options, "max_concurrency", where, 1)
     for key in ("max_restarts", "max_task_retries", "max_retries"):
         _integer(options, key, where, -1)
+    if options.get("lifetime") not in (None, "detached", "non_detached"):
+        raise PMetalValueError(f"{where}: lifetime must be 'detached', 'non_detached' or None, "
+                               f"not {options['lifetime']!r}")
     res = options.get("resources") or {}
     if not isinstance(res, dict) or any(
             type(k) is not str or isinstance(v, bool) or not isinstance(v, (int, float))
@@ -166,6 +171,7 @@ class ActorClass:
                    "resources": resources,
                    "max_restarts": int(opts.get("max_restarts") or 0),
                    "max_concurrency": int(opts.get("max_concurrency") or 1),
+                   "lifetime": opts.get("lifetime") or "",
                    "class_name": cls.__qualname__, "methods": list(methods),
                    "is_async": is_async}
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)

@@ -24,7 +24,7 @@ from typing import Any
 
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
-from pmetal.errors import PMetalError
+from pmetal.errors import HandshakeError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -69,6 +69,8 @@ class Membership:
         self.members: dict[str, Member] = {}
         self.epoch = 0
         self._counts = {"refused": 0, "failed": 0}
+        # Static peers that refused us or never answered: address -> reason.
+        self.refused: dict[str, str] = {}
 
     def statistics(self) -> MembershipStatistics:
         return MembershipStatistics(len(self.members) + 1, self.epoch, self._counts["refused"],
@@ -77,6 +79,9 @@ class Membership:
     def describe(self) -> list[dict[str, Any]]:
         return [{"node_id": m.node_id, "address": m.address, "resources": m.resources}
                 for m in self.members.values()]
+
+    def describe_refused(self) -> list[dict[str, str]]:
+        return [{"address": a, "reason": r} for a, r in self.refused.items()]
 
     def find(self, node_id: str) -> Member | None:
         """The member with this id, or the one whose id starts with it."""
@@ -135,7 +140,11 @@ class Membership:
 
     async def join(self, address: str, own: NodeJoin, stopping: asyncio.Event) -> None:
         """Join a static peer, retrying with backoff until it answers (or
-        ``stopping`` is set). A refusal is logged and not retried."""
+        ``stopping`` is set). A peer that refuses the handshake (another PSK
+        or namespace) or never answers it is logged as a WARNING once and
+        listed in ``refused`` (``pmetal status``), and still retried: it
+        may be restarted with the right key. A refusal of the join itself
+        (a clone of this node's identity) is final."""
         delay = _JOIN_RETRY_FIRST
         while not stopping.is_set():
             channel = Channel(self._transport.dial(address), self._identity, self._namespace,
@@ -143,6 +152,7 @@ class Membership:
             try:
                 await channel.aopen()
                 reply = (await channel.arequest(own)).body
+                self.refused.pop(address, None)
                 if isinstance(reply, Status):
                     info = reply.info
                     self._add(Member(info["node_id"], info["address"], info["resources"],
@@ -150,9 +160,21 @@ class Membership:
                     log.info("joined peer %s at %s (epoch %d)", info["node_id"][:8], address,
                              self.epoch)
                     return
-                log.error("peer %s refused to join: %s", address, getattr(reply, "message", ""))
+                reason = getattr(reply, "message", "") or type(reply).__name__
+                log.error("peer %s refused to join: %s", address, reason)
+                self._refuse(address, f"refused our join: {reason}")
                 channel.close()
                 return
+            except HandshakeError as exc:
+                self._refuse(address, f"handshake refused: {exc} (another PSK or namespace?)")
+            except PMetalTimeoutError as exc:
+                if channel.session is None:
+                    timeout = self._config.transport.handshake_timeout
+                    self._refuse(address, f"no answer from {address} within {timeout:g} s: "
+                                          f"another PSK or namespace, not a pmetal node, or "
+                                          f"not started yet ({exc})")
+                else:
+                    log.debug("peer %s did not answer our join yet: %s", address, exc)
             except PMetalError as exc:
                 log.debug("peer %s not reachable yet: %s", address, exc)
             channel.close()
@@ -161,6 +183,12 @@ class Membership:
             except asyncio.TimeoutError:
                 pass
             delay = min(delay * 2, _JOIN_RETRY_MAX)
+
+    def _refuse(self, address: str, reason: str) -> None:
+        if self.refused.get(address) != reason:
+            log.warning("static peer %s: %s", address, reason)
+            self._counts["refused"] += 1
+        self.refused[address] = reason
 
     # ------------------------------------------------------------- requests
 

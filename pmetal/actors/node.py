@@ -31,13 +31,18 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
-from pmetal.actors.membership import Membership
+from pmetal.actors.membership import Member, Membership
+from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read_ready_line,
+                                    routable_address)
+from pmetal.actors.owners import OwnerWatch
+from pmetal.actors.placement import PlacementQueue, check_options, check_resources, fits, needs
+from pmetal.actors.records import ActorRecord, ActorTable, exit_text
 from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.actors.zygote import ForkServer
-from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
+from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
 from pmetal.hardware import gpu_count
@@ -45,36 +50,23 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,
-                         LeaseWorkers, LookupActor, Message, NodeJoin, Ping, Pong,
-                         Shutdown, Status, StatusRequest, WorkerReady)
+                         LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping, Pong,
+                         Resources, ResourcesRequest, Shutdown, Status, StatusRequest,
+                         WorkerReady)
 
-__all__ = ["NodeDaemon", "NodeStatistics", "main"]
+# READY_LINE, node_file, read_ready_line, is_node_process and routable_address
+# live in pmetal.actors.nodeproc and stay importable from here.
+__all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "main", "node_file",
+           "read_ready_line", "routable_address"]
 
 log = logging.getLogger(__name__)
 
-READY_LINE = "PMETAL_NODE_READY"
+_REPLY_MARGIN = 0.5
+"""s before the creator's deadline at which a queued creation gives up, so
+that its answer (a clear timeout) arrives before the creator stops waiting."""
 
-
-@dataclass
-class ActorRecord:
-    spec: CreateActor
-    state: str = "pending"         # pending, alive, restarting, dead
-    worker_id: str = ""
-    incarnation: int = 0
-    restarts_left: int = 0
-    reason: str = ""
-    no_restart: bool = False
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    def location(self, node_id: str, address: str) -> ActorLocation:
-        o = self.spec.options
-        return ActorLocation(self.spec.actor_id, self.state, address, node_id, self.incarnation,
-                             o.get("name") or "", self.reason, o.get("class_name") or "",
-                             tuple(o.get("methods") or ()), bool(o.get("is_async")))
-
-    def notify(self) -> None:
-        self.changed.set()
-        self.changed = asyncio.Event()
+_ASK_RESOURCES = 2.0
+"""s a member may take to say what it has free before placement skips it."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +79,9 @@ class NodeStatistics:
     members: int
     epoch: int
     requests: int
+    requests_failed: int = 0      # answered with an error by the dispatcher (bad input, bugs)
+    actors_queued: int = 0        # creations waiting for resources
+    owners_died: int = 0          # owner processes seen exiting (their actors were killed)
 
 
 def default_resources(num_cpus: float | None = None) -> dict[str, float]:
@@ -114,8 +109,12 @@ class NodeDaemon:
         self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
                                        namespace, config)
-        self.resources = {**default_resources(), **(resources or {})}
+        # What peers are told to dial: never a wildcard such as 0.0.0.0.
+        self.address = routable_address(self.listener.address)
+        self.resources = {**default_resources(),
+                          **check_resources(resources or {}, "node resources")}
         self.available = dict(self.resources)
+        self.queue = PlacementQueue(self.available)
         self.peers = list(peers or [])
         cpus = os.cpu_count() or 1
         self.pool = WorkerPool(
@@ -124,25 +123,26 @@ class NodeDaemon:
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
             num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
             on_exit=self._worker_exited, fork_server=fork_server)
-        self.actors: dict[str, ActorRecord] = {}
-        self.names: dict[str, str] = {}
+        self.table = ActorTable()
+        self.actors = self.table.actors   # actor id -> record (dead ones: the last DEAD_TAIL)
+        self.names = self.table.names     # name -> actor id
         self._claiming: set[str] = set()   # names being looked up on the peers
         self.membership = Membership(identity, namespace, config, self.transport)
+        self.owners = OwnerWatch(self._owner_exited)
+        self._placed_with: dict[int, set[str]] = {}   # local owner pid -> members hosting its actors
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
-        self._counts = {"created": 0, "restarts": 0, "requests": 0}
-
-    @property
-    def address(self) -> str:
-        return self.listener.address
+        self._counts = {"created": 0, "restarts": 0, "requests": 0, "failed": 0,
+                        "owners_died": 0}
 
     def statistics(self) -> NodeStatistics:
         alive = sum(1 for a in self.actors.values() if a.state == "alive")
         members = self.membership.statistics()
         return NodeStatistics(len(self.pool.workers), len(self.pool.idle), alive, self._counts["created"],
                               self._counts["restarts"], members.members, members.epoch,
-                              self._counts["requests"])
+                              self._counts["requests"], self._counts["failed"], len(self.queue),
+                              self._counts["owners_died"])
 
     # ------------------------------------------------------------- running
 
@@ -152,6 +152,7 @@ class NodeDaemon:
                 self._group = group
                 self.pool.start(group, self.address, self._stopping)
                 self._cancellable_task(self.pool.fill())
+                self._cancellable_task(self.owners.poll(self._stopping))
                 join = NodeJoin(self.node_id, self.address, self.resources)
                 for peer in self.peers:
                     self._cancellable_task(self.membership.join(peer, join, self._stopping))
@@ -167,6 +168,7 @@ class NodeDaemon:
                     task.cancel()
                 self.pool.kill_all()
         finally:
+            self.owners.close()
             self.listener.close()
             self.membership.close()
             self.pool.close()
@@ -181,9 +183,25 @@ class NodeDaemon:
             except ClosedError:
                 return
             self._counts["requests"] += 1
-            reply = self._handle_now(incoming)
+            try:
+                reply = self._handle_now(incoming)
+            except Exception as exc:  # noqa: BLE001 - no request may end the node
+                reply = self._failed(incoming, exc)
             if reply is not None:
                 await self._reply(incoming, reply)
+
+    def _failed(self, incoming: Incoming, exc: Exception) -> Failure:
+        """The answer to a request whose handler raised: logged and counted.
+        Bad input from a peer (a TypeError or ValueError of a check) is a
+        warning; anything else is a bug of ours, logged with its traceback."""
+        self._counts["failed"] += 1
+        kind = type(incoming.body).__name__
+        if isinstance(exc, (TypeError, ValueError, PMetalError)):
+            log.warning("refused a %s from %s: %s: %s", kind, incoming.peer[:8],
+                        type(exc).__name__, exc)
+        else:
+            log.error("a %s from %s failed", kind, incoming.peer[:8], exc_info=exc)
+        return Failure("bad_request", type(exc).__name__, str(exc) or repr(exc))
 
     async def _reply(self, incoming: Incoming, reply: Message) -> None:
         if not incoming.envelope.corr:
@@ -192,23 +210,37 @@ class NodeDaemon:
             await self.listener.areply(incoming, reply)
         except (PeerError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
+        except Exception as exc:  # noqa: BLE001 - e.g. ZMQError: too many open files
+            self._counts["failed"] += 1
+            log.error("could not reply to %s: %s", incoming.peer, exc, exc_info=exc)
 
     def _later(self, incoming: Incoming, work: Any) -> None:
-        """Run a slow request in its own task so the loop keeps serving."""
+        """Run a slow request in its own task so the loop keeps serving;
+        whatever it raises becomes a Failure reply, never an exception in
+        the node's task group."""
         async def run() -> None:
             try:
                 reply = await work
-            except (PMetalError, OSError) as exc:  # OSError: out of descriptors, processes
-                reply = Failure("bad_request", type(exc).__name__, str(exc))
+            except Exception as exc:  # noqa: BLE001 - no request may end the node
+                reply = self._failed(incoming, exc)
             await self._reply(incoming, reply)
         self._cancellable_task(run())
 
     def _cancellable_task(self, coro: Any) -> None:
         """A task that shutdown cancels (requests, peer joins, restarts)."""
         assert self._group is not None
-        task = self._group.create_task(coro)
+        task = self._group.create_task(self._guarded(coro))
         self._cancellable.add(task)
         task.add_done_callback(self._cancellable.discard)
+
+    async def _guarded(self, coro: Any) -> None:
+        # A background task that fails is logged, not allowed to end the
+        # task group (and with it the node and every actor).
+        try:
+            await coro
+        except Exception as exc:  # noqa: BLE001
+            self._counts["failed"] += 1
+            log.error("a background task of the node failed", exc_info=exc)
 
     def _handle_now(self, incoming: Incoming) -> Message | None:
         body = incoming.body
@@ -216,9 +248,11 @@ class NodeDaemon:
         if kind is Ping:
             return Pong(body.payload)  # type: ignore[attr-defined]
         if kind is WorkerReady:
+            # A worker bound to a wildcard reports it: peers get a routable address.
+            body = replace(body, address=routable_address(body.address))  # type: ignore[arg-type]
             return self.pool.ready(body)  # type: ignore[arg-type]
         if kind is CreateActor:
-            self._later(incoming, self._create_actor(body))  # type: ignore[arg-type]
+            self._later(incoming, self._create_actor(body, incoming))  # type: ignore[arg-type]
             return None
         if kind is LookupActor:
             self._later(incoming, self._lookup(body))  # type: ignore[arg-type]
@@ -234,6 +268,13 @@ class NodeDaemon:
         if kind is StatusRequest:
             self._later(incoming, self._status_with_calls())
             return None
+        if kind is ResourcesRequest:
+            return Resources(self.resources, self.available, len(self.queue))
+        if kind is OwnerDied:
+            if body.node_id != incoming.peer:  # type: ignore[attr-defined]
+                raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
+                                 f"{incoming.peer[:8]}; a node reports its own processes")
+            return Ack(self._owner_died(body.node_id, body.pid))  # type: ignore[attr-defined]
         if kind is NodeJoin:
             self._later(incoming, self.membership.joined(body, incoming.peer,  # type: ignore[arg-type]
                                                          self.status))
@@ -251,17 +292,18 @@ class NodeDaemon:
         """The pool lost ``worker`` (it has forgotten it already): restart
         the actor it hosted if it may."""
         record = self.actors.get(worker.actor_id) if worker.actor_id else None
-        if record is None or record.worker_id != worker.worker_id:
-            return
-        self._release(record)
+        if record is None or record.worker_id != worker.worker_id or record.constructing:
+            return   # (a death during the constructor is _construct's to report)
+        record.worker_id = ""
         why = ("killed by pmetal.kill" if record.no_restart else
-               f"its worker process (pid {worker.proc.pid}) exited with code {code}")
+               f"its worker process (pid {worker.proc.pid}) {exit_text(code)}")
         if record.no_restart or record.restarts_left == 0:
-            record.state, record.reason = "dead", why
-            record.notify()
+            self._mark_dead(record, record.reason or why)
             return
         if record.restarts_left > 0:
             record.restarts_left -= 1
+        # The restart keeps the resources the actor holds: no queued creation
+        # may take them in between.
         record.state, record.reason = "restarting", why
         record.incarnation += 1
         self._counts["restarts"] += 1
@@ -272,35 +314,45 @@ class NodeDaemon:
 
     # --------------------------------------------------------------- actors
 
-    def _fits(self, need: dict[str, float], pool: dict[str, float]) -> bool:
-        return all(pool.get(k, 0.0) >= v for k, v in need.items() if v)
-
-    @staticmethod
-    def _needs(options: dict[str, Any]) -> dict[str, float]:
-        need = {k: float(v) for k, v in (options.get("resources") or {}).items()}
-        if options.get("num_cpus"):
-            need["CPU"] = float(options["num_cpus"])
-        return need
-
     def _release(self, record: ActorRecord) -> None:
-        if record.state in ("alive", "pending", "restarting") and record.worker_id:
-            for k, v in self._needs(record.spec.options).items():
-                self.available[k] = self.available.get(k, 0.0) + v
+        held, record.held = record.held, {}
+        if held:
+            self.queue.give(held)
         record.worker_id = ""
 
-    async def _create_actor(self, spec: CreateActor) -> Message:
+    def _mark_dead(self, record: ActorRecord, reason: str) -> None:
+        self._release(record)
+        self.table.mark_dead(record, reason)
+
+    async def _create_actor(self, spec: CreateActor, incoming: Incoming | None = None) -> Message:
         options = spec.options
+        check_options(options)
         target = options.get("node") or ""
-        need = self._needs(options)
+        need = needs(options)
+        if not options.get("owner_node"):
+            # The creator's own node: it names the owner and watches its pid.
+            # (A creator on another machine cannot be watched by pid; its
+            # actors live until killed. TODO: watch its session instead.)
+            session = self.listener.session(incoming.route) if incoming is not None else None
+            pid = int(options.get("owner_pid") or 0)
+            local = bool(getattr(session, "local", False))
+            if pid and local and not self.owners.watch(pid):
+                return Failure("actor_died", "ActorDiedError",
+                               f"the process that creates the actor (pid {pid}) has exited")
+            options = {**options, "owner_node": self.node_id,
+                       "owner_pid": pid if local else 0}
+            spec = replace(spec, options=options)
         if target and target != self.node_id:
             return await self._forward(target, spec)
-        if not target and not self._fits(need, self.resources):
-            for member in self.membership.members.values():
-                if self._fits(need, member.resources):
-                    return await self._forward(member.node_id, spec)
+        if not target and not fits(need, self.available):
+            elsewhere = await self._place_elsewhere(need)
+            if elsewhere is not None:
+                return await self._forward(elsewhere.node_id, spec)
+        if not fits(need, self.resources):
             return Failure("placement", "PlacementError",
-                           f"no node has resources {need}; this cluster's nodes have "
-                           f"{self.membership.total_resources(self.resources)}")
+                           f"node {self.node_id[:8]} has {self.resources} in all, the actor "
+                           f"needs {need}; no node of this cluster could ever hold it "
+                           f"(cluster: {self.membership.total_resources(self.resources)})")
         name = options.get("name") or ""
         taken = name and (name in self._claiming or (
             name in self.names and self.actors[self.names[name]].state != "dead"))
@@ -322,50 +374,104 @@ class NodeDaemon:
             return Failure("bad_request", "ValueError",
                            f"an actor named {name!r} already exists (or is being created); "
                            f"pick another name or use pmetal.get_actor({name!r})")
-        if not self._fits(need, self.available):
-            return Failure("placement", "PlacementError",
-                           f"node {self.node_id[:8]} has {self.available} free, the actor "
-                           f"needs {need}; kill an actor or add a node")
-        record = ActorRecord(spec, restarts_left=int(options.get("max_restarts") or 0))
+        record = ActorRecord(spec, restarts_left=int(options.get("max_restarts") or 0),
+                             owner=(options["owner_node"], int(options.get("owner_pid") or 0)))
+        record.reason = "waiting for resources" if not fits(need, self.available) else ""
         self.actors[spec.actor_id] = record
         if name:
             self.names[name] = spec.actor_id
         self._counts["created"] += 1
+        timeout = float(options.get("timeout") or self.config.transport.request_timeout)
+        what = f"actor {options.get('class_name') or spec.actor_id}"
+        try:
+            reserved = await self.queue.reserve(need, time.monotonic() + timeout - _REPLY_MARGIN,
+                                                what, self._holders, record.cancelled)
+        except PMetalTimeoutError as exc:
+            self._mark_dead(record, str(exc))
+            return Failure("timeout", "PMetalTimeoutError", str(exc))
+        if not reserved:
+            self._mark_dead(record, record.reason or "killed while waiting for resources")
+            return Failure("actor_died", "ActorDiedError", record.reason)
+        record.held = need
+        record.reason = ""
         return await self._construct(record)
 
+    def _holders(self) -> str:
+        held = [f"{a.spec.options.get('class_name') or a.spec.actor_id} {a.held}"
+                for a in self.actors.values() if a.held]
+        return (f"node {self.node_id[:8]} has {self.available} free of {self.resources}; "
+                f"held by {', '.join(held[:10]) or 'nothing'}")
+
     async def _construct(self, record: ActorRecord) -> Message:
+        """Run the constructor in an idle worker. The worker's exit while the
+        constructor runs (``os._exit`` in it, a crash, a kill) answers at once
+        with ActorDiedError naming the exit code."""
         spec = record.spec
         deadline = time.monotonic() + self.config.transport.connect_timeout
-        for k, v in self._needs(spec.options).items():
-            self.available[k] = self.available.get(k, 0.0) - v
         try:
             worker = await self.pool.take_idle(deadline)
         except PMetalTimeoutError as exc:
-            record.worker_id = "none"
-            self._release(record)
-            record.state, record.reason = "dead", str(exc)
-            record.notify()
+            self._mark_dead(record, str(exc))
             return Failure("placement", "PlacementError", str(exc))
+        if record.state == "dead":   # killed while it waited for a worker
+            self.pool.kill(worker)
+            return Failure("actor_died", "ActorDiedError", record.reason)
         worker.actor_id = spec.actor_id
         record.worker_id = worker.worker_id
         init = InitActor(spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs,
                          spec.options, record.incarnation)
+        record.constructing = True
         try:
-            channel = await self.pool.channel(worker, self.config.transport.handshake_timeout)
-            reply = (await channel.arequest(init)).body
-        except PMetalError as exc:
-            reply = Failure("actor_died", "ActorDiedError",
-                            f"the worker died while constructing the actor: {exc}")
+            reply = await self._init_or_exit(worker, init)
+        finally:
+            record.constructing = False
         if isinstance(reply, Failure):
-            self._release(record)
             self.pool.kill(worker)
-            record.state = "dead"
-            record.reason = f"constructor failed: {reply.error_type}: {reply.message}"
-            record.notify()
+            self._mark_dead(record, f"constructor failed: {reply.error_type}: {reply.message}")
             return reply
         record.state, record.reason = "alive", ""
         record.notify()
         return record.location(self.node_id, worker.address)
+
+    async def _init_or_exit(self, worker: WorkerProc, init: InitActor) -> Message:
+        """The worker's answer to ``init``, or a Failure as soon as its
+        process exits (whichever comes first)."""
+        cls = init.options.get("class_name") or init.actor_id
+        try:
+            # Opened here, before anything else is scheduled, as status asks
+            # of the pool race to open it too (a worker that dies during the
+            # handshake fails it within handshake_timeout).
+            channel = await self.pool.channel(worker, self.config.transport.handshake_timeout)
+        except PMetalError as exc:
+            return Failure("actor_died", "ActorDiedError",
+                           f"the worker of actor {cls} did not open a session: {exc}")
+
+        async def construct() -> Message:
+            return (await channel.arequest(init)).body
+
+        # Both tasks are owned here: the loser is cancelled before returning.
+        answer = asyncio.ensure_future(construct())
+        exited = asyncio.ensure_future(worker.proc.wait())
+        try:
+            await asyncio.wait((answer, exited), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (answer, exited):
+                task.cancel()
+        if answer.done() and not answer.cancelled():
+            exc = answer.exception()
+            if exc is None:
+                return answer.result()
+            if not isinstance(exc, PMetalError):
+                raise exc
+            try:   # the channel broke: if the process is exiting, say how
+                await asyncio.wait_for(worker.proc.wait(), 1.0)
+            except asyncio.TimeoutError:
+                return Failure("actor_died", "ActorDiedError",
+                               f"the worker of actor {cls} failed while constructing it: {exc}")
+        why = "was killed by pmetal.kill" if worker.killed else exit_text(worker.proc.returncode)
+        return Failure("actor_died", "ActorDiedError",
+                       f"the worker process (pid {worker.proc.pid}) of actor {cls} {why} "
+                       f"while running its constructor")
 
     def _locate(self, record: ActorRecord) -> ActorLocation:
         worker = self.pool.workers.get(record.worker_id)
@@ -397,14 +503,20 @@ class NodeDaemon:
         record = self.actors.get(body.actor_id)
         if record is None:
             return Failure("not_found", "ValueError", f"no actor {body.actor_id} on this node")
-        record.no_restart = body.no_restart
+        self._kill_record(record, body.no_restart, "killed by pmetal.kill")
+        return Ack()
+
+    def _kill_record(self, record: ActorRecord, no_restart: bool, reason: str) -> None:
+        record.no_restart = no_restart
+        if no_restart and record.state != "dead":
+            record.reason = reason
         worker = self.pool.workers.get(record.worker_id)
         if worker is not None:
             self.pool.kill(worker)
-        elif record.state != "dead":
-            record.state, record.reason = "dead", "killed by pmetal.kill"
-            record.notify()
-        return Ack()
+        elif record.state == "pending" and not record.held:   # still in the queue
+            record.cancelled.set()
+        elif record.state != "dead" and not record.constructing:
+            self._mark_dead(record, reason)
 
     async def _kill_remote(self, body: KillActor) -> Message:
         """Pass a kill on to the member that hosts the actor (one hop: the
@@ -417,7 +529,60 @@ class NodeDaemon:
                            f"the handle comes from another cluster)")
         return await self.membership.ask(member, KillActor(body.actor_id, body.no_restart, ""))
 
+    # --------------------------------------------------------------- owners
+
+    def _owner_exited(self, pid: int) -> None:
+        """A local owner process exited: its actors die with it, here and on
+        the members that host some of them."""
+        self._counts["owners_died"] += 1
+        killed = self._owner_died(self.node_id, pid)
+        members = self._placed_with.pop(pid, set())
+        log.info("owner process %d exited: killed %d of its actors here, telling %d member(s)",
+                 pid, killed, len(members))
+        # TODO(shm sweep, issue 7 item 20): sweep the shared-memory objects of
+        # ``pid`` here once pmetal.shm offers a sweep.
+        for node_id in members:
+            member = self.membership.members.get(node_id)
+            if member is not None:
+                self._cancellable_task(self._tell_owner_died(member, pid))
+
+    async def _tell_owner_died(self, member: Member, pid: int) -> None:
+        reply = await self.membership.ask(member, OwnerDied(self.node_id, pid))
+        if isinstance(reply, Failure):
+            log.warning("could not tell node %s that owner %d died: %s", member.node_id[:8],
+                        pid, reply.message)
+
+    def _owner_died(self, node_id: str, pid: int) -> int:
+        """Kill the non-detached actors of owner (node_id, pid); how many."""
+        owned = [r for r in self.actors.values()
+                 if r.owner == (node_id, pid) and not r.detached and r.state != "dead"]
+        for record in owned:
+            self._kill_record(record, True, f"its owner (pid {pid} on node {node_id[:8]}) "
+                                            f"exited; create it with lifetime='detached' to "
+                                            f"keep it")
+        return len(owned)
+
     # ------------------------------------------------------------ membership
+
+    async def _place_elsewhere(self, need: dict[str, float]) -> Member | None:
+        """A member with ``need`` free now (asked now, in parallel), else one
+        that could hold it when empty while this node could not."""
+        members = list(self.membership.members.values())
+        if not members:
+            return None
+        answers = await asyncio.gather(*(
+            asyncio.wait_for(self.membership.ask(m, ResourcesRequest()), _ASK_RESOURCES)
+            for m in members), return_exceptions=True)
+        for member, answer in zip(members, answers):
+            if isinstance(answer, Resources) and not answer.queued \
+                    and fits(need, answer.available):
+                return member
+        if fits(need, self.resources):
+            return None   # wait here
+        for member, answer in zip(members, answers):
+            if fits(need, answer.total if isinstance(answer, Resources) else member.resources):
+                return member   # wait there
+        return None
 
     async def _forward(self, node_id: str, spec: CreateActor) -> Message:
         member = self.membership.find(node_id)
@@ -427,6 +592,9 @@ class NodeDaemon:
                            f"{[self.node_id, *self.membership.members]}")
         options = dict(spec.options)
         options["node"] = member.node_id
+        pid = int(options.get("owner_pid") or 0)
+        if pid and options.get("owner_node") == self.node_id:
+            self._placed_with.setdefault(pid, set()).add(member.node_id)
         return await self.membership.ask(member, CreateActor(
             spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs, options))
 
@@ -448,11 +616,10 @@ class NodeDaemon:
             "resources": self.resources,
             "available": self.available,
             "members": self.membership.describe(),
+            "refused_peers": self.membership.describe_refused(),
             "workers": self.pool.describe(),
-            "actors": [{"actor_id": a.spec.actor_id, "name": a.spec.options.get("name") or "",
-                        "class_name": a.spec.options.get("class_name") or "",
-                        "state": a.state, "incarnation": a.incarnation, "reason": a.reason}
-                       for a in self.actors.values()],
+            "actors": self.table.describe(self.node_id),
+            "queue": self.queue.describe(),
             "statistics": self.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
@@ -460,41 +627,6 @@ class NodeDaemon:
 
 
 # ----------------------------------------------------------------- process
-
-def read_ready_line(proc: Any, timeout: float) -> str:
-    """The ``PMETAL_NODE_READY <address> <node id>`` line a node process prints
-    on stdout when it serves, read byte by byte (what follows is user output)
-    with a deadline. Kills the process when it does not come."""
-    import selectors
-    deadline = time.monotonic() + timeout
-    line = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not sel.select(remaining):
-                proc.kill()
-                proc.wait()
-                raise PMetalTimeoutError(f"the pmetal node did not report ready within "
-                                         f"{timeout:.3g} s")
-            chunk = os.read(proc.stdout.fileno(), 1)
-            if not chunk:
-                raise PMetalError(f"the pmetal node exited at start (code {proc.wait()}); its "
-                                  f"error is printed above")
-            line += chunk
-    text = line.decode(errors="replace").strip()
-    if not text.startswith(READY_LINE + " "):
-        proc.kill()
-        proc.wait()
-        raise PMetalError(f"unexpected output from the pmetal node: {text!r}")
-    return text
-
-
-def node_file(home: Any = None) -> Any:
-    """``~/.pmetal/node.json``: where ``address="auto"`` and ``pmetal stop``
-    find the daemon running on this machine."""
-    return (pmetal_home() if home is None else home) / "node.json"
-
 
 def _watch_stdin(loop: asyncio.AbstractEventLoop, daemon: NodeDaemon) -> None:
     # os.read on the raw fd: a daemon thread blocked in sys.stdin's buffered
@@ -541,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
                             resources=json.loads(args.resources),
                             peers=[p for p in args.peers.split(",") if p],
                             embedded=args.embedded, fork_server=fork_server)
-    except (PMetalError, ValueError) as exc:
+    except (PMetalError, ValueError, TypeError) as exc:
         if fork_server is not None:
             fork_server.close()
         print(f"pmetal node: {exc}", file=sys.stderr, flush=True)

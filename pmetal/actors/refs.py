@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.serialization import load_exception, remote_error, unpack_value
 from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalError,
-                           PMetalValueError)
+                           PMetalTimeoutError, PMetalValueError)
 from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
 
@@ -157,6 +157,8 @@ def failure_error(body: Failure, on_death: str = "") -> BaseException:
         return PlacementError(body.message)
     if body.kind == "not_found":
         return PMetalValueError(body.message)
+    if body.kind == "timeout":   # e.g. a creation that waited in a node's queue too long
+        return PMetalTimeoutError(body.message)
     builtin = _BUILTIN_ERRORS.get(body.error_type)
     if builtin is not None:
         return builtin(body.message)

@@ -164,6 +164,18 @@ class BadInit:
 
 
 @pmetal.remote
+class ExitInit:
+    """A constructor that ends its process (a crash in native code, a
+    library calling exit)."""
+
+    def __init__(self, code: int) -> None:
+        os._exit(code)
+
+    def never(self) -> None:
+        """Never reached."""
+
+
+@pmetal.remote
 def square(x: int) -> int:
     return x * x
 

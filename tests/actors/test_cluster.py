@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,7 +29,7 @@ from pmetal.actors.client import CoreClient
 from pmetal.actors.serialization import code_ref
 from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
-from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin
+from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin, OwnerDied
 
 from .actor_classes import Counter, square
 from .conftest import (
@@ -73,12 +74,12 @@ class NodeProc:
 
 
 def start_node(home: Path, port: int, peers: list[int], resources: dict[str, float] | None = None,
-               ) -> NodeProc:
+               host: str = "127.0.0.1") -> NodeProc:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
     env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
                PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT))
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", host,
            "--port", str(port), "--peers", ",".join(f"127.0.0.1:{p}" for p in peers),
            "--num-workers", "1", "--num-task-workers", "1"]
     if resources:
@@ -390,6 +391,152 @@ def test_get_actor_of_an_unknown_name_fails_promptly(driver: dict[str, Any]) -> 
     assert time.monotonic() - start < 5.0
 
 
+# ------------------------------------------------- placement by free resources
+
+def _fill(nodes: list[NodeProc], reap: list[Any]) -> list[Any]:
+    """An actor holding every CPU of each node in ``nodes`` (waiting, if it
+    must, for the CPUs an actor of an earlier test still holds)."""
+    fillers = []
+    for node in nodes:
+        filler = on(node, num_cpus=float(os.cpu_count() or 1))
+        reap.append(filler)
+        fillers.append(filler)
+    return fillers
+
+
+def test_actor_that_does_not_fit_here_goes_to_a_member_with_room(
+        nodes: list[NodeProc], driver: dict[str, Any], reap: list[Any]) -> None:
+    # The driver's node has no CPU free; the others have: the old node
+    # answered PlacementError because it had checked totals, not free CPUs.
+    _fill(nodes[:1], reap)
+    start = time.monotonic()
+    actor = Counter.options(num_cpus=1).remote()
+    reap.append(actor)
+    assert time.monotonic() - start < WAIT
+    assert actor._node_id != nodes[0].node_id
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+
+
+def test_actor_that_fits_nowhere_now_waits_for_room(nodes: list[NodeProc],
+                                                   driver: dict[str, Any],
+                                                   reap: list[Any]) -> None:
+    fillers = _fill(nodes, reap)
+    made: list[Any] = []
+    creating = threading.Thread(
+        target=lambda: made.append(Counter.options(num_cpus=1).remote(5)), daemon=True)
+    creating.start()
+    # Every node could hold it once empty: it waits in the queue of the
+    # driver's node until the filler there goes.
+    killer = other_client(nodes[0])
+    try:
+        wait_until(lambda: killer.status()["queue"], WAIT, what="the creation queued")
+        killer.kill(fillers[0]._actor_id, True, nodes[0].node_id)
+    finally:
+        killer.close()
+    creating.join(WAIT)
+    assert made, "the queued creation did not complete once CPUs were free"
+    reap.append(made[0])
+    assert made[0]._node_id == nodes[0].node_id
+    assert pmetal.get(made[0].inc.remote(), timeout=WAIT) == 6
+
+
+def test_queued_creation_times_out_saying_what_it_waited_for(nodes: list[NodeProc],
+                                                             driver: dict[str, Any],
+                                                             reap: list[Any]) -> None:
+    _fill(nodes, reap)
+    impatient = CoreClient(nodes[0].address,
+                           NetworkNamespace.resolve(load_config().security, SECRET),
+                           load_config(transport={"request_timeout": 2.0}))
+    try:
+        cls_id, ref = code_ref(Counter.__wrapped__)
+        spec = CreateActor(impatient.new_actor_id(), cls_id, ref, [], {},
+                           {"name": "", "node": "", "num_cpus": 1, "resources": {},
+                            "max_restarts": 0, "max_concurrency": 1, "class_name": "Counter",
+                            "methods": ["inc"], "is_async": False})
+        start = time.monotonic()
+        with pytest.raises(pmetal.PMetalTimeoutError, match="waited for resources") as info:
+            impatient.create_actor(spec, timeout=2.0)
+        assert time.monotonic() - start < 2.0 + 1.0
+        assert "CPU" in str(info.value)
+        assert not impatient.status()["queue"]
+    finally:
+        impatient.close()
+
+
+# ------------------------------------------------------------------ owners
+
+CLUSTER_DRIVER = """
+import os, sys, pmetal
+pmetal.init(address=sys.argv[1], psk=sys.argv[2])
+
+@pmetal.remote
+class Box:
+    def pid(self):
+        return os.getpid()
+
+box = Box.options(node=sys.argv[3]).remote()
+print(pmetal.get(box.pid.remote(), timeout=20), box._actor_id, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_actor_on_another_node_dies_with_its_killed_driver(nodes: list[NodeProc],
+                                                           driver: dict[str, Any]) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", CLUSTER_DRIVER, nodes[0].host_port, SECRET,
+                             nodes[1].node_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        pid_text, actor_id = read_line(proc, START_WAIT, "the driver").split()
+        pid = int(pid_text)
+        assert nodes[1].proc.pid in ancestors(pid)   # a worker (forked) of the second node
+        proc.kill()   # kill -9 of the owner: its node tells node 1
+        proc.wait(WAIT)
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    assert_all_exit([pid], what="the worker of the killed driver's actor on node 1")
+    watcher = other_client(nodes[1])
+    try:
+        wait_until(lambda: any(a["actor_id"] == actor_id and a["state"] == "dead"
+                               for a in watcher.status()["actors"]), WAIT,
+                   what="node 1 marks the actor dead")
+    finally:
+        watcher.close()
+
+
+# --------------------------------------------------------------- addresses
+
+def test_node_on_all_interfaces_advertises_a_concrete_address(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    # Bound to 0.0.0.0, the node and its workers must tell peers an address
+    # they can dial, never tcp://0.0.0.0:PORT. Only loopback is dialled here:
+    # binding to the advertised host proves it is an address of this machine.
+    node = start_node(tmp_path_factory.mktemp("wildcard"), free_port(), [], host="0.0.0.0")
+    try:
+        await_ready(node)
+        client = CoreClient(f"tcp://127.0.0.1:{node.port}",
+                            NetworkNamespace.resolve(load_config().security, SECRET),
+                            load_config())
+        try:
+            def all_ready() -> dict[str, Any] | None:
+                # One snapshot for both checks: the pool starts its task
+                # workers after the actor workers, so a later status may
+                # list one that has no address yet.
+                status = client.status()
+                workers = status["workers"]
+                return status if workers and all(w["ready"] for w in workers) else None
+            info = wait_until(all_ready, START_WAIT, what="the workers ready")
+        finally:
+            client.close()
+        advertised = [info["address"], node.address,
+                      *(w["address"] for w in info["workers"])]
+        for address in advertised:
+            host = address.removeprefix("tcp://").rpartition(":")[0]
+            assert host not in ("0.0.0.0", "*", "::", ""), advertised
+            with socket.socket() as probe:
+                probe.bind((host, 0))   # OSError if it is not an address of this machine
+    finally:
+        stop_node(node)
+
+
 # -------------------------------------------------------------- identity
 
 def test_a_node_cannot_enrol_another_nodes_id(nodes: list[NodeProc],
@@ -407,6 +554,72 @@ def test_a_node_cannot_enrol_another_nodes_id(nodes: list[NodeProc],
         assert "0123456789abcdef0123456789abcdef" not in members
     finally:
         impostor.close()
+
+
+QUEUED_DRIVER = """
+import sys, pmetal
+pmetal.init(address=sys.argv[1], psk=sys.argv[2])
+
+@pmetal.remote
+class Box:
+    pass
+
+print("creating", flush=True)
+Box.options(num_cpus=1).remote()     # waits in the queue: the test kills us meanwhile
+"""
+
+
+def test_creation_queued_for_a_killed_driver_leaves_the_queue(nodes: list[NodeProc],
+                                                              driver: dict[str, Any],
+                                                              reap: list[Any]) -> None:
+    fillers = _fill(nodes, reap)
+    proc = subprocess.Popen([sys.executable, "-c", QUEUED_DRIVER, nodes[0].host_port, SECRET],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+    watcher = other_client(nodes[0])
+    try:
+        assert read_line(proc, START_WAIT, "the driver").strip() == "creating"
+        wait_until(lambda: watcher.status()["queue"], WAIT, what="the creation queued")
+        proc.kill()
+        proc.wait(WAIT)
+        wait_until(lambda: not watcher.status()["queue"], WAIT,
+                   what="the dead driver's creation gone from the queue")
+        status = watcher.status()
+        box = next(a for a in status["actors"] if a["class_name"] == "Box")
+        assert box["state"] == "dead" and "owner" in box["reason"], box
+        # Nothing is held for it: freeing the filler frees every CPU.
+        watcher.kill(fillers[0]._actor_id, True, nodes[0].node_id)
+        wait_until(lambda: watcher.status()["available"]["CPU"]
+                   == watcher.status()["resources"]["CPU"], WAIT, what="all CPUs free")
+    finally:
+        stop_process(proc, signal.SIGKILL)
+        watcher.close()
+
+
+def test_a_node_reports_only_its_own_owners_deaths(nodes: list[NodeProc],
+                                                 driver: dict[str, Any],
+                                                 reap: list[Any]) -> None:
+    # OwnerDied names the sender's own node: a PSK holder cannot have node 1
+    # kill the actors that a process of node 0 owns.
+    actor = on(nodes[1])
+    reap.append(actor)
+    owner = next(a["owner"] for a in other_client_status(nodes[1])["actors"]
+                 if a["actor_id"] == actor._actor_id)
+    pid = int(owner.split()[1])
+    impostor = other_client(nodes[1])
+    try:
+        reply = impostor.request_node(OwnerDied(nodes[0].node_id, pid), timeout=WAIT)
+        assert isinstance(reply, Failure) and "reports its own processes" in reply.message
+    finally:
+        impostor.close()
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+
+
+def other_client_status(node: NodeProc) -> dict[str, Any]:
+    client = other_client(node)
+    try:
+        return client.status()
+    finally:
+        client.close()
 
 
 def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
@@ -443,3 +656,4 @@ def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
     finally:
         client.close()
         stop_node(clone)
+

@@ -30,9 +30,10 @@ from pmetal import (
     api,
 )
 from pmetal.actors.handles import ActorHandle
-from pmetal.wire import ActorLocation, LeaseWorkers, WorkerList
+from pmetal.actors.serialization import code_ref
+from pmetal.wire import ActorLocation, CreateActor, LeaseWorkers, WorkerList
 
-from .actor_classes import BadInit, Counter, pause, square, worker_pid
+from .actor_classes import BadInit, Counter, ExitInit, pause, square, worker_pid
 from .conftest import (
     EXIT_WAIT,
     WAIT,
@@ -108,6 +109,74 @@ def test_constructor_failure_is_raised_at_creation() -> None:
         BadInit.remote("no good")
     assert isinstance(info.value, RemoteError)
     assert "in raise_value_error" in info.value.remote_traceback
+
+
+def test_constructor_that_exits_its_process_is_actor_died_at_once() -> None:
+    # The node watches the worker while the constructor runs: its exit is
+    # the answer (the old node waited 30 s for a reply that never came).
+    start = time.monotonic()
+    with pytest.raises(ActorDiedError, match="exited with code 7") as info:
+        ExitInit.remote(7)
+    assert time.monotonic() - start < DEATH_WAIT
+    assert "ExitInit" in str(info.value) and "constructor" in str(info.value)
+
+
+def test_bad_num_cpus_is_a_clear_error_at_the_call_site() -> None:
+    with pytest.raises(TypeError, match="num_cpus must be a number, not str 'lots'"):
+        Counter.options(num_cpus="lots").remote()
+    with pytest.raises(ValueError, match="num_cpus=-1; it must be at least 0"):
+        Counter.options(num_cpus=-1).remote()
+
+
+def _raw_create(options: dict[str, Any]) -> CreateActor:
+    """A CreateActor as any authenticated peer could send it (no client-side checks)."""
+    cls = Counter.__wrapped__
+    cls_id, ref = code_ref(cls)
+    base = {"name": "", "node": "", "num_cpus": 0, "resources": {}, "max_restarts": 0,
+            "max_concurrency": 1, "class_name": "Counter", "methods": ["inc"],
+            "is_async": False}
+    return CreateActor(api.client().new_actor_id(), cls_id, ref, [], {}, {**base, **options})
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"num_cpus": "lots"}, TypeError, "num_cpus must be a number"),
+    ({"num_cpus": -1}, ValueError, "num_cpus must not be negative"),
+    ({"resources": {"GPU": -1}}, ValueError, "'GPU' must not be negative"),
+    ({"resources": {"CPU": "lots"}}, TypeError, "'CPU' must be a number"),
+    ({"resources": [1, 2]}, TypeError, "resources must be a dict"),
+    ({"max_restarts": "3"}, ValueError, "max_restarts"),
+    ({"name": 5}, TypeError, "name must be a string"),
+    ({"lifetime": "forever"}, ValueError, "lifetime"),
+])
+def test_bad_create_actor_from_a_peer_is_refused_and_the_node_lives(
+        options: dict[str, Any], error: type[Exception], words: str) -> None:
+    client = api.client()
+    failed_before = client.status()["statistics"]["requests_failed"]
+    start = time.monotonic()
+    with pytest.raises(error, match=words):
+        client.create_actor(_raw_create(options), timeout=DEATH_WAIT)
+    assert time.monotonic() - start < DEATH_WAIT
+    # The node answered, still serves, and counted the refusal.
+    actor = Counter.remote(1)
+    try:
+        assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 2
+    finally:
+        pmetal.kill(actor)
+    assert client.status()["statistics"]["requests_failed"] == failed_before + 1
+
+
+@pytest.mark.parametrize("resources, words", [
+    ({"CPU": "lots"}, "'CPU' must be a number"),
+    ({"GPU": -1}, "'GPU' must not be negative"),
+    ({"GPU": float("nan")}, "'GPU' must be a number"),
+    (["CPU"], "resources must be a dict"),
+])
+def test_init_with_bad_resources_fails_at_the_call(resources: Any, words: str) -> None:
+    # Checked before anything starts (here a cluster runs already: the bad
+    # argument is still the error reported).
+    with pytest.raises(pmetal.PMetalError, match=words) as info:
+        pmetal.init(resources=resources)
+    assert isinstance(info.value, (TypeError, ValueError))   # misuse: the builtin type too
 
 
 @pytest.mark.parametrize("options, words", [
@@ -187,6 +256,22 @@ def test_kill_with_restart_allowed_restarts_the_actor(reap: list[Any]) -> None:
     pmetal.kill(actor, no_restart=False)
     await_restart(actor, 1, RESTART_WAIT)
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
+
+
+def test_call_right_after_kill_with_restart_goes_to_the_new_incarnation(
+        reap: list[Any]) -> None:
+    # The docs promise the call goes to the restarted actor; the old client
+    # sent it to the dying process and raised ActorDiedError (3 runs of 4).
+    actor = Counter.options(max_restarts=1).remote(10)
+    reap.append(actor)
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 11
+    first_pid = worker_of(actor)["pid"]
+    pmetal.kill(actor, no_restart=False)
+    start = time.monotonic()
+    assert pmetal.get(actor.inc.remote(), timeout=RESTART_WAIT) == 11   # a fresh instance
+    assert time.monotonic() - start < RESTART_WAIT
+    assert pmetal.get(actor.pid.remote(), timeout=WAIT) != first_pid
+    assert actor_state(actor)["incarnation"] == 1
 
 
 def test_kill_rejects_what_is_not_a_handle(cluster: dict[str, Any]) -> None:

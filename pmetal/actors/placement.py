@@ -1,0 +1,174 @@
+"""What an actor needs and where it may go: option checks, resource
+arithmetic, and the queue of creations waiting for room on this node.
+
+Everything a peer sends is checked here before the node acts on it: a
+``CreateActor`` whose ``num_cpus`` is a string or whose resources are
+negative is answered with a ``TypeError``/``ValueError`` saying what is wrong
+(see :func:`check_options`), never an exception inside the node.
+
+Placement follows Ray: an actor that fits the free resources of this node
+starts here; one that fits the free resources of a member goes there; one
+that fits no node now but would fit one of them when empty waits, first come
+first served, in that node's :class:`PlacementQueue` until actors free
+enough or its creation deadline passes; only what no node could ever hold is
+a :class:`~pmetal.errors.PlacementError` at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pmetal.errors import PMetalTimeoutError
+
+__all__ = ["PlacementQueue", "check_options", "check_resources", "fits", "needs"]
+
+LIFETIMES = ("", "non_detached", "detached")
+
+
+def _is_number(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def check_resources(resources: Any, where: str) -> dict[str, float]:
+    """``resources`` as ``{name: float}``; TypeError/ValueError saying what is
+    wrong otherwise (a name that is not a string, an amount that is not a
+    finite number or is negative)."""
+    if not isinstance(resources, dict):
+        raise TypeError(f"{where}: resources must be a dict of name to amount, not "
+                        f"{type(resources).__name__}")
+    out = {}
+    for name, amount in resources.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{where}: resource names must be non-empty strings, not {name!r}")
+        if not _is_number(amount):
+            raise TypeError(f"{where}: resource {name!r} must be a number, not "
+                            f"{type(amount).__name__} {amount!r:.40}")
+        if amount < 0:
+            raise ValueError(f"{where}: resource {name!r} must not be negative (got {amount})")
+        out[name] = float(amount)
+    return out
+
+
+def check_options(options: dict[str, Any]) -> None:
+    """Raise TypeError/ValueError when ``options`` of a CreateActor (from
+    any peer) are not what the node and the worker expect."""
+    where = "CreateActor"
+    cpus = options.get("num_cpus")
+    if cpus is not None:
+        if not _is_number(cpus):
+            raise TypeError(f"{where}: num_cpus must be a number, not "
+                            f"{type(cpus).__name__} {cpus!r:.40}")
+        if cpus < 0:
+            raise ValueError(f"{where}: num_cpus must not be negative (got {cpus})")
+    check_resources(options.get("resources") or {}, where)
+    for key, low in (("max_restarts", -1), ("max_concurrency", 1)):
+        value = options.get(key)
+        if value is not None and (type(value) is not int or value < low):
+            raise ValueError(f"{where}: {key} must be an integer >= {low}, not {value!r:.40}")
+    for key in ("name", "node", "class_name", "lifetime", "owner_node"):
+        value = options.get(key)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{where}: {key} must be a string, not {type(value).__name__}")
+    if (options.get("lifetime") or "") not in LIFETIMES:
+        raise ValueError(f"{where}: lifetime must be 'detached' or None, not "
+                         f"{options['lifetime']!r:.40}")
+    methods = options.get("methods")
+    if methods is not None and (not isinstance(methods, (list, tuple))
+                                or not all(isinstance(m, str) for m in methods)):
+        raise TypeError(f"{where}: methods must be a list of strings")
+    for key in ("owner_pid", "timeout"):
+        value = options.get(key)
+        if value is not None and (not _is_number(value) or value < 0):
+            raise ValueError(f"{where}: {key} must be a non-negative number, not {value!r:.40}")
+
+
+def needs(options: dict[str, Any]) -> dict[str, float]:
+    """The resources an actor with (checked) ``options`` holds while it lives."""
+    need = {k: float(v) for k, v in (options.get("resources") or {}).items() if v}
+    if options.get("num_cpus"):
+        need["CPU"] = float(options["num_cpus"])
+    return need
+
+
+def fits(need: dict[str, float], pool: dict[str, float]) -> bool:
+    return all(pool.get(k, 0.0) >= v for k, v in need.items() if v)
+
+
+@dataclass
+class _Waiter:
+    need: dict[str, float]
+    what: str
+    admitted: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class PlacementQueue:
+    """Creations waiting for free resources on this node, first come first
+    served: when resources free up, the queue is walked in order and every
+    waiter that fits now takes its share (a small actor behind a big one
+    that still does not fit goes ahead, as in Ray). ``available`` is the
+    node's free-resources dict, shared and updated in place."""
+
+    def __init__(self, available: dict[str, float]) -> None:
+        self.available = available
+        self._waiters: list[_Waiter] = []
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+    def take(self, need: dict[str, float]) -> None:
+        for k, v in need.items():
+            self.available[k] = self.available.get(k, 0.0) - v
+
+    def give(self, need: dict[str, float]) -> None:
+        for k, v in need.items():
+            self.available[k] = self.available.get(k, 0.0) + v
+        self.admit()
+
+    def admit(self) -> None:
+        for waiter in list(self._waiters):
+            if fits(waiter.need, self.available):
+                self._waiters.remove(waiter)
+                self.take(waiter.need)
+                waiter.admitted.set()
+
+    async def reserve(self, need: dict[str, float], deadline: float, what: str,
+                      describe: Callable[[], str], cancel: asyncio.Event) -> bool:
+        """Take ``need`` from the free resources, waiting in line while they
+        are short. False (nothing taken) when ``cancel`` is set first;
+        PMetalTimeoutError at ``deadline`` saying what it waited for
+        (``describe()``: what holds the resources)."""
+        if not self._waiters and fits(need, self.available):
+            self.take(need)
+            return True
+        waiter = _Waiter(need, what)
+        self._waiters.append(waiter)
+        self.admit()
+        waits = [asyncio.ensure_future(waiter.admitted.wait()),
+                 asyncio.ensure_future(cancel.wait())]
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:   # owned here: never left behind
+                w.cancel()
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+        if waiter.admitted.is_set():
+            if cancel.is_set():
+                self.give(need)
+                return False
+            return True
+        if cancel.is_set():
+            return False
+        raise PMetalTimeoutError(
+            f"{what} waited for resources {need} until its creation deadline, but they did "
+            f"not free up: {describe()}; kill an actor, add a node, or raise "
+            f"transport.request_timeout")
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"what": w.what, "needs": w.need} for w in self._waiters]
