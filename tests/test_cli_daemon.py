@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from pmetal import shm
 from pmetal.cli import main
 
 COMMAND_TIMEOUT = 40.0
@@ -409,6 +410,10 @@ class Box:
     def make_child(self):
         self.child = Box.remote()        # owned by this actor's worker
         return pmetal.get(self.child.pid.remote(), timeout=20)
+    def ones(self, n):
+        import numpy
+        return numpy.ones(n)
+
 
 owned = Box.options(name="owned", num_cpus=1).remote()
 parent = Box.options(name="parent").remote()
@@ -417,6 +422,9 @@ pids = {"owned": pmetal.get(owned.pid.remote(), timeout=20),
         "parent": pmetal.get(parent.pid.remote(), timeout=20),
         "child": pmetal.get(parent.make_child.remote(), timeout=20),
         "kept": pmetal.get(kept.pid.remote(), timeout=20)}
+# Replies this driver never reads: 8 MiB arrays come back through shared
+# memory, named for this process as their reader.
+unread = [owned.ones.remote(1 << 20) for _ in range(3)]
 print(json.dumps(pids), flush=True)
 sys.stdin.read()                         # the test kills this process
 """
@@ -432,6 +440,10 @@ def test_actors_die_with_their_killed_driver_unless_detached(home: Path) -> None
         assert driver.stdout is not None
         pids = json.loads(driver.stdout.readline())
         assert _status(home)["available"]["CPU"] == free_cpus - 1
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while len(shm.objects(readers=(driver.pid,))) < 3:   # the unread replies
+            assert time.monotonic() < deadline, shm.objects()
+            time.sleep(0.05)
         driver.kill()   # kill -9: no atexit, no shutdown
         driver.wait(EXIT_TIMEOUT)
     finally:
@@ -452,6 +464,8 @@ def test_actors_die_with_their_killed_driver_unless_detached(home: Path) -> None
         assert time.monotonic() < deadline, (states, status["available"])
         time.sleep(0.1)
     assert _alive(pids["kept"])
+    # Its node swept the replies it never read out of /dev/shm.
+    assert not shm.objects(readers=(driver.pid,)) and not shm.objects(creators=(driver.pid,))
     owned = next(a for a in status["actors"] if a["name"] == "owned")
     assert "owner" in owned["reason"] and owned["resources"] == {"CPU": 1.0}
     text = pmetal(home, "status")

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pmetal import shm
 from pmetal.actors.membership import Member, Membership
 from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
@@ -539,8 +540,7 @@ class NodeDaemon:
         members = self._placed_with.pop(pid, set())
         log.info("owner process %d exited: killed %d of its actors here, telling %d member(s)",
                  pid, killed, len(members))
-        # TODO(shm sweep, issue 7 item 20): sweep the shared-memory objects of
-        # ``pid`` here once pmetal.shm offers a sweep.
+        shm.sweep()   # what it was sent and never read, what it made for nobody
         for node_id in members:
             member = self.membership.members.get(node_id)
             if member is not None:
