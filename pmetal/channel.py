@@ -34,12 +34,17 @@ from pmetal.security import NetworkNamespace, Session, client_finish, client_hel
 from pmetal.transport import Dialer
 from pmetal.wire import PROTOCOL_VERSION, Accepted, Message, Rejected, Welcome
 
-__all__ = ["Channel", "ChannelStatistics", "remaining", "wire_limits"]
+__all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "remaining", "wire_limits"]
 
 log = logging.getLogger(__name__)
 
 MAX_EXPORTED = 1024
 """Shared-memory names kept per channel (or listener) for one-way messages."""
+
+NO_SESSION = "no session"
+"""How a listener's Rejected begins when it answers a message for a session
+it does not have (never a Hello): a handshake skips such a Rejected, which
+answers something sent before it."""
 
 
 def wire_limits(cfg: PMetalConfig, local: bool = False) -> WireLimits:
@@ -108,7 +113,7 @@ class Channel:
         when the peer refuses us (or we it), RequestTimeoutError on silence."""
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        state = client_hello(self.identity, self.namespace, self._mode)
+        state = client_hello(self.identity, self.namespace, self._mode, prove_host=True)
         try:
             self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
             welcome = self._handshake_reply(Welcome, deadline)
@@ -152,7 +157,7 @@ class Channel:
     async def _ahandshake(self, timeout: float | None) -> NodeId:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        state = client_hello(self.identity, self.namespace, self._mode)
+        state = client_hello(self.identity, self.namespace, self._mode, prove_host=True)
         try:
             await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
             welcome = await self._ahandshake_reply(Welcome, deadline)
@@ -174,7 +179,8 @@ class Channel:
             env = decode(session.open(frames), limits=self._limits)
         except (SecurityError, ProtocolError):
             plain = self._decode_unsealed(frames)
-            if plain is not None and isinstance(plain.body, Rejected):
+            if (plain is not None and isinstance(plain.body, Rejected)
+                    and not plain.body.reason.startswith(NO_SESSION)):
                 raise HandshakeError(f"{self.address} refused us: {plain.body.reason}")
             return False
         return isinstance(env.body, Accepted)
@@ -207,6 +213,8 @@ class Channel:
                     f"{PROTOCOL_VERSION}; install the same pmetal version on every node")
             return None
         if isinstance(env.body, Rejected):
+            if env.body.reason.startswith(NO_SESSION):
+                return None   # answers a message of the session that ended
             raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
         return env.body if isinstance(env.body, want) else None
 
