@@ -146,8 +146,10 @@ class CurveKeys:
             if len(getattr(self, name)) != 32:
                 raise ValueError(f"CurveKeys.{name} must be 32 bytes")
 
-    def __repr__(self) -> str:  # never print the secrets
-        return f"CurveKeys(server_public={self.server_public.hex()[:16]}...)"
+    def __repr__(self) -> str:
+        # Not even the public keys: a listener admits any client that knows
+        # its public key (no ZAP check), so that key is as secret as the PSK.
+        return "CurveKeys(...)"
 
 
 _MAX_OPEN_FILES = 1 << 16
