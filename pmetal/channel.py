@@ -114,17 +114,25 @@ class Channel:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode, prove_host=True)
+        self._watch_handshake(True)
         try:
             self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
             welcome = self._handshake_reply(Welcome, deadline)
             confirm, session = client_finish(self.identity, self.namespace, state, welcome,
                                              self._mode)
+            self._dialer.send(encode(confirm, sender=self.identity.node_id),
+                              remaining(deadline))
+            while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
+                pass
         finally:
             state.discard()
-        self._dialer.send(encode(confirm, sender=self.identity.node_id), remaining(deadline))
-        while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
-            pass
+            self._watch_handshake(False)
         return self._opened(session)
+
+    def _watch_handshake(self, on: bool) -> None:
+        watch = getattr(self._dialer, "watch_handshake", None)  # ZeroMQ dialers only
+        if watch is not None:
+            watch(on)
 
     async def aopen(self, timeout: float | None = None) -> NodeId:
         """``open`` for asyncio, for a channel that is not open yet: on an
@@ -158,17 +166,19 @@ class Channel:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
         state = client_hello(self.identity, self.namespace, self._mode, prove_host=True)
+        self._watch_handshake(True)
         try:
             await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
             welcome = await self._ahandshake_reply(Welcome, deadline)
             confirm, session = client_finish(self.identity, self.namespace, state, welcome,
                                              self._mode)
+            await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
+                                     remaining(deadline))
+            while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
+                pass
         finally:
             state.discard()
-        await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
-                                 remaining(deadline))
-        while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
-            pass
+            self._watch_handshake(False)
         return self._opened(session)
 
     def _accepted(self, session: Session, frames: list[Any]) -> bool:

@@ -502,9 +502,22 @@ class ZmqDialer(_ZmqSocket):
 
         The dialer owns it: ``close()`` stops the monitor before closing the
         PAIR socket. Never close it yourself (see ``_retire_monitor``)."""
+        self._monitor_kept = True
         if self._monitor is None:
             self._monitor = _open_monitor(self._sock, _MONITORED)
         return self._monitor
+
+    def watch_handshake(self, on: bool) -> None:
+        """Watch for a refused CURVE handshake while a pmetal handshake runs
+        (a Channel turns it on and off around its handshake). libzmq retries
+        a refused handshake quietly; its monitor is the only sign that the
+        listener has other namespace keys. Off again after the handshake, so
+        a dialer holds no extra sockets (ZeroMQ's limit is per context)."""
+        if on:
+            if self._curve and self._monitor is None:
+                self._monitor = _open_monitor(self._sock, _MONITORED)
+        elif self._monitor is not None and not self._monitor_kept:
+            self._stop_monitor()
 
     def refused(self) -> bool:
         """Whether the listener refused this dialer's ZMTP CURVE handshake
@@ -521,16 +534,20 @@ class ZmqDialer(_ZmqSocket):
                 self._refused = True
         return self._refused
 
+    def _stop_monitor(self) -> None:
+        assert self._monitor is not None
+        try:
+            # Stops the monitor under libzmq's own lock: no event is sent
+            # after this, so closing the reader below is safe.
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._monitor = None
+
     def _close_socket(self) -> None:
         if self._monitor is not None:
-            try:
-                # Stops the monitor under libzmq's own lock: no event is sent
-                # after this, so closing the reader below is safe.
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(linger=0)
-            self._monitor = None
+            self._stop_monitor()
         super()._close_socket()
 
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig,
@@ -544,12 +561,9 @@ class ZmqDialer(_ZmqSocket):
             self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
             self._sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public)
             self._sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret)
+        self._curve = curve is not None
         self._refused = False
-        if curve is not None:
-            # Watched from the start: a refused CURVE handshake is retried
-            # quietly by libzmq, and this is how a Channel tells "another
-            # namespace" from "nobody listens".
-            self.monitor_disconnects()
+        self._monitor_kept = False   # monitor_disconnects() handed it out
         self.address = normalize_address(address)
         try:
             self._sock.connect(self.address)
