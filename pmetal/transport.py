@@ -189,10 +189,13 @@ _CLOSE_WAIT = 1.0   # s a closing listener waits for ZeroMQ to release its port
 # that never complete). So a reader is closed only after EVENT_MONITOR_STOPPED,
 # the last event libzmq sends; until then it is parked here.
 _parked_monitors: list[zmq.Socket] = []
+_parked_lock = threading.Lock()
+
+# What a dialer's monitor reports: its connection dropped, or the listener
+# refused its CURVE handshake (other namespace keys).
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MONITORED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-_parked_lock = threading.Lock()
 
 
 def _monitor_url() -> str:
@@ -368,6 +371,10 @@ class _ZmqSocket:
         except TimeoutError:
             raise PMetalTimeoutError(f"nothing received on {self.address} within "
                                      f"{timeout:.3g} s") from None
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError(f"{self.address} was closed") from exc
+            raise TransportError(f"receive on {self.address} failed: {exc}") from exc
 
     async def _asend_frames(self, frames: Sequence[Any], timeout: float | None) -> None:
         self._check_open()
