@@ -34,7 +34,8 @@ from pmetal.security import NetworkNamespace, Session, client_finish, client_hel
 from pmetal.transport import Dialer
 from pmetal.wire import PROTOCOL_VERSION, Accepted, Message, Rejected, Welcome
 
-__all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "remaining", "wire_limits"]
+__all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "remaining",
+           "wire_limits"]
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pmetal import shm
-from pmetal.channel import MAX_EXPORTED, NO_SESSION, Channel, ChannelStatistics, remaining, wire_limits
+from pmetal.channel import (MAX_EXPORTED, NO_SESSION, Channel, ChannelStatistics, remaining,
+                            wire_limits)
 from pmetal.codec import Envelope, decode, encode, frame_bytes
 from pmetal.config import PMetalConfig
 from pmetal.errors import (AuthenticationError, ClosedError, HandshakeError, PeerError,
