@@ -530,11 +530,11 @@ class ZmqDialer(_ZmqSocket):
         """Whether the listener refused this dialer's ZMTP CURVE handshake
         (it has other namespace keys: another PSK or namespace name).
 
-        Reads the pending monitor events, so call it only once a pmetal
-        handshake has failed: a disconnect read here is not seen by a
-        reader of :meth:`monitor_disconnects`."""
-        if self._monitor is None or self._closed:
-            return False
+        Known only while :meth:`watch_handshake` is on and nobody else reads
+        the monitor (a reader of :meth:`monitor_disconnects` must see every
+        disconnect, so its events are left to it)."""
+        if self._monitor is None or self._monitor_kept or self._closed:
+            return self._refused
         while self._monitor.poll(0):
             event = self._monitor.recv_multipart()[0]
             if int.from_bytes(event[:2], "little") & _HANDSHAKE_FAILED:
