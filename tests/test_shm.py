@@ -96,6 +96,7 @@ def test_a_token_whose_secret_does_not_match_is_not_local() -> None:
     try:
         reply, peer = shm.answer(forged)
         assert not peer.local and reply == b""
+        assert shm.exists(other.name), "a Hello made the server unlink another object"
     finally:
         token.discard()
         other.discard()
