@@ -171,12 +171,17 @@ def raise_open_file_limit(cap: int = _MAX_OPEN_FILES) -> int:
         return soft
     _raised_nofile = True
     want = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    # macOS refuses more than OPEN_MAX (10,240) whatever the hard limit says.
+    error: Exception | None = None
+    for attempt in (want, min(want, 10_240)):
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
+            resource.setrlimit(resource.RLIMIT_NOFILE, (attempt, hard))
+            return attempt
         except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-file limit from %s to %s: %s", soft, want, exc)
+            error = exc
+    log.warning("cannot raise the open-file limit from %s to %s: %s", soft, want, error)
     return soft
 
 
