@@ -161,8 +161,10 @@ def targets(daemon: Daemon, actor: Any) -> list[tuple[str, int, str]]:
             ("worker", worker["pid"], worker["address"])]
 
 
-def dealer(ctx: zmq.Context, address: str, curve: CurveKeys | None = None,
+def dealer(ctx: zmq.Context, curve: CurveKeys | None = None,
            routing_id: bytes | None = None) -> zmq.Socket:
+    """A bare DEALER, not connected yet; ``curve``: the namespace's keys (an
+    attacker holding the PSK), None for a stranger."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, 0)
@@ -271,7 +273,7 @@ def test_routing_id_takeover_cannot_detach_or_hijack(daemon: Daemon, actor: Any,
               (worker["address"], client.links[worker["address"]].channel._dialer.route)]
     for address, route in routes:
         for keys in (None, NAMESPACE.curve_keys()):
-            thief = dealer(ctx, address, keys, routing_id=route)
+            thief = dealer(ctx, keys, routing_id=route)
             thief.setsockopt(zmq.RCVTIMEO, 500)
             thief.connect(address)
             attempt(thief, encode(Ping("mine now"), corr=1)[0])
@@ -326,7 +328,7 @@ def test_hello_floods_do_not_block_a_new_handshake(daemon: Daemon, actor: Any,
     socks = []
     try:
         for _ in range(300):
-            sock = dealer(ctx, daemon.address)
+            sock = dealer(ctx)
             # Refused connections are retried twice a second, not ten times:
             # this test is about Hellos; 3,000 connections a second from this
             # very process would measure the loaded test machine instead.
