@@ -34,12 +34,18 @@ from pmetal.security import NetworkNamespace, Session, client_finish, client_hel
 from pmetal.transport import Dialer
 from pmetal.wire import PROTOCOL_VERSION, Accepted, Message, Rejected, Welcome
 
-__all__ = ["Channel", "ChannelStatistics", "remaining", "wire_limits"]
+__all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "remaining",
+           "wire_limits"]
 
 log = logging.getLogger(__name__)
 
 MAX_EXPORTED = 1024
 """Shared-memory names kept per channel (or listener) for one-way messages."""
+
+NO_SESSION = "no session"
+"""How a listener's Rejected begins when it answers a message for a session
+it does not have (never a Hello): a handshake skips such a Rejected, which
+answers something sent before it."""
 
 
 def wire_limits(cfg: PMetalConfig, local: bool = False) -> WireLimits:
@@ -108,18 +114,26 @@ class Channel:
         when the peer refuses us (or we it), RequestTimeoutError on silence."""
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        state = client_hello(self.identity, self.namespace, self._mode)
+        state = client_hello(self.identity, self.namespace, self._mode, prove_host=True)
+        self._watch_handshake(True)
         try:
             self._dialer.send(encode(state.hello, sender=self.identity.node_id), timeout)
             welcome = self._handshake_reply(Welcome, deadline)
             confirm, session = client_finish(self.identity, self.namespace, state, welcome,
                                              self._mode)
+            self._dialer.send(encode(confirm, sender=self.identity.node_id),
+                              remaining(deadline))
+            while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
+                pass
         finally:
             state.discard()
-        self._dialer.send(encode(confirm, sender=self.identity.node_id), remaining(deadline))
-        while not self._accepted(session, self._recv_raw(deadline, "Accepted")):
-            pass
+            self._watch_handshake(False)
         return self._opened(session)
+
+    def _watch_handshake(self, on: bool) -> None:
+        watch = getattr(self._dialer, "watch_handshake", None)  # ZeroMQ dialers only
+        if watch is not None:
+            watch(on)
 
     async def aopen(self, timeout: float | None = None) -> NodeId:
         """``open`` for asyncio, for a channel that is not open yet: on an
@@ -152,18 +166,20 @@ class Channel:
     async def _ahandshake(self, timeout: float | None) -> NodeId:
         timeout = self.config.transport.handshake_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        state = client_hello(self.identity, self.namespace, self._mode)
+        state = client_hello(self.identity, self.namespace, self._mode, prove_host=True)
+        self._watch_handshake(True)
         try:
             await self._dialer.asend(encode(state.hello, sender=self.identity.node_id), timeout)
             welcome = await self._ahandshake_reply(Welcome, deadline)
             confirm, session = client_finish(self.identity, self.namespace, state, welcome,
                                              self._mode)
+            await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
+                                     remaining(deadline))
+            while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
+                pass
         finally:
             state.discard()
-        await self._dialer.asend(encode(confirm, sender=self.identity.node_id),
-                                 remaining(deadline))
-        while not self._accepted(session, await self._arecv_raw(deadline, "Accepted")):
-            pass
+            self._watch_handshake(False)
         return self._opened(session)
 
     def _accepted(self, session: Session, frames: list[Any]) -> bool:
@@ -174,7 +190,8 @@ class Channel:
             env = decode(session.open(frames), limits=self._limits)
         except (SecurityError, ProtocolError):
             plain = self._decode_unsealed(frames)
-            if plain is not None and isinstance(plain.body, Rejected):
+            if (plain is not None and isinstance(plain.body, Rejected)
+                    and not plain.body.reason.startswith(NO_SESSION)):
                 raise HandshakeError(f"{self.address} refused us: {plain.body.reason}")
             return False
         return isinstance(env.body, Accepted)
@@ -207,6 +224,8 @@ class Channel:
                     f"{PROTOCOL_VERSION}; install the same pmetal version on every node")
             return None
         if isinstance(env.body, Rejected):
+            if env.body.reason.startswith(NO_SESSION):
+                return None   # answers a message of the session that ended
             raise HandshakeError(f"{self.address} refused us: {env.body.reason}")
         return env.body if isinstance(env.body, want) else None
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pmetal import shm
-from pmetal.channel import MAX_EXPORTED, Channel, ChannelStatistics, remaining, wire_limits
+from pmetal.channel import (MAX_EXPORTED, NO_SESSION, Channel, ChannelStatistics, remaining,
+                            wire_limits)
 from pmetal.codec import Envelope, decode, encode, frame_bytes
 from pmetal.config import PMetalConfig
 from pmetal.errors import (AuthenticationError, ClosedError, HandshakeError, PeerError,
@@ -175,13 +176,13 @@ class SecureListener:
             # decoded before a peer has proved the PSK.
             self._counts["malformed"] += 1
             log.info("dropped an oversized message from an unauthenticated peer")
-            return None, self._rejection("no session: start with the handshake")
+            return None, self._rejection(f"{NO_SESSION}: start with the handshake")
         try:
             env = decode(frames, allow_pickle=False, limits=self._limits)
         except ProtocolError as exc:
             self._counts["malformed"] += 1
             log.info("dropped a malformed message from an unauthenticated peer: %.200s", exc)
-            return None, self._rejection("no session: start with the handshake")
+            return None, self._rejection(f"{NO_SESSION}: start with the handshake")
         return None, self._handshake(route, env.body)
 
     def _unsealed_handshake(self, route: bytes, frames: list[Any]) -> Message | None:
@@ -216,7 +217,13 @@ class SecureListener:
                 session = server_finish(self.namespace, pending[1], body, self._mode)
                 self._sessions[route] = session
                 if len(self._sessions) > self.config.transport.max_sessions:
-                    self._sessions.popitem(last=False)
+                    old_route, old = self._sessions.popitem(last=False)
+                    # Told at once: its pending requests fail now instead of
+                    # waiting for replies that cannot be sealed any more.
+                    self._send_raw(old_route, self._rejection(
+                        f"{NO_SESSION}: forgotten, the listener keeps "
+                        f"{self.config.transport.max_sessions} sessions at most"))
+                    log.info("forgot the least recently used session, with %s", old.peer)
                 self._counts["handshakes"] += 1
                 log.debug("admitted %s", session.peer)
                 return session.seal(encode(Accepted(self.identity.node_id),
@@ -229,7 +236,7 @@ class SecureListener:
         self._counts["unauthenticated"] += 1
         log.info("dropped a %s from a peer that has not completed the handshake",
                  type(body).__name__)
-        return self._rejection("no session: start with the handshake")
+        return self._rejection(f"{NO_SESSION}: start with the handshake")
 
     def _rejection(self, reason: str) -> list[Any]:
         # Reasons may quote what the peer sent: keep the answer small.
@@ -254,6 +261,10 @@ class SecureListener:
                   term: int | None) -> Iterable[list[Any]]:
         session = self._sessions.get(route)
         if session is None:
+            # The peer may be waiting for this reply: say so rather than let
+            # it wait for its deadline (or for ever).
+            self._send_raw(route, self._rejection(f"{NO_SESSION}: forgotten; start with "
+                                                  f"the handshake"))
             raise PeerError("no authenticated session with that peer (it never completed "
                             "the handshake, or it was forgotten)")
         if not session.local:

@@ -242,10 +242,14 @@ class ClientHandshake:
             self.host_token.discard()
 
 
-def client_hello(identity: NodeIdentity, ns: NetworkNamespace,
-                 mode: int = Mode.FULL) -> ClientHandshake:
+def client_hello(identity: NodeIdentity, ns: NetworkNamespace, mode: int = Mode.FULL,
+                 *, prove_host: bool = False) -> ClientHandshake:
+    """The Hello and the state to finish the handshake with. ``prove_host``:
+    offer the same-machine proof (a token in shared memory, which the state
+    holds until :func:`client_finish` or :meth:`ClientHandshake.discard`);
+    without it the session is never local."""
     eph = X25519PrivateKey.generate()
-    host, token = shm.offer()
+    host, token = shm.offer() if prove_host else (b"", None)
     hello = Hello(identity.node_id, identity.public_key, _x25519_public(eph), os.urandom(32),
                   ns.tag, mode, host)
     return ClientHandshake(hello, eph, token)

@@ -190,7 +190,8 @@ class Peer:
 
 def answer(blob: bytes) -> tuple[bytes, Peer]:
     """Server side: check a Hello's ``host`` field; the Welcome's ``host``
-    field and what it proved. The client's object is unlinked once read."""
+    field and what it proved. The client's object is unlinked once it proved
+    to be the token the Hello commits to."""
     if _posixshmem is None or len(blob) <= _OFFER.size:
         return b"", Peer()
     version, boot, pid, pid_ns, commit = _OFFER.unpack_from(blob)
@@ -200,6 +201,7 @@ def answer(blob: bytes) -> tuple[bytes, Peer]:
     secret = _read_token(name)
     if secret is None or not hmac.compare_digest(_commit(secret, b"offer"), commit):
         return b"", Peer()
+    unlink(name)   # only now: a Hello must not make us unlink another object
     reply = _ANSWER.pack(_HOST_VERSION, boot_id(), os.getpid(), _pid_namespace(),
                          _commit(secret, b"answer"))
     return reply, Peer(True, pid if pid_ns == _pid_namespace() and pid_ns else 0)
@@ -219,7 +221,6 @@ def _read_token(name: str) -> bytes | None:
         return None
     finally:
         os.close(fd)
-        unlink(name)
 
 
 def confirm(token: HostToken, blob: bytes) -> Peer:

@@ -146,8 +146,10 @@ class CurveKeys:
             if len(getattr(self, name)) != 32:
                 raise ValueError(f"CurveKeys.{name} must be 32 bytes")
 
-    def __repr__(self) -> str:  # never print the secrets
-        return f"CurveKeys(server_public={self.server_public.hex()[:16]}...)"
+    def __repr__(self) -> str:
+        # Not even the public keys: a listener admits any client that knows
+        # its public key (no ZAP check), so that key is as secret as the PSK.
+        return "CurveKeys(...)"
 
 
 _MAX_OPEN_FILES = 1 << 16
@@ -169,12 +171,17 @@ def raise_open_file_limit(cap: int = _MAX_OPEN_FILES) -> int:
         return soft
     _raised_nofile = True
     want = cap if hard == resource.RLIM_INFINITY else min(hard, cap)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    if soft == resource.RLIM_INFINITY or soft >= want:
+        return soft
+    # macOS refuses more than OPEN_MAX (10,240) whatever the hard limit says.
+    error: Exception | None = None
+    for attempt in (want, min(want, 10_240)):
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
+            resource.setrlimit(resource.RLIMIT_NOFILE, (attempt, hard))
+            return attempt
         except (ValueError, OSError) as exc:
-            log.warning("cannot raise the open-file limit from %s to %s: %s", soft, want, exc)
+            error = exc
+    log.warning("cannot raise the open-file limit from %s to %s: %s", soft, want, error)
     return soft
 
 
@@ -187,10 +194,13 @@ _CLOSE_WAIT = 1.0   # s a closing listener waits for ZeroMQ to release its port
 # that never complete). So a reader is closed only after EVENT_MONITOR_STOPPED,
 # the last event libzmq sends; until then it is parked here.
 _parked_monitors: list[zmq.Socket] = []
+_parked_lock = threading.Lock()
+
+# What a dialer's monitor reports: its connection dropped, or the listener
+# refused its CURVE handshake (other namespace keys).
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MONITORED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-_parked_lock = threading.Lock()
 
 
 def _monitor_url() -> str:
@@ -366,6 +376,10 @@ class _ZmqSocket:
         except TimeoutError:
             raise PMetalTimeoutError(f"nothing received on {self.address} within "
                                      f"{timeout:.3g} s") from None
+        except zmq.ZMQError as exc:
+            if self._closed:
+                raise ClosedError(f"{self.address} was closed") from exc
+            raise TransportError(f"receive on {self.address} failed: {exc}") from exc
 
     async def _asend_frames(self, frames: Sequence[Any], timeout: float | None) -> None:
         self._check_open()
@@ -505,35 +519,52 @@ class ZmqDialer(_ZmqSocket):
 
         The dialer owns it: ``close()`` stops the monitor before closing the
         PAIR socket. Never close it yourself (see ``_retire_monitor``)."""
+        self._monitor_kept = True
         if self._monitor is None:
             self._monitor = _open_monitor(self._sock, _MONITORED)
         return self._monitor
+
+    def watch_handshake(self, on: bool) -> None:
+        """Watch for a refused CURVE handshake while a pmetal handshake runs
+        (a Channel turns it on and off around its handshake). libzmq retries
+        a refused handshake quietly; its monitor is the only sign that the
+        listener has other namespace keys. Off again after the handshake, so
+        a dialer holds no extra sockets (ZeroMQ's limit is per context)."""
+        if on:
+            if self._curve and self._monitor is None:
+                self._monitor = _open_monitor(self._sock, _MONITORED)
+        elif self._monitor is not None and not self._monitor_kept:
+            self._stop_monitor()
 
     def refused(self) -> bool:
         """Whether the listener refused this dialer's ZMTP CURVE handshake
         (it has other namespace keys: another PSK or namespace name).
 
-        Reads the pending monitor events, so call it only once a pmetal
-        handshake has failed: a disconnect read here is not seen by a
-        reader of :meth:`monitor_disconnects`."""
-        if self._monitor is None or self._closed:
-            return False
+        Known only while :meth:`watch_handshake` is on and nobody else reads
+        the monitor (a reader of :meth:`monitor_disconnects` must see every
+        disconnect, so its events are left to it)."""
+        if self._monitor is None or self._monitor_kept or self._closed:
+            return self._refused
         while self._monitor.poll(0):
             event = self._monitor.recv_multipart()[0]
             if int.from_bytes(event[:2], "little") & _HANDSHAKE_FAILED:
                 self._refused = True
         return self._refused
 
+    def _stop_monitor(self) -> None:
+        assert self._monitor is not None
+        try:
+            # Stops the monitor under libzmq's own lock: no event is sent
+            # after this, so closing the reader below is safe.
+            self._sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(linger=0)
+        self._monitor = None
+
     def _close_socket(self) -> None:
         if self._monitor is not None:
-            try:
-                # Stops the monitor under libzmq's own lock: no event is sent
-                # after this, so closing the reader below is safe.
-                self._sock.disable_monitor()
-            except zmq.ZMQError:
-                pass
-            self._monitor.close(linger=0)
-            self._monitor = None
+            self._stop_monitor()
         super()._close_socket()
 
     def __init__(self, ctx: zmq.Context, address: str, cfg: TransportConfig,
@@ -547,12 +578,9 @@ class ZmqDialer(_ZmqSocket):
             self._sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
             self._sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.client_public)
             self._sock.setsockopt(zmq.CURVE_SECRETKEY, curve.client_secret)
+        self._curve = curve is not None
         self._refused = False
-        if curve is not None:
-            # Watched from the start: a refused CURVE handshake is retried
-            # quietly by libzmq, and this is how a Channel tells "another
-            # namespace" from "nobody listens".
-            self.monitor_disconnects()
+        self._monitor_kept = False   # monitor_disconnects() handed it out
         self.address = normalize_address(address)
         try:
             self._sock.connect(self.address)

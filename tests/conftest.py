@@ -315,7 +315,7 @@ def raw_handshake(sock: zmq.Socket, identity: NodeIdentity, namespace: NetworkNa
                   mode: int = Mode.FULL, host: bytes | None = None) -> Session:
     """Run the client handshake by hand over a raw DEALER; return the session.
     ``host`` replaces the host id the client claims (another machine's)."""
-    state = client_hello(identity, namespace, mode)
+    state = client_hello(identity, namespace, mode, prove_host=True)
     if host is not None:
         state.hello = dataclasses.replace(state.hello, host=host)
     sock.send_multipart(encode(state.hello, sender=identity.node_id))

@@ -677,6 +677,27 @@ def test_pending_handshakes_expire(make_node: MakeNode, make_channel: MakeChanne
     half_open.close()
 
 
+def test_a_forgotten_session_fails_its_pending_requests_at_once(
+        make_node: MakeNode, make_channel: MakeChannel) -> None:
+    """A listener that forgets a session (more peers than max_sessions) tells
+    its peer, whose pending request fails with PeerError at once instead of
+    waiting for a reply that can no longer come."""
+    cfg = make_config(max_sessions=2, request_timeout=30.0)
+    node = make_node(cfg)
+    node.handler.answer = lambda incoming: (None if incoming.body.payload == "no answer"
+                                            else Recorder._echo(incoming))
+    victim = make_channel(node.address, cfg)
+    corr = victim.submit(Ping("no answer"))
+    assert node.handler.wait_count(1)
+    for _ in range(2):
+        assert make_channel(node.address, cfg).request(Ping("x")).body == Pong("x")
+    start = time.monotonic()
+    with pytest.raises(PeerError, match="forgotten"):
+        victim.result(corr, timeout=WAIT)
+    assert time.monotonic() - start < WAIT
+    assert victim.request(Ping("again")).body == Pong("again")   # re-handshakes
+
+
 def test_a_connection_cannot_take_over_a_routing_id_in_use(
         make_node: MakeNode, zmq_context: zmq.Context) -> None:
     """A second connection that claims the routing id of a live session (it

@@ -61,9 +61,9 @@ def kill9(proc: subprocess.Popen[bytes]) -> None:
 
 def handshake(client_ns: NetworkNamespace = NS, hello_host: bytes | None = None) -> tuple:
     client, server = NodeIdentity.generate(), NodeIdentity.generate()
-    state = client_hello(client, client_ns)
+    state = client_hello(client, client_ns, prove_host=True)
     if hello_host is not None:
-        state.host_token.discard()
+        state.discard()
         state.hello = dataclasses.replace(state.hello, host=hello_host)
     welcome, pending = server_welcome(server, NS, state.hello)
     confirm, client_session = client_finish(client, client_ns, state, welcome, 2)
@@ -96,6 +96,7 @@ def test_a_token_whose_secret_does_not_match_is_not_local() -> None:
     try:
         reply, peer = shm.answer(forged)
         assert not peer.local and reply == b""
+        assert shm.exists(other.name), "a Hello made the server unlink another object"
     finally:
         token.discard()
         other.discard()

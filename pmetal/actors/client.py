@@ -126,11 +126,13 @@ class CoreClient:
         self.node_address = node_address
         dialer = self.transport.dial(node_address)
         self.node = Channel(dialer, self.identity, namespace, config)
-        # The node's death (kill -9) drops this connection: requests waiting
-        # on it fail within a slice instead of at their timeout.
-        self._node_monitor = dialer.monitor_disconnects()
         self.node_dead = ""
         self.node_id = self.node.open(timeout=config.transport.connect_timeout)
+        # The node's death (kill -9) drops this connection: requests waiting
+        # on it fail within a slice instead of at their timeout. Taken after
+        # the handshake, whose own watch tells a refused CURVE handshake
+        # (another PSK) from silence.
+        self._node_monitor = dialer.monitor_disconnects()
         self.links: dict[str, PeerLink] = {}
         self.lock = threading.RLock()
         self._task_workers: list[str] = []
