@@ -281,12 +281,11 @@ class Channel:
             session = self.session
             assert session is not None
         if session.local:
-            exported = shm.Exports(session.peer_pid)
             if corr and self._pool is None:
                 self._pool = shm.SlotPool(reader=session.peer_pid)
+            exported = shm.Exports(session.peer_pid, self._pool if corr else None)
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                            limits=self._local_limits, exported=exported,
-                            pool=self._pool if corr else None)
+                            limits=self._local_limits, oob=exported)
             if exported:
                 names = self._exported.setdefault(corr, [])
                 names.extend(exported)
@@ -312,7 +311,7 @@ class Channel:
         exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits if session.local else self._limits,
-                        exported=exported)
+                        oob=exported if session.local else None)
         if exported:
             self._exported.setdefault(corr, []).extend(exported)
         for part in session.iter_parts(frames):
@@ -463,7 +462,8 @@ class Channel:
             opened = session.open_part(frames)
             if opened is None:  # a streamed message still lacks segments
                 return
-            env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
+            env = decode(opened, allow_pickle=True, oob=shm.READER if session.local else None,
+                         limits=self._limits)
         except Exception as exc:  # noqa: BLE001 - SecurityError, ProtocolError or a bug of ours
             # A duplicated, garbled or forged message is dropped: only a
             # listener's well-formed Rejected ends the session.

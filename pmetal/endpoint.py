@@ -157,8 +157,8 @@ class SecureListener:
                 opened = session.open_part(frames)
                 if opened is None:  # a streamed message still lacks segments
                     return None, None
-                env = decode(opened, allow_pickle=True, allow_shm=session.local,
-                             limits=self._limits)
+                env = decode(opened, allow_pickle=True,
+                             oob=shm.READER if session.local else None, limits=self._limits)
             except AuthenticationError as exc:
                 restart = self._unsealed_handshake(route, frames)
                 if restart is not None:
@@ -312,7 +312,7 @@ class SecureListener:
             return [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
         exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                        limits=self._local_limits, exported=exported)
+                        limits=self._local_limits, oob=exported)
         parts = [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
         self._exported.extend(exported)
         if len(self._exported) > self._exported_check:

@@ -483,7 +483,7 @@ def test_shared_memory_references_only_from_authenticated_local_peers(
     node = make_node()
     before = shm_objects()
     frames = as_bytes(encode(Ping(np.arange(1000, dtype=np.int64)), corr=1,
-                             limits=WireLimits(shm_min_bytes=1)))
+                             limits=WireLimits(shm_min_bytes=1), oob=shm.Exports()))
     created = shm_objects() - before
     assert len(created) == 1
     try:
