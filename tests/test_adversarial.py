@@ -561,6 +561,8 @@ def test_malformed_initactor_to_an_idle_worker_is_refused(daemon: Daemon, actor:
             reply = answered(channel, body)
             assert isinstance(reply, Failure), (address, body, reply)
         assert isinstance(answered(channel, Ping("alive")), Pong)
+        status = answered(channel, StatusRequest())
+        assert isinstance(status, Status) and status.info["actor_id"] != "evil", status
     driver_works(actor)
     fresh = Counter.remote()
     assert pmetal.get(fresh.inc.remote(), timeout=WAIT) == 1

@@ -201,7 +201,10 @@ class Worker:
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})
         except Exception as exc:
+            # Still hosting nothing: a failed (or malformed) InitActor must
+            # not leave its actor id behind for the next one to inherit.
             self.instance = None
+            self.actor_id = ""
             return failure_from(_user_traceback(exc))
         # Decided once here, not per call: inspecting the class costs more
         # than a whole call of a small method.
