@@ -23,7 +23,9 @@ attack is bounded in count and time.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import resource
 import socket
 import time
@@ -45,8 +47,9 @@ from pmetal.errors import ProtocolError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace, client_hello
 from pmetal.transport import CurveKeys, ZmqTransport, raise_open_file_limit
-from pmetal.wire import (Call, CallBatch, CreateActor, Failure, InitActor, Message, Pickled, Ping,
-                         Pong, Result, StatusRequest, Status, encode)
+from pmetal.wire import (Call, CallBatch, Confirm, CreateActor, Failure, InitActor, Message,
+                         Pickled, Ping, Pong, Rejected, Result, Status, StatusRequest, Welcome,
+                         decode, encode)
 
 from actors.actor_classes import Counter
 from actors.conftest import (EXIT_WAIT, assert_all_exit, descendants, read_line, stop_process,
@@ -196,6 +199,10 @@ def attempt(sock: zmq.Socket, frame: Any, flags: int = 0) -> bool:
     except zmq.Again:
         return False
     return True
+
+
+def decode_reply(frames: list[bytes]) -> Message:
+    return decode(frames).body
 
 
 def driver_works(actor: Any, count: int = 5) -> None:
@@ -601,4 +608,40 @@ def test_replayed_duplicated_and_garbled_requests_are_dropped(daemon: Daemon, ac
         assert answered(other, Ping("other")) == Pong("other")
         assert pmetal.get(actor.value.remote(), timeout=WAIT) == value
         driver_works(actor, count=2)
+    assert daemon.alive, daemon.log()
+
+
+def test_crafted_handshakes_from_a_member_are_refused(daemon: Daemon, actor: Any,
+                                                      ctx: zmq.Context) -> None:
+    """Hellos and Confirms with crafted fields (keys of every length, modes
+    out of range, garbage host proofs, node ids not matching their keys),
+    from a member who holds the transport keys and the namespace tag, to the
+    live daemon and worker: each answered (Welcome or Rejected), both
+    processes live, the driver is served throughout. (Many more shapes, with
+    hypothesis, against a listener in this process:
+    test_endpoint_fuzz.py::test_crafted_handshake_fields_never_stop_the_listener.)"""
+    genuine = client_hello(NodeIdentity.generate(), NAMESPACE).hello
+    rng = random.Random(11)
+    for name, _pid, address in targets(daemon, actor):
+        sock = dealer(ctx, NAMESPACE.curve_keys())
+        sock.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+        sock.connect(address)
+        for i in range(150):
+            hello = dataclasses.replace(
+                genuine,
+                node_id=rng.choice([genuine.node_id, "", "x" * rng.randrange(200)]),
+                public_key=rng.randbytes(rng.choice([0, 31, 32, 33, 64])),
+                ephemeral_key=rng.randbytes(rng.choice([0, 32, 100])),
+                nonce=rng.randbytes(rng.choice([0, 32, 1000])),
+                mode=rng.choice([0, 1, 2, 3, 4, -1, (1 << 64) - 1, -(1 << 63)]),
+                host=rng.randbytes(rng.choice([0, 8, 64, 3000])))
+            assert attempt(sock, encode(hello)[0]), f"the {name} stopped taking messages"
+            reply = decode_reply(sock.recv_multipart())
+            assert isinstance(reply, (Welcome, Rejected)), (name, reply)
+            assert attempt(sock, encode(Confirm(rng.randbytes(32), rng.randbytes(64)))[0])
+            assert isinstance(decode_reply(sock.recv_multipart()), Rejected), name
+            if i % 50 == 0:
+                driver_works(actor, count=1)
+        sock.close(linger=0)
+    driver_works(actor)
     assert daemon.alive, daemon.log()
