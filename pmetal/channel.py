@@ -35,7 +35,7 @@ from pmetal.transport import Dialer
 from pmetal.wire import PROTOCOL_VERSION, Accepted, ErrorReply, Message, Rejected, Welcome
 
 __all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "UNDECODABLE",
-           "peek_corr", "remaining", "wire_limits"]
+           "peek_corr", "refusal", "remaining", "wire_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -418,15 +418,17 @@ class Channel:
         """Correlation ids whose replies have arrived and not been taken."""
         return list(self._replies)
 
-    def take(self, corr: int) -> Envelope | None:
+    def take(self, corr: int, *, check: bool = True) -> Envelope | None:
         """The reply to ``corr`` if it has arrived (it is then forgotten).
         Raises ProtocolError when the listener could not decode the request
-        (as :meth:`result` does)."""
+        (as :meth:`result` does); with ``check=False`` that refusal is
+        returned as the ErrorReply it is (for a caller settling many
+        replies, which must not stop at one)."""
         env = self._replies.pop(corr, None)
         if env is not None:
             self._waiting.discard(corr)
             self._release(corr)
-            return _checked(env)
+            return _checked(env) if check else env
         return env
 
     def abandon(self) -> list[int]:
@@ -504,13 +506,22 @@ def _peek_version(frames: list[Any]) -> int | None:
         return None
 
 
+def refusal(body: Message) -> ProtocolError | None:
+    """The ProtocolError a listener's refusal of an undecodable request
+    stands for; None for any other reply."""
+    if type(body) is ErrorReply and body.error_type == "ProtocolError" \
+            and body.message.startswith(UNDECODABLE):
+        return ProtocolError(body.message)
+    return None
+
+
 def _checked(env: Envelope) -> Envelope:
     """``env``, or ProtocolError when it is a listener's refusal of a
     request it could not decode (only a session member can seal one)."""
-    body = env.body
-    if type(body) is ErrorReply and body.error_type == "ProtocolError" \
-            and body.message.startswith(UNDECODABLE):
-        raise ProtocolError(body.message)
+    if type(env.body) is ErrorReply:
+        error = refusal(env.body)
+        if error is not None:
+            raise error
     return env
 
 

@@ -645,3 +645,19 @@ def test_crafted_handshakes_from_a_member_are_refused(daemon: Daemon, actor: Any
         sock.close(linger=0)
     driver_works(actor)
     assert daemon.alive, daemon.log()
+
+
+def test_a_driver_call_the_worker_cannot_decode_fails_at_once(daemon: Daemon,
+                                                              actor: Any) -> None:
+    """(Issue item 10) The driver's own call with a field of the wrong type
+    (made below the public API, as a driver of another protocol version
+    would send it): its ref fails with ProtocolError within seconds, and
+    again when asked again (it is settled, not left pending); the actor's
+    next calls succeed."""
+    ref = api.client().call(actor, 7, [], {})   # type: ignore[arg-type]
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="could not decode request .*same pmetal"):
+            pmetal.get(ref, timeout=2 * WAIT)
+        assert time.monotonic() - started < ANSWER_WAIT
+    driver_works(actor)
