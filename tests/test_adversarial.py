@@ -661,3 +661,25 @@ def test_a_driver_call_the_worker_cannot_decode_fails_at_once(daemon: Daemon,
             pmetal.get(ref, timeout=2 * WAIT)
         assert time.monotonic() - started < ANSWER_WAIT
     driver_works(actor)
+
+
+def test_a_reply_too_large_to_send_is_answered_with_an_error(daemon: Daemon, actor: Any,
+                                                             member: Any) -> None:
+    """(B5) A member makes an actor's reply exceed the envelope limit (two
+    40 MiB records, then the history): the worker answers that call with a
+    Failure saying why instead of dying while encoding it, and serves on."""
+    victim = Counter.remote()
+    try:
+        channel = member(worker_record(victim)["address"])
+        blob = bytes(40 * MiB)
+        for _ in range(2):
+            assert isinstance(answered(channel, Call(victim._actor_id, "record", [blob], {})),
+                              Result)
+        del blob
+        reply = answered(channel, Call(victim._actor_id, "history", [], {}))
+        assert isinstance(reply, Failure) and "exceeds the limit" in reply.message, reply
+        assert pmetal.get(victim.value.remote(), timeout=WAIT) == 0
+    finally:
+        pmetal.kill(victim)
+    driver_works(actor)
+    assert daemon.alive, daemon.log()

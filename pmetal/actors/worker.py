@@ -41,7 +41,7 @@ from pmetal.actors.serialization import (load_code, pack_exception, pack_value, 
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
-                           TransportError)
+                           ProtocolError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -64,6 +64,15 @@ _MAX_REFUSALS = 10_000
 
 _BAD_ENTRY = Failure("bad_request", "ProtocolError",
                      "a batch entry is not [method, args, kwargs]")
+
+
+def _unsendable(exc: TypeError | ProtocolError) -> Failure:
+    """The answer to a call whose result cannot be packed (TypeError) or
+    exceeds the wire's limits (ProtocolError): the call ran, its result is
+    lost, the worker serves on."""
+    if isinstance(exc, ProtocolError):
+        return Failure("bad_request", "ProtocolError", f"the result cannot be sent: {exc}")
+    return failure_from(exc)
 
 
 def _well_formed(entry: Any) -> bool:
@@ -147,8 +156,8 @@ class Worker:
     def _reply(self, incoming: Incoming, reply: Message) -> None:
         try:
             self.listener.reply(incoming, reply)
-        except TypeError as exc:  # a result that cannot be packed
-            self.listener.reply(incoming, failure_from(exc))
+        except (TypeError, ProtocolError) as exc:  # a result that cannot be packed or sent
+            self.listener.reply(incoming, _unsendable(exc))
         except (PeerError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
@@ -271,8 +280,8 @@ class Worker:
         try:
             try:
                 self.listener.send(incoming.route, reply, corr=corr)
-            except TypeError as exc:  # a result that cannot be packed
-                self.listener.send(incoming.route, failure_from(exc), corr=corr)
+            except (TypeError, ProtocolError) as exc:  # a result that cannot be packed or sent
+                self.listener.send(incoming.route, _unsendable(exc), corr=corr)
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
@@ -361,8 +370,8 @@ class Worker:
                      if _well_formed(entry) else _BAD_ENTRY)
             try:
                 await self.listener.asend(incoming.route, reply, corr=corr)
-            except TypeError as exc:
-                await self.listener.asend(incoming.route, failure_from(exc), corr=corr)
+            except (TypeError, ProtocolError) as exc:
+                await self.listener.asend(incoming.route, _unsendable(exc), corr=corr)
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
         finally:
@@ -381,8 +390,8 @@ class Worker:
             if incoming.envelope.corr:
                 try:
                     await self.listener.areply(incoming, reply)
-                except TypeError as exc:
-                    await self.listener.areply(incoming, failure_from(exc))
+                except (TypeError, ProtocolError) as exc:
+                    await self.listener.areply(incoming, _unsendable(exc))
                 except (PeerError, PMetalTimeoutError) as exc:
                     log.warning("could not reply to %s: %s", incoming.peer, exc)
         finally:
