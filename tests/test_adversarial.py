@@ -492,7 +492,9 @@ def test_undecodable_requests_from_a_member_fail_at_once(daemon: Daemon, actor: 
     bad: list[Message] = [creation({}, actor_id=5), creation({}, options=[1, 2]),
                           Call(actor._actor_id, 7, [], {}),   # type: ignore[arg-type]
                           Call(actor._actor_id, "inc", {"k": 1}, []),  # type: ignore[arg-type]
-                          CallBatch(actor._actor_id, [], ("1",))]   # type: ignore[arg-type]
+                          CallBatch(actor._actor_id, [], ("1",)),   # type: ignore[arg-type]
+                          InitActor("a", "c", "m:C", [], {}, {}, "first"),  # type: ignore[arg-type]
+                          InitActor(b"a", "c", "m:C", [], {}, {})]  # type: ignore[arg-type]
     for body in bad:
         started = time.monotonic()
         with pytest.raises(ProtocolError, match="could not decode request .*same pmetal"):
@@ -539,6 +541,12 @@ def test_malformed_calls_from_a_member_are_answered_with_errors(daemon: Daemon, 
     channel.send(CallBatch(aid, [["inc"], "inc", [1, 2, 3], ["inc", [], {}]], tuple(corrs)))
     replies = [channel.result(corr, timeout=ANSWER_WAIT).body for corr in corrs]
     assert [type(r) for r in replies] == [Failure, Failure, Failure, Result], replies
+    # A large batch, every other entry malformed: each answered on its own.
+    corrs = channel.reserve(2000)
+    channel.send(CallBatch(aid, [["value", [], {}] if i % 2 else ["value"] for i in range(2000)],
+                           tuple(corrs)))
+    replies = [channel.result(corr, timeout=ANSWER_WAIT).body for corr in corrs]
+    assert [type(r) for r in replies] == [Failure, Result] * 1000
     # One inc by the batch, two per driver_works(count=1) above (a value, an inc).
     assert pmetal.get(actor.value.remote(), timeout=WAIT) == before + 9 + 1
     assert isinstance(answered(channel, Ping("alive")), Pong)
