@@ -32,10 +32,10 @@ from pmetal.identity import NodeIdentity
 from pmetal.ids import NodeId
 from pmetal.security import NetworkNamespace, Session, client_finish, client_hello, mode_for
 from pmetal.transport import Dialer
-from pmetal.wire import PROTOCOL_VERSION, Accepted, Message, Rejected, Welcome
+from pmetal.wire import PROTOCOL_VERSION, Accepted, ErrorReply, Message, Rejected, Welcome
 
-__all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "remaining",
-           "wire_limits"]
+__all__ = ["Channel", "ChannelStatistics", "MAX_EXPORTED", "NO_SESSION", "UNDECODABLE",
+           "peek_corr", "refusal", "remaining", "wire_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,12 @@ NO_SESSION = "no session"
 """How a listener's Rejected begins when it answers a message for a session
 it does not have (never a Hello): a handshake skips such a Rejected, which
 answers something sent before it."""
+
+
+UNDECODABLE = "the peer could not decode request"
+"""How the message of a listener's ErrorReply begins when a request passed
+its seal but did not decode (then the correlation id follows): the channel
+raises ProtocolError for that request instead of returning the reply."""
 
 
 def wire_limits(cfg: PMetalConfig, local: bool = False) -> WireLimits:
@@ -275,12 +281,11 @@ class Channel:
             session = self.session
             assert session is not None
         if session.local:
-            exported = shm.Exports(session.peer_pid)
             if corr and self._pool is None:
                 self._pool = shm.SlotPool(reader=session.peer_pid)
+            exported = shm.Exports(session.peer_pid, self._pool if corr else None)
             frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                            limits=self._local_limits, exported=exported,
-                            pool=self._pool if corr else None)
+                            limits=self._local_limits, oob=exported)
             if exported:
                 names = self._exported.setdefault(corr, [])
                 names.extend(exported)
@@ -306,7 +311,7 @@ class Channel:
         exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
                         limits=self._local_limits if session.local else self._limits,
-                        exported=exported)
+                        oob=exported if session.local else None)
         if exported:
             self._exported.setdefault(corr, []).extend(exported)
         for part in session.iter_parts(frames):
@@ -354,7 +359,7 @@ class Channel:
             self._file(frames)
         self._waiting.discard(corr)
         self._release(corr)
-        return self._replies.pop(corr)
+        return _checked(self._replies.pop(corr))
 
     async def aresult(self, corr: int, timeout: float | None = None) -> Envelope:
         timeout = self.config.transport.request_timeout if timeout is None else timeout
@@ -377,7 +382,7 @@ class Channel:
             self._file(frames)
         self._waiting.discard(corr)
         self._release(corr)
-        return self._replies.pop(corr)
+        return _checked(self._replies.pop(corr))
 
     def request(self, body: Message, *, term: int | None = None,
                 timeout: float | None = None) -> Envelope:
@@ -413,12 +418,17 @@ class Channel:
         """Correlation ids whose replies have arrived and not been taken."""
         return list(self._replies)
 
-    def take(self, corr: int) -> Envelope | None:
-        """The reply to ``corr`` if it has arrived (it is then forgotten)."""
+    def take(self, corr: int, *, check: bool = True) -> Envelope | None:
+        """The reply to ``corr`` if it has arrived (it is then forgotten).
+        Raises ProtocolError when the listener could not decode the request
+        (as :meth:`result` does); with ``check=False`` that refusal is
+        returned as the ErrorReply it is (for a caller settling many
+        replies, which must not stop at one)."""
         env = self._replies.pop(corr, None)
         if env is not None:
             self._waiting.discard(corr)
             self._release(corr)
+            return _checked(env) if check else env
         return env
 
     def abandon(self) -> list[int]:
@@ -454,13 +464,14 @@ class Channel:
             opened = session.open_part(frames)
             if opened is None:  # a streamed message still lacks segments
                 return
-            env = decode(opened, allow_pickle=True, allow_shm=session.local, limits=self._limits)
-        except (SecurityError, ProtocolError) as exc:
+            env = decode(opened, allow_pickle=True, oob=shm.READER if session.local else None,
+                         limits=self._limits)
+        except Exception as exc:  # noqa: BLE001 - SecurityError, ProtocolError or a bug of ours
             # A duplicated, garbled or forged message is dropped: only a
             # listener's well-formed Rejected ends the session.
             try:
                 unsealed: Envelope | None = decode(frames, limits=self._limits)
-            except ProtocolError:
+            except Exception:  # noqa: BLE001 - not a Rejected either
                 unsealed = None
             if unsealed is not None and isinstance(unsealed.body, Rejected):
                 # The listener forgot us (it restarted): the next send re-handshakes.
@@ -493,3 +504,38 @@ def _peek_version(frames: list[Any]) -> int | None:
         return head[0] if isinstance(head, list) and head and type(head[0]) is int else None
     except Exception:  # garbage: no version to report
         return None
+
+
+def refusal(body: Message) -> ProtocolError | None:
+    """The ProtocolError a listener's refusal of an undecodable request
+    stands for; None for any other reply."""
+    if type(body) is ErrorReply and body.error_type == "ProtocolError" \
+            and body.message.startswith(UNDECODABLE):
+        return ProtocolError(body.message)
+    return None
+
+
+def _checked(env: Envelope) -> Envelope:
+    """``env``, or ProtocolError when it is a listener's refusal of a
+    request it could not decode (only a session member can seal one)."""
+    if type(env.body) is ErrorReply:
+        error = refusal(env.body)
+        if error is not None:
+            raise error
+    return env
+
+
+def peek_corr(frames: list[Any]) -> int:
+    """The correlation id of a message that does not decode, read from its
+    envelope header alone (the body is never unpacked); 0 when unreadable."""
+    try:
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=len(frame_bytes(frames[0])) + 1)
+        unpacker.feed(frame_bytes(frames[0]))
+        if unpacker.read_array_header() != 6:
+            return 0
+        unpacker.skip()   # version
+        unpacker.skip()   # kind
+        corr = unpacker.unpack()
+    except Exception:  # noqa: BLE001 - garbage: no id to answer to
+        return 0
+    return corr if type(corr) is int and 0 < corr < 1 << 64 else 0

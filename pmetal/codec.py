@@ -3,10 +3,15 @@
 The frame layout, the extension codes for arrays, pickles and shared memory,
 and what counts as malformed are documented in :mod:`pmetal.wire`, beside the
 messages themselves. This module implements them: field checks per message
-class, :func:`encode` (envelope plus zero-copy array buffers, or shared
-memory for a peer on this host) and :func:`decode` (which raises
-:class:`~pmetal.errors.ProtocolError` for anything malformed, and nothing
-else).
+class, :func:`encode` (envelope plus zero-copy array buffers) and
+:func:`decode` (which raises :class:`~pmetal.errors.ProtocolError` for
+anything malformed, and nothing else).
+
+Large arrays for a peer on this host go out of band: the codec writes and
+reads only their headers (extension codes 4 and 5) and hands the bytes to an
+:class:`OutOfBandWriter` / :class:`OutOfBandReader` that the channel layer
+passes in (``pmetal.shm`` provides both). The codec imports nothing of
+shared memory.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from pmetal.errors import ProtocolError
 from pmetal.wire import (_CHECKERS, _REGISTRY, _UNCHECKED, PROTOCOL_VERSION, Message,
                          Pickled)
 
-__all__ = ["Envelope", "WireLimits", "decode", "encode", "frame_bytes"]
+__all__ = ["Envelope", "OutOfBandReader", "OutOfBandWriter", "WireLimits", "decode", "encode",
+           "frame_bytes"]
 
 _EXT_NUMPY = 1
 _EXT_PICKLE = 2
@@ -183,19 +189,50 @@ def _mlx() -> Any:
     return mx
 
 
+# ------------------------------------------------------------ out of band
+
+class OutOfBandWriter(typing.Protocol):
+    """Where the encoder puts arrays of at least ``WireLimits.shm_min_bytes``
+    instead of the message's frames (shared memory, for a peer on this
+    host: ``pmetal.shm.Exports``). The codec knows only this hook."""
+
+    def put(self, data: memoryview, corr: int) -> tuple[str, int, bool]:
+        """Store ``data`` (bytes) for the message with correlation id
+        ``corr``; return ``(name, size, reusable)``. Reusable: a slot of
+        ``size >= len(data)`` bytes that the sender reuses once ``corr`` is
+        answered, so the receiver copies it out (extension code 5); else a
+        one-shot object of exactly ``len(data)`` bytes that the receiver
+        maps (extension code 4)."""
+        ...
+
+
+class OutOfBandReader(typing.Protocol):
+    """The receiving side of :class:`OutOfBandWriter` (``pmetal.shm.READER``).
+    Both methods raise ProtocolError for a name that is bad or gone."""
+
+    def attach(self, name: str, nbytes: int) -> Any:
+        """A read-only buffer of the one-shot object ``name`` (which it
+        removes: nothing is left once the buffer is released)."""
+        ...
+
+    def read_slot(self, name: str, size: int, nbytes: int) -> memoryview:
+        """The first ``nbytes`` of the reusable slot ``name`` of ``size``
+        bytes, valid until the next call (the caller copies them)."""
+        ...
+
+
 class _Default:
     """msgpack's ``default`` hook for one message: turns arrays into
     extension values and collects their buffers."""
 
-    __slots__ = ("buffers", "chunk", "corr", "exported", "pool", "shm_min")
+    __slots__ = ("buffers", "chunk", "corr", "oob", "shm_min")
 
-    def __init__(self, chunk: int, shm_min: int = 0, exported: list[str] | None = None,
-                 pool: Any = None, corr: int = 0) -> None:
+    def __init__(self, chunk: int, shm_min: int = 0, oob: OutOfBandWriter | None = None,
+                 corr: int = 0) -> None:
         self.buffers: list[Any] = []
         self.chunk = chunk
-        self.shm_min = shm_min
-        self.exported = exported
-        self.pool = pool
+        self.shm_min = shm_min if oob is not None else 0
+        self.oob = oob
         self.corr = corr
 
     def __call__(self, obj: Any) -> Any:
@@ -231,16 +268,12 @@ class _Default:
         buffers, chunk = self.buffers, self.chunk
         first = len(buffers) + 1
         nbytes = host.nbytes
-        if self.shm_min and nbytes >= self.shm_min and self.pool is not None:
-            name, size = self.pool.put(memoryview(host.reshape(-1)).cast("B"), self.corr)
-            return msgpack.ExtType(_EXT_SLOT, msgpack.packb(
-                [code, dtype, list(arr.shape), name, nbytes, size]))
         if self.shm_min and nbytes >= self.shm_min:
-            from pmetal import shm
-            name = shm.export(memoryview(host.reshape(-1)).cast("B"),
-                              getattr(self.exported, "reader", 0))  # shm.Exports
-            if self.exported is not None:
-                self.exported.append(name)
+            name, size, reusable = self.oob.put(  # type: ignore[union-attr]
+                memoryview(host.reshape(-1)).cast("B"), self.corr)
+            if reusable:
+                return msgpack.ExtType(_EXT_SLOT, msgpack.packb(
+                    [code, dtype, list(arr.shape), name, nbytes, size]))
             return msgpack.ExtType(_EXT_SHM, msgpack.packb(
                 [code, dtype, list(arr.shape), name, nbytes]))
         if nbytes:
@@ -255,15 +288,13 @@ class _Default:
 
 def encode(body: Message, *, corr: int = 0, term: int | None = None,
            sender: str | None = None, limits: WireLimits = _DEFAULT_LIMITS,
-           exported: list[str] | None = None, pool: Any = None) -> list[Any]:
+           oob: OutOfBandWriter | None = None) -> list[Any]:
     """Frames for ``body``: ``[envelope, *buffers]`` (no seal).
 
     Buffers are memoryviews of the arrays' own memory (zero-copy); the caller
-    must not modify the arrays until the frames have been sent. Names of
-    shared-memory objects made for the message are appended to ``exported``:
-    the caller unlinks them if the message may not have been received.
-    With a ``pool`` (shm.SlotPool), arrays of a request go into reusable
-    slots held for ``corr`` instead (extension code 5; the receiver copies).
+    must not modify the arrays until the frames have been sent. With an
+    ``oob`` writer, arrays of at least ``limits.shm_min_bytes`` go there
+    instead (extension codes 4 and 5); without one they travel as frames.
     """
     spec = _ENCODERS.get(type(body))
     if spec is None:
@@ -285,7 +316,7 @@ def encode(body: Message, *, corr: int = 0, term: int | None = None,
             raise ProtocolError(f"envelope of {len(envelope)} bytes exceeds the limit of "
                                 f"{limits.max_envelope_bytes}; send large data as arrays")
         return [envelope]
-    default = _Default(limits.chunk_bytes, limits.shm_min_bytes, exported, pool, corr)
+    default = _Default(limits.chunk_bytes, limits.shm_min_bytes, oob, corr)
     envelope = _packb(raw, default=default, use_bin_type=True)
     if len(envelope) > limits.max_envelope_bytes:
         raise ProtocolError(f"envelope of {len(envelope)} bytes exceeds the limit of "
@@ -309,16 +340,17 @@ def _encoder(cls: type) -> tuple[int, Callable[[Message], list[Any]]]:
     return spec
 
 
-def _no_buffers_hook(allow_pickle: bool, allow_shm: bool) -> Callable[[int, bytes], Any]:
+def _no_buffers_hook(allow_pickle: bool,
+                     oob: OutOfBandReader | None) -> Callable[[int, bytes], Any]:
     def hook(code: int, data: bytes) -> Any:
         if code == _EXT_PICKLE and allow_pickle:
             return Pickled(data)
-        return _ext_hook(allow_pickle, allow_shm, [], [], code, data)
+        return _ext_hook(allow_pickle, oob, [], [], code, data)
     return hook
 
 
-def _ext_hook(allow_pickle: bool, allow_shm: bool, buffers: list[memoryview], used: list[bool],
-              code: int, data: bytes) -> Any:
+def _ext_hook(allow_pickle: bool, oob: OutOfBandReader | None, buffers: list[memoryview],
+              used: list[bool], code: int, data: bytes) -> Any:
     if code == _EXT_PICKLE:
         if not allow_pickle:
             raise ProtocolError("pickled payload from a peer that is not authenticated")
@@ -326,14 +358,26 @@ def _ext_hook(allow_pickle: bool, allow_shm: bool, buffers: list[memoryview], us
     if code in (_EXT_NUMPY, _EXT_MLX):
         return _unpack_array(code, data, buffers, used)
     if code in (_EXT_SHM, _EXT_SLOT):
-        if not allow_shm:
+        if oob is None:
             raise ProtocolError("shared-memory array from a peer that is not an authenticated "
                                 "process of this host")
-        return _attach_array(data) if code == _EXT_SHM else _copy_slot(data)
+        return _attach_array(oob, data) if code == _EXT_SHM else _copy_slot(oob, data)
     raise ProtocolError(f"unknown extension type {code}")
 
 
-_HOOKS = {(p, m): _no_buffers_hook(p, m) for p in (False, True) for m in (False, True)}
+# One hook per (allow_pickle, reader), made once: a message without buffer
+# frames (nearly every one) allocates no hook of its own.
+_HOOKS: dict[tuple[bool, Any], Callable[[int, bytes], Any]] = {
+    (p, None): _no_buffers_hook(p, None) for p in (False, True)}
+
+
+def _hook_for(allow_pickle: bool, oob: OutOfBandReader | None) -> Callable[[int, bytes], Any]:
+    hook = _HOOKS.get((allow_pickle, oob))
+    if hook is None:
+        if len(_HOOKS) > 64:   # readers are long-lived singletons; this is a guard
+            _HOOKS.clear()
+        hook = _HOOKS[allow_pickle, oob] = _no_buffers_hook(allow_pickle, oob)
+    return hook
 
 
 def _host_dtype(code: int, dtype_name: Any) -> Any:
@@ -368,34 +412,35 @@ def _shm_header(data: bytes, slot: bool) -> tuple[int, str, tuple[int, ...], Any
     return code, dtype_name, shape, host_dtype, name, nbytes, size
 
 
-def _copy_slot(data: bytes) -> Any:
+def _copy_slot(oob: OutOfBandReader, data: bytes) -> Any:
     """An array copied out of a reusable slot (its sender reuses the slot
     once our reply to the request that carried it has arrived)."""
     import numpy as np
-    from pmetal import shm
     code, dtype_name, shape, host_dtype, name, nbytes, size = _shm_header(data, slot=True)
     arr = np.empty(shape, host_dtype)
     if nbytes:
-        memoryview(arr.reshape(-1)).cast("B")[:] = shm.read_slot(name, size, nbytes)
+        memoryview(arr.reshape(-1)).cast("B")[:] = oob.read_slot(name, size, nbytes)
     return _to_mlx(arr, dtype_name) if code == _EXT_MLX else arr
 
 
-def _attach_array(data: bytes) -> Any:
+def _attach_array(oob: OutOfBandReader, data: bytes) -> Any:
     """An array mapped (read-only, not copied) from a one-shot object."""
     import numpy as np
-    from pmetal import shm
     code, dtype_name, shape, host_dtype, name, nbytes, _ = _shm_header(data, slot=False)
-    mapping = shm.attach(name, nbytes)  # also unlinks the name
+    mapping = oob.attach(name, nbytes)  # also unlinks the name
     arr = (np.frombuffer(mapping, host_dtype).reshape(shape) if nbytes
            else np.empty(shape, host_dtype))
     return _to_mlx(arr, dtype_name) if code == _EXT_MLX else arr
 
 
-def decode(frames: Sequence[Any], *, allow_pickle: bool = False, allow_shm: bool = False,
+def decode(frames: Sequence[Any], *, allow_pickle: bool = False,
+           oob: OutOfBandReader | None = None,
            limits: WireLimits = _DEFAULT_LIMITS) -> Envelope:
     """Decode ``[envelope, *buffers]`` into an :class:`Envelope`.
 
-    Raises :class:`ProtocolError` for anything malformed.
+    ``oob``: where arrays sent out of band are read from (shared memory,
+    only for an authenticated peer on this host); without it such an array
+    is malformed. Raises :class:`ProtocolError` for anything malformed.
     """
     if not frames:
         raise ProtocolError("empty message")
@@ -412,10 +457,10 @@ def decode(frames: Sequence[Any], *, allow_pickle: bool = False, allow_shm: bool
             raise ProtocolError(f"message of {total} bytes exceeds the limit of "
                                 f"{limits.max_message_bytes}")
         used = [False] * len(buffers)
-        hook = functools.partial(_ext_hook, allow_pickle, allow_shm, buffers, used)
+        hook = functools.partial(_ext_hook, allow_pickle, oob, buffers, used)
     else:
         used = []
-        hook = _HOOKS[allow_pickle, allow_shm]
+        hook = _HOOKS.get((allow_pickle, oob)) or _hook_for(allow_pickle, oob)
     try:
         raw = _unpackb(head, raw=False, ext_hook=hook, strict_map_key=False)
     except ProtocolError:

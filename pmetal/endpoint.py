@@ -29,18 +29,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from pmetal import shm
-from pmetal.channel import (MAX_EXPORTED, NO_SESSION, Channel, ChannelStatistics, remaining,
-                            wire_limits)
+from pmetal.channel import (MAX_EXPORTED, NO_SESSION, UNDECODABLE, Channel, ChannelStatistics,
+                            peek_corr, remaining, wire_limits)
 from pmetal.codec import Envelope, decode, encode, frame_bytes
 from pmetal.config import PMetalConfig
 from pmetal.errors import (AuthenticationError, ClosedError, HandshakeError, PeerError,
-                           PMetalTimeoutError, ProtocolError, TransportError)
+                           PMetalTimeoutError, ProtocolError, SecurityError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.ids import NodeId
 from pmetal.security import (NetworkNamespace, ServerHandshake, Session, mode_for, server_finish,
                              server_welcome)
 from pmetal.transport import Listener
-from pmetal.wire import Accepted, Confirm, ErrorReply, Hello, Message, Rejected
+from pmetal.wire import PROTOCOL_VERSION, Accepted, Confirm, ErrorReply, Hello, Message, Rejected
 
 __all__ = [
     "Channel",
@@ -82,6 +82,9 @@ class ListenerStatistics:
     pending_handshakes: int
     expired_handshakes: int
     evicted_handshakes: int
+    refused_requests: int = 0
+    """Authenticated requests that did not decode, answered with an
+    ErrorReply (also counted in dropped_malformed)."""
 
 
 class SecureListener:
@@ -115,7 +118,8 @@ class SecureListener:
         return ListenerStatistics(c["received"], c["sent"], len(self._sessions), c["handshakes"],
                                   c["refused_handshakes"], c["unauthenticated"], c["malformed"],
                                   c["auth_failures"], len(self._pending),
-                                  c["expired_handshakes"], c["evicted_handshakes"])
+                                  c["expired_handshakes"], c["evicted_handshakes"],
+                                  c["refused_requests"])
 
     def session(self, route: bytes) -> Session | None:
         return self._sessions.get(route)
@@ -148,12 +152,13 @@ class SecureListener:
         """Classify one raw message: (delivered message, frames to answer with)."""
         session = self._sessions.get(route)
         if session is not None:
+            opened = None
             try:
                 opened = session.open_part(frames)
                 if opened is None:  # a streamed message still lacks segments
                     return None, None
-                env = decode(opened, allow_pickle=True, allow_shm=session.local,
-                             limits=self._limits)
+                env = decode(opened, allow_pickle=True,
+                             oob=shm.READER if session.local else None, limits=self._limits)
             except AuthenticationError as exc:
                 restart = self._unsealed_handshake(route, frames)
                 if restart is not None:
@@ -165,9 +170,17 @@ class SecureListener:
                 log.warning("dropped a message from %s: %s", session.peer, exc)
                 return None, None
             except ProtocolError as exc:
+                # The seal verified, so a member sent this: when it was a
+                # request, answer at once instead of leaving the caller to
+                # its request timeout (a version mismatch, usually).
                 self._counts["malformed"] += 1
                 log.warning("dropped a malformed message from %s: %s", session.peer, exc)
-                return None, None
+                return None, self._undecodable(session, opened, exc)
+            except Exception as exc:  # noqa: BLE001 - no message may stop the listener
+                self._counts["malformed"] += 1
+                log.warning("dropped a message from %s that broke its decoding: %s: %s",
+                            session.peer, type(exc).__name__, exc)
+                return None, self._undecodable(session, opened, exc)
             self._sessions.move_to_end(route)
             self._counts["received"] += 1
             return _tuple_new(Incoming, (route, session.peer, env)), None
@@ -179,18 +192,36 @@ class SecureListener:
             return None, self._rejection(f"{NO_SESSION}: start with the handshake")
         try:
             env = decode(frames, allow_pickle=False, limits=self._limits)
-        except ProtocolError as exc:
+        except Exception as exc:  # noqa: BLE001 - ProtocolError, or a bug a stranger found
             self._counts["malformed"] += 1
             log.info("dropped a malformed message from an unauthenticated peer: %.200s", exc)
             return None, self._rejection(f"{NO_SESSION}: start with the handshake")
         return None, self._handshake(route, env.body)
+
+    def _undecodable(self, session: Session, frames: list[Any] | None,
+                     exc: Exception) -> list[Any] | None:
+        """The sealed refusal of an authenticated request that does not
+        decode, when its correlation id can still be read; else None."""
+        corr = peek_corr(frames) if frames is not None else 0
+        if not corr:
+            return None   # a one-way message, or no id to answer to
+        self._counts["refused_requests"] += 1
+        detail = str(exc) if isinstance(exc, ProtocolError) else f"{type(exc).__name__}: {exc}"
+        reason = (f"{UNDECODABLE} {corr}: {detail[:300]}; both sides must run the same "
+                  f"pmetal protocol version (this one speaks {PROTOCOL_VERSION})")
+        try:
+            return session.seal(encode(ErrorReply("ProtocolError", reason), corr=corr,
+                                       sender=self.identity.node_id, limits=self._limits))
+        except (SecurityError, ProtocolError) as seal_exc:
+            log.warning("could not refuse request %d of %s: %s", corr, session.peer, seal_exc)
+            return None
 
     def _unsealed_handshake(self, route: bytes, frames: list[Any]) -> Message | None:
         if len(frames) != 1 or len(frame_bytes(frames[0])) > _MAX_UNAUTHENTICATED:
             return None  # handshake messages are one small frame
         try:
             body = decode(frames, limits=self._limits).body
-        except ProtocolError:
+        except Exception:  # noqa: BLE001 - not a handshake message: the caller drops it
             return None
         if isinstance(body, Hello) or (isinstance(body, Confirm) and route in self._pending):
             return body
@@ -233,6 +264,14 @@ class SecureListener:
             # INFO, not WARNING: anyone on the network can send a Hello.
             log.info("refused a handshake: %.200s", exc)
             return self._rejection(str(exc))
+        except Exception as exc:  # noqa: BLE001 - no Hello may stop the listener
+            # A crafted field that the checks above let through (a bug of
+            # ours): refused like a bad proof, and the listener serves on.
+            self._pending.pop(route, None)
+            self._counts["refused_handshakes"] += 1
+            log.info("refused a handshake that broke its checks: %s: %.200s",
+                     type(exc).__name__, exc)
+            return self._rejection(f"malformed {type(body).__name__}")
         self._counts["unauthenticated"] += 1
         log.info("dropped a %s from a peer that has not completed the handshake",
                  type(body).__name__)
@@ -273,7 +312,7 @@ class SecureListener:
             return [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
         exported = shm.Exports(session.peer_pid)
         frames = encode(body, corr=corr, term=term, sender=self.identity.node_id,
-                        limits=self._local_limits, exported=exported)
+                        limits=self._local_limits, oob=exported)
         parts = [session.seal(frames)] if len(frames) == 1 else session.iter_parts(frames)
         self._exported.extend(exported)
         if len(self._exported) > self._exported_check:

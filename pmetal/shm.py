@@ -44,8 +44,9 @@ from typing import Any
 
 from pmetal.errors import ProtocolError
 
-__all__ = ["Exports", "HostToken", "Peer", "SlotPool", "answer", "attach", "boot_id", "confirm",
-           "exists", "export", "objects", "offer", "sweep", "unlink"]
+__all__ = ["READER", "Exports", "HostToken", "Peer", "Reader", "SlotPool", "answer", "attach",
+           "boot_id", "confirm", "exists", "export", "objects", "offer", "read_slot", "sweep",
+           "unlink"]
 
 log = logging.getLogger(__name__)
 
@@ -316,12 +317,44 @@ def unlink(name: str) -> None:
 
 
 class Exports(list[str]):
-    """Names of the objects exported for one message, and the pid of the
-    process that will read them (``codec.encode``'s ``exported``)."""
+    """The out-of-band writer for one message to a process of this host
+    (``codec.encode``'s ``oob``, a ``codec.OutOfBandWriter``): arrays go
+    into slots of ``pool`` when one is given (requests), else into one-shot
+    objects whose names it collects (the caller unlinks them if the message
+    may not have been received). ``reader``: the receiving process's pid."""
 
-    def __init__(self, reader: int = 0) -> None:
+    __slots__ = ("pool", "reader")
+
+    def __init__(self, reader: int = 0, pool: SlotPool | None = None) -> None:
         super().__init__()
         self.reader = reader
+        self.pool = pool
+
+    def put(self, data: memoryview, corr: int) -> tuple[str, int, bool]:
+        if self.pool is not None:
+            name, size = self.pool.put(data, corr)
+            return name, size, True
+        name = export(data, self.reader)
+        self.append(name)
+        return name, len(data), False
+
+
+class Reader:
+    """The out-of-band reader for messages from processes of this host
+    (``codec.decode``'s ``oob``, a ``codec.OutOfBandReader``)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def attach(name: str, nbytes: int) -> Any:
+        return attach(name, nbytes)
+
+    @staticmethod
+    def read_slot(name: str, size: int, nbytes: int) -> memoryview:
+        return read_slot(name, size, nbytes)
+
+
+READER = Reader()
 
 
 def _alive(pid: int) -> bool:

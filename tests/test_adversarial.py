@@ -14,14 +14,21 @@ or that actor's worker and then checks that
 
 A *stranger* has no PSK: it speaks ZeroMQ without the namespace's CURVE keys
 (or raw TCP). A *member* holds the PSK (its transport keys are right) but
-knows no session key. Every attack is bounded in count and time.
+knows no session key. An *authenticated member* (section B of the issue) has
+completed the handshake: a buggy or malicious member of the cluster, whose
+malformed, duplicated and replayed requests must each be answered with an
+error or dropped, never end a process nor cost the driver a call. Every
+attack is bounded in count and time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import resource
 import socket
+import time
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,11 +41,15 @@ import zmq
 import pmetal
 from pmetal import api
 from pmetal.actors.client import CoreClient
+from pmetal.channel import Channel
 from pmetal.config import load_config
+from pmetal.errors import ProtocolError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace, client_hello
-from pmetal.transport import CurveKeys, raise_open_file_limit
-from pmetal.wire import Ping, encode
+from pmetal.transport import CurveKeys, ZmqTransport, raise_open_file_limit
+from pmetal.wire import (Call, CallBatch, Confirm, CreateActor, Failure, InitActor, Message,
+                         Pickled, Ping, Pong, Rejected, Result, Status, StatusRequest, Welcome,
+                         decode, encode)
 
 from actors.actor_classes import Counter
 from actors.conftest import (EXIT_WAIT, assert_all_exit, descendants, read_line, stop_process,
@@ -188,6 +199,10 @@ def attempt(sock: zmq.Socket, frame: Any, flags: int = 0) -> bool:
     except zmq.Again:
         return False
     return True
+
+
+def decode_reply(frames: list[bytes]) -> Message:
+    return decode(frames).body
 
 
 def driver_works(actor: Any, count: int = 5) -> None:
@@ -385,3 +400,294 @@ def test_duplicated_and_garbled_replies_are_dropped(daemon: Daemon, actor: Any) 
     assert channel.statistics().dropped > dropped
     driver_works(actor)
 
+
+
+# ------------------------------------------- B: authenticated, malformed input
+
+ANSWER_WAIT = 5.0
+"""What a malformed request may take to be answered: seconds, where silence
+cost the request timeout (30 s) before."""
+
+
+class Recorder:
+    """A real dialer that keeps every sealed message it sends, so that a test
+    can send them again, exactly as they went over the wire."""
+
+    def __init__(self, dialer: Any) -> None:
+        self.real = dialer
+        self.sent: list[list[bytes]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def send(self, frames: list[Any], timeout: float | None = None) -> None:
+        self.sent.append([bytes(memoryview(f)) for f in frames])
+        self.real.send(frames, timeout)
+
+
+@pytest.fixture
+def member() -> Iterator[Any]:
+    """``member(address)``: an open Channel of an authenticated member (it
+    holds the PSK and completed the handshake), whose dialer records what
+    it sends; closed at teardown."""
+    config = load_config(env={}, transport={"request_timeout": WAIT})
+    transport = ZmqTransport(config.transport, curve=NAMESPACE.curve_keys())
+    channels: list[Channel] = []
+
+    def make(address: str) -> Channel:
+        channel = Channel(Recorder(transport.dial(address)), NodeIdentity.generate(),
+                          NAMESPACE, config)
+        channels.append(channel)
+        channel.open()
+        return channel
+    yield make
+    for channel in channels:
+        channel.close()
+
+
+def answered(channel: Channel, body: Message) -> Message:
+    """``body``'s answer, which must come within :data:`ANSWER_WAIT`."""
+    return channel.request(body, timeout=ANSWER_WAIT).body
+
+
+def creation(opts: dict[str, Any], **fields: Any) -> CreateActor:
+    spec = {"actor_id": f"attacker-{os.urandom(4).hex()}", "cls_id": "c",
+            "cls_ref": "actors.actor_classes:Counter", "args": [], "kwargs": {},
+            "options": {"class_name": "Counter", "owner_pid": os.getpid(), "timeout": 2.0,
+                        **opts}}
+    spec.update(fields)
+    return CreateActor(**spec)
+
+
+@pytest.mark.parametrize("options", [
+    {"num_cpus": "lots"}, {"num_cpus": -1}, {"num_cpus": float("nan")},
+    {"num_cpus": float("inf")}, {"num_cpus": 1e300}, {"num_cpus": [1]},
+    {"resources": {"GPU": -1}}, {"resources": {"CPU": "lots"}}, {"resources": "all"},
+    {"resources": {"": 1}}, {"resources": {"GPU": 1e300}}, {"max_restarts": "x"},
+    {"max_concurrency": 0}, {"max_concurrency": 2.5}, {"name": 5}, {"lifetime": "forever"},
+    {"methods": "inc"}, {"owner_pid": -1}, {"timeout": "soon"}, {"node": b"raw"},
+], ids=repr)
+def test_malformed_creations_from_a_member_are_answered_with_errors(
+        daemon: Daemon, actor: Any, member: Any, options: dict[str, Any]) -> None:
+    """(B5) CreateActor with options of the wrong type, negative, NaN or
+    absurd amounts: each is refused with a Failure within seconds, the daemon
+    lives on and the driver's calls succeed."""
+    channel = member(daemon.address)
+    reply = answered(channel, creation(options))
+    assert isinstance(reply, Failure), f"{options} was accepted: {reply!r}"
+    assert reply.kind in ("bad_request", "placement"), reply
+    assert daemon.alive, daemon.log()
+    driver_works(actor, count=2)
+
+
+@pytest.mark.parametrize("target", ["daemon", "worker"])
+def test_undecodable_requests_from_a_member_fail_at_once(daemon: Daemon, actor: Any,
+                                                         member: Any, target: str) -> None:
+    """(Issue item 10) A sealed request whose body does not decode (fields of
+    the wrong type, as a peer of another protocol version would send) gets
+    ProtocolError within seconds, not the request timeout; the process
+    serves the member and the driver on."""
+    address = daemon.address if target == "daemon" else worker_record(actor)["address"]
+    channel = member(address)
+    bad: list[Message] = [creation({}, actor_id=5), creation({}, options=[1, 2]),
+                          Call(actor._actor_id, 7, [], {}),   # type: ignore[arg-type]
+                          Call(actor._actor_id, "inc", {"k": 1}, []),  # type: ignore[arg-type]
+                          CallBatch(actor._actor_id, [], ("1",)),   # type: ignore[arg-type]
+                          InitActor("a", "c", "m:C", [], {}, {}, "first"),  # type: ignore[arg-type]
+                          InitActor(b"a", "c", "m:C", [], {}, {})]  # type: ignore[arg-type]
+    for body in bad:
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="could not decode request .*same pmetal"):
+            channel.request(body, timeout=2 * WAIT)
+        assert time.monotonic() - started < ANSWER_WAIT, f"{body!r} waited for a timeout"
+    assert isinstance(answered(channel, StatusRequest()), Status)
+    driver_works(actor, count=2)
+    assert daemon.alive, daemon.log()
+
+
+def test_malformed_calls_from_a_member_are_answered_with_errors(daemon: Daemon, actor: Any,
+                                                                member: Any) -> None:
+    """(B5) Call and CallBatch to the actor's live worker with unknown actor
+    ids, methods that are not methods, arguments that do not fit, absurd
+    sizes and batches whose ids do not pair up: each call is answered with a
+    Failure within seconds, none changes the actor's state, and the driver's
+    calls succeed during and after."""
+    worker = worker_record(actor)
+    channel = member(worker["address"])
+    before = pmetal.get(actor.value.remote(), timeout=WAIT)
+    aid = actor._actor_id
+    for body, kind in [
+            (Call("no-such-actor", "inc", [], {}), "actor_died"),
+            (Call(aid, "__init__", [], {}), "no_such_method"),
+            (Call(aid, "n", [], {}), "no_such_method"),          # an attribute, not a method
+            (Call(aid, "missing", [], {}), "no_such_method"),
+            (Call(aid, "inc", [1, 2, 3], {}), "user"),            # too many arguments
+            (Call(aid, "inc", [], {"nope": 1}), "user"),
+            (Call(aid, "inc", ["one"], {}), "user"),              # str += int in the actor
+            (Call(aid, "inc", [Pickled(b"not a pickle")], {}), "user"),
+            (Call(aid, "inc", list(range(100_000)), {}), "user"),  # absurd size
+    ]:
+        reply = answered(channel, body)
+        assert isinstance(reply, Failure) and reply.kind == kind, (body.method, reply)
+        driver_works(actor, count=1)
+    # A batch whose calls and ids do not pair up: every id is answered.
+    corrs = channel.reserve(3)
+    channel.send(CallBatch(aid, [["inc", [], {}]], tuple(corrs)))
+    for corr in corrs:
+        reply = channel.result(corr, timeout=ANSWER_WAIT).body
+        assert isinstance(reply, Failure) and reply.kind == "bad_request", reply
+    # Entries that are not [method, args, kwargs] fail alone; the good one runs.
+    corrs = channel.reserve(4)
+    channel.send(CallBatch(aid, [["inc"], "inc", [1, 2, 3], ["inc", [], {}]], tuple(corrs)))
+    replies = [channel.result(corr, timeout=ANSWER_WAIT).body for corr in corrs]
+    assert [type(r) for r in replies] == [Failure, Failure, Failure, Result], replies
+    # A large batch, every other entry malformed: each answered on its own.
+    corrs = channel.reserve(2000)
+    channel.send(CallBatch(aid, [["value", [], {}] if i % 2 else ["value"] for i in range(2000)],
+                           tuple(corrs)))
+    replies = [channel.result(corr, timeout=ANSWER_WAIT).body for corr in corrs]
+    assert [type(r) for r in replies] == [Failure, Result] * 1000
+    # One inc by the batch, two per driver_works(count=1) above (a value, an inc).
+    assert pmetal.get(actor.value.remote(), timeout=WAIT) == before + 9 + 1
+    assert isinstance(answered(channel, Ping("alive")), Pong)
+    driver_works(actor)
+    assert daemon.alive, daemon.log()
+
+
+def test_malformed_initactor_to_an_idle_worker_is_refused(daemon: Daemon, actor: Any,
+                                                          member: Any) -> None:
+    """(B5) InitActor with a class that does not load or options of the
+    wrong type, to an idle pooled worker and to the actor's worker: refused
+    with a Failure; neither worker becomes what the member asked, and the
+    driver can still create an actor on the pool."""
+    idle = [w for w in api.client().status()["workers"]
+            if w["ready"] and not w["actor_id"] and w["address"] and w["role"] == "actor"]
+    targets_ = [worker_record(actor)["address"], *[w["address"] for w in idle[:1]]]
+    for address in targets_:
+        channel = member(address)
+        for body in [
+                InitActor("evil", "c", "no.such.module:Nope", [], {}, {}),
+                InitActor("evil", "c", 5, [], {}, {}),
+                InitActor("evil", "c", Pickled(b"\x80garbage"), [], {}, {}),
+                InitActor("evil", "c", "actors.actor_classes:Counter", [], {},
+                          {"max_concurrency": "x"}),
+                InitActor("evil", "c", "actors.actor_classes:Counter", ["a", "b", "c"], {}, {}),
+        ]:
+            reply = answered(channel, body)
+            assert isinstance(reply, Failure), (address, body, reply)
+        assert isinstance(answered(channel, Ping("alive")), Pong)
+        status = answered(channel, StatusRequest())
+        assert isinstance(status, Status) and status.info["actor_id"] != "evil", status
+    driver_works(actor)
+    fresh = Counter.remote()
+    assert pmetal.get(fresh.inc.remote(), timeout=WAIT) == 1
+    pmetal.kill(fresh)
+    assert daemon.alive, daemon.log()
+
+
+def test_replayed_duplicated_and_garbled_requests_are_dropped(daemon: Daemon, actor: Any,
+                                                              member: Any) -> None:
+    """(B6) A member's sealed requests sent again (on its own connection, and
+    from another one), sent twice in a row, and garbage on its live session,
+    to the daemon and to the worker: each replay is dropped (a replayed inc
+    never runs twice), garbage is dropped, and the member's session and the
+    driver's calls go on."""
+    aid = actor._actor_id
+    for address in (daemon.address, worker_record(actor)["address"]):
+        channel = member(address)
+        recorder = channel._dialer
+        body: Message = Call(aid, "inc", [], {}) if address != daemon.address \
+            else StatusRequest()
+        first = answered(channel, body)
+        assert isinstance(first, (Result, Status)), first
+        sealed = recorder.sent[-1]
+        value = pmetal.get(actor.value.remote(), timeout=WAIT)
+        # Again on the same session, twice, with garbage between.
+        recorder.real.send(sealed)
+        recorder.real.send([b"\x96garbage" + os.urandom(40)])
+        recorder.real.send(sealed)
+        # Replies keep their order on one connection: the next one answers
+        # this Ping, so no replay was answered (nor run).
+        assert answered(channel, Ping("after")) == Pong("after")
+        assert not channel.unsolicited, list(channel.unsolicited)
+        # From another member's connection: its session's keys do not open it.
+        other = member(address)
+        other._dialer.real.send(sealed)
+        assert answered(other, Ping("other")) == Pong("other")
+        assert pmetal.get(actor.value.remote(), timeout=WAIT) == value
+        driver_works(actor, count=2)
+    assert daemon.alive, daemon.log()
+
+
+def test_crafted_handshakes_from_a_member_are_refused(daemon: Daemon, actor: Any,
+                                                      ctx: zmq.Context) -> None:
+    """Hellos and Confirms with crafted fields (keys of every length, modes
+    out of range, garbage host proofs, node ids not matching their keys),
+    from a member who holds the transport keys and the namespace tag, to the
+    live daemon and worker: each answered (Welcome or Rejected), both
+    processes live, the driver is served throughout. (Many more shapes, with
+    hypothesis, against a listener in this process:
+    test_endpoint_fuzz.py::test_crafted_handshake_fields_never_stop_the_listener.)"""
+    genuine = client_hello(NodeIdentity.generate(), NAMESPACE).hello
+    rng = random.Random(11)
+    for name, _pid, address in targets(daemon, actor):
+        sock = dealer(ctx, NAMESPACE.curve_keys())
+        sock.setsockopt(zmq.RCVTIMEO, int(WAIT * 1000))
+        sock.connect(address)
+        for i in range(150):
+            hello = dataclasses.replace(
+                genuine,
+                node_id=rng.choice([genuine.node_id, "", "x" * rng.randrange(200)]),
+                public_key=rng.randbytes(rng.choice([0, 31, 32, 33, 64])),
+                ephemeral_key=rng.randbytes(rng.choice([0, 32, 100])),
+                nonce=rng.randbytes(rng.choice([0, 32, 1000])),
+                mode=rng.choice([0, 1, 2, 3, 4, -1, (1 << 64) - 1, -(1 << 63)]),
+                host=rng.randbytes(rng.choice([0, 8, 64, 3000])))
+            assert attempt(sock, encode(hello)[0]), f"the {name} stopped taking messages"
+            reply = decode_reply(sock.recv_multipart())
+            assert isinstance(reply, (Welcome, Rejected)), (name, reply)
+            assert attempt(sock, encode(Confirm(rng.randbytes(32), rng.randbytes(64)))[0])
+            assert isinstance(decode_reply(sock.recv_multipart()), Rejected), name
+            if i % 50 == 0:
+                driver_works(actor, count=1)
+        sock.close(linger=0)
+    driver_works(actor)
+    assert daemon.alive, daemon.log()
+
+
+def test_a_driver_call_the_worker_cannot_decode_fails_at_once(daemon: Daemon,
+                                                              actor: Any) -> None:
+    """(Issue item 10) The driver's own call with a field of the wrong type
+    (made below the public API, as a driver of another protocol version
+    would send it): its ref fails with ProtocolError within seconds, and
+    again when asked again (it is settled, not left pending); the actor's
+    next calls succeed."""
+    ref = api.client().call(actor, 7, [], {})   # type: ignore[arg-type]
+    for _ in range(2):
+        started = time.monotonic()
+        with pytest.raises(ProtocolError, match="could not decode request .*same pmetal"):
+            pmetal.get(ref, timeout=2 * WAIT)
+        assert time.monotonic() - started < ANSWER_WAIT
+    driver_works(actor)
+
+
+def test_a_reply_too_large_to_send_is_answered_with_an_error(daemon: Daemon, actor: Any,
+                                                             member: Any) -> None:
+    """(B5) A member makes an actor's reply exceed the envelope limit (two
+    40 MiB records, then the history): the worker answers that call with a
+    Failure saying why instead of dying while encoding it, and serves on."""
+    victim = Counter.remote()
+    try:
+        channel = member(worker_record(victim)["address"])
+        blob = bytes(40 * MiB)
+        for _ in range(2):
+            assert isinstance(answered(channel, Call(victim._actor_id, "record", [blob], {})),
+                              Result)
+        del blob
+        reply = answered(channel, Call(victim._actor_id, "history", [], {}))
+        assert isinstance(reply, Failure) and "exceeds the limit" in reply.message, reply
+        assert pmetal.get(victim.value.remote(), timeout=WAIT) == 0
+    finally:
+        pmetal.kill(victim)
+    driver_works(actor)
+    assert daemon.alive, daemon.log()

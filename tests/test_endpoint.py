@@ -43,12 +43,14 @@ from pmetal.errors import (
     HandshakeError,
     PeerError,
     PMetalTimeoutError,
+    ProtocolError,
     RequestTimeoutError,
 )
 from pmetal.identity import NodeIdentity
 from pmetal.security import Mode, NetworkNamespace, client_hello
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (
+    Call,
     ErrorReply,
     Hello,
     Pickled,
@@ -481,7 +483,7 @@ def test_shared_memory_references_only_from_authenticated_local_peers(
     node = make_node()
     before = shm_objects()
     frames = as_bytes(encode(Ping(np.arange(1000, dtype=np.int64)), corr=1,
-                             limits=WireLimits(shm_min_bytes=1)))
+                             limits=WireLimits(shm_min_bytes=1), oob=shm.Exports()))
     created = shm_objects() - before
     assert len(created) == 1
     try:
@@ -494,6 +496,10 @@ def test_shared_memory_references_only_from_authenticated_local_peers(
                                 host=b"another machine!")
         remote.send_multipart(session.seal(frames))
         remote.send_multipart(session.seal(encode(Ping("sync"), corr=2)))
+        # The sealed request is refused in so many words, not silently.
+        refusal = recv_body(session.open(remote.recv_multipart()))
+        assert isinstance(refusal, ErrorReply) and refusal.error_type == "ProtocolError"
+        assert "could not decode request 1" in refusal.message
         assert recv_body(session.open(remote.recv_multipart())) == Pong("sync")
 
         assert node.handler.payloads() == ["sync"]
@@ -866,3 +872,24 @@ def test_raw_handshake_helper_matches_channel(make_node: MakeNode,
     raw.send_multipart(session.seal(encode(Ping("raw"), corr=3)))
     reply = session.open(raw.recv_multipart())
     assert recv_body(reply) == Pong("raw"), error_text(recv_body(reply))
+
+
+def test_a_request_the_listener_cannot_decode_fails_at_once(make_node: MakeNode,
+                                                            make_channel: MakeChannel) -> None:
+    """A sealed request whose body does not decode (a field of the wrong
+    type: what a peer of another protocol version sends) is answered with
+    ProtocolError naming the request, not left to the request timeout; the
+    session serves on."""
+    node = make_node()
+    channel = make_channel(node.address)
+    started = time.monotonic()
+    with pytest.raises(ProtocolError, match=r"could not decode request \d+: Call: .*same pmetal"):
+        channel.request(Call(5, "method", [], {}), timeout=30)  # type: ignore[arg-type]
+    assert time.monotonic() - started < 5, "the refusal waited for a timeout"
+    corr = channel.submit(Call("a", 7, [], {}))  # type: ignore[arg-type]
+    assert channel.request(Ping("after")).body == Pong("after")
+    with pytest.raises(ProtocolError):
+        channel.result(corr, timeout=5)
+    assert node.handler.payloads() == ["after"]
+    assert node.listener.statistics().refused_requests == 2
+    assert node.server.error is None

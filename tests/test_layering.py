@@ -52,3 +52,13 @@ def test_the_context_module_imports_nothing_of_the_runtime() -> None:
                if m.startswith("pmetal")}
     assert imports <= {"pmetal.errors", "pmetal.errors.NotInitializedError",
                        "pmetal.actors.client", "pmetal.actors.client.CoreClient"}
+
+
+def test_the_codec_imports_nothing_of_shared_memory() -> None:
+    """Shared memory plugs into the codec's out-of-band hook from the
+    channel layer; the codec itself knows only the hook."""
+    for module in ("codec.py", "wire.py"):
+        imports = imported_modules(PACKAGE / module)
+        shm = {m for m in imports if m == "pmetal.shm" or m.startswith("pmetal.shm.")}
+        assert not shm, f"pmetal/{module} imports {sorted(shm)}"
+

@@ -658,7 +658,7 @@ class CoreClient:
         channel = link.channel
         refs = link.refs
         for corr in channel.arrived():
-            env = channel.take(corr)
+            env = channel.take(corr, check=False)   # a refusal settles its ref (refs._settle)
             if env is None:
                 continue
             ref = refs.pop(corr, None)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pmetal.actors.serialization import load_exception, remote_error, unpack_value
 from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalError,
                            PMetalTimeoutError, PMetalValueError)
+from pmetal.channel import refusal
 from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
 
@@ -118,7 +119,9 @@ class ObjectRef:
                 return
             self._error = error
         else:
-            self._error = PeerError(f"unexpected reply {type(body).__name__}")
+            # The worker could not decode the call (channel.refusal), or a
+            # reply no call expects.
+            self._error = refusal(body) or PeerError(f"unexpected reply {type(body).__name__}")
 
     def result(self) -> Any:
         if self._error is not None:

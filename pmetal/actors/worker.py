@@ -41,7 +41,7 @@ from pmetal.actors.serialization import (load_code, pack_exception, pack_value, 
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
-                           TransportError)
+                           ProtocolError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -59,8 +59,20 @@ def failure_from(exc: BaseException, kind: str = "user") -> Failure:
     return Failure(kind, type(exc).__qualname__, str(exc), tb, pack_exception(exc))
 
 
+_MAX_REFUSALS = 10_000
+"""Ids of a malformed batch answered at most (each is one small message)."""
+
 _BAD_ENTRY = Failure("bad_request", "ProtocolError",
                      "a batch entry is not [method, args, kwargs]")
+
+
+def _unsendable(exc: TypeError | ProtocolError) -> Failure:
+    """The answer to a call whose result cannot be packed (TypeError) or
+    exceeds the wire's limits (ProtocolError): the call ran, its result is
+    lost, the worker serves on."""
+    if isinstance(exc, ProtocolError):
+        return Failure("bad_request", "ProtocolError", f"the result cannot be sent: {exc}")
+    return failure_from(exc)
 
 
 def _well_formed(entry: Any) -> bool:
@@ -95,6 +107,7 @@ class Worker:
         self._stop = False
         self.needs_loop = False   # set once the actor is built: serve it from asyncio
         self.calls = 0
+        self.refused = 0   # requests answered with a Failure for being malformed
 
     @property
     def address(self) -> str:
@@ -102,7 +115,7 @@ class Worker:
 
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
-                "listener": self.listener.statistics()}
+                "refused": self.refused, "listener": self.listener.statistics()}
 
     # ------------------------------------------------------------- serving
 
@@ -134,7 +147,7 @@ class Worker:
             if type(incoming.body) is CallBatch:
                 self._call_batch(incoming)
                 continue
-            reply = self._handle(incoming.body)
+            reply = self._handle_safely(incoming)
             if incoming.envelope.corr and reply is not None:
                 self._reply(incoming, reply)
             if self.needs_loop:
@@ -143,8 +156,8 @@ class Worker:
     def _reply(self, incoming: Incoming, reply: Message) -> None:
         try:
             self.listener.reply(incoming, reply)
-        except TypeError as exc:  # a result that cannot be packed
-            self.listener.reply(incoming, failure_from(exc))
+        except (TypeError, ProtocolError) as exc:  # a result that cannot be packed or sent
+            self.listener.reply(incoming, _unsendable(exc))
         except (PeerError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
@@ -154,6 +167,18 @@ class Worker:
             return True
         return any(inspect.iscoroutinefunction(m)
                    for _, m in inspect.getmembers(type(self.instance), inspect.isfunction))
+
+    def _handle_safely(self, incoming: Incoming) -> Message | None:
+        """``_handle``, with whatever it raises (a bug of ours that a crafted
+        request found: user code's errors are Failures already) answered as
+        a Failure, logged and counted: no request ends the worker."""
+        try:
+            return self._handle(incoming.body)
+        except Exception as exc:  # noqa: BLE001 - no request may end the worker
+            self.refused += 1
+            log.error("a %s from %s failed", type(incoming.body).__name__, incoming.peer[:8],
+                      exc_info=exc)
+            return Failure("bad_request", type(exc).__name__, str(exc) or repr(exc))
 
     def _handle(self, body: Message) -> Message | None:
         kind = type(body)
@@ -185,7 +210,10 @@ class Worker:
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})
         except Exception as exc:
+            # Still hosting nothing: a failed (or malformed) InitActor must
+            # not leave its actor id behind for the next one to inherit.
             self.instance = None
+            self.actor_id = ""
             return failure_from(_user_traceback(exc))
         # Decided once here, not per call: inspecting the class costs more
         # than a whole call of a small method.
@@ -197,7 +225,10 @@ class Worker:
             return Failure("actor_died", "ActorDiedError",
                            f"actor {actor_id} does not live in this worker (it was "
                            f"killed or restarted elsewhere)")
-        method = getattr(self.instance, name, None) if not name.startswith("__") else None
+        try:
+            method = getattr(self.instance, name, None) if not name.startswith("__") else None
+        except Exception as exc:  # noqa: BLE001 - a property of user code raised
+            return failure_from(_user_traceback(exc))
         if method is None or not callable(method):
             return Failure("no_such_method", "AttributeError",
                            f"{type(self.instance).__name__} has no method {name!r}")
@@ -223,17 +254,34 @@ class Worker:
         """Run a batch in order, answering each call as soon as it is done."""
         body: CallBatch = incoming.body  # type: ignore[assignment]
         if len(body.corrs) != len(body.calls):
+            self._refuse_batch(incoming)
             return
         for entry, corr in zip(body.calls, body.corrs):
             reply = self._invoke(body.actor_id, *entry) if _well_formed(entry) else _BAD_ENTRY
             self._send_reply(incoming, reply, corr)
 
+    def _mismatched_batch(self, incoming: Incoming) -> Failure:
+        body: CallBatch = incoming.body  # type: ignore[assignment]
+        self.refused += 1
+        log.warning("refused a CallBatch from %s with %d calls and %d correlation ids",
+                    incoming.peer[:8], len(body.calls), len(body.corrs))
+        return Failure("bad_request", "ProtocolError",
+                       f"a CallBatch with {len(body.calls)} calls and {len(body.corrs)} "
+                       f"correlation ids; none of it ran")
+
+    def _refuse_batch(self, incoming: Incoming) -> None:
+        """Answer every id of a batch whose calls and ids do not pair up:
+        its caller waits on each of them."""
+        failure = self._mismatched_batch(incoming)
+        for corr in incoming.body.corrs[:_MAX_REFUSALS]:  # type: ignore[attr-defined]
+            self._send_reply(incoming, failure, corr)
+
     def _send_reply(self, incoming: Incoming, reply: Message, corr: int) -> None:
         try:
             try:
                 self.listener.send(incoming.route, reply, corr=corr)
-            except TypeError as exc:  # a result that cannot be packed
-                self.listener.send(incoming.route, failure_from(exc), corr=corr)
+            except (TypeError, ProtocolError) as exc:  # a result that cannot be packed or sent
+                self.listener.send(incoming.route, _unsendable(exc), corr=corr)
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
@@ -276,6 +324,8 @@ class Worker:
                                 await limit.acquire()
                                 group.create_task(self._batch_entry_async(
                                     incoming, entry, corr, limit, threads))
+                        else:
+                            group.create_task(self._refuse_batch_async(incoming))
                     elif type(body) is Call:
                         await limit.acquire()
                         group.create_task(self._handle_async(incoming, limit, threads))
@@ -283,6 +333,14 @@ class Worker:
                         group.create_task(self._handle_async(incoming, None, threads))
         finally:
             threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _refuse_batch_async(self, incoming: Incoming) -> None:
+        failure = self._mismatched_batch(incoming)
+        try:
+            for corr in incoming.body.corrs[:_MAX_REFUSALS]:  # type: ignore[attr-defined]
+                await self.listener.asend(incoming.route, failure, corr=corr)
+        except (TransportError, PMetalTimeoutError) as exc:
+            log.warning("could not reply to %s: %s", incoming.peer, exc)
 
     async def _invoke_async(self, actor_id: str, name: str, args: list[Any],
                             kwargs: dict[str, Any],
@@ -312,8 +370,8 @@ class Worker:
                      if _well_formed(entry) else _BAD_ENTRY)
             try:
                 await self.listener.asend(incoming.route, reply, corr=corr)
-            except TypeError as exc:
-                await self.listener.asend(incoming.route, failure_from(exc), corr=corr)
+            except (TypeError, ProtocolError) as exc:
+                await self.listener.asend(incoming.route, _unsendable(exc), corr=corr)
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
         finally:
@@ -328,12 +386,12 @@ class Worker:
                 reply: Message = await self._invoke_async(
                     body.actor_id, body.method, body.args, body.kwargs, threads)  # type: ignore[attr-defined]
             else:
-                reply = self._handle(body) or Ack()
+                reply = self._handle_safely(incoming) or Ack()
             if incoming.envelope.corr:
                 try:
                     await self.listener.areply(incoming, reply)
-                except TypeError as exc:
-                    await self.listener.areply(incoming, failure_from(exc))
+                except (TypeError, ProtocolError) as exc:
+                    await self.listener.areply(incoming, _unsendable(exc))
                 except (PeerError, PMetalTimeoutError) as exc:
                     log.warning("could not reply to %s: %s", incoming.peer, exc)
         finally:
