@@ -118,8 +118,12 @@ class NodeDaemon:
         self.queue = PlacementQueue(self.available)
         self.peers = list(peers or [])
         cpus = os.cpu_count() or 1
+        # Workers bind the concrete address the node advertises: a worker
+        # bound to a wildcard would take 0.0.0.0 for its own address (which
+        # it compares with the addresses its node hands out).
+        worker_host = self.address.partition("://")[2].rpartition(":")[0]
         self.pool = WorkerPool(
-            node_id=self.node_id, host=host, identity=identity, namespace=namespace,
+            node_id=self.node_id, host=worker_host, identity=identity, namespace=namespace,
             config=config, transport=self.transport,
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
             num_task=max(1, num_task_workers if num_task_workers is not None else cpus),

@@ -31,7 +31,7 @@ from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
 from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin, OwnerDied
 
-from .actor_classes import Counter, square
+from .actor_classes import Counter, own_address, square
 from .conftest import (
     WAIT,
     ancestors,
@@ -524,9 +524,16 @@ def test_node_on_all_interfaces_advertises_a_concrete_address(
                 workers = status["workers"]
                 return status if workers and all(w["ready"] for w in workers) else None
             info = wait_until(all_ready, START_WAIT, what="the workers ready")
+            # The worker's own idea of its address (used for nested task
+            # leasing) is the concrete one too, not tcp://0.0.0.0:PORT.
+            fn = own_address.__wrapped__
+            fn_id, fn_ref = code_ref(fn)
+            own = client.get([client.run_task(fn_id, fn_ref, [], {}, fn.__qualname__)],
+                             WAIT)[0]
         finally:
             client.close()
-        advertised = [info["address"], node.address,
+        assert own in [w["address"] for w in info["workers"]], (own, info["workers"])
+        advertised = [info["address"], node.address, own,
                       *(w["address"] for w in info["workers"])]
         for address in advertised:
             host = address.removeprefix("tcp://").rpartition(":")[0]
