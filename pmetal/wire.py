@@ -46,6 +46,8 @@ raises :class:`~pmetal.errors.ProtocolError` and nothing else.
 Kinds added after version 1 was fixed (still version 1: an old node answers
 them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
 (37) and ``Resources`` (38), node to node, for actor lifetime and placement.
+Fields added at the end of a message (an old peer's shorter message decodes
+with their defaults): ``ActorLocation.max_task_retries``.
 
 This module holds the messages; :mod:`pmetal.codec` turns them into frames
 and back (:func:`encode`, :func:`decode`, :class:`Envelope`,
@@ -305,7 +307,9 @@ class CreateActor(Message):
 @_message(Kind.ACTOR_LOCATION)
 class ActorLocation(Message):
     """Where an actor lives now. ``state`` is "alive", "restarting" or "dead";
-    ``incarnation`` counts restarts (0 for the first constructor run)."""
+    ``incarnation`` counts restarts (0 for the first constructor run).
+    ``max_task_retries`` is the actor's own option, so that a handle found by
+    name retries calls as the creator's handle does."""
 
     actor_id: str
     state: str
@@ -317,6 +321,7 @@ class ActorLocation(Message):
     class_name: str = ""
     methods: tuple[str, ...] = ()
     is_async: bool = False
+    max_task_retries: int = 0
 
 
 @_message(Kind.LOOKUP_ACTOR)

@@ -66,7 +66,7 @@ def check_options(options: dict[str, Any]) -> None:
         if cpus < 0:
             raise ValueError(f"{where}: num_cpus must not be negative (got {cpus})")
     check_resources(options.get("resources") or {}, where)
-    for key, low in (("max_restarts", -1), ("max_concurrency", 1)):
+    for key, low in (("max_restarts", -1), ("max_task_retries", -1), ("max_concurrency", 1)):
         value = options.get(key)
         if value is not None and (type(value) is not int or value < low):
             raise ValueError(f"{where}: {key} must be an integer >= {low}, not {value!r:.40}")

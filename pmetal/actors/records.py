@@ -51,7 +51,8 @@ class ActorRecord:
         o = self.spec.options
         return ActorLocation(self.spec.actor_id, self.state, address, node_id, self.incarnation,
                              o.get("name") or "", self.reason, o.get("class_name") or "",
-                             tuple(o.get("methods") or ()), bool(o.get("is_async")))
+                             tuple(o.get("methods") or ()), bool(o.get("is_async")),
+                             int(o.get("max_task_retries") or 0))
 
     def notify(self) -> None:
         self.changed.set()
