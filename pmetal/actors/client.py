@@ -12,11 +12,19 @@ now (it may have been restarted) and carries on.
 
 Sockets are used under one lock, so a client may be shared by threads; a
 ``get`` that waits holds it, so other threads' calls wait too.
+
+A client whose node cannot watch its process (it runs on another machine)
+holds a lease on the actors it creates: the node says so in its answer to
+the creation, and the client's flush thread then sends a one-way Ping
+whenever the node has heard nothing from it for a quarter of the lease.
+At ``pmetal.shutdown()`` a client that created actors sends ``Detach``, and
+its node ends those that are not detached, as Ray does when a driver leaves.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -37,11 +45,13 @@ from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (ActorLocation, Call, CallBatch, CreateActor, Failure, KillActor,
-                         LeaseWorkers, LookupActor, Message, RunTask, Shutdown, Status,
+from pmetal.wire import (ActorLocation, Call, CallBatch, CreateActor, Detach, Failure, KillActor,
+                         LeaseWorkers, LookupActor, Message, Ping, RunTask, Shutdown, Status,
                          StatusRequest, WorkerList)
 
 __all__ = ["CoreClient", "ObjectRef", "PeerLink"]
+
+log = logging.getLogger(__name__)
 
 _POLLIN = int(zmq.POLLIN)
 # Argument types sent as they are (no packing step needed).
@@ -146,6 +156,9 @@ class CoreClient:
         self._flush_wanted = threading.Event()
         self._closing = threading.Event()
         self._deferrals = Deferrals(self)
+        self._created = False     # whether this client created actors (they die at detach)
+        self._renew_every = 0.0   # s between lease renewals (0: the node watches our pid)
+        self._node_sent = 0.0     # when we last sent our node something
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -176,7 +189,10 @@ class CoreClient:
         with self.lock:
             self._check_node()
             corr = self.node.submit(body, timeout=min(timeout, self._send_timeout))
+            self._node_sent = time.monotonic()
             while (env := self.node.take(corr)) is None:
+                # A creation may wait in the queue longer than our lease.
+                self._renew_lease()
                 remaining = deadline - time.monotonic()
                 try:
                     if remaining <= 0:
@@ -239,12 +255,44 @@ class CoreClient:
         # the node answers before our deadline, also when it must queue it.
         spec.options.setdefault("owner_pid", os.getpid())
         spec.options["timeout"] = timeout
+        self._created = True
         reply = self.request_node(spec, timeout=timeout)
         if isinstance(reply, Failure):
             raise failure_error(reply, f"creating actor {spec.options.get('class_name')}")
         if not isinstance(reply, ActorLocation):
             raise PeerError(f"node answered CreateActor with {type(reply).__name__}")
+        if reply.owner_lease > 0 and not self._renew_every:
+            # Our node cannot watch our process: keep our lease on the actor.
+            self._renew_every = reply.owner_lease / 4
+            self._start_flusher()
         return reply
+
+    def _renew_lease(self) -> None:
+        """Send our node a one-way Ping if it heard nothing from us for a
+        quarter of our lease (lock held, or taken here)."""
+        if not self._renew_every or time.monotonic() - self._node_sent < self._renew_every:
+            return
+        with self.lock:
+            if self.node_dead or self._closing.is_set():
+                return
+            try:
+                self.node.send(Ping(), timeout=self._send_timeout)
+            except TransportError as exc:   # the node died: request_node says so
+                log.debug("could not renew the lease on our actors: %s", exc)
+                return
+            self._node_sent = time.monotonic()
+
+    def detach(self, timeout: float) -> int:
+        """Tell our node that this client is leaving (``pmetal.shutdown()``):
+        it ends the actors we created that are not detached. How many it
+        ended there (0 when we created none)."""
+        if not self._created:
+            return 0
+        reply = self.request_node(Detach("pmetal.shutdown()"), timeout=timeout)
+        if isinstance(reply, Failure):
+            raise failure_error(reply, "detaching from the node")
+        self._created = False
+        return int(getattr(reply, "info", 0) or 0)
 
     def lookup(self, actor_id: str = "", name: str = "", min_incarnation: int = 0,
                wait: float = 0.0) -> ActorLocation:
@@ -349,22 +397,27 @@ class CoreClient:
                     self._flush(link)
 
     def _wake_flusher(self) -> None:
+        self._start_flusher()
+        self._flush_wanted.set()
+
+    def _start_flusher(self) -> None:
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="pmetal-flush",
                                              daemon=True)
             self._flusher.start()
-        self._flush_wanted.set()
 
     def _flush_loop(self) -> None:
         """Sends queued calls that no get/wait has sent within _FLUSH_DELAY,
-        so that fire-and-forget calls run even if nobody waits for them."""
+        so that fire-and-forget calls run even if nobody waits for them; and
+        renews our lease on our actors when we hold one."""
         while not self._closing.is_set():
-            if not self._flush_wanted.wait(timeout=1.0):
-                continue
-            self._flush_wanted.clear()
-            if self._closing.wait(_FLUSH_DELAY):
-                return
-            self.flush()
+            wanted = self._flush_wanted.wait(timeout=min(1.0, self._renew_every or 1.0))
+            if wanted:
+                self._flush_wanted.clear()
+                if self._closing.wait(_FLUSH_DELAY):
+                    return
+                self.flush()
+            self._renew_lease()
 
     def _actor_link(self, handle: Any) -> PeerLink | BaseException:
         link = self._link_for(handle._address, handle._actor_id)

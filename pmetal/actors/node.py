@@ -38,7 +38,7 @@ from pmetal import shm
 from pmetal.actors.membership import Member, Membership
 from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
-from pmetal.actors.owners import OwnerWatch
+from pmetal.actors.owners import OwnerLeases, OwnerWatch
 from pmetal.actors.placement import PlacementQueue, check_options, check_resources, fits, needs
 from pmetal.actors.records import ActorRecord, ActorTable, exit_text
 from pmetal.actors.pool import WorkerPool, WorkerProc
@@ -50,7 +50,7 @@ from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,
+from pmetal.wire import (Ack, ActorLocation, CreateActor, Detach, Failure, InitActor, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping, Pong,
                          Resources, ResourcesRequest, Shutdown, Status, StatusRequest,
                          WorkerReady)
@@ -134,7 +134,9 @@ class NodeDaemon:
         self._claiming: set[str] = set()   # names being looked up on the peers
         self.membership = Membership(identity, namespace, config, self.transport)
         self.owners = OwnerWatch(self._owner_exited)
-        self._placed_with: dict[int, set[str]] = {}   # local owner pid -> members hosting its actors
+        self.leases = OwnerLeases(config.actors.owner_lease)
+        # (owner pid or 0, owner client) -> members hosting actors of that owner
+        self._placed_with: dict[tuple[int, str], set[str]] = {}
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
@@ -158,6 +160,7 @@ class NodeDaemon:
                 self.pool.start(group, self.address, self._stopping)
                 self._cancellable_task(self.pool.fill())
                 self._cancellable_task(self.owners.poll(self._stopping))
+                self._cancellable_task(self._expire_leases())
                 join = NodeJoin(self.node_id, self.address, self.resources)
                 for peer in self.peers:
                     self._cancellable_task(self.membership.join(peer, join, self._stopping))
@@ -188,6 +191,8 @@ class NodeDaemon:
             except ClosedError:
                 return
             self._counts["requests"] += 1
+            if self.leases:   # any message from a remote owner renews its lease
+                self.leases.renew(incoming.peer, time.monotonic())
             try:
                 reply = self._handle_now(incoming)
             except Exception as exc:  # noqa: BLE001 - no request may end the node
@@ -279,7 +284,10 @@ class NodeDaemon:
             if body.node_id != incoming.peer:  # type: ignore[attr-defined]
                 raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
                                  f"{incoming.peer[:8]}; a node reports its own processes")
-            return Ack(self._owner_died(body.node_id, body.pid))  # type: ignore[attr-defined]
+            return Ack(self._owner_died(body.node_id, body.pid, body.client))  # type: ignore[attr-defined]
+        if kind is Detach:
+            return Ack(self._client_gone(incoming.peer, f"its owner (client {incoming.peer[:8]}) "
+                                                        f"shut down"))
         if kind is NodeJoin:
             self._later(incoming, self.membership.joined(body, incoming.peer,  # type: ignore[arg-type]
                                                          self.status))
@@ -329,24 +337,35 @@ class NodeDaemon:
         self._release(record)
         self.table.mark_dead(record, reason)
 
-    async def _create_actor(self, spec: CreateActor, incoming: Incoming | None = None) -> Message:
+    async def _create_actor(self, spec: CreateActor, incoming: Incoming) -> Message:
+        check_options(spec.options)
+        if spec.options.get("owner_node") == incoming.peer:
+            # Forwarded by the creator's node, which named the owner (only
+            # that node's own session can pass an owner on).
+            return await self._place(spec)
+        # The creator's own node names the owner: the process that created
+        # it, watched by pid when it proved it runs on this machine; else
+        # (another machine) the client's session, which holds a lease.
+        session = self.listener.session(incoming.route)
+        pid = int(spec.options.get("owner_pid") or 0)
+        local = bool(getattr(session, "local", False))
+        if pid and local and not self.owners.watch(pid):
+            return Failure("actor_died", "ActorDiedError",
+                           f"the process that creates the actor (pid {pid}) has exited")
+        if not local:
+            self.leases.hold(incoming.peer, time.monotonic())
+        spec = replace(spec, options={**spec.options, "owner_node": self.node_id,
+                                      "owner_pid": pid if local else 0,
+                                      "owner_client": incoming.peer})
+        reply = await self._place(spec)
+        if isinstance(reply, ActorLocation) and not local:
+            reply = replace(reply, owner_lease=self.leases.timeout)
+        return reply
+
+    async def _place(self, spec: CreateActor) -> Message:
         options = spec.options
-        check_options(options)
         target = options.get("node") or ""
         need = needs(options)
-        if not options.get("owner_node"):
-            # The creator's own node: it names the owner and watches its pid.
-            # (A creator on another machine cannot be watched by pid; its
-            # actors live until killed. TODO: watch its session instead.)
-            session = self.listener.session(incoming.route) if incoming is not None else None
-            pid = int(options.get("owner_pid") or 0)
-            local = bool(getattr(session, "local", False))
-            if pid and local and not self.owners.watch(pid):
-                return Failure("actor_died", "ActorDiedError",
-                               f"the process that creates the actor (pid {pid}) has exited")
-            options = {**options, "owner_node": self.node_id,
-                       "owner_pid": pid if local else 0}
-            spec = replace(spec, options=options)
         if target and target != self.node_id:
             return await self._forward(target, spec)
         if not target and not fits(need, self.available):
@@ -380,7 +399,8 @@ class NodeDaemon:
                            f"an actor named {name!r} already exists (or is being created); "
                            f"pick another name or use pmetal.get_actor({name!r})")
         record = ActorRecord(spec, restarts_left=int(options.get("max_restarts") or 0),
-                             owner=(options["owner_node"], int(options.get("owner_pid") or 0)))
+                             owner=(options["owner_node"], int(options.get("owner_pid") or 0)),
+                             owner_client=options.get("owner_client") or "")
         record.reason = "waiting for resources" if not fits(need, self.available) else ""
         self.actors[spec.actor_id] = record
         if name:
@@ -540,31 +560,75 @@ class NodeDaemon:
         """A local owner process exited: its actors die with it, here and on
         the members that host some of them."""
         self._counts["owners_died"] += 1
-        killed = self._owner_died(self.node_id, pid)
-        members = self._placed_with.pop(pid, set())
+        killed = self._owner_died(self.node_id, pid, "")
+        members = self._members_hosting(lambda key: key[0] == pid)
         log.info("owner process %d exited: killed %d of its actors here, telling %d member(s)",
                  pid, killed, len(members))
         shm.sweep()   # what it was sent and never read, what it made for nobody
+        self._tell_members(members, OwnerDied(self.node_id, pid))
+
+    def _client_gone(self, client: str, why: str) -> int:
+        """A client detached (pmetal.shutdown) or its lease lapsed: the actors
+        its session created die, here and on the members hosting some."""
+        self.leases.drop(client)
+        killed = self._kill_owned(
+            lambda r: r.owner[0] == self.node_id and r.owner_client == client, why)
+        members = self._members_hosting(lambda key: key[1] == client)
+        if killed or members:
+            self._counts["owners_died"] += 1
+            log.info("%s: killed %d of its actors here, telling %d member(s)", why, killed,
+                     len(members))
+        self._tell_members(members, OwnerDied(self.node_id, 0, client))
+        return killed
+
+    def _members_hosting(self, owner: Any) -> set[str]:
+        keys = [key for key in self._placed_with if owner(key)]
+        return set().union(*(self._placed_with.pop(key) for key in keys))
+
+    def _tell_members(self, members: set[str], message: OwnerDied) -> None:
         for node_id in members:
             member = self.membership.members.get(node_id)
             if member is not None:
-                self._cancellable_task(self._tell_owner_died(member, pid))
+                self._cancellable_task(self._tell_owner_died(member, message))
 
-    async def _tell_owner_died(self, member: Member, pid: int) -> None:
-        reply = await self.membership.ask(member, OwnerDied(self.node_id, pid))
+    async def _tell_owner_died(self, member: Member, message: OwnerDied) -> None:
+        reply = await self.membership.ask(member, message)
         if isinstance(reply, Failure):
-            log.warning("could not tell node %s that owner %d died: %s", member.node_id[:8],
-                        pid, reply.message)
+            log.warning("could not tell node %s that an owner died (%s): %s",
+                        member.node_id[:8], message, reply.message)
 
-    def _owner_died(self, node_id: str, pid: int) -> int:
-        """Kill the non-detached actors of owner (node_id, pid); how many."""
+    def _owner_died(self, node_id: str, pid: int, client: str) -> int:
+        """Kill the non-detached actors of process ``pid`` (or, with
+        ``client``, of that client session) that reached the cluster through
+        node ``node_id``; how many."""
+        if client:
+            return self._kill_owned(lambda r: r.owner[0] == node_id and r.owner_client == client,
+                                    f"its owner (client {client[:8]} of node {node_id[:8]}) "
+                                    f"is gone")
+        return self._kill_owned(lambda r: r.owner == (node_id, pid),
+                                f"its owner (pid {pid} on node {node_id[:8]}) exited")
+
+    def _kill_owned(self, owned_by: Any, why: str) -> int:
         owned = [r for r in self.actors.values()
-                 if r.owner == (node_id, pid) and not r.detached and r.state != "dead"]
+                 if owned_by(r) and not r.detached and r.state != "dead"]
         for record in owned:
-            self._kill_record(record, True, f"its owner (pid {pid} on node {node_id[:8]}) "
-                                            f"exited; create it with lifetime='detached' to "
+            self._kill_record(record, True, f"{why}; create it with lifetime='detached' to "
                                             f"keep it")
         return len(owned)
+
+    async def _expire_leases(self) -> None:
+        """End the actors of remote owners whose lease lapsed (looked at four
+        times per lease, so within 1.25 leases of their last message)."""
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), self.leases.timeout / 4)
+                return
+            except asyncio.TimeoutError:
+                pass
+            for client in self.leases.expired(time.monotonic()):
+                self._client_gone(client, f"its owner (client {client[:8]}, on another machine) "
+                                          f"sent nothing for {self.leases.timeout:g} s (its "
+                                          f"lease lapsed)")
 
     # ------------------------------------------------------------ membership
 
@@ -596,9 +660,9 @@ class NodeDaemon:
                            f"{[self.node_id, *self.membership.members]}")
         options = dict(spec.options)
         options["node"] = member.node_id
-        pid = int(options.get("owner_pid") or 0)
-        if pid and options.get("owner_node") == self.node_id:
-            self._placed_with.setdefault(pid, set()).add(member.node_id)
+        if options.get("owner_node") == self.node_id:
+            owner = (int(options.get("owner_pid") or 0), options.get("owner_client") or "")
+            self._placed_with.setdefault(owner, set()).add(member.node_id)
         return await self.membership.ask(member, CreateActor(
             spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs, options))
 
@@ -624,7 +688,9 @@ class NodeDaemon:
             "workers": self.pool.describe(),
             "actors": self.table.describe(self.node_id),
             "queue": self.queue.describe(),
+            "owner_leases": self.leases.describe(time.monotonic()),
             "statistics": self.statistics().__dict__,
+            "leases": self.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
         }

@@ -11,6 +11,13 @@ On Linux a pid is watched through a pidfd (``os.pidfd_open``) registered
 with the event loop: the exit is an event, not a poll. Elsewhere the
 watched pids are polled every :data:`POLL_INTERVAL` seconds (``kill(pid,
 0)``) by one loop owned by the node's task group.
+
+An owner whose process its node cannot watch (a driver on another machine:
+its session did not prove it shares this one) holds a lease instead
+(:class:`OwnerLeases`): any message from its session renews it, the client
+sends a one-way Ping when it has been idle for a quarter of the lease, and
+the node ends its actors once the lease lapses. A client that shuts down
+says so (``Detach``) and its actors end at once.
 """
 
 from __future__ import annotations
@@ -19,8 +26,9 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["OwnerWatch", "POLL_INTERVAL"]
+__all__ = ["LeaseStatistics", "OwnerLeases", "OwnerWatch", "POLL_INTERVAL"]
 
 log = logging.getLogger(__name__)
 
@@ -99,3 +107,56 @@ class OwnerWatch:
             os.close(fd)
         self._fds.clear()
         self._polled.clear()
+
+
+@dataclass(frozen=True)
+class LeaseStatistics:
+    held: int        # clients holding a lease now
+    renewed: int     # messages that renewed a lease
+    expired: int     # leases that lapsed (their owners' actors were ended)
+
+
+class OwnerLeases:
+    """Leases of owners on other machines, by client session id. Pure: the
+    caller passes the time (``time.monotonic()`` in the node, any clock in
+    a test)."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self._until: dict[str, float] = {}
+        self._renewed = 0
+        self._expired = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._until)
+
+    def __contains__(self, client: str) -> bool:
+        return client in self._until
+
+    def hold(self, client: str, now: float) -> None:
+        """Start (or renew) ``client``'s lease."""
+        self._until[client] = now + self.timeout
+
+    def renew(self, client: str, now: float) -> None:
+        """A message from ``client`` arrived: renew its lease if it holds one."""
+        if client in self._until:
+            self._until[client] = now + self.timeout
+            self._renewed += 1
+
+    def drop(self, client: str) -> None:
+        self._until.pop(client, None)
+
+    def expired(self, now: float) -> list[str]:
+        """The clients whose lease lapsed by ``now``; they hold none any more."""
+        gone = [c for c, until in self._until.items() if until <= now]
+        for client in gone:
+            del self._until[client]
+        self._expired += len(gone)
+        return gone
+
+    def statistics(self) -> LeaseStatistics:
+        return LeaseStatistics(len(self._until), self._renewed, self._expired)
+
+    def describe(self, now: float) -> list[dict[str, object]]:
+        return [{"client": c, "expires_in": round(until - now, 1)}
+                for c, until in self._until.items()]

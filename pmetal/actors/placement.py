@@ -70,7 +70,7 @@ def check_options(options: dict[str, Any]) -> None:
         value = options.get(key)
         if value is not None and (type(value) is not int or value < low):
             raise ValueError(f"{where}: {key} must be an integer >= {low}, not {value!r:.40}")
-    for key in ("name", "node", "class_name", "lifetime", "owner_node"):
+    for key in ("name", "node", "class_name", "lifetime", "owner_node", "owner_client"):
         value = options.get(key)
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{where}: {key} must be a string, not {type(value).__name__}")
