@@ -545,6 +545,8 @@ def test_shutdown_ends_the_drivers_actors_while_its_process_lives(home: Path,
         pids = json.loads(driver.stdout.readline())
         owner = _states(home)["owned"][1]
         assert owner.startswith("pid" if where == "local" else "client"), owner
+        text = pmetal(home, "status").stdout
+        assert "owned (Box)" in text and "kept (Box)" in text, text
         driver.stdin.write("shutdown\n")
         driver.stdin.flush()
         assert driver.stdout.readline().strip() == "shut down"

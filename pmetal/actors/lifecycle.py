@@ -20,7 +20,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pmetal.actors.membership import Member, Membership
-from pmetal.actors.placement import PlacementQueue, fits, needs
+from pmetal.actors.placement import PlacementQueue, fits, needs, resources_text
 from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.actors.records import ActorRecord, ActorTable, exit_text
 from pmetal.config import PMetalConfig
@@ -175,9 +175,11 @@ class ActorLifecycle:
         return await self._construct(record)
 
     def _holders(self) -> str:
-        held = [f"{a.spec.options.get('class_name') or a.spec.actor_id} {a.held}"
+        held = [f"{a.spec.options.get('name') or a.spec.options.get('class_name') or ''} "
+                f"({resources_text(a.held)})".lstrip()
                 for a in self.actors.values() if a.held]
-        return (f"node {self.node_id[:8]} has {self.available} free of {self.resources}; "
+        return (f"node {self.node_id[:8]} has {resources_text(self.available)} free of "
+                f"{resources_text(self.resources)}; "
                 f"held by {', '.join(held[:10]) or 'nothing'}")
 
     async def _construct(self, record: ActorRecord) -> Message:
