@@ -29,7 +29,7 @@ from pmetal.actors.client import CoreClient
 from pmetal.actors.serialization import code_ref
 from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
-from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin, OwnerDied
+from pmetal.wire import Ack, ActorLocation, CreateActor, Detach, Failure, NodeJoin, OwnerDied
 
 from .actor_classes import Counter, own_address, square
 from .conftest import (
@@ -643,6 +643,14 @@ def test_a_node_reports_only_its_own_owners_deaths(nodes: list[NodeProc],
     try:
         reply = impostor.request_node(OwnerDied(nodes[0].node_id, pid), timeout=WAIT)
         assert isinstance(reply, Failure) and "reports its own processes" in reply.message
+        # Nor end them as a client: a Detach ends the sender's own actors only.
+        for node in (nodes[0], nodes[1]):
+            stranger = other_client(node)
+            try:
+                reply = stranger.request_node(Detach("not mine"), timeout=WAIT)
+                assert isinstance(reply, Ack) and reply.info == 0, reply
+            finally:
+                stranger.close()
     finally:
         impostor.close()
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
