@@ -67,6 +67,7 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class NodeStatistics:
     workers: int
@@ -79,7 +80,8 @@ class NodeStatistics:
     requests: int
     requests_failed: int = 0      # answered with an error by the dispatcher (bad input, bugs)
     actors_queued: int = 0        # creations waiting for resources
-    owners_died: int = 0          # owner processes seen exiting (their actors were killed)
+    owners_died: int = 0          # owners seen going: a process exited, a client detached or
+                                  # its lease lapsed (their actors were killed)
 
 
 def default_resources(num_cpus: float | None = None) -> dict[str, float]:
