@@ -131,7 +131,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
         cfg = config or load_config()
         if namespace is not None:
             cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
-                              transport=cfg.transport.__dict__)
+                              transport=cfg.transport.__dict__, actors=cfg.actors.__dict__)
         node_proc = None
         if address is None:
             ns = (NetworkNamespace(cfg.security.namespace,
@@ -160,7 +160,8 @@ def init(address: str | None = None, *, namespace: str | None = None,
                             "namespace": info.get("namespace") or cfg.security.namespace}
                 if info.get("psk_file"):
                     security["psk_file"] = info["psk_file"]
-                cfg = load_config(security=security, transport=cfg.transport.__dict__)
+                cfg = load_config(security=security, transport=cfg.transport.__dict__,
+                                  actors=cfg.actors.__dict__)
                 if psk is None and info.get("psk_file"):
                     from pathlib import Path
                     try:
@@ -230,7 +231,9 @@ def client() -> CoreClient:
 
 
 def shutdown(timeout: float = 10.0) -> None:
-    """Disconnect; stop the embedded node (and its workers) if init started one."""
+    """Disconnect; stop the embedded node (and its workers) if init started one.
+    Joined to a node (``address=...``), the actors this driver created that
+    are not detached end now, as in Ray when a driver disconnects."""
     global _node_proc
     with _lock:
         client_, proc = context.take(), _node_proc
@@ -243,6 +246,14 @@ def shutdown(timeout: float = 10.0) -> None:
                 client_.shutdown_node(timeout=min(timeout, 5.0))
             except PMetalError:
                 pass
+        else:
+            try:
+                client_.detach(timeout=min(timeout, 5.0))
+            except PMetalError as exc:
+                # Its node is gone or silent: it ends them when it notices
+                # this process exit (or, from another machine, our lease lapse).
+                log.warning("pmetal.shutdown(): could not tell the node to end this "
+                            "driver's actors: %s", exc)
     finally:
         client_.close()
         if proc is not None:

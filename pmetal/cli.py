@@ -607,21 +607,40 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
     print(f"served     {stats.get('requests', 0)} node requests; actors created "
           f"{stats.get('actors_created', 0)}, alive {stats.get('actors_alive', 0)}, "
           f"restarts {stats.get('actor_restarts', 0)}")
+    queue = s.get("queue") or []
+    if queue:
+        oldest = max(q.get("waited", 0.0) for q in queue)
+        print(f"queue      {len(queue)} creation(s) waiting for resources (the oldest for "
+              f"{oldest:g} s); see the pending actors below")
+    leases = s.get("owner_leases") or []
+    if leases:
+        print(f"leases     {len(leases)} driver(s) on other machines hold a lease on their "
+              f"actors (they end if it lapses)")
     nodes = [(s["node_id"], s["address"], _resources(s.get("resources", {})), "this node")]
     nodes += [(m["node_id"], m["address"], _resources(m.get("resources", {})), "")
               for m in s.get("members", [])]
     _table("NODES", ("NODE ID", "ADDRESS", "RESOURCES", ""), nodes)
+    actors = s.get("actors", [])
+    hosted = {a["actor_id"]: a for a in actors}
     _table("WORKERS", ("WORKER", "PID", "ROLE", "READY", "ACTOR", "CALLS"),
            [(w["worker_id"], w.get("pid", ""), w.get("role", ""),
-             "yes" if w.get("ready") else "no", w.get("actor_id") or "-",
+             "yes" if w.get("ready") else "no", _hosting(w, hosted),
              w.get("calls", "-")) for w in s.get("workers", [])])
+    # Live actors first; of the dead (a node remembers 200) only the latest.
+    live = [a for a in actors if a.get("state") != "dead"]
+    dead = [a for a in actors if a.get("state") == "dead"]
+    shown = live + dead[-_DEAD_SHOWN:]
     _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "OWNER", "NODE", "STATE", "INCARNATION",
                       "RESOURCES", "REASON"),
            [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-",
              "detached" if a.get("lifetime") == "detached" else a.get("owner", "-"),
              str(a.get("node_id", ""))[:8], a.get("state", ""), a.get("incarnation", 0),
              _resources(a.get("resources") or {}) if a.get("resources") else "-",
-             a.get("reason") or "") for a in s.get("actors", [])])
+             a.get("reason") or "") for a in shown],
+           total=len(actors))
+    if len(shown) < len(actors):
+        print(f"  ({len(actors) - len(shown)} older dead actors left out; "
+              f"'pmetal status --json' lists them)")
     if s.get("refused_peers"):
         _table("REFUSED PEERS", ("ADDRESS", "REASON"),
                [(p["address"], p["reason"]) for p in s["refused_peers"]])
@@ -639,8 +658,25 @@ def _resources(total: dict[str, float], free: dict[str, float] | None = None) ->
     return ", ".join(parts) or "none"
 
 
-def _table(title: str, headers: Sequence[str], rows: list[Sequence[Any]]) -> None:
-    print(f"\n{title} ({len(rows)})")
+_DEAD_SHOWN = 10
+"""Dead actors ``pmetal status`` prints (the latest); --json has them all."""
+
+
+def _hosting(worker: dict[str, Any], actors: dict[str, dict[str, Any]]) -> str:
+    """What a worker runs, for a human: the actor's name and class, "idle"."""
+    actor_id = worker.get("actor_id") or ""
+    if not actor_id:
+        return "idle" if worker.get("role") == "actor" else "-"
+    actor = actors.get(actor_id)
+    if actor is None:
+        return actor_id
+    name, cls = actor.get("name") or "", actor.get("class_name") or "?"
+    return f"{name} ({cls})" if name else f"{cls} {actor_id}"
+
+
+def _table(title: str, headers: Sequence[str], rows: list[Sequence[Any]],
+           total: int | None = None) -> None:
+    print(f"\n{title} ({len(rows) if total is None else total})")
     if not rows:
         return
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]

@@ -25,6 +25,7 @@ from typing import Any
 from pmetal.errors import ConfigError
 
 __all__ = [
+    "ActorsConfig",
     "DEFAULT_PORT",
     "PMetalConfig",
     "SecurityConfig",
@@ -123,11 +124,30 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class ActorsConfig:
+    """The actor runtime's lifetime rules.
+
+    ``owner_lease``: a driver whose node cannot watch its process (it runs on
+    another machine) holds a lease on its actors: it sends its node something
+    at least every quarter of this many seconds (a one-way Ping when idle),
+    and the node ends its non-detached actors once it has heard nothing for
+    this long. The node's value is the one that counts; it tells the driver.
+    """
+
+    owner_lease: float = 30.0
+
+    def __post_init__(self) -> None:
+        _require(self.owner_lease > 0, "actors", "owner_lease",
+                 "must be a positive number of seconds")
+
+
+@dataclass(frozen=True)
 class PMetalConfig:
     """The whole configuration: one field per section."""
 
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    actors: ActorsConfig = field(default_factory=ActorsConfig)
 
 
 def pmetal_home(env: Mapping[str, str] | None = None) -> Path:

@@ -45,7 +45,11 @@ raises :class:`~pmetal.errors.ProtocolError` and nothing else.
 
 Kinds added after version 1 was fixed (still version 1: an old node answers
 them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
-(37) and ``Resources`` (38), node to node, for actor lifetime and placement.
+(37) and ``Resources`` (38), node to node, for actor lifetime and placement;
+``Detach`` (32), a client to its node when it shuts down.
+Fields added at the end of a message (an old peer's shorter message decodes
+with their defaults): ``ActorLocation.max_task_retries`` and
+``ActorLocation.owner_lease``, ``OwnerDied.client``.
 
 This module holds the messages; :mod:`pmetal.codec` turns them into frames
 and back (:func:`encode`, :func:`decode`, :class:`Envelope`,
@@ -67,6 +71,7 @@ __all__ = [
     "CallBatch",
     "Confirm",
     "CreateActor",
+    "Detach",
     "ErrorReply",
     "Failure",
     "Hello",
@@ -122,7 +127,8 @@ class Kind(enum.IntEnum):
     ACK = 29
     SHUTDOWN = 30
     NODE_JOIN = 31
-    # (32-35 left free for other node-control kinds)
+    DETACH = 32
+    # (33-35 left free for other node-control kinds)
     OWNER_DIED = 36
     RESOURCES_REQUEST = 37
     RESOURCES = 38
@@ -305,7 +311,9 @@ class CreateActor(Message):
 @_message(Kind.ACTOR_LOCATION)
 class ActorLocation(Message):
     """Where an actor lives now. ``state`` is "alive", "restarting" or "dead";
-    ``incarnation`` counts restarts (0 for the first constructor run)."""
+    ``incarnation`` counts restarts (0 for the first constructor run).
+    ``max_task_retries`` is the actor's own option, so that a handle found by
+    name retries calls as the creator's handle does. ``owner_lease``: see below."""
 
     actor_id: str
     state: str
@@ -317,6 +325,11 @@ class ActorLocation(Message):
     class_name: str = ""
     methods: tuple[str, ...] = ()
     is_async: bool = False
+    max_task_retries: int = 0
+    owner_lease: float = 0.0
+    """In the answer to a CreateActor from a client whose process its node
+    cannot watch (another machine): s within which the client must send its
+    node a message, and keep doing so, or its actors die (0: no lease)."""
 
 
 @_message(Kind.LOOKUP_ACTOR)
@@ -395,14 +408,28 @@ class NodeJoin(Message):
     resources: dict
 
 
+@_message(Kind.DETACH)
+class Detach(Message):
+    """Client to its node, at ``pmetal.shutdown()``: end the actors this
+    client's session created that are not detached, here and on the members
+    hosting some (as when its process exits). The answer is an Ack with the
+    number of actors ended on this node."""
+
+    reason: str = ""
+
+
 @_message(Kind.OWNER_DIED)
 class OwnerDied(Message):
-    """Node to a member: process ``pid`` on node ``node_id`` (the sender
-    itself) exited; kill the actors it owned that are not detached. Sent to
-    the members that host actors of that owner; the answer is an Ack."""
+    """Node to a member: an owner that reached the cluster through node
+    ``node_id`` (the sender itself) is gone; kill the actors it owned that
+    are not detached. The owner is process ``pid`` of that machine (it
+    exited), or, when ``client`` is set, the client session with that id (it
+    detached, or its lease lapsed; ``pid`` is then 0). Sent to the members
+    that host actors of that owner; the answer is an Ack."""
 
     node_id: str
     pid: int
+    client: str = ""
 
 
 @_message(Kind.RESOURCES_REQUEST)

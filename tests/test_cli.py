@@ -271,3 +271,38 @@ def test_import_prints_nothing(home: Path) -> None:
     done = _run([sys.executable, "-c", "import pmetal, pmetal.cli, pmetal.__main__"],
                 _clean_env(home))
     assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+
+
+def test_status_text_reads_for_a_person(capsys: pytest.CaptureFixture[str]) -> None:
+    # What a node's status() holds, as 'pmetal status' prints it: workers
+    # named by what they host, the queue and leases summed up, live actors
+    # before the dead, and only the latest dead ones.
+    from pmetal.cli import _DEAD_SHOWN, _print_status
+    dead = [{"actor_id": f"d-{i}", "class_name": "Old", "name": f"old{i}", "state": "dead",
+             "owner": "pid 1 on abcdef01", "node_id": "abcdef0123", "reason": "its owner exited"}
+            for i in range(_DEAD_SHOWN + 5)]
+    live = [{"actor_id": "a-1", "class_name": "Trainer", "name": "trainer", "state": "alive",
+             "owner": "client 0123abcd via abcdef01", "node_id": "abcdef0123",
+             "resources": {"CPU": 1.0}},
+            {"actor_id": "a-2", "class_name": "Cache", "name": "", "state": "pending",
+             "lifetime": "detached", "node_id": "abcdef0123", "reason": "waiting for resources"}]
+    status = {"node_id": "abcdef0123", "address": "tcp://127.0.0.1:1", "pid": 7,
+              "resources": {"CPU": 2.0}, "available": {"CPU": 0.0}, "members": [],
+              "workers": [{"worker_id": "w0", "pid": 8, "role": "actor", "ready": True,
+                           "actor_id": "a-1", "calls": 3},
+                          {"worker_id": "w1", "pid": 9, "role": "actor", "ready": True},
+                          {"worker_id": "w2", "pid": 10, "role": "task", "ready": True}],
+              "actors": dead + live,
+              "queue": [{"what": "actor Cache", "needs": {"CPU": 1.0}, "waited": 2.5,
+                         "gives_up_in": 27.5}],
+              "owner_leases": [{"client": "0123abcd", "expires_in": 20.0}]}
+    _print_status(status, {"pid": 7})
+    out = capsys.readouterr().out
+    assert "queue      1 creation(s) waiting for resources (the oldest for 2.5 s)" in out
+    assert "leases     1 driver(s) on other machines" in out
+    assert "trainer (Trainer)" in out and "idle" in out
+    actors = out[out.index("ACTORS"):]
+    assert f"ACTORS ({_DEAD_SHOWN + 7})" in actors
+    assert actors.index("trainer") < actors.index("old14")       # live first
+    assert "old4 " not in actors and "old5 " in actors            # the latest dead only
+    assert "5 older dead actors left out" in actors

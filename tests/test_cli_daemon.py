@@ -488,6 +488,119 @@ def test_actors_die_with_their_killed_driver_unless_detached(home: Path) -> None
     assert pmetal(home, "stop").returncode == 0
 
 
+LEAVING_DRIVER = """
+import json, os, sys, pmetal
+if sys.argv[1] == "remote":
+    # As a driver on another machine: this process cannot prove that it
+    # shares the node's machine (no shared-memory token), so the node
+    # cannot watch its pid and gives it a lease instead.
+    from pmetal import shm
+    shm._posixshmem = None
+pmetal.init(address="auto")
+
+@pmetal.remote
+class Box:
+    def pid(self):
+        return os.getpid()
+
+
+owned = Box.options(name="owned").remote()
+kept = Box.options(name="kept", lifetime="detached").remote()
+print(json.dumps({"owned": pmetal.get(owned.pid.remote(), timeout=20),
+                  "kept": pmetal.get(kept.pid.remote(), timeout=20)}), flush=True)
+if sys.stdin.readline().strip() == "shutdown":
+    pmetal.shutdown()
+    print("shut down", flush=True)
+sys.stdin.read()                         # the test ends this process
+"""
+
+
+def _states(home: Path) -> dict[str, tuple[str, str, str]]:
+    return {a["name"]: (a["state"], a["owner"], a["reason"])
+            for a in _status(home)["actors"]}
+
+
+def _wait_states(home: Path, want: dict[str, str], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = _states(home)
+        if {name: s[0] for name, s in states.items()} == want:
+            return states
+        assert time.monotonic() < deadline, states
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_shutdown_ends_the_drivers_actors_while_its_process_lives(home: Path,
+                                                                   where: str) -> None:
+    # As Ray does when a driver disconnects: pmetal.shutdown() on a driver
+    # joined to a daemon ends its non-detached actors at once, on this
+    # machine (pid watched) and from another one (lease).
+    started = pmetal(home, "start", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    driver = subprocess.Popen([sys.executable, "-c", LEAVING_DRIVER, where], env=_env(home),
+                              text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert driver.stdin is not None and driver.stdout is not None
+        pids = json.loads(driver.stdout.readline())
+        owner = _states(home)["owned"][1]
+        assert owner.startswith("pid" if where == "local" else "client"), owner
+        text = pmetal(home, "status").stdout
+        assert "owned (Box)" in text and "kept (Box)" in text, text
+        driver.stdin.write("shutdown\n")
+        driver.stdin.flush()
+        assert driver.stdout.readline().strip() == "shut down"
+        # Ended by the time shutdown() returned, not when the process exits.
+        states = _states(home)
+        assert states["owned"][0] == "dead" and "shut down" in states["owned"][2], states
+        assert states["kept"][0] == "alive", states
+        assert driver.poll() is None
+        assert _wait_gone(pids["owned"]) and _alive(pids["kept"])
+    finally:
+        driver.kill()
+        driver.wait()
+    assert pmetal(home, "stop").returncode == 0
+
+
+def test_actors_of_a_remote_driver_live_while_it_renews_its_lease_and_die_after(
+        home: Path) -> None:
+    # A driver on another machine cannot be watched by pid: its node gives
+    # it a lease (here 1 s), which an idle driver renews; killed with kill -9
+    # it stops renewing, and its non-detached actors end within the lease.
+    lease = {"PMETAL_ACTORS_OWNER_LEASE": "1.0"}
+    started = pmetal(home, "start", "--port", "0", **lease)
+    assert started.returncode == 0, started.stderr
+    driver = subprocess.Popen([sys.executable, "-c", LEAVING_DRIVER, "remote"],
+                              env=_env(home), text=True, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+    try:
+        assert driver.stdout is not None
+        pids = json.loads(driver.stdout.readline())
+        first = _status(home)["leases"]
+        assert first["held"] == 1, first
+        # Idle, it renews every quarter lease: wait for a few leases' worth
+        # of renewals, and its actor is still alive.
+        deadline = time.monotonic() + COMMAND_TIMEOUT
+        while (status := _status(home))["leases"]["renewed"] < first["renewed"] + 12:
+            assert time.monotonic() < deadline, status["leases"]
+            time.sleep(0.2)
+        assert status["leases"]["expired"] == 0
+        assert {a["name"]: a["state"] for a in status["actors"]} == \
+            {"owned": "alive", "kept": "alive"}
+        driver.kill()   # kill -9: no shutdown, no Detach; nothing the node can watch
+        driver.wait(EXIT_TIMEOUT)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
+    states = _wait_states(home, {"owned": "dead", "kept": "alive"}, EXIT_TIMEOUT)
+    assert "lease" in states["owned"][2], states
+    assert _wait_gone(pids["owned"]) and _alive(pids["kept"])
+    leases = _status(home)["leases"]
+    assert leases["held"] == 0 and leases["expired"] == 1, leases
+    assert pmetal(home, "stop").returncode == 0
+
+
 # ---------------------------------------------------------- refused peers
 
 @pytest.mark.parametrize("differs", ["psk", "namespace"])

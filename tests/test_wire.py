@@ -57,7 +57,7 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.ACTOR_LOCATION: wire.ActorLocation(
         actor_id="actor-1", state="alive", address=ADDRESS, node_id="d" * 32, incarnation=2,
         name="counter", reason="restarted", class_name="Counter", methods=("get", "incr"),
-        is_async=True),
+        is_async=True, max_task_retries=-1, owner_lease=7.5),
     Kind.LOOKUP_ACTOR: wire.LookupActor(name="counter", min_incarnation=1, wait=0.5,
                                         local=True),
     Kind.KILL_ACTOR: wire.KillActor(actor_id="actor-1", no_restart=False),
@@ -69,7 +69,8 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.SHUTDOWN: wire.Shutdown(reason="operator request"),
     Kind.NODE_JOIN: wire.NodeJoin(
         node_id="e" * 32, address=ADDRESS, resources={"CPU": 8, "GPU": 0.5}),
-    Kind.OWNER_DIED: wire.OwnerDied("ab" * 16, 4321),
+    Kind.OWNER_DIED: wire.OwnerDied("ab" * 16, 4321, "cd" * 16),
+    Kind.DETACH: wire.Detach("pmetal.shutdown()"),
     Kind.RESOURCES_REQUEST: wire.ResourcesRequest(),
     Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1),
     Kind.INIT_ACTOR: wire.InitActor(

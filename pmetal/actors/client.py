@@ -12,13 +12,18 @@ now (it may have been restarted) and carries on.
 
 Sockets are used under one lock, so a client may be shared by threads; a
 ``get`` that waits holds it, so other threads' calls wait too.
+
+The control channel to the node (requests, telling the node's death from
+its silence, the lease a client on another machine holds on its actors) is
+a :class:`~pmetal.actors.links.NodeLink`; the client's flush thread
+renews the lease. At ``pmetal.shutdown()`` a client that created actors sends ``Detach``, and
+its node ends those that are not detached, as Ray does when a driver leaves.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -27,20 +32,20 @@ import zmq
 from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals, Retry
+from pmetal.actors.links import _TASKS, NodeLink, PeerLink
 from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
-from pmetal.endpoint import Channel
 from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerError,
-                           PMetalError, PMetalTimeoutError, PlacementError, RequestTimeoutError,
-                           TransportError)
+                           PMetalError, PMetalTimeoutError, PlacementError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (ActorLocation, Call, CallBatch, CreateActor, Failure, KillActor,
+from pmetal.wire import (ActorLocation, Call, CallBatch, CreateActor, Detach, Failure, KillActor,
                          LeaseWorkers, LookupActor, Message, RunTask, Shutdown, Status,
                          StatusRequest, WorkerList)
 
+# PeerLink lives in pmetal.actors.links and stays importable from here.
 __all__ = ["CoreClient", "ObjectRef", "PeerLink"]
 
 _POLLIN = int(zmq.POLLIN)
@@ -62,56 +67,10 @@ def _plain(args: list[Any]) -> bool:
 
 _EVENTS = int(zmq.EVENTS)
 _BATCH_MAX = 256          # calls per CallBatch
-_TASKS = "<tasks>"          # owner of a link to a task worker
 _LEASE_AGAIN_AFTER = 0.2  # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
 _CLOSED = ("the result was still pending when pmetal.shutdown() closed the client that "
            "made the call; it will never arrive")
-
-
-class PeerLink:
-    """An authenticated channel to one worker plus a detector of its death."""
-
-    def __init__(self, client: CoreClient, address: str) -> None:
-        dialer = client.transport.dial(address)
-        self.client = client
-        self.address = address
-        self.channel = Channel(dialer, client.identity, client.namespace, client.config)
-        self.socket = dialer.socket
-        self.monitor = dialer.monitor_disconnects()
-        self.dead = ""
-        self.functions: set[str] = set()   # remote functions this worker already has
-        self.refs: dict[int, ObjectRef] = {}
-        # Calls queued behind calls in flight, sent together as one CallBatch.
-        self.outbox: list[tuple[ObjectRef, list[Any]]] = []
-        self.outbox_actor = ""
-        self.owner = ""   # the actor this worker hosts, or _TASKS (see CoreClient._link_for)
-
-    def check(self) -> None:
-        """Read connection events; a disconnect marks the link dead."""
-        # EVENTS, not poll(0): no system call when nothing happened.
-        while self.monitor.getsockopt(_EVENTS) & _POLLIN:
-            frames = self.monitor.recv_multipart()
-            if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
-                why = f"the connection to {self.address} dropped (its process died)"
-                if self.client.node_gone():
-                    why += f"; {self.client.node_dead}"
-                self.die(why)
-
-    def die(self, why: str) -> None:
-        if self.dead:
-            return
-        self.dead = why
-        self.channel.abandon()
-        for ref in self.refs.values():
-            ref._fail_link(why)
-        for ref, _ in self.outbox:
-            ref._fail_link(why)
-        self.refs.clear()
-        self.outbox.clear()
-
-    def close(self) -> None:
-        self.channel.close()   # the dialer stops and closes its monitor too
 
 
 class CoreClient:
@@ -124,17 +83,12 @@ class CoreClient:
         self.identity = identity or NodeIdentity.generate()
         self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
         self.node_address = node_address
-        dialer = self.transport.dial(node_address)
-        self.node = Channel(dialer, self.identity, namespace, config)
-        self.node_dead = ""
-        self.node_id = self.node.open(timeout=config.transport.connect_timeout)
-        # The node's death (kill -9) drops this connection: requests waiting
-        # on it fail within a slice instead of at their timeout. Taken after
-        # the handshake, whose own watch tells a refused CURVE handshake
-        # (another PSK) from silence.
-        self._node_monitor = dialer.monitor_disconnects()
-        self.links: dict[str, PeerLink] = {}
         self.lock = threading.RLock()
+        self.node_link = NodeLink(self.transport, self.identity, namespace, config, node_address,
+                                  self.lock, self._SLICE_MS / 1000)
+        self.node = self.node_link.channel
+        self.node_id = self.node_link.node_id
+        self.links: dict[str, PeerLink] = {}
         self._task_workers: list[str] = []
         self._lease_again = 0.0   # when to ask for task workers again (some were starting)
         self._next_worker = itertools.count()
@@ -146,6 +100,7 @@ class CoreClient:
         self._flush_wanted = threading.Event()
         self._closing = threading.Event()
         self._deferrals = Deferrals(self)
+        self._created = False     # whether this client created actors (they die at detach)
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -158,7 +113,8 @@ class CoreClient:
         if link is None or link.dead:
             if link is not None:
                 link.close()
-            link = self.links[address] = PeerLink(self, address)
+            link = self.links[address] = PeerLink(self.transport, self.identity, self.namespace,
+                                                  self.config, address, self.node_link)
             # A worker busy in a long call answers the handshake only after
             # it: wait as long as for a request, not the short handshake time.
             try:
@@ -168,66 +124,16 @@ class CoreClient:
         return link
 
     def request_node(self, body: Message, timeout: float | None = None) -> Message:
-        """``body``'s answer from our node. PeerError as soon as the
-        connection to the node drops (it died), RequestTimeoutError when it
-        is alive but silent for ``timeout``."""
-        timeout = self.config.transport.request_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        with self.lock:
-            self._check_node()
-            corr = self.node.submit(body, timeout=min(timeout, self._send_timeout))
-            while (env := self.node.take(corr)) is None:
-                remaining = deadline - time.monotonic()
-                try:
-                    if remaining <= 0:
-                        env = self.node.result(corr, 0.0)   # releases corr, raises
-                        break
-                    self.node.pump(min(self._SLICE_MS / 1000, remaining))
-                except RequestTimeoutError as exc:
-                    raise RequestTimeoutError(f"no reply from the node at {self.node_address} "
-                                              f"within {timeout:.3g} s") from exc
-                except PMetalTimeoutError:
-                    self._check_node()
-            return env.body
+        """``body``'s answer from our node (see :meth:`NodeLink.request`)."""
+        return self.node_link.request(body, timeout)
 
-    _NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing listens there "
-                  "any more: the node died or stopped; start it again ('pmetal start') and "
-                  "call pmetal.init() again")
-
-    def _node_listening(self) -> bool:
-        """Whether something accepts TCP connections at the node's address
-        (a dropped connection to a live node is re-made by ZeroMQ; a dead
-        node's port refuses at once)."""
-        host, _, port = self.node_address.partition("://")[2].rpartition(":")
-        if not port.isdigit():
-            return True   # not a TCP address: cannot tell, keep waiting for the reply
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
-        except OSError:
-            return False
-        return True
+    @property
+    def node_dead(self) -> str:
+        return self.node_link.dead
 
     def node_gone(self) -> bool:
-        """Whether our node has died (asked when a worker's connection drops:
-        a node's death takes its workers with it)."""
-        try:
-            self._check_node()
-        except PeerError:
-            return True
-        if not self._node_listening():
-            self.node_dead = self._NODE_DEAD.format(self.node_address)
-        return bool(self.node_dead)
-
-    def _check_node(self) -> None:
-        """Raise PeerError if the connection to our node has dropped."""
-        if not self.node_dead:
-            while self._node_monitor.getsockopt(_EVENTS) & _POLLIN:
-                frames = self._node_monitor.recv_multipart()
-                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED \
-                        and not self._node_listening():
-                    self.node_dead = self._NODE_DEAD.format(self.node_address)
-        if self.node_dead:
-            raise PeerError(self.node_dead)
+        """Whether our node has died (see :meth:`NodeLink.gone`)."""
+        return self.node_link.gone()
 
     # --------------------------------------------------------------- actors
 
@@ -239,12 +145,30 @@ class CoreClient:
         # the node answers before our deadline, also when it must queue it.
         spec.options.setdefault("owner_pid", os.getpid())
         spec.options["timeout"] = timeout
+        self._created = True
         reply = self.request_node(spec, timeout=timeout)
         if isinstance(reply, Failure):
             raise failure_error(reply, f"creating actor {spec.options.get('class_name')}")
         if not isinstance(reply, ActorLocation):
             raise PeerError(f"node answered CreateActor with {type(reply).__name__}")
+        if reply.owner_lease > 0 and not self.node_link.renew_every:
+            # Our node cannot watch our process: keep our lease on the actor
+            # (the flush thread renews it).
+            self.node_link.hold_lease(reply.owner_lease)
+            self._start_flusher()
         return reply
+
+    def detach(self, timeout: float) -> int:
+        """Tell our node that this client is leaving (``pmetal.shutdown()``):
+        it ends the actors we created that are not detached. How many it
+        ended there (0 when we created none)."""
+        if not self._created:
+            return 0
+        reply = self.request_node(Detach("pmetal.shutdown()"), timeout=timeout)
+        if isinstance(reply, Failure):
+            raise failure_error(reply, "detaching from the node")
+        self._created = False
+        return int(getattr(reply, "info", 0) or 0)
 
     def lookup(self, actor_id: str = "", name: str = "", min_incarnation: int = 0,
                wait: float = 0.0) -> ActorLocation:
@@ -349,22 +273,27 @@ class CoreClient:
                     self._flush(link)
 
     def _wake_flusher(self) -> None:
+        self._start_flusher()
+        self._flush_wanted.set()
+
+    def _start_flusher(self) -> None:
         if self._flusher is None:
             self._flusher = threading.Thread(target=self._flush_loop, name="pmetal-flush",
                                              daemon=True)
             self._flusher.start()
-        self._flush_wanted.set()
 
     def _flush_loop(self) -> None:
         """Sends queued calls that no get/wait has sent within _FLUSH_DELAY,
-        so that fire-and-forget calls run even if nobody waits for them."""
+        so that fire-and-forget calls run even if nobody waits for them; and
+        renews our lease on our actors when we hold one."""
         while not self._closing.is_set():
-            if not self._flush_wanted.wait(timeout=1.0):
-                continue
-            self._flush_wanted.clear()
-            if self._closing.wait(_FLUSH_DELAY):
-                return
-            self.flush()
+            wanted = self._flush_wanted.wait(timeout=min(1.0, self.node_link.renew_every or 1.0))
+            if wanted:
+                self._flush_wanted.clear()
+                if self._closing.wait(_FLUSH_DELAY):
+                    return
+                self.flush()
+            self.node_link.renew()
 
     def _actor_link(self, handle: Any) -> PeerLink | BaseException:
         link = self._link_for(handle._address, handle._actor_id)
@@ -686,4 +615,4 @@ class CoreClient:
             for link in self.links.values():
                 link.close()
             self.links.clear()
-            self.node.close()
+            self.node_link.close()

@@ -170,6 +170,7 @@ class ActorClass:
                    "num_cpus": opts.get("num_cpus") or 0,
                    "resources": resources,
                    "max_restarts": int(opts.get("max_restarts") or 0),
+                   "max_task_retries": int(opts.get("max_task_retries") or 0),
                    "max_concurrency": int(opts.get("max_concurrency") or 1),
                    "lifetime": opts.get("lifetime") or "",
                    "class_name": cls.__qualname__, "methods": list(methods),
@@ -177,7 +178,7 @@ class ActorClass:
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)
-        return ActorHandle(loc, opts.get("max_task_retries") or 0)
+        return ActorHandle(loc)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"actor class {self.__name__} cannot be instantiated directly; use "
@@ -202,11 +203,12 @@ class ActorMethod:
 class ActorHandle:
     """A reference to a live actor; can be passed to other actors and tasks."""
 
-    def __init__(self, loc: ActorLocation, max_task_retries: int = 0) -> None:
+    def __init__(self, loc: ActorLocation) -> None:
         self._actor_id = loc.actor_id
         # Calls that fail because the actor died are sent again to its next
         # incarnation this many times (Ray's max_task_retries; -1: no limit).
-        self._max_task_retries = max_task_retries
+        # The actor's node keeps it, so a handle from get_actor has it too.
+        self._max_task_retries = loc.max_task_retries
         self._update(loc)
         self._class_name = loc.class_name
         self._methods = frozenset(loc.methods)
@@ -251,7 +253,7 @@ def _rebuild_handle(actor_id: str, state: str, address: str, node_id: str, incar
                     name: str, class_name: str, methods: tuple[str, ...],
                     is_async: bool, max_task_retries: int = 0) -> ActorHandle:
     return ActorHandle(ActorLocation(actor_id, state, address, node_id, incarnation, name, "",
-                                     class_name, methods, is_async), max_task_retries)
+                                     class_name, methods, is_async, max_task_retries))
 
 
 def remote(*args: Any, **options: Any) -> Any:

@@ -9,11 +9,17 @@ installed) around one :class:`~pmetal.endpoint.SecureListener`:
   for remote functions;
 * it places actors (resources, a chosen node, a name), re-runs an actor's
   constructor in a fresh worker when its process dies and restarts remain,
-  and answers where an actor lives now;
+  and answers where an actor lives now (:mod:`pmetal.actors.lifecycle`);
+* it names the owner of each actor a client creates and ends the actors of
+  owners that go (:mod:`pmetal.actors.owners`);
 * it keeps the member list of the cluster (:mod:`pmetal.actors.membership`:
   static peers now; discovery and election join later through the same
   component), versioned by an epoch, and forwards placements and kills aimed
   at other nodes.
+
+This module is the daemon's shell: it receives requests, answers the quick
+ones and hands the slow ones to tasks of its task group (a request never
+ends the node), and runs the process.
 
 Started by ``pmetal start`` (a long-lived daemon) or by ``pmetal.init()``
 (embedded: bound to 127.0.0.1, nothing announced, and it exits when the
@@ -34,13 +40,12 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pmetal import shm
-from pmetal.actors.membership import Member, Membership
+from pmetal.actors.lifecycle import ActorLifecycle
+from pmetal.actors.membership import Membership
 from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
-from pmetal.actors.owners import OwnerWatch
-from pmetal.actors.placement import PlacementQueue, check_options, check_resources, fits, needs
-from pmetal.actors.records import ActorRecord, ActorTable, exit_text
+from pmetal.actors.owners import Owners
+from pmetal.actors.placement import check_options, check_resources
 from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.actors.zygote import ForkServer
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
@@ -50,7 +55,7 @@ from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,
+from pmetal.wire import (Ack, ActorLocation, CreateActor, Detach, Failure, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping, Pong,
                          Resources, ResourcesRequest, Shutdown, Status, StatusRequest,
                          WorkerReady)
@@ -61,13 +66,6 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
            "read_ready_line", "routable_address"]
 
 log = logging.getLogger(__name__)
-
-_REPLY_MARGIN = 0.5
-"""s before the creator's deadline at which a queued creation gives up, so
-that its answer (a clear timeout) arrives before the creator stops waiting."""
-
-_ASK_RESOURCES = 2.0
-"""s a member may take to say what it has free before placement skips it."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,8 @@ class NodeStatistics:
     requests: int
     requests_failed: int = 0      # answered with an error by the dispatcher (bad input, bugs)
     actors_queued: int = 0        # creations waiting for resources
-    owners_died: int = 0          # owner processes seen exiting (their actors were killed)
+    owners_died: int = 0          # owners seen going: a process exited, a client detached or
+                                  # its lease lapsed (their actors were killed)
 
 
 def default_resources(num_cpus: float | None = None) -> dict[str, float]:
@@ -114,36 +113,38 @@ class NodeDaemon:
         self.address = routable_address(self.listener.address)
         self.resources = {**default_resources(),
                           **check_resources(resources or {}, "node resources")}
-        self.available = dict(self.resources)
-        self.queue = PlacementQueue(self.available)
         self.peers = list(peers or [])
         cpus = os.cpu_count() or 1
+        # Workers bind the concrete address the node advertises: a worker
+        # bound to a wildcard would take 0.0.0.0 for its own address (which
+        # it compares with the addresses its node hands out).
+        worker_host = self.address.partition("://")[2].rpartition(":")[0]
         self.pool = WorkerPool(
-            node_id=self.node_id, host=host, identity=identity, namespace=namespace,
+            node_id=self.node_id, host=worker_host, identity=identity, namespace=namespace,
             config=config, transport=self.transport,
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
             num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
             on_exit=self._worker_exited, fork_server=fork_server)
-        self.table = ActorTable()
-        self.actors = self.table.actors   # actor id -> record (dead ones: the last DEAD_TAIL)
-        self.names = self.table.names     # name -> actor id
-        self._claiming: set[str] = set()   # names being looked up on the peers
         self.membership = Membership(identity, namespace, config, self.transport)
-        self.owners = OwnerWatch(self._owner_exited)
-        self._placed_with: dict[int, set[str]] = {}   # local owner pid -> members hosting its actors
+        # Two components hold the node's state: the actors (placement,
+        # construction, restarts, kills) and their owners (who they die with).
+        self.actors = ActorLifecycle(config, self.node_id, self.resources, self.pool,
+                                     self.membership, self._cancellable_task,
+                                     on_forwarded=lambda options, member:
+                                         self.owners.forwarded(options, member))
+        self.owners = Owners(self.node_id, config.actors.owner_lease, self.membership,
+                             self.actors.kill_owned, self._cancellable_task)
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
-        self._counts = {"created": 0, "restarts": 0, "requests": 0, "failed": 0,
-                        "owners_died": 0}
+        self._counts = {"requests": 0, "failed": 0}
 
     def statistics(self) -> NodeStatistics:
-        alive = sum(1 for a in self.actors.values() if a.state == "alive")
         members = self.membership.statistics()
-        return NodeStatistics(len(self.pool.workers), len(self.pool.idle), alive, self._counts["created"],
-                              self._counts["restarts"], members.members, members.epoch,
-                              self._counts["requests"], self._counts["failed"], len(self.queue),
-                              self._counts["owners_died"])
+        return NodeStatistics(len(self.pool.workers), len(self.pool.idle), self.actors.alive(),
+                              self.actors.created, self.actors.restarts, members.members,
+                              members.epoch, self._counts["requests"], self._counts["failed"],
+                              len(self.actors.queue), self.owners.died)
 
     # ------------------------------------------------------------- running
 
@@ -153,7 +154,8 @@ class NodeDaemon:
                 self._group = group
                 self.pool.start(group, self.address, self._stopping)
                 self._cancellable_task(self.pool.fill())
-                self._cancellable_task(self.owners.poll(self._stopping))
+                self._cancellable_task(self.owners.watch.poll(self._stopping))
+                self._cancellable_task(self.owners.expire_leases(self._stopping))
                 join = NodeJoin(self.node_id, self.address, self.resources)
                 for peer in self.peers:
                     self._cancellable_task(self.membership.join(peer, join, self._stopping))
@@ -184,6 +186,9 @@ class NodeDaemon:
             except ClosedError:
                 return
             self._counts["requests"] += 1
+            leases = self.owners.leases
+            if leases:   # any message from a remote owner renews its lease
+                leases.renew(incoming.peer, time.monotonic())
             try:
                 reply = self._handle_now(incoming)
             except Exception as exc:  # noqa: BLE001 - no request may end the node
@@ -256,12 +261,12 @@ class NodeDaemon:
             self._later(incoming, self._create_actor(body, incoming))  # type: ignore[arg-type]
             return None
         if kind is LookupActor:
-            self._later(incoming, self._lookup(body))  # type: ignore[arg-type]
+            self._later(incoming, self.actors.lookup(body))  # type: ignore[arg-type]
             return None
         if kind is KillActor:
-            if body.actor_id in self.actors or not body.node_id:  # type: ignore[attr-defined]
-                return self._kill_actor(body)  # type: ignore[arg-type]
-            self._later(incoming, self._kill_remote(body))  # type: ignore[arg-type]
+            if body.actor_id in self.actors.actors or not body.node_id:  # type: ignore[attr-defined]
+                return self.actors.kill(body)  # type: ignore[arg-type]
+            self._later(incoming, self.actors.kill_remote(body))  # type: ignore[arg-type]
             return None
         if kind is LeaseWorkers:
             self._later(incoming, self.pool.lease(body))  # type: ignore[arg-type]
@@ -270,12 +275,15 @@ class NodeDaemon:
             self._later(incoming, self._status_with_calls())
             return None
         if kind is ResourcesRequest:
-            return Resources(self.resources, self.available, len(self.queue))
+            return Resources(self.resources, self.actors.available, len(self.actors.queue))
         if kind is OwnerDied:
             if body.node_id != incoming.peer:  # type: ignore[attr-defined]
                 raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
                                  f"{incoming.peer[:8]}; a node reports its own processes")
-            return Ack(self._owner_died(body.node_id, body.pid))  # type: ignore[attr-defined]
+            return Ack(self.owners.owner_died(body.node_id, body.pid, body.client))  # type: ignore[attr-defined]
+        if kind is Detach:
+            return Ack(self.owners.client_gone(incoming.peer, f"its owner (client "
+                                                              f"{incoming.peer[:8]}) shut down"))
         if kind is NodeJoin:
             self._later(incoming, self.membership.joined(body, incoming.peer,  # type: ignore[arg-type]
                                                          self.status))
@@ -287,316 +295,28 @@ class NodeDaemon:
         return Failure("bad_request", "ProtocolError",
                        f"a node does not handle {kind.__name__} messages")
 
-    # -------------------------------------------------------------- workers
-
-    async def _worker_exited(self, worker: WorkerProc, code: int) -> None:
-        """The pool lost ``worker`` (it has forgotten it already): restart
-        the actor it hosted if it may."""
-        record = self.actors.get(worker.actor_id) if worker.actor_id else None
-        if record is None or record.worker_id != worker.worker_id or record.constructing:
-            return   # (a death during the constructor is _construct's to report)
-        record.worker_id = ""
-        why = ("killed by pmetal.kill" if record.no_restart else
-               f"its worker process (pid {worker.proc.pid}) {exit_text(code)}")
-        if record.no_restart or record.restarts_left == 0:
-            self._mark_dead(record, record.reason or why)
-            return
-        if record.restarts_left > 0:
-            record.restarts_left -= 1
-        # The restart keeps the resources the actor holds: no queued creation
-        # may take them in between.
-        record.state, record.reason = "restarting", why
-        record.incarnation += 1
-        self._counts["restarts"] += 1
-        record.notify()
-        log.info("restarting actor %s (incarnation %d): %s", record.spec.actor_id,
-                 record.incarnation, why)
-        self._cancellable_task(self._construct(record))
-
     # --------------------------------------------------------------- actors
 
-    def _release(self, record: ActorRecord) -> None:
-        held, record.held = record.held, {}
-        if held:
-            self.queue.give(held)
-        record.worker_id = ""
-
-    def _mark_dead(self, record: ActorRecord, reason: str) -> None:
-        self._release(record)
-        self.table.mark_dead(record, reason)
-
-    async def _create_actor(self, spec: CreateActor, incoming: Incoming | None = None) -> Message:
-        options = spec.options
-        check_options(options)
-        target = options.get("node") or ""
-        need = needs(options)
-        if not options.get("owner_node"):
-            # The creator's own node: it names the owner and watches its pid.
-            # (A creator on another machine cannot be watched by pid; its
-            # actors live until killed. TODO: watch its session instead.)
-            session = self.listener.session(incoming.route) if incoming is not None else None
-            pid = int(options.get("owner_pid") or 0)
-            local = bool(getattr(session, "local", False))
-            if pid and local and not self.owners.watch(pid):
-                return Failure("actor_died", "ActorDiedError",
-                               f"the process that creates the actor (pid {pid}) has exited")
-            options = {**options, "owner_node": self.node_id,
-                       "owner_pid": pid if local else 0}
-            spec = replace(spec, options=options)
-        if target and target != self.node_id:
-            return await self._forward(target, spec)
-        if not target and not fits(need, self.available):
-            elsewhere = await self._place_elsewhere(need)
-            if elsewhere is not None:
-                return await self._forward(elsewhere.node_id, spec)
-        if not fits(need, self.resources):
-            return Failure("placement", "PlacementError",
-                           f"node {self.node_id[:8]} has {self.resources} in all, the actor "
-                           f"needs {need}; no node of this cluster could ever hold it "
-                           f"(cluster: {self.membership.total_resources(self.resources)})")
-        name = options.get("name") or ""
-        taken = name and (name in self._claiming or (
-            name in self.names and self.actors[self.names[name]].state != "dead"))
-        if name and not taken:
-            # Names are unique in the cluster, not just on this node. The name
-            # is claimed here while the peers are asked, so that a second
-            # request for it on this node meanwhile is refused. (Two nodes
-            # asked for one name at the same instant can still both take it:
-            # that needs one arbiter for the cluster.)
-            self._claiming.add(name)
-            try:
-                found = await self.membership.find_actor(LookupActor(name=name))
-            finally:
-                self._claiming.discard(name)
-            taken = found is not None and found.state != "dead"
-            if not taken:
-                taken = name in self.names and self.actors[self.names[name]].state != "dead"
-        if taken:
-            return Failure("bad_request", "ValueError",
-                           f"an actor named {name!r} already exists (or is being created); "
-                           f"pick another name or use pmetal.get_actor({name!r})")
-        record = ActorRecord(spec, restarts_left=int(options.get("max_restarts") or 0),
-                             owner=(options["owner_node"], int(options.get("owner_pid") or 0)))
-        record.reason = "waiting for resources" if not fits(need, self.available) else ""
-        self.actors[spec.actor_id] = record
-        if name:
-            self.names[name] = spec.actor_id
-        self._counts["created"] += 1
-        timeout = float(options.get("timeout") or self.config.transport.request_timeout)
-        what = f"actor {options.get('class_name') or spec.actor_id}"
-        try:
-            reserved = await self.queue.reserve(need, time.monotonic() + timeout - _REPLY_MARGIN,
-                                                what, self._holders, record.cancelled)
-        except PMetalTimeoutError as exc:
-            self._mark_dead(record, str(exc))
-            return Failure("timeout", "PMetalTimeoutError", str(exc))
-        if not reserved:
-            self._mark_dead(record, record.reason or "killed while waiting for resources")
-            return Failure("actor_died", "ActorDiedError", record.reason)
-        record.held = need
-        record.reason = ""
-        return await self._construct(record)
-
-    def _holders(self) -> str:
-        held = [f"{a.spec.options.get('class_name') or a.spec.actor_id} {a.held}"
-                for a in self.actors.values() if a.held]
-        return (f"node {self.node_id[:8]} has {self.available} free of {self.resources}; "
-                f"held by {', '.join(held[:10]) or 'nothing'}")
-
-    async def _construct(self, record: ActorRecord) -> Message:
-        """Run the constructor in an idle worker. The worker's exit while the
-        constructor runs (``os._exit`` in it, a crash, a kill) answers at once
-        with ActorDiedError naming the exit code."""
-        spec = record.spec
-        deadline = time.monotonic() + self.config.transport.connect_timeout
-        try:
-            worker = await self.pool.take_idle(deadline)
-        except PMetalTimeoutError as exc:
-            self._mark_dead(record, str(exc))
-            return Failure("placement", "PlacementError", str(exc))
-        if record.state == "dead":   # killed while it waited for a worker
-            self.pool.kill(worker)
-            return Failure("actor_died", "ActorDiedError", record.reason)
-        worker.actor_id = spec.actor_id
-        record.worker_id = worker.worker_id
-        init = InitActor(spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs,
-                         spec.options, record.incarnation)
-        record.constructing = True
-        try:
-            reply = await self._init_or_exit(worker, init)
-        finally:
-            record.constructing = False
-        if isinstance(reply, Failure):
-            self.pool.kill(worker)
-            self._mark_dead(record, f"constructor failed: {reply.error_type}: {reply.message}")
-            return reply
-        record.state, record.reason = "alive", ""
-        record.notify()
-        return record.location(self.node_id, worker.address)
-
-    async def _init_or_exit(self, worker: WorkerProc, init: InitActor) -> Message:
-        """The worker's answer to ``init``, or a Failure as soon as its
-        process exits (whichever comes first)."""
-        cls = init.options.get("class_name") or init.actor_id
-        try:
-            # Opened here, before anything else is scheduled, as status asks
-            # of the pool race to open it too (a worker that dies during the
-            # handshake fails it within handshake_timeout).
-            channel = await self.pool.channel(worker, self.config.transport.handshake_timeout)
-        except PMetalError as exc:
+    async def _create_actor(self, spec: CreateActor, incoming: Incoming) -> Message:
+        check_options(spec.options)
+        if spec.options.get("owner_node") == incoming.peer:
+            # Forwarded by the creator's node, which named the owner (only
+            # that node's own session can pass an owner on).
+            return await self.actors.create(spec)
+        # The creator's own node names the owner (see Owners.name).
+        local = bool(getattr(self.listener.session(incoming.route), "local", False))
+        options = self.owners.name(spec.options, incoming.peer, local)
+        if options is None:
             return Failure("actor_died", "ActorDiedError",
-                           f"the worker of actor {cls} did not open a session: {exc}")
+                           f"the process that creates the actor (pid "
+                           f"{spec.options.get('owner_pid')}) has exited")
+        reply = await self.actors.create(replace(spec, options=options))
+        if isinstance(reply, ActorLocation) and not local:
+            reply = replace(reply, owner_lease=self.owners.leases.timeout)
+        return reply
 
-        async def construct() -> Message:
-            return (await channel.arequest(init)).body
-
-        # Both tasks are owned here: the loser is cancelled before returning.
-        answer = asyncio.ensure_future(construct())
-        exited = asyncio.ensure_future(worker.proc.wait())
-        try:
-            await asyncio.wait((answer, exited), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (answer, exited):
-                task.cancel()
-        if answer.done() and not answer.cancelled():
-            exc = answer.exception()
-            if exc is None:
-                return answer.result()
-            if not isinstance(exc, PMetalError):
-                raise exc
-            try:   # the channel broke: if the process is exiting, say how
-                await asyncio.wait_for(worker.proc.wait(), 1.0)
-            except asyncio.TimeoutError:
-                return Failure("actor_died", "ActorDiedError",
-                               f"the worker of actor {cls} failed while constructing it: {exc}")
-        why = "was killed by pmetal.kill" if worker.killed else exit_text(worker.proc.returncode)
-        return Failure("actor_died", "ActorDiedError",
-                       f"the worker process (pid {worker.proc.pid}) of actor {cls} {why} "
-                       f"while running its constructor")
-
-    def _locate(self, record: ActorRecord) -> ActorLocation:
-        worker = self.pool.workers.get(record.worker_id)
-        return record.location(self.node_id, worker.address if worker else "")
-
-    async def _lookup(self, body: LookupActor) -> Message:
-        actor_id = body.actor_id or self.names.get(body.name, "")
-        record = self.actors.get(actor_id)
-        if record is None:
-            if not body.local:
-                found = await self.membership.find_actor(body)
-                if found is not None:
-                    return found
-            what = f"named {body.name!r}" if body.name else actor_id
-            return Failure("not_found", "ValueError", f"no actor {what} in this cluster")
-        deadline = time.monotonic() + body.wait
-        while not (record.state == "dead" or (record.state == "alive"
-                                              and record.incarnation >= body.min_incarnation)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                await asyncio.wait_for(record.changed.wait(), remaining)
-            except asyncio.TimeoutError:
-                break
-        return self._locate(record)
-
-    def _kill_actor(self, body: KillActor) -> Message:
-        record = self.actors.get(body.actor_id)
-        if record is None:
-            return Failure("not_found", "ValueError", f"no actor {body.actor_id} on this node")
-        self._kill_record(record, body.no_restart, "killed by pmetal.kill")
-        return Ack()
-
-    def _kill_record(self, record: ActorRecord, no_restart: bool, reason: str) -> None:
-        record.no_restart = no_restart
-        if no_restart and record.state != "dead":
-            record.reason = reason
-        worker = self.pool.workers.get(record.worker_id)
-        if worker is not None:
-            self.pool.kill(worker)
-        elif record.state == "pending" and not record.held:   # still in the queue
-            record.cancelled.set()
-        elif record.state != "dead" and not record.constructing:
-            self._mark_dead(record, reason)
-
-    async def _kill_remote(self, body: KillActor) -> Message:
-        """Pass a kill on to the member that hosts the actor (one hop: the
-        member answers from its own actors)."""
-        member = self.membership.members.get(body.node_id)
-        if member is None or body.node_id == self.node_id:
-            return Failure("not_found", "ValueError",
-                           f"no actor {body.actor_id} on this node, and its node "
-                           f"{body.node_id[:8]} is not a member of this cluster (it left, or "
-                           f"the handle comes from another cluster)")
-        return await self.membership.ask(member, KillActor(body.actor_id, body.no_restart, ""))
-
-    # --------------------------------------------------------------- owners
-
-    def _owner_exited(self, pid: int) -> None:
-        """A local owner process exited: its actors die with it, here and on
-        the members that host some of them."""
-        self._counts["owners_died"] += 1
-        killed = self._owner_died(self.node_id, pid)
-        members = self._placed_with.pop(pid, set())
-        log.info("owner process %d exited: killed %d of its actors here, telling %d member(s)",
-                 pid, killed, len(members))
-        shm.sweep()   # what it was sent and never read, what it made for nobody
-        for node_id in members:
-            member = self.membership.members.get(node_id)
-            if member is not None:
-                self._cancellable_task(self._tell_owner_died(member, pid))
-
-    async def _tell_owner_died(self, member: Member, pid: int) -> None:
-        reply = await self.membership.ask(member, OwnerDied(self.node_id, pid))
-        if isinstance(reply, Failure):
-            log.warning("could not tell node %s that owner %d died: %s", member.node_id[:8],
-                        pid, reply.message)
-
-    def _owner_died(self, node_id: str, pid: int) -> int:
-        """Kill the non-detached actors of owner (node_id, pid); how many."""
-        owned = [r for r in self.actors.values()
-                 if r.owner == (node_id, pid) and not r.detached and r.state != "dead"]
-        for record in owned:
-            self._kill_record(record, True, f"its owner (pid {pid} on node {node_id[:8]}) "
-                                            f"exited; create it with lifetime='detached' to "
-                                            f"keep it")
-        return len(owned)
-
-    # ------------------------------------------------------------ membership
-
-    async def _place_elsewhere(self, need: dict[str, float]) -> Member | None:
-        """A member with ``need`` free now (asked now, in parallel), else one
-        that could hold it when empty while this node could not."""
-        members = list(self.membership.members.values())
-        if not members:
-            return None
-        answers = await asyncio.gather(*(
-            asyncio.wait_for(self.membership.ask(m, ResourcesRequest()), _ASK_RESOURCES)
-            for m in members), return_exceptions=True)
-        for member, answer in zip(members, answers):
-            if isinstance(answer, Resources) and not answer.queued \
-                    and fits(need, answer.available):
-                return member
-        if fits(need, self.resources):
-            return None   # wait here
-        for member, answer in zip(members, answers):
-            if fits(need, answer.total if isinstance(answer, Resources) else member.resources):
-                return member   # wait there
-        return None
-
-    async def _forward(self, node_id: str, spec: CreateActor) -> Message:
-        member = self.membership.find(node_id)
-        if member is None:
-            return Failure("placement", "PlacementError",
-                           f"no node {node_id} in this cluster; members: "
-                           f"{[self.node_id, *self.membership.members]}")
-        options = dict(spec.options)
-        options["node"] = member.node_id
-        pid = int(options.get("owner_pid") or 0)
-        if pid and options.get("owner_node") == self.node_id:
-            self._placed_with.setdefault(pid, set()).add(member.node_id)
-        return await self.membership.ask(member, CreateActor(
-            spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs, options))
+    async def _worker_exited(self, worker: WorkerProc, code: int) -> None:
+        await self.actors.worker_exited(worker, code)
 
     # --------------------------------------------------------------- status
 
@@ -614,13 +334,15 @@ class NodeDaemon:
             "pid": os.getpid(),
             "epoch": self.membership.epoch,
             "resources": self.resources,
-            "available": self.available,
+            "available": self.actors.available,
             "members": self.membership.describe(),
             "refused_peers": self.membership.describe_refused(),
             "workers": self.pool.describe(),
-            "actors": self.table.describe(self.node_id),
-            "queue": self.queue.describe(),
+            "actors": self.actors.table.describe(self.node_id),
+            "queue": self.actors.queue.describe(),
+            "owner_leases": self.owners.leases.describe(time.monotonic()),
             "statistics": self.statistics().__dict__,
+            "leases": self.owners.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
         }

@@ -25,7 +25,8 @@ from typing import Any
 
 from pmetal.errors import PMetalTimeoutError
 
-__all__ = ["PlacementQueue", "check_options", "check_resources", "fits", "needs"]
+__all__ = ["PlacementQueue", "check_options", "check_resources", "fits", "needs",
+           "resources_text"]
 
 LIFETIMES = ("", "non_detached", "detached")
 
@@ -66,11 +67,11 @@ def check_options(options: dict[str, Any]) -> None:
         if cpus < 0:
             raise ValueError(f"{where}: num_cpus must not be negative (got {cpus})")
     check_resources(options.get("resources") or {}, where)
-    for key, low in (("max_restarts", -1), ("max_concurrency", 1)):
+    for key, low in (("max_restarts", -1), ("max_task_retries", -1), ("max_concurrency", 1)):
         value = options.get(key)
         if value is not None and (type(value) is not int or value < low):
             raise ValueError(f"{where}: {key} must be an integer >= {low}, not {value!r:.40}")
-    for key in ("name", "node", "class_name", "lifetime", "owner_node"):
+    for key in ("name", "node", "class_name", "lifetime", "owner_node", "owner_client"):
         value = options.get(key)
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{where}: {key} must be a string, not {type(value).__name__}")
@@ -103,6 +104,8 @@ def fits(need: dict[str, float], pool: dict[str, float]) -> bool:
 class _Waiter:
     need: dict[str, float]
     what: str
+    deadline: float
+    since: float = field(default_factory=time.monotonic)
     admitted: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -145,7 +148,7 @@ class PlacementQueue:
         if not self._waiters and fits(need, self.available):
             self.take(need)
             return True
-        waiter = _Waiter(need, what)
+        waiter = _Waiter(need, what, deadline)
         self._waiters.append(waiter)
         self.admit()
         waits = [asyncio.ensure_future(waiter.admitted.wait()),
@@ -166,9 +169,20 @@ class PlacementQueue:
         if cancel.is_set():
             return False
         raise PMetalTimeoutError(
-            f"{what} waited for resources {need} until its creation deadline, but they did "
-            f"not free up: {describe()}; kill an actor, add a node, or raise "
-            f"transport.request_timeout")
+            f"{what} waited for resources ({resources_text(need)}) until its creation "
+            f"deadline, but they did not free up: {describe()}; kill an actor, add a node, "
+            f"or raise transport.request_timeout")
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"what": w.what, "needs": w.need} for w in self._waiters]
+        """The waiting creations in order: what, its needs, how long it has
+        waited and how long it may still wait (s)."""
+        now = time.monotonic()
+        return [{"what": w.what, "needs": w.need, "waited": round(now - w.since, 1),
+                 "gives_up_in": round(max(0.0, w.deadline - now), 1)} for w in self._waiters]
+
+
+def resources_text(resources: dict[str, float]) -> str:
+    """``{"CPU": 2.0, "memory": 2**31}`` as a person reads it: "CPU 2, memory 2 GiB"."""
+    parts = [f"{name} {value / (1 << 30):.3g} GiB" if name == "memory" else f"{name} {value:g}"
+             for name, value in sorted(resources.items())]
+    return ", ".join(parts) or "nothing"

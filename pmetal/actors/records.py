@@ -38,6 +38,7 @@ class ActorRecord:
     reason: str = ""
     no_restart: bool = False
     owner: tuple[str, int] = ("", 0)   # (node id, pid) of the process that created it
+    owner_client: str = ""         # the creator's client session (pid 0: it holds a lease)
     held: dict[str, float] = field(default_factory=dict)   # resources reserved for it
     constructing: bool = False     # its constructor runs: _construct owns a worker exit
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)   # killed while queued
@@ -51,7 +52,8 @@ class ActorRecord:
         o = self.spec.options
         return ActorLocation(self.spec.actor_id, self.state, address, node_id, self.incarnation,
                              o.get("name") or "", self.reason, o.get("class_name") or "",
-                             tuple(o.get("methods") or ()), bool(o.get("is_async")))
+                             tuple(o.get("methods") or ()), bool(o.get("is_async")),
+                             int(o.get("max_task_retries") or 0))
 
     def notify(self) -> None:
         self.changed.set()
@@ -89,7 +91,12 @@ class ActorTable:
 
 def _owner_text(record: ActorRecord) -> str:
     node, pid = record.owner
-    return f"pid {pid} on {node[:8]}" if pid else (f"node {node[:8]}" if node else "-")
+    if pid:
+        return f"pid {pid} on {node[:8]}"
+    if record.owner_client:   # a client on another machine, holding a lease
+        return f"client {record.owner_client[:8]} via {node[:8]}"
+    return f"node {node[:8]}" if node else "-"
+
 
 
 def exit_text(code: int | None) -> str:

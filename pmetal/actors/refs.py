@@ -21,8 +21,9 @@ from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
 
 if TYPE_CHECKING:
-    from pmetal.actors.client import CoreClient, PeerLink
+    from pmetal.actors.client import CoreClient
     from pmetal.actors.deferred import Retry
+    from pmetal.actors.links import PeerLink
 
 __all__ = ["ObjectRef", "call_name", "failure_error"]
 

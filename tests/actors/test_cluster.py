@@ -29,9 +29,9 @@ from pmetal.actors.client import CoreClient
 from pmetal.actors.serialization import code_ref
 from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
-from pmetal.wire import ActorLocation, CreateActor, Failure, NodeJoin, OwnerDied
+from pmetal.wire import Ack, ActorLocation, CreateActor, Detach, Failure, NodeJoin, OwnerDied
 
-from .actor_classes import Counter, square
+from .actor_classes import Counter, own_address, square
 from .conftest import (
     WAIT,
     ancestors,
@@ -51,6 +51,9 @@ START_WAIT = 30.0
 REQUEST_TIMEOUT = 8.0
 """Node-to-node and driver-to-node request deadline: a request that hangs
 fails in seconds instead of the default 30 s."""
+
+OWNER_LEASE = 2.0
+"""s a driver that cannot prove it runs on its node's machine may stay silent."""
 
 SPECIAL = 2.0
 """A custom resource only the third node has."""
@@ -78,7 +81,8 @@ def start_node(home: Path, port: int, peers: list[int], resources: dict[str, flo
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
     env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
-               PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT))
+               PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
+               PMETAL_ACTORS_OWNER_LEASE=str(OWNER_LEASE))
     cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", host,
            "--port", str(port), "--peers", ",".join(f"127.0.0.1:{p}" for p in peers),
            "--num-workers", "1", "--num-task-workers", "1"]
@@ -467,6 +471,11 @@ def test_queued_creation_times_out_saying_what_it_waited_for(nodes: list[NodePro
 
 CLUSTER_DRIVER = """
 import os, sys, pmetal
+if sys.argv[4] == "remote":
+    # As a driver on another machine: it cannot prove it shares its node's
+    # machine (no shared-memory token), so its node gives it a lease.
+    from pmetal import shm
+    shm._posixshmem = None
 pmetal.init(address=sys.argv[1], psk=sys.argv[2])
 
 @pmetal.remote
@@ -476,20 +485,38 @@ class Box:
 
 box = Box.options(node=sys.argv[3]).remote()
 print(pmetal.get(box.pid.remote(), timeout=20), box._actor_id, flush=True)
+if sys.stdin.readline().strip() == "shutdown":
+    pmetal.shutdown()
+    print("shut down", flush=True)
 sys.stdin.read()
 """
 
 
-def test_actor_on_another_node_dies_with_its_killed_driver(nodes: list[NodeProc],
-                                                           driver: dict[str, Any]) -> None:
+@pytest.mark.parametrize("where, leaves", [("local", "kill -9"), ("remote", "kill -9"),
+                                           ("local", "shutdown"), ("remote", "shutdown")])
+def test_actor_on_another_node_dies_with_its_driver(nodes: list[NodeProc],
+                                                    driver: dict[str, Any], where: str,
+                                                    leaves: str) -> None:
+    # The driver's node tells node 1 (OwnerDied) when the driver goes: its
+    # pid exits (local), its lease lapses (remote, killed), or it detaches
+    # (shutdown, the process living on).
     proc = subprocess.Popen([sys.executable, "-c", CLUSTER_DRIVER, nodes[0].host_port, SECRET,
-                             nodes[1].node_id], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                             nodes[1].node_id, where], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
     try:
+        assert proc.stdin is not None
         pid_text, actor_id = read_line(proc, START_WAIT, "the driver").split()
         pid = int(pid_text)
         assert nodes[1].proc.pid in ancestors(pid)   # a worker (forked) of the second node
-        proc.kill()   # kill -9 of the owner: its node tells node 1
-        proc.wait(WAIT)
+        if leaves == "shutdown":
+            proc.stdin.write(b"shutdown\n")
+            proc.stdin.flush()
+            assert read_line(proc, WAIT, "the driver's shutdown").strip() == "shut down"
+            assert_all_exit([pid], what="the worker of the detached driver's actor on node 1")
+            assert proc.poll() is None
+        else:
+            proc.kill()   # kill -9 of the owner
+            proc.wait(WAIT)
     finally:
         stop_process(proc, signal.SIGKILL)
     assert_all_exit([pid], what="the worker of the killed driver's actor on node 1")
@@ -524,9 +551,16 @@ def test_node_on_all_interfaces_advertises_a_concrete_address(
                 workers = status["workers"]
                 return status if workers and all(w["ready"] for w in workers) else None
             info = wait_until(all_ready, START_WAIT, what="the workers ready")
+            # The worker's own idea of its address (used for nested task
+            # leasing) is the concrete one too, not tcp://0.0.0.0:PORT.
+            fn = own_address.__wrapped__
+            fn_id, fn_ref = code_ref(fn)
+            own = client.get([client.run_task(fn_id, fn_ref, [], {}, fn.__qualname__)],
+                             WAIT)[0]
         finally:
             client.close()
-        advertised = [info["address"], node.address,
+        assert own in [w["address"] for w in info["workers"]], (own, info["workers"])
+        advertised = [info["address"], node.address, own,
                       *(w["address"] for w in info["workers"])]
         for address in advertised:
             host = address.removeprefix("tcp://").rpartition(":")[0]
@@ -609,6 +643,14 @@ def test_a_node_reports_only_its_own_owners_deaths(nodes: list[NodeProc],
     try:
         reply = impostor.request_node(OwnerDied(nodes[0].node_id, pid), timeout=WAIT)
         assert isinstance(reply, Failure) and "reports its own processes" in reply.message
+        # Nor end them as a client: a Detach ends the sender's own actors only.
+        for node in (nodes[0], nodes[1]):
+            stranger = other_client(node)
+            try:
+                reply = stranger.request_node(Detach("not mine"), timeout=WAIT)
+                assert isinstance(reply, Ack) and reply.info == 0, reply
+            finally:
+                stranger.close()
     finally:
         impostor.close()
     assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1

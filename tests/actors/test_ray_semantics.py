@@ -262,3 +262,19 @@ def test_without_max_task_retries_a_call_fails_when_its_actor_dies(tmp_path: Pat
     reap.append(actor)
     with pytest.raises(ActorDiedError):
         pmetal.get(actor.exit_the_first_time.remote(str(tmp_path / "m")), timeout=WAIT)
+
+
+def test_a_handle_from_get_actor_retries_as_the_creators_does(tmp_path: Path,
+                                                              reap: list[Any]) -> None:
+    # The node keeps max_task_retries with the actor: however the handle was
+    # obtained, a call in flight when the actor dies goes to its next incarnation.
+    created = Fragile.options(name="fragile-by-name", max_restarts=1,
+                              max_task_retries=1).remote()
+    reap.append(created)
+    first_pid = pmetal.get(created.pid.remote(), timeout=WAIT)
+    found = pmetal.get_actor("fragile-by-name")
+    assert found._max_task_retries == 1
+    new_pid = pmetal.get(found.exit_the_first_time.remote(str(tmp_path / "m")),
+                         timeout=WAIT + 10)
+    assert new_pid != first_pid
+    assert pmetal.get(found.pid.remote(), timeout=WAIT) == new_pid

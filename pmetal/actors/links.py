@@ -1,0 +1,216 @@
+"""A client's links: the control channel to its node (:class:`NodeLink`) and
+one data channel per worker it calls (:class:`PeerLink`).
+
+Every :class:`~pmetal.actors.client.CoreClient` has one :class:`NodeLink`
+(placement, lookups, kills, status go through it; calls and results do
+not: they go straight to workers). A request fails with
+:class:`~pmetal.errors.PeerError` within one wait slice once the connection
+to the node has dropped and nothing listens at its address any more (the
+node died: ``kill -9``), and with :class:`~pmetal.errors.RequestTimeoutError`
+when the node is alive but silent past the deadline.
+
+A client whose node cannot watch its process (another machine) holds a
+lease on the actors it creates (see :mod:`pmetal.actors.owners`): once a
+creation's answer carries one, :meth:`NodeLink.renew` sends a one-way Ping
+whenever the node has heard nothing from us for a quarter of it. It is
+called from the client's flush thread and from a request that waits long
+(a creation queued for resources).
+
+A :class:`PeerLink` watches its TCP connection: when the worker's process
+dies the connection drops, and the client fails every call pending on it
+with :class:`~pmetal.errors.ActorDiedError`; if our node died too (a node's
+death takes its workers), the error says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from pmetal.config import PMetalConfig
+from pmetal.endpoint import Channel
+from pmetal.errors import PeerError, PMetalTimeoutError, RequestTimeoutError, TransportError
+from pmetal.identity import NodeIdentity
+from pmetal.security import NetworkNamespace
+from pmetal.transport import ZmqTransport
+from pmetal.wire import Message, Ping
+
+if TYPE_CHECKING:
+    from pmetal.actors.refs import ObjectRef
+
+__all__ = ["NodeLink", "PeerLink"]
+
+log = logging.getLogger(__name__)
+
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
+_TASKS = "<tasks>"          # owner of a link to a task worker
+
+_NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing listens there any "
+              "more: the node died or stopped; start it again ('pmetal start') and call "
+              "pmetal.init() again")
+
+
+class NodeLink:
+    """The authenticated channel to our node, used under the client's lock."""
+
+    def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
+                 namespace: NetworkNamespace, config: PMetalConfig, address: str,
+                 lock: threading.RLock, slice_s: float) -> None:
+        self.address = address
+        self._lock = lock
+        self._slice = slice_s
+        self._send_timeout = config.transport.send_timeout
+        self._request_timeout = config.transport.request_timeout
+        dialer = transport.dial(address)
+        self.channel = Channel(dialer, identity, namespace, config)
+        self.dead = ""
+        self.node_id = self.channel.open(timeout=config.transport.connect_timeout)
+        # The node's death (kill -9) drops this connection: requests waiting
+        # on it fail within a slice instead of at their timeout. Taken after
+        # the handshake, whose own watch tells a refused CURVE handshake
+        # (another PSK) from silence.
+        self._monitor = dialer.monitor_disconnects()
+        self.renew_every = 0.0   # s between lease renewals (0: the node watches our pid)
+        self._sent = 0.0         # when we last sent the node something
+        self.closed = False
+
+    def request(self, body: Message, timeout: float | None = None) -> Message:
+        """``body``'s answer from our node. PeerError as soon as the
+        connection to the node drops (it died), RequestTimeoutError when it
+        is alive but silent for ``timeout``."""
+        timeout = self._request_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        channel = self.channel
+        with self._lock:
+            self.check()
+            corr = channel.submit(body, timeout=min(timeout, self._send_timeout))
+            self._sent = time.monotonic()
+            while (env := channel.take(corr)) is None:
+                # A creation may wait in the queue longer than our lease.
+                self.renew()
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        env = channel.result(corr, 0.0)   # releases corr, raises
+                        break
+                    channel.pump(min(self._slice, remaining))
+                except RequestTimeoutError as exc:
+                    raise RequestTimeoutError(f"no reply from the node at {self.address} "
+                                              f"within {timeout:.3g} s") from exc
+                except PMetalTimeoutError:
+                    self.check()
+            return env.body
+
+    def _listening(self) -> bool:
+        """Whether something accepts TCP connections at the node's address
+        (a dropped connection to a live node is re-made by ZeroMQ; a dead
+        node's port refuses at once)."""
+        host, _, port = self.address.partition("://")[2].rpartition(":")
+        if not port.isdigit():
+            return True   # not a TCP address: cannot tell, keep waiting for the reply
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        except OSError:
+            return False
+        return True
+
+    def gone(self) -> bool:
+        """Whether our node has died (asked when a worker's connection drops:
+        a node's death takes its workers with it)."""
+        try:
+            self.check()
+        except PeerError:
+            return True
+        if not self._listening():
+            self.dead = _NODE_DEAD.format(self.address)
+        return bool(self.dead)
+
+    def check(self) -> None:
+        """Raise PeerError if the connection to our node has dropped."""
+        if not self.dead:
+            while self._monitor.getsockopt(_EVENTS) & _POLLIN:
+                frames = self._monitor.recv_multipart()
+                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED \
+                        and not self._listening():
+                    self.dead = _NODE_DEAD.format(self.address)
+        if self.dead:
+            raise PeerError(self.dead)
+
+    def hold_lease(self, lease: float) -> None:
+        """Our node gave us a lease of ``lease`` s on our actors: keep it."""
+        if not self.renew_every:
+            self.renew_every = lease / 4
+
+    def renew(self) -> None:
+        """Send our node a one-way Ping if it heard nothing from us for a
+        quarter of our lease (takes the lock)."""
+        if not self.renew_every or time.monotonic() - self._sent < self.renew_every:
+            return
+        with self._lock:
+            if self.dead or self.closed:
+                return
+            try:
+                self.channel.send(Ping(), timeout=self._send_timeout)
+            except TransportError as exc:   # the node died: the next request says so
+                log.debug("could not renew the lease on our actors: %s", exc)
+                return
+            self._sent = time.monotonic()
+
+    def close(self) -> None:
+        with self._lock:
+            self.closed = True
+            self.channel.close()   # the dialer stops and closes its monitor too
+
+
+class PeerLink:
+    """An authenticated channel to one worker plus a detector of its death."""
+
+    def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
+                 namespace: NetworkNamespace, config: PMetalConfig, address: str,
+                 node: NodeLink) -> None:
+        dialer = transport.dial(address)
+        self.address = address
+        self.node = node
+        self.channel = Channel(dialer, identity, namespace, config)
+        self.socket = dialer.socket
+        self.monitor = dialer.monitor_disconnects()
+        self.dead = ""
+        self.functions: set[str] = set()   # remote functions this worker already has
+        self.refs: dict[int, ObjectRef] = {}
+        # Calls queued behind calls in flight, sent together as one CallBatch.
+        self.outbox: list[tuple[ObjectRef, list[Any]]] = []
+        self.outbox_actor = ""
+        self.owner = ""   # the actor this worker hosts, or _TASKS (see CoreClient._link_for)
+
+    def check(self) -> None:
+        """Read connection events; a disconnect marks the link dead."""
+        # EVENTS, not poll(0): no system call when nothing happened.
+        while self.monitor.getsockopt(_EVENTS) & _POLLIN:
+            frames = self.monitor.recv_multipart()
+            if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                why = f"the connection to {self.address} dropped (its process died)"
+                if self.node.gone():
+                    why += f"; {self.node.dead}"
+                self.die(why)
+
+    def die(self, why: str) -> None:
+        if self.dead:
+            return
+        self.dead = why
+        self.channel.abandon()
+        for ref in self.refs.values():
+            ref._fail_link(why)
+        for ref, _ in self.outbox:
+            ref._fail_link(why)
+        self.refs.clear()
+        self.outbox.clear()
+
+    def close(self) -> None:
+        self.channel.close()   # the dialer stops and closes its monitor too
