@@ -45,8 +45,8 @@ from typing import Any
 from pmetal.errors import ProtocolError
 
 __all__ = ["READER", "Exports", "HostToken", "Peer", "Reader", "SlotPool", "answer", "attach",
-           "boot_id", "confirm", "exists", "export", "objects", "offer", "read_slot", "sweep",
-           "unlink"]
+           "boot_id", "confirm", "exists", "export", "objects", "offer", "pid_alive",
+           "read_slot", "sweep", "unlink"]
 
 log = logging.getLogger(__name__)
 
@@ -357,7 +357,8 @@ class Reader:
 READER = Reader()
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` of this pid namespace lives (any user's)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -409,7 +410,7 @@ def sweep(folder: str = "/dev/shm") -> list[str]:
         if match is None or match.group(1) != tag:
             continue
         creator, reader = int(match.group(2), 36), int(match.group(3), 36)
-        if _alive(reader) if reader else _alive(creator):
+        if pid_alive(reader) if reader else pid_alive(creator):
             continue
         try:
             _posixshmem.shm_unlink("/" + entry)

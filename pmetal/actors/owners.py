@@ -42,16 +42,6 @@ log = logging.getLogger(__name__)
 POLL_INTERVAL = 1.0   # s between looks at watched pids where there is no pidfd
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True   # another user's live process
-    return True
-
-
 class OwnerWatch:
     """Calls ``on_exit(pid)`` once when a watched local process exits."""
 
@@ -68,7 +58,7 @@ class OwnerWatch:
         """Start watching ``pid``; False when it is not running (any more)."""
         if pid in self:
             return True
-        if pid <= 0 or not _alive(pid):
+        if pid <= 0 or not shm.pid_alive(pid):
             return False
         if hasattr(os, "pidfd_open"):
             try:
@@ -104,7 +94,7 @@ class OwnerWatch:
                 return
             except asyncio.TimeoutError:
                 pass
-            for pid in [p for p in self._polled if not _alive(p)]:
+            for pid in [p for p in self._polled if not shm.pid_alive(p)]:
                 self._exited(pid)
 
     def close(self) -> None:
