@@ -50,7 +50,8 @@ from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.actors.zygote import ForkServer
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
-from pmetal.errors import ClosedError, PeerError, PMetalError, PMetalTimeoutError
+from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
+                           TransportError)
 from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
@@ -67,6 +68,9 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 
 log = logging.getLogger(__name__)
 
+_MAX_RECEIVE_FAILURES = 100
+_RECEIVE_BACKOFF = 0.01   # s between failed receives: a failing socket must not spin
+
 
 @dataclass(frozen=True)
 class NodeStatistics:
@@ -82,6 +86,7 @@ class NodeStatistics:
     actors_queued: int = 0        # creations waiting for resources
     owners_died: int = 0          # owners seen going: a process exited, a client detached or
                                   # its lease lapsed (their actors were killed)
+    receive_errors: int = 0       # receives on the node's socket that failed (and were retried)
 
 
 def default_resources(num_cpus: float | None = None) -> dict[str, float]:
@@ -137,14 +142,15 @@ class NodeDaemon:
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
-        self._counts = {"requests": 0, "failed": 0}
+        self._counts = {"requests": 0, "failed": 0, "receive_errors": 0}
 
     def statistics(self) -> NodeStatistics:
         members = self.membership.statistics()
         return NodeStatistics(len(self.pool.workers), len(self.pool.idle), self.actors.alive(),
                               self.actors.created, self.actors.restarts, members.members,
                               members.epoch, self._counts["requests"], self._counts["failed"],
-                              len(self.actors.queue), self.owners.died)
+                              len(self.actors.queue), self.owners.died,
+                              self._counts["receive_errors"])
 
     # ------------------------------------------------------------- running
 
@@ -180,11 +186,26 @@ class NodeDaemon:
         self._stopping.set()
 
     async def _serve(self) -> None:
+        failures = 0   # receives in a row that failed
         while True:
             try:
                 incoming = await self.listener.arecv()
             except ClosedError:
                 return
+            except TransportError as exc:
+                # A receive that fails (ZeroMQ out of descriptors, say) is
+                # not the end of the node: log, count, try again. Only a
+                # socket that fails every time stops it, rather than spin.
+                failures += 1
+                self._counts["receive_errors"] += 1
+                if failures >= _MAX_RECEIVE_FAILURES:
+                    log.error("the node's socket failed %d receives in a row; stopping: %s",
+                              failures, exc)
+                    raise
+                log.warning("a receive on the node's socket failed: %s", exc)
+                await asyncio.sleep(_RECEIVE_BACKOFF)
+                continue
+            failures = 0
             self._counts["requests"] += 1
             leases = self.owners.leases
             if leases:   # any message from a remote owner renews its lease
