@@ -277,7 +277,7 @@ def test_status_text_reads_for_a_person(capsys: pytest.CaptureFixture[str]) -> N
     # What a node's status() holds, as 'pmetal status' prints it: workers
     # named by what they host, the queue and leases summed up, live actors
     # before the dead, and only the latest dead ones.
-    from pmetal.cli import _DEAD_SHOWN, _print_status
+    from pmetal.cli.status import _DEAD_SHOWN, _print_status
     dead = [{"actor_id": f"d-{i}", "class_name": "Old", "name": f"old{i}", "state": "dead",
              "owner": "pid 1 on abcdef01", "node_id": "abcdef0123", "reason": "its owner exited"}
             for i in range(_DEAD_SHOWN + 5)]

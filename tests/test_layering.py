@@ -16,9 +16,10 @@ import pytest
 import pmetal
 
 PACKAGE = Path(pmetal.__file__).parent
-# Modules allowed to import the facade: the root re-exports it, the CLI and
-# ``python -m pmetal`` are front ends like it.
-FRONT = {"pmetal/__init__.py", "pmetal/api.py", "pmetal/cli.py", "pmetal/__main__.py"}
+# Modules allowed to import the facade: the root re-exports it, the CLI (the
+# ``pmetal/cli/`` package) and ``python -m pmetal`` are front ends like it.
+FRONT = {"pmetal/__init__.py", "pmetal/api.py", "pmetal/__main__.py",
+         *(str(p.relative_to(PACKAGE.parent)) for p in (PACKAGE / "cli").glob("*.py"))}
 BELOW = sorted(str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
                if str(p.relative_to(PACKAGE.parent)) not in FRONT)
 

@@ -1,0 +1,127 @@
+"""The ``pmetal`` command line.
+
+Each subcommand is one :class:`Command` in :data:`COMMANDS`: a help line, a
+function that declares its arguments, and a function that runs it and
+returns the exit status. A later subcommand (``bench``, ``generate``,
+``discover``) is one more entry in that table.
+
+This module holds the table, the parser, logging set-up and :func:`main`;
+the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
+``daemon`` (``start``, ``stop``, the node.json record) and ``status``
+(``status``, ``kill``).
+
+Exit status: 0 success, 1 a pmetal error (printed as one line, no
+traceback), 2 a usage or configuration error, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from pmetal._version import __version__
+from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_arguments,
+                              _run_config, _run_identity, _run_keygen)
+from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
+from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
+from pmetal.errors import ConfigError, PMetalError
+
+__all__ = ["COMMANDS", "Command", "main"]
+
+
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    del parser
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``run(args)`` returns the exit status."""
+
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
+
+
+# ------------------------------------------------------------------- table
+
+COMMANDS: dict[str, Command] = {
+    "config": Command("print the effective configuration (environment applied)",
+                      _run_config, _config_arguments),
+    "identity": Command("show this machine's node id, creating its key pair on first use",
+                        _run_identity, _identity_arguments),
+    "keygen": Command("make a new random namespace PSK", _run_keygen, _keygen_arguments),
+    "start": Command("start this machine's node daemon (in the background unless --block)",
+                     _run_start, _start_arguments),
+    "status": Command("show the running node: members, workers, actors, statistics",
+                      _run_status, _status_arguments),
+    "stop": Command("stop this machine's node daemon and its workers", _run_stop),
+    "kill": Command("kill a named actor of the cluster (through this machine's node)",
+                    _run_kill, _kill_arguments),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pmetal", description="Ray-style actor clusters for the machines you own.")
+    parser.add_argument("--version", action="version", version=f"pmetal {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="log pmetal's INFO messages to stderr (-vv: DEBUG); "
+                             "default: $PMETAL_LOG_LEVEL or WARNING")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, command in COMMANDS.items():
+        child = sub.add_parser(name, help=command.help, description=command.help)
+        command.arguments(child)
+    return parser
+
+
+def _log_level(verbose: int, env: Mapping[str, str]) -> int | None:
+    """pmetal's log level: -v/-vv, else PMETAL_LOG_LEVEL, else None (leave it)."""
+    if verbose:
+        return logging.DEBUG if verbose > 1 else logging.INFO
+    name = env.get("PMETAL_LOG_LEVEL", "").strip()
+    if not name:
+        return None
+    level = logging.getLevelName(name.upper())
+    if not isinstance(level, int):
+        raise ConfigError(f"PMETAL_LOG_LEVEL: unknown level {name!r}; "
+                          f"use DEBUG, INFO, WARNING or ERROR")
+    return level
+
+
+def _configure_logging(verbose: int) -> None:
+    level = _log_level(verbose, os.environ)
+    # Does nothing when the embedding program (or pytest) already configured logging.
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if level is not None:
+        logging.getLogger("pmetal").setLevel(level)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors: keep main() returning
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        _configure_logging(args.verbose)
+        return COMMANDS[args.command].run(args)
+    except ConfigError as exc:
+        print(f"pmetal {args.command}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except PMetalError as exc:
+        print(f"pmetal {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # 'pmetal status | head': the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
