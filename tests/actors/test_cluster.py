@@ -557,9 +557,12 @@ def test_node_on_all_interfaces_advertises_a_concrete_address(
             fn_id, fn_ref = code_ref(fn)
             own = client.get([client.run_task(fn_id, fn_ref, [], {}, fn.__qualname__)],
                              WAIT)[0]
+            # The task may have run on a task worker that started after the
+            # snapshot above: look again, now that it has served.
+            after = client.status()["workers"]
         finally:
             client.close()
-        assert own in [w["address"] for w in info["workers"]], (own, info["workers"])
+        assert own in [w["address"] for w in after], (own, after)
         advertised = [info["address"], node.address, own,
                       *(w["address"] for w in info["workers"])]
         for address in advertised:
