@@ -358,14 +358,24 @@ READER = Reader()
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` of this pid namespace lives (any user's)."""
+    """Whether a process ``pid`` of this pid namespace lives (any user's).
+
+    A zombie (exited, not yet reaped by its parent) is dead: it will never
+    read an object again, and its pidfd already said it exited. kill(pid, 0)
+    succeeds on a zombie, so Linux's /proc tells the state."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True   # another user's live process
-    return True
+        pass   # another user's process: alive unless a zombie
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:   # no /proc (macOS: then kill() said enough), or reaped meanwhile
+        return not os.path.isdir("/proc/self")
+    # The state follows the command name in parentheses, which may hold spaces.
+    return stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3] != b"Z"
 
 
 def objects(*, creators: tuple[int, ...] = (), readers: tuple[int, ...] = (),

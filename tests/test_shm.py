@@ -194,3 +194,22 @@ def test_replies_for_a_driver_killed_with_sigkill_are_swept(
     kill9(driver)
     shm.sweep()
     assert not shm.objects(readers=(driver.pid,))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_zombie_is_dead_to_the_sweep() -> None:
+    # A killed process its parent has not reaped yet will never read an
+    # object; the sweep (and the node's owner watch) must not wait for the
+    # reaping, which is the parent's business.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        assert shm.pid_alive(child.pid)
+        child.kill()
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)   # exited, not reaped
+        assert not shm.pid_alive(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not shm.pid_alive(child.pid)
+    assert shm.pid_alive(os.getpid())
