@@ -181,14 +181,6 @@ def square(x: int) -> int:
 
 
 @pmetal.remote
-def own_address() -> str:
-    """The address the worker running this believes it listens at (what it
-    compares with the addresses its node hands out)."""
-    from pmetal.actors import context
-    return context.current().self_address
-
-
-@pmetal.remote
 def fail(message: str) -> None:
     raise_value_error(message)
 

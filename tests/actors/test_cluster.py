@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,7 +31,7 @@ from pmetal.config import load_config
 from pmetal.identity import KEYPAIR_FILE
 from pmetal.wire import Ack, ActorLocation, CreateActor, Detach, Failure, NodeJoin, OwnerDied
 
-from .actor_classes import Counter, own_address, square
+from .actor_classes import Counter, square
 from .conftest import (
     WAIT,
     ancestors,
@@ -531,47 +531,85 @@ def test_actor_on_another_node_dies_with_its_driver(nodes: list[NodeProc],
 
 # --------------------------------------------------------------- addresses
 
+NETNS_ADDRESS = "10.78.0.1"
+"""The one non-loopback address of the network namespace the wildcard test
+makes: it exists only inside that namespace."""
+
+WILDCARD_SCRIPT = """
+import json, os, subprocess, sys, time
+from pmetal.actors.client import CoreClient
+from pmetal.actors.node import read_ready_line
+from pmetal.actors.serialization import code_ref
+from pmetal.config import load_config
+from pmetal.security import NetworkNamespace
+
+def own_address():
+    from pmetal.actors import context
+    return context.current().self_address
+
+secret, start_wait = sys.argv[1], float(sys.argv[2])
+env = dict(os.environ, PMETAL_PSK=secret)
+node = subprocess.Popen([sys.executable, "-m", "pmetal.actors.node", "--host", "0.0.0.0",
+                         "--port", "0", "--num-workers", "1", "--num-task-workers", "1"],
+                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
+try:
+    address = read_ready_line(node, start_wait).split()[1]
+    port = address.rpartition(":")[2]
+    cfg = load_config()
+    client = CoreClient(f"tcp://127.0.0.1:{port}", NetworkNamespace.resolve(cfg.security, secret),
+                        cfg)
+    try:
+        deadline = time.monotonic() + start_wait
+        while True:   # one snapshot in which every worker listed is ready
+            status = client.status()
+            if status["workers"] and all(w["ready"] for w in status["workers"]):
+                break
+            assert time.monotonic() < deadline, status["workers"]
+            time.sleep(0.02)
+        fn_id, fn_ref = code_ref(own_address)
+        own = client.get([client.run_task(fn_id, fn_ref, [], {}, "own_address")],
+                         start_wait)[0]
+        after = client.status()["workers"]
+    finally:
+        client.close()
+    print(json.dumps({"ready_line": address, "status": status["address"], "own": own,
+                      "workers": [w["address"] for w in status["workers"]],
+                      "after": [w["address"] for w in after]}), flush=True)
+finally:
+    node.terminate()
+    node.wait(start_wait)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("unshare") and shutil.which("ip")),
+                    reason="needs root, unshare(1) and ip(8) to make a network namespace with "
+                           "an address of its own; run the suite as root (CI does)")
 def test_node_on_all_interfaces_advertises_a_concrete_address(
         tmp_path_factory: pytest.TempPathFactory) -> None:
     # Bound to 0.0.0.0, the node and its workers must tell peers an address
-    # they can dial, never tcp://0.0.0.0:PORT. Only loopback is dialled here:
-    # binding to the advertised host proves it is an address of this machine.
-    node = start_node(tmp_path_factory.mktemp("wildcard"), free_port(), [], host="0.0.0.0")
-    try:
-        await_ready(node)
-        client = CoreClient(f"tcp://127.0.0.1:{node.port}",
-                            NetworkNamespace.resolve(load_config().security, SECRET),
-                            load_config())
-        try:
-            def all_ready() -> dict[str, Any] | None:
-                # One snapshot for both checks: the pool starts its task
-                # workers after the actor workers, so a later status may
-                # list one that has no address yet.
-                status = client.status()
-                workers = status["workers"]
-                return status if workers and all(w["ready"] for w in workers) else None
-            info = wait_until(all_ready, START_WAIT, what="the workers ready")
-            # The worker's own idea of its address (used for nested task
-            # leasing) is the concrete one too, not tcp://0.0.0.0:PORT.
-            fn = own_address.__wrapped__
-            fn_id, fn_ref = code_ref(fn)
-            own = client.get([client.run_task(fn_id, fn_ref, [], {}, fn.__qualname__)],
-                             WAIT)[0]
-            # The task may have run on a task worker that started after the
-            # snapshot above: look again, now that it has served.
-            after = client.status()["workers"]
-        finally:
-            client.close()
-        assert own in [w["address"] for w in after], (own, after)
-        advertised = [info["address"], node.address, own,
-                      *(w["address"] for w in info["workers"])]
-        for address in advertised:
-            host = address.removeprefix("tcp://").rpartition(":")[0]
-            assert host not in ("0.0.0.0", "*", "::", ""), advertised
-            with socket.socket() as probe:
-                probe.bind((host, 0))   # OSError if it is not an address of this machine
-    finally:
-        stop_node(node)
+    # they can dial, never tcp://0.0.0.0:PORT. It runs in a network namespace
+    # of its own whose only interfaces are loopback and a veth pair holding
+    # NETNS_ADDRESS (the default route), so everything dialled, the
+    # advertised address included, stays inside that namespace.
+    setup = (f"ip link set lo up && ip link add v0 type veth peer name v1 && "
+             f"ip addr add {NETNS_ADDRESS}/24 dev v0 && ip link set v0 up && "
+             f"ip link set v1 up && ip route add default dev v0 && "
+             f'exec "$0" -c "$1" "$2" "$3"')
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
+    env["PMETAL_HOME"] = str(tmp_path_factory.mktemp("wildcard"))
+    done = subprocess.run(["unshare", "-n", "sh", "-c", setup, sys.executable, WILDCARD_SCRIPT,
+                           SECRET, str(START_WAIT)], env=env, capture_output=True, text=True,
+                          timeout=START_WAIT * 4, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    # The worker's own idea of its address (used for nested task leasing) is
+    # the concrete one too; the task may have run on a worker that started
+    # after the first snapshot, so it is looked for in the later one.
+    assert seen["own"] in seen["after"], seen
+    advertised = [seen["ready_line"], seen["status"], seen["own"], *seen["workers"]]
+    for address in advertised:
+        assert address.removeprefix("tcp://").rpartition(":")[0] == NETNS_ADDRESS, seen
 
 
 # -------------------------------------------------------------- identity
