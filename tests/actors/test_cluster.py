@@ -76,14 +76,14 @@ class NodeProc:
         return f"127.0.0.1:{self.port}"
 
 
-def start_node(home: Path, port: int, peers: list[int], resources: dict[str, float] | None = None,
-               host: str = "127.0.0.1") -> NodeProc:
+def start_node(home: Path, port: int, peers: list[int],
+               resources: dict[str, float] | None = None) -> NodeProc:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
     env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
                PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
                PMETAL_ACTORS_OWNER_LEASE=str(OWNER_LEASE))
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", host,
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
            "--port", str(port), "--peers", ",".join(f"127.0.0.1:{p}" for p in peers),
            "--num-workers", "1", "--num-task-workers", "1"]
     if resources:
