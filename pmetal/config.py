@@ -27,6 +27,9 @@ from pmetal.errors import ConfigError
 __all__ = [
     "ActorsConfig",
     "DEFAULT_PORT",
+    "DiscoveryConfig",
+    "ElectionConfig",
+    "HealthConfig",
     "PMetalConfig",
     "SecurityConfig",
     "TransportConfig",
@@ -142,12 +145,99 @@ class ActorsConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Heartbeats and the failure detector (pmetal.cluster.health).
+
+    Every node sends a Beat to every other every ``interval`` seconds. A
+    peer silent for ``degraded_after`` is Degraded, for ``suspect_after``
+    Suspect, for ``dead_after`` Dead (its actors' calls fail, the master
+    restarts what may restart). The master drops a member Dead for
+    ``remove_after`` from the member list (it rejoins as a new incarnation).
+    The defaults suit a wired LAN (a killed peer is Dead within 1 s);
+    :meth:`wifi` is the preset for Wi-Fi, whose pauses last seconds.
+    """
+
+    interval: float = 0.1
+    degraded_after: float = 0.3
+    suspect_after: float = 0.5
+    dead_after: float = 0.8
+    remove_after: float = 10.0
+
+    def __post_init__(self) -> None:
+        s = "health"
+        for name in ("interval", "degraded_after", "suspect_after", "dead_after", "remove_after"):
+            _require(getattr(self, name) > 0, s, name, "must be a positive number of seconds")
+        _require(self.interval < self.degraded_after <= self.suspect_after <= self.dead_after,
+                 s, "dead_after", "need interval < degraded_after <= suspect_after <= dead_after")
+        _require(self.remove_after >= self.dead_after, s, "remove_after",
+                 "must be at least dead_after")
+
+    @classmethod
+    def wifi(cls) -> HealthConfig:
+        """Wi-Fi: beats every 0.5 s, Dead after 5 s of silence."""
+        return cls(interval=0.5, degraded_after=1.5, suspect_after=3.0, dead_after=5.0,
+                   remove_after=30.0)
+
+
+@dataclass(frozen=True)
+class ElectionConfig:
+    """Master election (pmetal.cluster.election).
+
+    A follower that hears nothing from its master for ``timeout`` seconds
+    (plus a random part of up to half of it, so candidates rarely collide)
+    starts an election; a master that hears from no majority for ``timeout``
+    steps down. A node that starts waits ``bootstrap`` seconds for the
+    peers discovery finds before it elects a master among them.
+    """
+
+    timeout: float = 0.8
+    bootstrap: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name in ("timeout", "bootstrap"):
+            _require(getattr(self, name) > 0, "election", name,
+                     "must be a positive number of seconds")
+
+    @classmethod
+    def wifi(cls) -> ElectionConfig:
+        return cls(timeout=3.0, bootstrap=3.0)
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """mDNS discovery (pmetal.cluster.discovery).
+
+    ``enabled``: announce this node and browse for others. ``pmetal start``
+    turns it on unless ``--no-discovery``; an embedded node from
+    ``pmetal.init()`` only with ``discovery=True``. ``interfaces``: comma-
+    separated IPv4 addresses to announce and browse on ("" = the address
+    the node listens on, or every interface when it listens on 0.0.0.0).
+    """
+
+    enabled: bool = False
+    interfaces: str = ""
+
+    def __post_init__(self) -> None:
+        for part in (p.strip() for p in self.interfaces.split(",") if p.strip()):
+            import ipaddress
+            try:
+                ipaddress.IPv4Address(part)
+            except ValueError as exc:
+                raise ConfigError(f"discovery.interfaces: {part!r} is not an IPv4 address "
+                                  f"(give the addresses of the interfaces, comma-separated)"
+                                  ) from exc
+
+
+@dataclass(frozen=True)
 class PMetalConfig:
     """The whole configuration: one field per section."""
 
     transport: TransportConfig = field(default_factory=TransportConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     actors: ActorsConfig = field(default_factory=ActorsConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    election: ElectionConfig = field(default_factory=ElectionConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
 
 def pmetal_home(env: Mapping[str, str] | None = None) -> Path:

@@ -47,6 +47,9 @@ Kinds added after version 1 was fixed (still version 1: an old node answers
 them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
 (37) and ``Resources`` (38), node to node, for actor lifetime and placement;
 ``Detach`` (32), a client to its node when it shuts down.
+The cluster's kinds (50-58: ``Beat``, ``BeatEcho``, ``VoteRequest``, ``Vote``,
+``ClusterView``, ``JoinCluster``, ``WatchCluster``, ``ClusterState``, ``Probe``)
+are node to node, but for the watch, which a client asks of its own node.
 Fields added at the end of a message (an old peer's shorter message decodes
 with their defaults): ``ActorLocation.max_task_retries`` and
 ``ActorLocation.owner_lease``, ``OwnerDied.client``.
@@ -67,8 +70,12 @@ __all__ = [
     "Accepted",
     "Ack",
     "ActorLocation",
+    "Beat",
+    "BeatEcho",
     "Call",
     "CallBatch",
+    "ClusterState",
+    "ClusterView",
     "Confirm",
     "CreateActor",
     "Detach",
@@ -76,6 +83,7 @@ __all__ = [
     "Failure",
     "Hello",
     "InitActor",
+    "JoinCluster",
     "KillActor",
     "Kind",
     "LeaseWorkers",
@@ -87,6 +95,7 @@ __all__ = [
     "Pickled",
     "Ping",
     "Pong",
+    "Probe",
     "Rejected",
     "Resources",
     "ResourcesRequest",
@@ -95,6 +104,9 @@ __all__ = [
     "Shutdown",
     "Status",
     "StatusRequest",
+    "Vote",
+    "VoteRequest",
+    "WatchCluster",
     "Welcome",
     "WorkerList",
     "WorkerReady",
@@ -139,6 +151,16 @@ class Kind(enum.IntEnum):
     RESULT = 43
     FAILURE = 44
     CALL_BATCH = 45
+    # the cluster: health, election, membership, topology (pmetal.cluster)
+    BEAT = 50
+    BEAT_ECHO = 51
+    VOTE_REQUEST = 52
+    VOTE = 53
+    CLUSTER_VIEW = 54
+    JOIN_CLUSTER = 55
+    WATCH_CLUSTER = 56
+    CLUSTER_STATE = 57
+    PROBE = 58
 
 
 class Message:
@@ -446,6 +468,118 @@ class Resources(Message):
     total: dict
     available: dict
     queued: int = 0
+
+
+# ------------------------------------------------------------ the cluster
+#
+# Member entries (``ClusterView.members``, ``JoinCluster.members``) are maps
+# with the keys ``node_id`` (str), ``address`` (str, tcp://host:port),
+# ``incarnation`` (int), ``resources`` (map), ``profile`` (map: see
+# pmetal.cluster.topology.NodeProfile) and, in a master's view, ``state``
+# ("alive" or "dead").
+
+@_message(Kind.BEAT)
+class Beat(Message):
+    """Node to node, one-way, every ``health.interval``: "I am alive, and
+    this is my view of the cluster". The receiver answers with a
+    :class:`BeatEcho` (link latency) and feeds its failure detector and its
+    election. ``incarnation`` changes whenever the node starts or fences
+    itself; ``master`` is "" while the sender knows none; ``epoch`` and
+    ``size`` describe its member list; ``sent`` is the sender's clock,
+    echoed back unchanged."""
+
+    node_id: str
+    incarnation: int
+    address: str
+    term: int
+    master: str
+    epoch: int
+    size: int
+    sent: float
+    master_address: str = ""
+
+
+@_message(Kind.BEAT_ECHO)
+class BeatEcho(Message):
+    """The answer to a :class:`Beat` (one-way): its ``sent``, unchanged."""
+
+    node_id: str
+    sent: float
+
+
+@_message(Kind.VOTE_REQUEST)
+class VoteRequest(Message):
+    """A candidate asks for a vote in ``term`` (one-way). ``pre`` marks a
+    pre-vote, which changes no one's term. ``epoch`` is the candidate's
+    member-list epoch: no one votes for a candidate whose list is older."""
+
+    term: int
+    candidate: str
+    epoch: int
+    pre: bool = False
+
+
+@_message(Kind.VOTE)
+class Vote(Message):
+    """The answer to a :class:`VoteRequest` (one-way)."""
+
+    term: int
+    voter: str
+    granted: bool
+    pre: bool = False
+    reason: str = ""
+
+
+@_message(Kind.CLUSTER_VIEW)
+class ClusterView(Message):
+    """Master to members: the member list, versioned by ``epoch`` (see the
+    member entries above). Sent when it changes, and to a member whose
+    :class:`Beat` shows an older epoch."""
+
+    term: int
+    master: str
+    epoch: int
+    members: list
+
+
+@_message(Kind.JOIN_CLUSTER)
+class JoinCluster(Message):
+    """To a master: add these members (the sender first; a master that
+    yields to a larger cluster sends all of its own). One-way: the answer is
+    a :class:`ClusterView` that lists them."""
+
+    term: int
+    members: list
+
+
+@_message(Kind.WATCH_CLUSTER)
+class WatchCluster(Message):
+    """Client to its node: answer with :class:`ClusterState` as soon as its
+    ``version`` is past ``version``, or after ``wait`` seconds."""
+
+    version: int
+    wait: float
+
+
+@_message(Kind.CLUSTER_STATE)
+class ClusterState(Message):
+    """A node's cluster as its clients need it: the nodes declared dead
+    (their actors' calls fail at once), the master and its term, the
+    member-list epoch. ``version`` grows with every change."""
+
+    version: int
+    dead: tuple[str, ...]
+    master: str
+    term: int
+    epoch: int
+
+
+@_message(Kind.PROBE)
+class Probe(Message):
+    """Node to node: ``payload`` to measure the link's bandwidth; the answer
+    is an :class:`Ack` holding its length."""
+
+    payload: bytes
 
 
 # -------------------------------------------- actor runtime: execution

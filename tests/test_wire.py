@@ -73,6 +73,17 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.DETACH: wire.Detach("pmetal.shutdown()"),
     Kind.RESOURCES_REQUEST: wire.ResourcesRequest(),
     Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1),
+    Kind.BEAT: wire.Beat("a" * 32, 7, ADDRESS, 3, "b" * 32, 5, 4, 12.5, ADDRESS),
+    Kind.BEAT_ECHO: wire.BeatEcho("a" * 32, 12.5),
+    Kind.VOTE_REQUEST: wire.VoteRequest(4, "a" * 32, 5, True),
+    Kind.VOTE: wire.Vote(4, "b" * 32, False, True, "a master is alive"),
+    Kind.CLUSTER_VIEW: wire.ClusterView(3, "b" * 32, 5, [
+        {"node_id": "a" * 32, "address": ADDRESS, "incarnation": 7, "resources": {"CPU": 2.0},
+         "profile": {"cores": 2}, "state": "alive"}]),
+    Kind.JOIN_CLUSTER: wire.JoinCluster(2, [{"node_id": "a" * 32, "address": ADDRESS}]),
+    Kind.WATCH_CLUSTER: wire.WatchCluster(4, 10.0),
+    Kind.CLUSTER_STATE: wire.ClusterState(5, ("c" * 32,), "b" * 32, 3, 5),
+    Kind.PROBE: wire.Probe(b"x" * 100),
     Kind.INIT_ACTOR: wire.InitActor(
         actor_id="actor-1", cls_id="cls-1", cls_ref=Pickled(pickle.dumps(dict)), args=[],
         kwargs={"a": 1}, options={}, incarnation=1),
