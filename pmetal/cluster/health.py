@@ -120,6 +120,12 @@ class _Peer:
 
 
 class HealthMonitor:
+    """The failure detector of one node. Its shell calls :meth:`watch` when
+    a peer becomes a member (never for itself), :meth:`heard` for every
+    message a peer sends (with ``rtt=now - echo.sent`` for a ``BeatEcho``
+    answering its own ``Beat``), :meth:`tick` every ``config.interval``, and
+    :meth:`forget` when the member list drops a peer."""
+
     def __init__(self, config: HealthConfig, now: float) -> None:
         self.config = config
         self._now = now

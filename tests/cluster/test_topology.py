@@ -322,3 +322,42 @@ def test_bandwidth_from_one_size_or_nothing() -> None:
         bandwidth_from([])
     with pytest.raises(PMetalValueError, match="no probe timing"):
         bandwidth_from([(1000, 0.0), (0, 1.0)])
+
+
+def test_a_probe_over_a_real_loopback_socket_gives_a_plausible_bandwidth() -> None:
+    """The probe's pure part on real timings: ZeroMQ over TCP on 127.0.0.1,
+    each payload answered by a few bytes, as a node answers a Probe with an Ack."""
+    import threading
+    import time
+
+    import zmq
+
+    ctx = zmq.Context.instance()
+    server, client = ctx.socket(zmq.REP), ctx.socket(zmq.REQ)
+    for s in (server, client):
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.RCVTIMEO, 5000)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client.connect(f"tcp://127.0.0.1:{port}")
+    plan = probe_plan(4 << 20, 3)
+
+    def answer() -> None:
+        for _ in plan:
+            server.send(str(len(server.recv())).encode())
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        samples = []
+        for size in plan:
+            start = time.perf_counter()
+            client.send(b"\0" * size)
+            assert int(client.recv()) == size
+            samples.append((size, time.perf_counter() - start))
+        thread.join(5)
+    finally:
+        server.close()
+        client.close()
+    rate = bandwidth_from(samples)
+    print(f"loopback probe: {rate / 1e6:.0f} MB/s")
+    assert 1e6 < rate < 1e12        # between a slow Wi-Fi and nothing real
