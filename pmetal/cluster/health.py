@@ -40,6 +40,7 @@ import statistics as stats
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pmetal.config import HealthConfig
 from pmetal.errors import PMetalValueError
@@ -92,6 +93,10 @@ class HealthSummary:
     beats: int              # messages heard (watching counts as none)
     missed: int             # beats expected but not heard (estimated from gaps)
     since: float            # when the status last changed
+
+    def to_dict(self) -> dict[str, Any]:
+        """For ``pmetal status --json``: the status as its string."""
+        return {**dataclasses.asdict(self), "status": self.status.value}
 
 
 @dataclass(frozen=True)
