@@ -40,6 +40,7 @@ import statistics as stats
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pmetal.config import HealthConfig
 from pmetal.errors import PMetalValueError
@@ -93,6 +94,10 @@ class HealthSummary:
     missed: int             # beats expected but not heard (estimated from gaps)
     since: float            # when the status last changed
 
+    def to_dict(self) -> dict[str, Any]:
+        """For ``pmetal status --json``: the status as its string."""
+        return {**dataclasses.asdict(self), "status": self.status.value}
+
 
 @dataclass(frozen=True)
 class HealthStatistics:
@@ -120,6 +125,12 @@ class _Peer:
 
 
 class HealthMonitor:
+    """The failure detector of one node. Its shell calls :meth:`watch` when
+    a peer becomes a member (never for itself), :meth:`heard` for every
+    message a peer sends (with ``rtt=now - echo.sent`` for a ``BeatEcho``
+    answering its own ``Beat``), :meth:`tick` every ``config.interval``, and
+    :meth:`forget` when the member list drops a peer."""
+
     def __init__(self, config: HealthConfig, now: float) -> None:
         self.config = config
         self._now = now

@@ -5,6 +5,7 @@ silence."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -260,6 +261,9 @@ def test_summary_and_statistics() -> None:
     assert (b.node_id, b.status, b.rtt, b.beats, b.since) == ("b", D, None, 0, 1.0)
     assert b.missed == 9
     assert m.summary(now=0.0)[0].silent_for == 0.0
+    assert json.loads(json.dumps(b.to_dict())) == {
+        "node_id": "b", "status": "dead", "silent_for": 1.0, "rtt": None, "rtt_p90": None,
+        "beats": 0, "missed": 9, "since": 1.0}
     assert m.statistics() == HealthStatistics(
         watched=2, healthy=1, degraded=0, suspect=0, dead=1, heard=6, events=1, deaths=1,
         returns=0, subscriber_errors=0)

@@ -1,0 +1,668 @@
+"""The master election and the member list: a pure state machine.
+
+:class:`ElectionManager` owns, for one node, the election state (term,
+role, the master it follows, whom it voted for) and the member list the
+master dictates (:mod:`pmetal.cluster.view`, versioned by ``epoch``). It
+does no I/O and reads no clock: the node's shell feeds it messages
+(:meth:`~ElectionManager.receive`), ticks, discoveries and the failure
+detector's verdicts, each with ``now``; it answers with :class:`Outgoing`
+messages to send and queues :class:`ElectionEvent` for the shell. Its
+randomness comes from the ``random.Random`` it is given, so a simulation
+with a seeded generator replays exactly.
+
+The rules are Raft's leader election with pre-vote and check-quorum:
+
+- Terms only grow; a node votes at most once per term, never for a
+  candidate whose member-list epoch is older than its own, and never while
+  it heard its master within ``election.timeout`` (stickiness: a node back
+  from a partition cannot depose a healthy master or inflate terms).
+- A follower whose master is silent for ``timeout`` plus a random part of up
+  to half of it asks for pre-votes (nobody changes term); with a quorum of
+  them it becomes candidate in the next term; with a quorum of votes,
+  master. The master's Beat (``master`` = itself) asserts its mastership.
+- A master that has not heard from a quorum of members for ``timeout``
+  steps down, so a minority side never keeps a master.
+- Quorum (:func:`pmetal.cluster.view.has_quorum`): over the member list,
+  dead members included until removed; more than half, or exactly half
+  holding the smallest node id. **Two nodes**: the lower id alone is a
+  quorum and the higher id is not. When they cannot hear each other, the
+  lower id keeps (or becomes) master and the higher id has none; when the
+  lower id dies, the higher id stays without a master until it returns.
+  Two nodes cannot survive the loss of the lower id without risking two
+  masters when they are merely cut off from each other, and a cut-off
+  network is far more common at home than a machine that never returns.
+
+What changes the member list: only the master. It adds a node that asks
+(:class:`~pmetal.wire.JoinCluster`) or that beats with no master, marks a
+member "dead" as soon as the failure detector says so (the runtime restarts
+its actors on that ``view`` event), drops it after ``health.remove_after``
+seconds dead, and replaces an entry when a Beat shows a new incarnation.
+Every change increments ``epoch`` and goes to every member as a
+:class:`~pmetal.wire.ClusterView` carrying the master's term; followers
+adopt views from their master when the epoch is newer, and refuse stale
+terms. A node that such a view marks dead, or drops, is *fenced*: the
+shell kills its actors and calls :meth:`ElectionManager.fence` with a new
+incarnation, and the node rejoins.
+
+Bootstrap: for ``election.bootstrap`` seconds a fresh node elects no one
+and votes for no one, unless it hears of a master, which it then joins.
+Then its list is itself plus the nodes it discovered. A fresh node (term
+0) that founds a cluster starts at a random term, so that clusters formed
+apart (or a node restarted without memory) practically never reuse a term
+another cluster used. Two masters that meet merge: the one with fewer
+members (tie: the larger node id) yields, sends its members to the other
+in a JoinCluster and becomes a follower; the winner adds them and runs an
+election above both terms, so the merged cluster gets a term no one used.
+
+Guarantees: at most one master per term among nodes that can exchange
+votes, provided a message is not delayed longer than ``bootstrap`` minus
+the election timeout (a restarted node, having forgotten its vote, votes
+again only after its bootstrap window). Not guaranteed: a master at every
+moment (there is none during an election or on a minority side); that two
+clusters formed apart never share a term (it is random: one chance in
+about 2**31 per pair of clusters per term).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pmetal.cluster.view import ALIVE, DEAD, MemberList, entry, has_quorum, valid
+from pmetal.config import ElectionConfig, HealthConfig
+from pmetal.wire import Beat, ClusterView, JoinCluster, Message, Vote, VoteRequest
+
+__all__ = ["ElectionEvent", "ElectionManager", "ElectionState", "ElectionStatistics",
+           "Outgoing", "Role"]
+
+log = logging.getLogger(__name__)
+
+_FOUNDING_TERMS = 2 ** 31   # a fresh node's first term is random below this
+
+
+class Role(enum.Enum):
+    FOLLOWER = "follower"
+    CANDIDATE = "candidate"
+    MASTER = "master"
+
+
+@dataclass(frozen=True)
+class ElectionState:
+    term: int
+    role: Role
+    master: str               # "" while none is known
+    epoch: int
+    members: tuple[dict, ...]  # entries as in pmetal.wire, this node included
+    voted_for: str
+
+
+@dataclass(frozen=True)
+class ElectionEvent:
+    """For the shell. ``kind``: "elected" (this node became master),
+    "master" (a new master is known, this node included), "no_master" (the
+    master was lost or stepped down), "view" (the member list changed:
+    ``epoch``), "fenced" (the master declared this node dead or dropped
+    it: kill every actor, call :meth:`ElectionManager.fence` with a new
+    incarnation), "refused" (a join was refused: ``detail`` says why)."""
+
+    kind: str
+    term: int
+    master: str
+    epoch: int
+    at: float
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    to: str        # node id
+    address: str   # "" when unknown: answer on the connection it came from
+    message: Message
+
+
+@dataclass(frozen=True)
+class ElectionStatistics:
+    term: int
+    role: Role
+    epoch: int
+    members: int
+    elections: int        # candidacies started (real votes asked)
+    pre_votes: int        # pre-vote rounds started
+    won: int
+    votes_granted: int
+    votes_refused: int
+    stale: int            # messages refused for a stale term
+    views_sent: int
+    joins_refused: int
+    fenced: int
+
+
+class ElectionManager:
+    def __init__(self, me: Mapping[str, Any], config: ElectionConfig, health: HealthConfig, *,
+                 now: float, rng: random.Random, peers: Iterable[Mapping[str, Any]] = ()
+                 ) -> None:
+        self._me = entry(me)
+        self.node_id: str = self._me["node_id"]
+        self._config = config
+        self._health = health
+        self._rng = rng
+        self._term = 0
+        self._role = Role.FOLLOWER
+        self._master = ""
+        self._master_address = ""
+        self._voted_for = ""
+        self._members = MemberList([self._me])
+        self._view_term = 0             # term of the master whose view we hold
+        # The view we hold, from our master or its lineage, lists this
+        # incarnation alive: a later view that drops us fences us.
+        self._in_view = False
+        self._fence_pending = False
+        self._boot_until = now + config.bootstrap
+        self._booted = False
+        self._master_seen = now         # last sign of life of the master we follow
+        self._master_since = now
+        self._deadline = now + self._jitter(config.timeout)
+        self._granted: set[str] = set()  # pre-votes or votes for the current campaign
+        self._pre_term = 0              # term of the pre-vote round under way (0: none)
+        self._heard: dict[str, float] = {}
+        self._dead_since: dict[str, float] = {}
+        self._known: dict[str, dict[str, Any]] = {}   # discovered nodes by id
+        self._beats: dict[str, Beat] = {}            # last Beat of each node
+        self._events: list[ElectionEvent] = []
+        self._counts = dict.fromkeys(("elections", "pre_votes", "won", "granted", "refused",
+                                      "stale", "views", "joins_refused", "fenced"), 0)
+        for p in peers:
+            if valid(p) and p["node_id"] != self.node_id:
+                self._known[p["node_id"]] = entry(p)
+
+    # ---------------------------------------------------------------- reading
+
+    @property
+    def state(self) -> ElectionState:
+        return ElectionState(self._term, self._role, self._master, self._members.epoch,
+                             self._members.entries(), self._voted_for)
+
+    def events(self) -> list[ElectionEvent]:
+        """The events since the last call (drains them)."""
+        events, self._events = self._events, []
+        return events
+
+    def statistics(self) -> ElectionStatistics:
+        c = self._counts
+        return ElectionStatistics(self._term, self._role, self._members.epoch,
+                                  len(self._members), c["elections"], c["pre_votes"], c["won"],
+                                  c["granted"], c["refused"], c["stale"], c["views"],
+                                  c["joins_refused"], c["fenced"])
+
+    def beat(self, now: float) -> dict[str, Any]:
+        """The election fields of this node's next Beat."""
+        return {"term": self._term, "master": self._master, "epoch": self._members.epoch,
+                "size": len(self._members), "master_address": self._master_address}
+
+    # ----------------------------------------------------------------- inputs
+
+    def heard(self, node_id: str, now: float) -> None:
+        self._heard[node_id] = now
+
+    def discovered(self, member: Mapping[str, Any], now: float) -> list[Outgoing]:
+        if valid(member) and member["node_id"] != self.node_id:
+            self._known[member["node_id"]] = entry(member)
+        return []
+
+    def peer_dead(self, node_id: str, dead: bool, now: float) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        if not dead:
+            self._dead_since.pop(node_id, None)
+            return out
+        self._dead_since.setdefault(node_id, now)
+        if self._role is Role.MASTER:
+            e = self._members.get(node_id)
+            if e is not None and e["state"] == ALIVE and self._members.mark(node_id, DEAD):
+                self._view_changed(now, f"{node_id} dead", out)
+        elif node_id == self._master:
+            # No need to wait out the timeout: the detector already did.
+            self._lose_master(now, "master declared dead")
+            self._deadline = now + self._rng.uniform(0.0, self._config.timeout / 2)
+        return out
+
+    def fence(self, now: float, incarnation: int) -> list[Outgoing]:
+        """This node restarts as ``incarnation`` (its actors are gone): drop
+        mastership, forget admission and ask the master to take it back."""
+        self._me["incarnation"] = incarnation
+        self._fence_pending = False
+        self._in_view = False
+        if self._role is not Role.FOLLOWER:
+            self._step_down(now, "fenced")
+        self._members.put(self._me)
+        out: list[Outgoing] = []
+        if self._master:
+            out.append(self._join_message(self._master, self._master_address))
+        return out
+
+    def tick(self, now: float) -> list[Outgoing]:
+        out: list[Outgoing] = []
+        if not self._booted:
+            if now < self._boot_until:
+                return out
+            self._end_bootstrap(now)
+        if self._role is Role.MASTER:
+            self._master_tick(now, out)
+        elif self._role is Role.FOLLOWER:
+            if self._master and now - self._master_seen >= self._config.timeout:
+                self._lose_master(now, "master silent")
+                # The timeout already passed: only the random part is left.
+                self._deadline = now + self._rng.uniform(0.0, self._config.timeout / 2)
+            if not self._master and now >= self._deadline:
+                self._start_pre_vote(now, out)
+        elif now >= self._deadline:   # a candidacy that did not conclude
+            self._role = Role.FOLLOWER
+            self._start_pre_vote(now, out)
+        return out
+
+    def receive(self, sender: str, message: Message, now: float) -> list[Outgoing]:
+        self._heard[sender] = now
+        out: list[Outgoing] = []
+        if isinstance(message, Beat):
+            self._on_beat(sender, message, now, out)
+        elif isinstance(message, VoteRequest):
+            self._on_vote_request(sender, message, now, out)
+        elif isinstance(message, Vote):
+            self._on_vote(sender, message, now, out)
+        elif isinstance(message, ClusterView):
+            self._on_view(sender, message, now, out)
+        elif isinstance(message, JoinCluster):
+            self._on_join(sender, message, now, out)
+        return out
+
+    # ---------------------------------------------------------------- helpers
+
+    def _jitter(self, base: float) -> float:
+        return base + self._rng.uniform(0.0, self._config.timeout / 2)
+
+    def _event(self, kind: str, now: float, detail: str = "") -> None:
+        self._events.append(ElectionEvent(kind, self._term, self._master, self._members.epoch,
+                                          now, detail))
+
+    def _address(self, node_id: str) -> str:
+        e = self._members.get(node_id) or self._known.get(node_id)
+        if e is not None:
+            return e["address"]
+        beat = self._beats.get(node_id)
+        return beat.address if beat is not None else ""
+
+    def _others(self) -> list[str]:
+        return [n for n in self._members.ids() if n != self.node_id]
+
+    def _next_term(self) -> int:
+        if self._members.epoch == 0:
+            # A founding election, over a list no master made: nodes cut off
+            # from each other at start may found clusters with lists that
+            # do not intersect, so their terms must not collide. Random.
+            seen = max((b.term for b in self._beats.values()), default=0)
+            return max(self._term, seen) + self._rng.randrange(1, _FOUNDING_TERMS)
+        return self._term + 1
+
+    def _adopt_term(self, term: int, now: float) -> None:
+        """A higher term exists: follow it (no vote cast in it yet)."""
+        if self._role is not Role.FOLLOWER:
+            self._step_down(now, f"term {term} seen")
+        elif self._master:
+            self._lose_master(now, f"term {term} seen")
+        self._term = term
+        self._voted_for = ""
+        self._pre_term = 0
+
+    def _step_down(self, now: float, why: str) -> None:
+        was_master = self._role is Role.MASTER
+        self._role = Role.FOLLOWER
+        self._granted = set()
+        self._pre_term = 0
+        if was_master:
+            log.info("master %s steps down in term %d: %s", self.node_id[:8], self._term, why)
+            self._master = ""
+            self._master_address = ""
+            self._event("no_master", now, why)
+        self._deadline = now + self._jitter(self._config.timeout)
+
+    def _lose_master(self, now: float, why: str) -> None:
+        if self._master:
+            self._master = ""
+            self._master_address = ""
+            self._event("no_master", now, why)
+        self._deadline = now + self._jitter(self._config.timeout)
+
+    def _follow(self, master: str, address: str, now: float) -> None:
+        self._master_seen = now
+        if self._master == master:
+            return
+        if self._role is not Role.FOLLOWER:
+            self._role = Role.FOLLOWER
+            self._granted = set()
+        self._pre_term = 0
+        if master not in self._members:
+            # A master from another cluster: we are not in its list yet.
+            self._in_view = False
+        self._master = master
+        self._master_address = address
+        self._event("master", now)
+
+    def _end_bootstrap(self, now: float) -> None:
+        self._booted = True
+        if self._master or self._term:
+            return
+        # Found the cluster among the nodes discovered (heard from) so far.
+        for node_id, e in self._known.items():
+            if node_id in self._heard and node_id not in self._members:
+                self._members.put(e)
+        # Epoch 0: a list no master made yet. Nodes that hold one loses every
+        # vote against them, so a restarted node cannot outvote the list
+        # its old cluster agreed on.
+        self._members.epoch = 0
+        self._deadline = now + self._rng.uniform(0.0, self._config.timeout / 2)
+
+    # ---------------------------------------------------------------- votes
+
+    def _start_pre_vote(self, now: float, out: list[Outgoing]) -> None:
+        self._pre_term = self._next_term()
+        self._granted = {self.node_id}
+        self._counts["pre_votes"] += 1
+        self._deadline = now + self._jitter(self._config.timeout)
+        if has_quorum(self._granted, self._members.ids()):
+            self._start_candidacy(now, out, self._pre_term)
+            return
+        request = VoteRequest(self._pre_term, self.node_id, self._members.epoch, True)
+        out.extend(Outgoing(n, self._address(n), request) for n in self._others())
+
+    def _start_candidacy(self, now: float, out: list[Outgoing], term: int) -> None:
+        was_master = self._role is Role.MASTER
+        self._term = term
+        self._role = Role.CANDIDATE
+        self._voted_for = self.node_id
+        self._granted = {self.node_id}
+        self._pre_term = 0
+        if was_master or self._master:
+            self._master = ""
+            self._master_address = ""
+            self._event("no_master", now, "new election")
+        self._counts["elections"] += 1
+        self._deadline = now + self._jitter(self._config.timeout)
+        if has_quorum(self._granted, self._members.ids()):
+            self._become_master(now, out)
+            return
+        request = VoteRequest(term, self.node_id, self._members.epoch, False)
+        out.extend(Outgoing(n, self._address(n), request) for n in self._others())
+
+    def _become_master(self, now: float, out: list[Outgoing]) -> None:
+        self._role = Role.MASTER
+        self._master = self.node_id
+        self._master_address = self._me["address"]
+        self._master_since = now
+        self._in_view = True
+        self._counts["won"] += 1
+        log.info("node %s is master in term %d", self.node_id[:8], self._term)
+        self._event("elected", now)
+        self._event("master", now)
+        # A new epoch under the new term: every member adopts this view.
+        self._members.epoch += 1
+        self._view_term = self._term
+        for node_id, since in self._dead_since.items():
+            self._members.mark(node_id, DEAD)
+        self._view_changed(now, "elected", out)
+
+    def _on_vote_request(self, sender: str, r: VoteRequest, now: float,
+                         out: list[Outgoing]) -> None:
+        why = self._refusal(r, now)
+        if not why and not r.pre:
+            if r.term > self._term:
+                # Raft: a real request past every lease moves us to its term
+                # even when we refuse it, so the node that can win campaigns
+                # above it next.
+                self._adopt_term(r.term, now)
+            if self._voted_for not in ("", r.candidate):
+                why = f"voted for {self._voted_for} in term {self._term}"
+        if not why and r.epoch < self._members.epoch:
+            why = f"member list epoch {r.epoch} older than {self._members.epoch}"
+        if why:
+            self._counts["refused"] += 1
+            out.append(Outgoing(sender, self._address(sender),
+                                Vote(self._term, self.node_id, False, r.pre, why)))
+            return
+        if not r.pre:
+            self._voted_for = r.candidate
+            self._deadline = now + self._jitter(self._config.timeout)
+        self._counts["granted"] += 1
+        out.append(Outgoing(sender, self._address(sender),
+                            Vote(r.term, self.node_id, True, r.pre)))
+
+    def _refusal(self, r: VoteRequest, now: float) -> str:
+        if not self._booted:
+            # A restarted node forgot whom it voted for: it must not vote
+            # again until every election it may have voted in is over.
+            return "bootstrapping"
+        if r.term < self._term or (r.pre and r.term == self._term):
+            self._counts["stale"] += 1
+            return f"stale term {r.term} < {self._term}"
+        if self._role is Role.MASTER:
+            return "this node is master"
+        if (self._master and self._master != r.candidate
+                and now - self._master_seen < self._config.timeout):
+            return f"master {self._master} is alive"
+        return ""
+
+    def _on_vote(self, sender: str, v: Vote, now: float, out: list[Outgoing]) -> None:
+        if not v.granted:
+            if v.term > self._term:
+                self._adopt_term(v.term, now)
+            return
+        if v.pre:
+            if self._role is Role.FOLLOWER and self._pre_term and v.term == self._pre_term:
+                self._granted.add(v.voter)
+                if has_quorum(self._granted, self._members.ids()):
+                    self._start_candidacy(now, out, self._pre_term)
+        elif self._role is Role.CANDIDATE and v.term == self._term:
+            self._granted.add(v.voter)
+            if has_quorum(self._granted, self._members.ids()):
+                self._become_master(now, out)
+
+    # ---------------------------------------------------------------- beats
+
+    def _on_beat(self, sender: str, b: Beat, now: float, out: list[Outgoing]) -> None:
+        self._beats[sender] = b
+        if sender not in self._known:
+            self._known[sender] = entry({"node_id": sender, "address": b.address,
+                                         "incarnation": b.incarnation})
+        if self._role is Role.MASTER:
+            self._master_beat(sender, b, now, out)
+            return
+        if b.master == sender:
+            if not self._booted or self._term == 0:
+                # A fresh node joins the master it hears of, whatever its term.
+                self._term = max(self._term, b.term) if self._term else b.term
+                if b.term == self._term:
+                    self._follow(sender, b.address, now)
+            elif b.term > self._term:
+                self._adopt_term(b.term, now)
+                self._follow(sender, b.address, now)
+            elif b.term == self._term:
+                if self._master in ("", sender):
+                    self._follow(sender, b.address, now)
+            else:
+                self._counts["stale"] += 1
+                return
+            if self._master == sender and not self._in_view:
+                out.append(self._join_message(sender, b.address))
+        elif sender == self._master:
+            self._lose_master(now, f"master {sender} says it is not master")
+
+    def _master_beat(self, sender: str, b: Beat, now: float, out: list[Outgoing]) -> None:
+        member = self._members.get(sender)
+        if b.master == sender:
+            self._meet_master(sender, b, now, out)
+            return
+        if member is None:
+            if b.master in ("", self.node_id):
+                # A node with no master, or one that follows us unlisted: take it in.
+                self._add(now, out, [entry({"node_id": sender, "address": b.address,
+                                            "incarnation": b.incarnation,
+                                            **self._extra(sender)})], b.term, b.epoch)
+            return
+        if b.incarnation > member["incarnation"]:
+            self._add(now, out, [entry({"node_id": sender, "address": b.address,
+                                        "incarnation": b.incarnation, **self._extra(sender)})],
+                      b.term, b.epoch)
+        elif b.term > self._term:
+            # A member in a term above ours: it campaigned while it could
+            # not hear us, or follows a newer master. Raft: step down.
+            self._adopt_term(b.term, now)
+        elif b.master != self.node_id or b.epoch != self._members.epoch:
+            self._send_view(sender, out)
+
+    def _extra(self, node_id: str) -> dict[str, Any]:
+        known = self._known.get(node_id) or {}
+        return {"resources": known.get("resources", {}), "profile": known.get("profile", {})}
+
+    def _meet_master(self, other: str, b: Beat, now: float, out: list[Outgoing]) -> None:
+        """Two masters: Raft's rule within one cluster, the merge rule across."""
+        if self._members.same_incarnation(other, b.incarnation):
+            if b.term > self._term:
+                self._adopt_term(b.term, now)
+                self._follow(other, b.address, now)
+            return
+        mine = (len(self._members), other)
+        theirs = (b.size, self.node_id)
+        if mine >= theirs:
+            return   # it yields to us when it sees our Beat
+        log.info("master %s yields to master %s (%d members against %d)", self.node_id[:8],
+                 other[:8], len(self._members), b.size)
+        joining = [self._me] + [e for e in self._members.entries() if e["node_id"] != self.node_id]
+        out.append(Outgoing(other, b.address, JoinCluster(self._term, joining)))
+        self._step_down(now, f"merging into the cluster of {other}")
+
+    # ------------------------------------------------------ membership (master)
+
+    def _master_tick(self, now: float, out: list[Outgoing]) -> None:
+        timeout = self._config.timeout
+        if now - self._master_since >= timeout:
+            recent = {n for n, t in self._heard.items() if now - t < timeout}
+            recent.add(self.node_id)
+            if not has_quorum(recent, self._members.ids()):
+                self._step_down(now, "no quorum heard")
+                return
+        remove_after = self._health.remove_after
+        gone = [n for n, t in self._dead_since.items()
+                if now - t >= remove_after and n in self._members and n != self.node_id]
+        for node_id in gone:
+            self._members.remove(node_id)
+        if gone:
+            self._view_changed(now, "removed " + ",".join(gone), out)
+
+    def _on_join(self, sender: str, j: JoinCluster, now: float, out: list[Outgoing]) -> None:
+        members = [m for m in j.members if valid(m)] if isinstance(j.members, list) else []
+        if not members or members[0]["node_id"] != sender:
+            self._refuse(now, f"join from {sender}: the sender must be its first member")
+            return
+        if self._role is not Role.MASTER:
+            return   # it learns the master from our Beat and asks it
+        if any(m["node_id"] == self.node_id for m in members):
+            self._refuse(now, f"join from {sender}: lists this master's own id "
+                              f"{self.node_id} (a cloned identity?)")
+            return
+        beat = self._beats.get(sender)
+        self._add(now, out, [entry(m) for m in members], j.term,
+                  beat.epoch if beat is not None else 0, answer=sender)
+
+    def _refuse(self, now: float, why: str) -> None:
+        log.warning("refused %s", why)
+        self._counts["joins_refused"] += 1
+        self._event("refused", now, why)
+
+    def _add(self, now: float, out: list[Outgoing], members: list[dict[str, Any]], term: int,
+             epoch: int, answer: str = "") -> None:
+        changed = False
+        for m in members:
+            cur = self._members.get(m["node_id"])
+            if cur is not None and cur["incarnation"] >= m["incarnation"]:
+                continue   # known (an old incarnation's stale request, or a repeat)
+            self._dead_since.pop(m["node_id"], None)
+            changed |= self._members.put(m)
+        top = max([term] + [b.term for n, b in self._beats.items()
+                            if any(m["node_id"] == n for m in members)])
+        if changed:
+            self._members.epoch = max(self._members.epoch, epoch + 1)
+        if changed and (top > self._term or len(members) > 1):
+            # A merge (a master yielded its members to us), or newcomers
+            # that saw a term above ours and would refuse our views as
+            # stale: lead the merged list into a term above both, by a real
+            # election, so that nothing either old master decided can pass
+            # for a decision of the merged cluster.
+            self._start_candidacy(now, out, max(top, self._term) + 1)
+            return
+        if changed:
+            self._view_changed(now, "joined " + ",".join(m["node_id"] for m in members), out)
+        elif answer:
+            self._send_view(answer, out)
+
+    def _view_changed(self, now: float, why: str, out: list[Outgoing]) -> None:
+        self._event("view", now, why)
+        for node_id in self._others():
+            self._send_view(node_id, out)
+
+    def _send_view(self, node_id: str, out: list[Outgoing]) -> None:
+        self._counts["views"] += 1
+        out.append(Outgoing(node_id, self._address(node_id),
+                            ClusterView(self._term, self.node_id, self._members.epoch,
+                                        list(self._members.entries()))))
+
+    def _join_message(self, master: str, address: str) -> Outgoing:
+        return Outgoing(master, address or self._address(master),
+                        JoinCluster(self._term, [dict(self._me)]))
+
+    # ----------------------------------------------------------------- views
+
+    def _on_view(self, sender: str, v: ClusterView, now: float, out: list[Outgoing]) -> None:
+        if v.master != sender or not isinstance(v.members, list):
+            return
+        if v.term < self._term:
+            self._counts["stale"] += 1
+            return
+        if self._role is Role.MASTER:
+            if v.term == self._term:
+                return
+            self._adopt_term(v.term, now)
+        elif v.term > self._term:
+            self._adopt_term(v.term, now)
+        elif self._master not in ("", sender):
+            return
+        self._term = v.term
+        self._follow(sender, self._address(sender), now)
+        if (v.term, v.epoch) <= (self._view_term, self._members.epoch):
+            return
+        members = [m for m in v.members if valid(m)]
+        self._members.replace(members, v.epoch)
+        self._view_term = v.term
+        self._event("view", now)
+        mine = self._members.get(self.node_id)
+        if mine is not None and mine["incarnation"] == self._me["incarnation"]:
+            if mine["state"] == ALIVE:
+                self._in_view = True
+                return
+            fenced = True
+        else:
+            # Dropped while admitted: fenced. Listed as an older incarnation
+            # (a master that missed our rejoin): just ask again.
+            fenced = mine is None and self._in_view
+        if mine is None or mine["incarnation"] != self._me["incarnation"]:
+            self._members.put(self._me)   # keep ourselves in our own list
+            self._members.epoch = v.epoch
+        if fenced and not self._fence_pending:
+            self._fence_pending = True
+            self._counts["fenced"] += 1
+            log.warning("node %s fenced by master %s in term %d", self.node_id[:8], sender[:8],
+                        v.term)
+            self._event("fenced", now, "the master declared this node dead or dropped it")
+        elif not fenced:
+            out.append(self._join_message(sender, self._address(sender)))

@@ -1,0 +1,116 @@
+"""The member list the master owns, and the quorum rule over it.
+
+A member entry is a plain map, as on the wire (see the comment above
+:class:`pmetal.wire.Beat`): ``node_id``, ``address``, ``incarnation``,
+``resources``, ``profile`` and, in a master's view, ``state`` ("alive" or
+"dead"). :class:`MemberList` keeps them by node id together with the
+``epoch`` that versions the list; the election (pmetal.cluster.election)
+is the only writer.
+
+Quorum: more than half of the members (dead or alive: a member counts as a
+voter until the master removes it), or exactly half when that half holds
+the member with the smallest node id. The tie-breaker decides even splits,
+so that one side of a 2-2 partition keeps a master; in a two-node cluster
+the node with the lower id is a quorum on its own and the other is not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any
+
+__all__ = ["ALIVE", "DEAD", "MemberList", "entry", "has_quorum"]
+
+ALIVE = "alive"
+DEAD = "dead"
+
+
+def has_quorum(granted: Collection[str], voters: Collection[str]) -> bool:
+    """Whether ``granted`` is a quorum of ``voters`` (see the module docstring)."""
+    if not voters:
+        return False
+    count = sum(1 for v in voters if v in granted)
+    twice = 2 * count
+    return twice > len(voters) or (twice == len(voters) and min(voters) in granted)
+
+
+def entry(member: Mapping[str, Any], state: str = ALIVE) -> dict[str, Any]:
+    """A clean member entry from whatever map describes a node (a discovery
+    record, a JoinCluster entry, a view entry): unknown keys dropped."""
+    return {
+        "node_id": str(member["node_id"]),
+        "address": str(member.get("address", "")),
+        "incarnation": int(member.get("incarnation", 0)),
+        "resources": dict(member.get("resources") or {}),
+        "profile": dict(member.get("profile") or {}),
+        "state": state,
+    }
+
+
+def valid(member: Any) -> bool:
+    """Whether a received map can be a member entry."""
+    return (isinstance(member, Mapping) and isinstance(member.get("node_id"), str)
+            and bool(member["node_id"]) and isinstance(member.get("incarnation", 0), int)
+            and isinstance(member.get("address", ""), str))
+
+
+class MemberList:
+    """Member entries by node id, and the epoch that versions them."""
+
+    __slots__ = ("epoch", "_entries")
+
+    def __init__(self, entries: Iterable[Mapping[str, Any]] = (), epoch: int = 0) -> None:
+        self._entries: dict[str, dict[str, Any]] = {}
+        for e in entries:
+            self._entries[e["node_id"]] = entry(e, e.get("state", ALIVE))
+        self.epoch = epoch
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, node_id: str) -> dict[str, Any] | None:
+        return self._entries.get(node_id)
+
+    def ids(self) -> list[str]:
+        return list(self._entries)
+
+    def entries(self) -> tuple[dict[str, Any], ...]:
+        """Copies, sorted by node id (the order of every view on the wire)."""
+        return tuple(dict(self._entries[k]) for k in sorted(self._entries))
+
+    def put(self, member: Mapping[str, Any], state: str = ALIVE) -> bool:
+        """Add or replace a member; True (and epoch + 1) if that changed the list."""
+        new = entry(member, state)
+        if self._entries.get(new["node_id"]) == new:
+            return False
+        self._entries[new["node_id"]] = new
+        self.epoch += 1
+        return True
+
+    def mark(self, node_id: str, state: str) -> bool:
+        e = self._entries.get(node_id)
+        if e is None or e["state"] == state:
+            return False
+        e["state"] = state
+        self.epoch += 1
+        return True
+
+    def remove(self, node_id: str) -> bool:
+        if self._entries.pop(node_id, None) is None:
+            return False
+        self.epoch += 1
+        return True
+
+    def replace(self, entries: Iterable[Mapping[str, Any]], epoch: int) -> None:
+        """Adopt a master's view."""
+        self._entries = {}
+        for e in entries:
+            self._entries[e["node_id"]] = entry(e, e.get("state", ALIVE))
+        self.epoch = epoch
+
+    def same_incarnation(self, node_id: str, incarnation: int) -> bool:
+        e = self._entries.get(node_id)
+        return e is not None and e["incarnation"] == incarnation
