@@ -341,3 +341,8 @@ def error_text(body: Message) -> str:
 def shm_objects() -> set[str]:
     """Names of the shared-memory objects this process's pmetal code made."""
     return {name[1:] for name in shm.objects(creators=(os.getpid(),))}
+
+
+# ------------------------------------------------------- network namespaces
+
+from netlab import netlab  # noqa: E402,F401 - the fixture, for tests/cluster
