@@ -415,3 +415,54 @@ def test_pmetal_discover_in_the_lab_lists_nodes_of_other_hosts(netlab, tmp_path)
     assert done.returncode == 1, done.stderr
     assert "no pmetal node answered" in done.stdout and "--peers" in done.stdout
     assert "Local Network" in done.stdout
+
+
+LAB_NODE = r"""
+import asyncio, sys, time
+from pmetal.cluster.discovery import Discovery
+from pmetal.security import NetworkNamespace
+node_id, host, psk, expect = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+async def main():
+    seen = set()
+    everyone = asyncio.Event()
+    def on_peer(peer):
+        seen.add(peer.node_id)
+        if len(seen) >= expect:
+            everyone.set()
+    d = Discovery(node_id, f"tcp://{host}:7420", NetworkNamespace("lab", psk.encode()),
+                  interfaces=[host], on_peer=on_peer)
+    t0 = time.monotonic()
+    await d.start()
+    print("started", time.time(), flush=True)
+    await asyncio.wait_for(everyone.wait(), 10)
+    print("saw", len(seen), time.monotonic() - t0, time.time(), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    await d.close()
+asyncio.run(main())
+"""
+
+
+def test_four_lab_hosts_discover_each_other_across_the_bridge(netlab):
+    lab = netlab(4)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    psk = "a-lab-psk-of-enough-length-6789"
+    procs = [lab.python(h, LAB_NODE, new_id(), h.address, psk, "3", stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True, env=env) for h in lab.hosts]
+    started, saw, took = [], [], []
+    for proc in procs:
+        word, at = proc.stdout.readline().split()
+        assert word == "started"
+        started.append(float(at))
+    for proc in procs:
+        line = proc.stdout.readline().split()
+        assert line and line[0] == "saw", f"a node did not see the 3 others: {line}"
+        took.append(float(line[2]))
+        saw.append(float(line[3]))
+    spread = max(saw) - max(started)
+    print(f"each of 4 hosts saw the 3 others {max(took):.3f} s at most after its start; "
+          f"all done {spread:.3f} s after the last one started")
+    assert max(took) < WAIT
+    for proc in procs:
+        proc.stdin.close()
+        assert proc.wait(WAIT) == 0
