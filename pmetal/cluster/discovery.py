@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -382,7 +383,7 @@ class Discovery:
         self.node_id = node_id
         self.address = address
         self._tag = namespace.tag.hex()
-        self._interfaces = interfaces
+        self.interfaces = interfaces
         self._incarnation = incarnation
         self._resources = dict(resources or {})
         self._on = {"peer": on_peer, "ignored": on_ignored, "gone": on_gone}
@@ -395,35 +396,38 @@ class Discovery:
         self.announcements = 0
 
     def __repr__(self) -> str:
-        return f"Discovery({self.node_id}, {self.address}, interfaces={self._interfaces})"
+        return f"Discovery({self.node_id}, {self.address}, interfaces={self.interfaces})"
 
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
         """Browse, then announce. Raises TransportError when mDNS cannot open."""
         if self._zc is not None or self._closed:
-            raise PMetalValueError(f"{self!r} was already started")
-        loop = self._loop or asyncio.get_running_loop()
-        self._loop = loop
-        self._zc = zc = await asyncio.to_thread(_open, self._interfaces)
+            raise PMetalValueError(f"{self!r} was already started (a Discovery starts once)")
+        self._loop = self._loop or asyncio.get_running_loop()
+        zc = await asyncio.to_thread(_open, self.interfaces)
         self._watcher = _Watcher(zc, self._tag, self._deliver, self.node_id, self.address)
-        await asyncio.wait_for(asyncio.wrap_future(_run(zc, self._start_in_zeroconf())),
-                               _ZEROCONF_TIMEOUT)
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(_run(zc, self._start_in_zeroconf(zc))),
+                                   _ZEROCONF_TIMEOUT)
+        except BaseException:
+            await asyncio.to_thread(self._shutdown, zc)
+            raise
+        self._zc = zc
         log.info("mDNS: announcing %s at %s on %s", self.node_id, self.address,
-                 self._interfaces)
+                 self.interfaces)
 
-    async def _start_in_zeroconf(self) -> None:
-        assert self._zc is not None and self._watcher is not None
+    async def _start_in_zeroconf(self, zc: Zeroconf) -> None:
+        assert self._watcher is not None
         # Browsing first: the answers to our first query also tell us who was there.
         await self._watcher.start()
         self._info = self._service_info()
         try:
-            announced = await self._zc.async_register_service(self._info,
-                                                              cooperating_responders=True)
+            # Returns the task that sends the three announcements: it runs on by itself.
+            await zc.async_register_service(self._info, cooperating_responders=True)
         except NonUniqueNameException as exc:  # cannot happen without probing; be explicit
             raise TransportError(f"mDNS name {self._info.name} is taken") from exc
         self.announcements += 1
-        del announced  # the three announcements go on in zeroconf's loop
 
     async def close(self) -> None:
         """Withdraw the record (goodbye packets) and stop; bounded, never raises
@@ -441,6 +445,9 @@ class Discovery:
     def _shutdown(self, zc: Zeroconf) -> None:
         """Zeroconf's close sends the goodbyes of our record, then stops its thread."""
         try:
+            # Let re-announcements finish: once zeroconf's loop stops, their
+            # futures (which update() returned) would never complete.
+            futures.wait(list(self._pending), timeout=_ZEROCONF_TIMEOUT)
             if self._watcher is not None:
                 _run(zc, self._watcher.stop()).result(_ZEROCONF_TIMEOUT)
         finally:
@@ -478,16 +485,15 @@ class Discovery:
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        future = _run(zc, self._reannounce(self._service_info()))
+        future = _run(zc, self._reannounce(zc, self._service_info()))
         self._pending.add(future)
         future.add_done_callback(self._reannounced)
         return future
 
-    async def _reannounce(self, info: ServiceInfo) -> None:
-        assert self._zc is not None
+    async def _reannounce(self, zc: Zeroconf, info: ServiceInfo) -> None:
         self._info = info
         self.announcements += 1
-        await (await self._zc.async_update_service(info))
+        await (await zc.async_update_service(info))
 
     def _reannounced(self, future: Future[Any]) -> None:
         self._pending.discard(future)

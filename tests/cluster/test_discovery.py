@@ -34,7 +34,7 @@ from pmetal.cluster.discovery import (
     browse,
     discovery_interfaces,
 )
-from pmetal.errors import PMetalValueError
+from pmetal.errors import PMetalValueError, TransportError
 from pmetal.security import NetworkNamespace
 from pmetal.wire import PROTOCOL_VERSION
 
@@ -353,6 +353,18 @@ def test_interfaces_are_always_explicit():
 
     with pytest.raises(PMetalValueError, match="to_thread"):
         asyncio.run(inside_a_loop())
+
+
+def test_an_interface_this_machine_lacks_is_a_clear_error():
+    """10.255.255.1 is on no interface here: nothing can be sent through it."""
+    async def run() -> None:
+        d = Discovery(new_id(), "tcp://10.255.255.1:7420", NetworkNamespace.generate(),
+                      interfaces=["10.255.255.1"], on_peer=print)
+        with pytest.raises(TransportError, match="one of this machine's interfaces"):
+            await d.start()
+        await d.close()
+
+    scenario(run())
 
 
 # ------------------------------------------------------- pmetal discover
