@@ -27,6 +27,7 @@ from pmetal._version import __version__
 from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_arguments,
                               _run_config, _run_identity, _run_keygen)
 from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
+from pmetal.cli.discover import _discover_arguments, _run_discover
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
 from pmetal.errors import ConfigError, PMetalError
 
@@ -61,6 +62,8 @@ COMMANDS: dict[str, Command] = {
     "stop": Command("stop this machine's node daemon and its workers", _run_stop),
     "kill": Command("kill a named actor of the cluster (through this machine's node)",
                     _run_kill, _kill_arguments),
+    "discover": Command("list the pmetal nodes visible on the network (mDNS)",
+                        _run_discover, _discover_arguments),
 }
 
 
