@@ -415,6 +415,17 @@ def test_pmetal_discover_in_the_lab_lists_nodes_of_other_hosts(netlab, tmp_path)
     assert nodes[theirs]["namespace_match"] is False
     assert "another namespace" in nodes[theirs]["reason"]
     assert report["interfaces"] == [me.address] and report["hints"] == []
+
+    done = subprocess.run(  # the table a person reads
+        lab.argv(me, [sys.executable, "-m", "pmetal", "discover", "--timeout", "1",
+                      "--interfaces", me.address]),
+        capture_output=True, text=True, timeout=30,
+        env={**env, "PMETAL_PSK": psk, "PMETAL_SECURITY_NAMESPACE": "lab",
+             "PMETAL_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[2:]}
+    assert rows[ours].endswith("  yes") and "CPU 4, memory 8.0 GiB" in rows[ours]
+    assert "no: another namespace" in rows[theirs]
     for proc in announcers:
         proc.stdin.close()
         assert proc.wait(WAIT) == 0
