@@ -164,8 +164,8 @@ def test_three_nodes_find_each_other(ns):
                 ns.tag.hex(), PROTOCOL_VERSION, 2)
             assert peer.resources == resources
             assert {p.node_id for p in a.discovery.peers()} == set(a.peers)
-            stats = a.discovery.statistics()
-            assert (stats.peers, stats.ignored, stats.found, stats.announcements) == (2, 0, 2, 1)
+            stats = a.discovery.statistics()   # (ignored: whatever else runs on this machine)
+            assert (stats.peers, stats.found, stats.announcements) == (2, 2, 1)
         finally:
             for node in nodes:
                 await node.discovery.close()
@@ -239,7 +239,8 @@ def test_other_namespace_is_ignored_with_one_log_line(ns, caplog):
                           lambda: a.peers[friend.node_id].incarnation == 1)
             assert a.discovery.statistics().records >= before + 3
             assert list(a.peers) == [friend.node_id]
-            assert [p.node_id for p in a.discovery.ignored()] == [stranger.node_id]
+            # Other suites on this machine may add their nodes (other namespaces).
+            assert stranger.node_id in {p.node_id for p in a.discovery.ignored()}
             assert a.ignored[stranger.node_id].kind == "namespace"
             # INFO: clusters sharing a LAN are normal (pmetal discover shows them).
             lines = [r for r in caplog.records if r.levelno == logging.INFO
