@@ -54,12 +54,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from zeroconf import (
+    DNSOutgoing,
+    DNSQuestion,
     InterfaceChoice,
     IPVersion,
     NonUniqueNameException,
     ServiceInfo,
     ServiceStateChange,
     Zeroconf,
+    current_time_millis,
 )
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
@@ -68,12 +71,13 @@ from pmetal.security import NetworkNamespace
 from pmetal.wire import PROTOCOL_VERSION
 
 __all__ = [
-    "SERVICE_TYPE",
     "DiscoveredPeer",
     "Discovery",
     "DiscoveryStatistics",
     "IgnoredPeer",
     "Interfaces",
+    "REFRESH_INTERVAL",
+    "SERVICE_TYPE",
     "browse",
     "discovery_interfaces",
 ]
@@ -89,6 +93,9 @@ _ZEROCONF_TIMEOUT = 5.0
 _RESOLVE_TIMEOUT_MS = 3000
 """How long to ask for a record whose announcement arrived incomplete."""
 _GIB = float(1 << 30)
+_TYPE_PTR, _CLASS_IN, _FLAGS_QUERY = 12, 1, 0x0000   # DNS constants (RFC 1035)
+REFRESH_INTERVAL = 15.0
+"""Seconds between our own queries for pmetal records (see :class:`Discovery`)."""
 
 
 @dataclass(frozen=True)
@@ -133,6 +140,7 @@ class DiscoveryStatistics:
     gone: int                # peers whose records were withdrawn (goodbye or expiry)
     resolve_failures: int    # announcements whose full record never arrived
     announcements: int       # our own record, announced or re-announced
+    queries: int = 0         # our refresh queries (every refresh_interval, or refresh())
 
 
 def discovery_interfaces(configured: str, listen_address: str) -> list[str] | Literal["all"]:
@@ -217,8 +225,10 @@ class _Watcher:
     change: ("peer", DiscoveredPeer), ("ignored", IgnoredPeer), ("gone", id)."""
 
     def __init__(self, zc: Zeroconf, own_tag: str | None, deliver: Deliver,
-                 own_id: str = "", own_address: str = "") -> None:
+                 own_id: str = "", own_address: str = "", refresh: float = 0.0) -> None:
         self._zc = zc
+        self._refresh = refresh
+        self._timer: asyncio.TimerHandle | None = None
         self._own_tag = own_tag
         self._own_id = own_id
         self._own_address = own_address
@@ -231,12 +241,37 @@ class _Watcher:
         # Lookups of records that arrived incomplete: owned here, cancelled by stop().
         self._lookups: set[asyncio.Task[None]] = set()
         self.records = self.found = self.updated = self.gone = self.resolve_failures = 0
+        self.queries = 0
 
     async def start(self) -> None:
         self._browser = AsyncServiceBrowser(self._zc, [SERVICE_TYPE],
                                             handlers=[self._on_change])
+        if self._refresh > 0:
+            self._timer = asyncio.get_running_loop().call_later(self._refresh, self._tick)
+
+    def _tick(self) -> None:
+        self.query()
+        self._timer = asyncio.get_running_loop().call_later(self._refresh, self._tick)
+
+    def query(self) -> None:
+        """Ask for pmetal records now, listing those we know (RFC 6762 known
+        answers), so that only nodes we have not seen answer.
+
+        zeroconf's browser stops asking after its first four queries (about
+        14 s) and then only refreshes records it knows, near their expiry
+        (an hour): a node that was out of reach when it announced itself (a
+        partition, a laptop joining the Wi-Fi later) would stay unseen."""
+        out = DNSOutgoing(_FLAGS_QUERY)
+        out.add_question(DNSQuestion(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN))
+        now = current_time_millis()
+        for record in self._zc.cache.async_all_by_details(SERVICE_TYPE, _TYPE_PTR, _CLASS_IN):
+            out.add_answer_at_time(record, now)  # type: ignore[arg-type]
+        self.queries += 1
+        self._zc.async_send(out)
 
     async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
         if self._browser is not None:
             await self._browser.async_cancel()
         for task in list(self._lookups):
@@ -364,6 +399,9 @@ class Discovery:
     ``address`` is what peers dial (``tcp://ip:port``, the routable address);
     ``interfaces`` come from :func:`discovery_interfaces`. ``start()`` and
     ``close()`` are awaited on the node's loop, where the callbacks run.
+    Every ``refresh_interval`` seconds (0: never) it asks for the nodes it
+    has not seen, which finds those that were out of reach when they
+    announced themselves: one small packet, answered only by such nodes.
     """
 
     def __init__(self, node_id: str, address: str, namespace: NetworkNamespace, *,
@@ -372,7 +410,8 @@ class Discovery:
                  on_peer: Callable[[DiscoveredPeer], None],
                  on_ignored: Callable[[IgnoredPeer], None] | None = None,
                  on_gone: Callable[[str], None] | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None,
+                 refresh_interval: float = REFRESH_INTERVAL) -> None:
         host, _, port = address.partition("://")[2].rpartition(":")
         try:
             self._host = str(ipaddress.IPv4Address(host))
@@ -388,6 +427,7 @@ class Discovery:
         self._resources = dict(resources or {})
         self._on = {"peer": on_peer, "ignored": on_ignored, "gone": on_gone}
         self._loop = loop
+        self.refresh_interval = refresh_interval
         self._zc: Zeroconf | None = None
         self._watcher: _Watcher | None = None
         self._info: ServiceInfo | None = None
@@ -406,7 +446,8 @@ class Discovery:
             raise PMetalValueError(f"{self!r} was already started (a Discovery starts once)")
         self._loop = self._loop or asyncio.get_running_loop()
         zc = await asyncio.to_thread(_open, self.interfaces)
-        self._watcher = _Watcher(zc, self._tag, self._deliver, self.node_id, self.address)
+        self._watcher = _Watcher(zc, self._tag, self._deliver, self.node_id, self.address,
+                                 self.refresh_interval)
         try:
             await asyncio.wait_for(asyncio.wrap_future(_run(zc, self._start_in_zeroconf(zc))),
                                    _ZEROCONF_TIMEOUT)
@@ -453,6 +494,13 @@ class Discovery:
         finally:
             zc.close()
 
+    def refresh(self) -> None:
+        """Ask the network for nodes we have not seen, now (as every
+        ``refresh_interval`` seconds): e.g. when a link came back up."""
+        zc, watcher = self._zc, self._watcher
+        if zc is not None and watcher is not None and zc.loop is not None:
+            zc.loop.call_soon_threadsafe(watcher.query)
+
     # ------------------------------------------------------------ state
 
     def peers(self) -> list[DiscoveredPeer]:
@@ -467,7 +515,8 @@ class Discovery:
         if w is None:
             return DiscoveryStatistics(0, 0, 0, 0, 0, 0, 0, self.announcements)
         return DiscoveryStatistics(len(w.peers()), len(w.ignored()), w.records, w.found,
-                                   w.updated, w.gone, w.resolve_failures, self.announcements)
+                                   w.updated, w.gone, w.resolve_failures, self.announcements,
+                                   w.queries)
 
     def update(self, *, incarnation: int | None = None,
                resources: Mapping[str, float] | None = None) -> Future[None]:

@@ -164,8 +164,8 @@ def test_three_nodes_find_each_other(ns):
                 ns.tag.hex(), PROTOCOL_VERSION, 2)
             assert peer.resources == resources
             assert {p.node_id for p in a.discovery.peers()} == set(a.peers)
-            stats = a.discovery.statistics()
-            assert (stats.peers, stats.ignored, stats.found, stats.announcements) == (2, 0, 2, 1)
+            stats = a.discovery.statistics()   # (ignored: whatever else runs on this machine)
+            assert (stats.peers, stats.found, stats.announcements) == (2, 2, 1)
         finally:
             for node in nodes:
                 await node.discovery.close()
@@ -239,7 +239,8 @@ def test_other_namespace_is_ignored_with_one_log_line(ns, caplog):
                           lambda: a.peers[friend.node_id].incarnation == 1)
             assert a.discovery.statistics().records >= before + 3
             assert list(a.peers) == [friend.node_id]
-            assert [p.node_id for p in a.discovery.ignored()] == [stranger.node_id]
+            # Other suites on this machine may add their nodes (other namespaces).
+            assert stranger.node_id in {p.node_id for p in a.discovery.ignored()}
             assert a.ignored[stranger.node_id].kind == "namespace"
             # INFO: clusters sharing a LAN are normal (pmetal discover shows them).
             lines = [r for r in caplog.records if r.levelno == logging.INFO
@@ -415,6 +416,17 @@ def test_pmetal_discover_in_the_lab_lists_nodes_of_other_hosts(netlab, tmp_path)
     assert nodes[theirs]["namespace_match"] is False
     assert "another namespace" in nodes[theirs]["reason"]
     assert report["interfaces"] == [me.address] and report["hints"] == []
+
+    done = subprocess.run(  # the table a person reads
+        lab.argv(me, [sys.executable, "-m", "pmetal", "discover", "--timeout", "1",
+                      "--interfaces", me.address]),
+        capture_output=True, text=True, timeout=30,
+        env={**env, "PMETAL_PSK": psk, "PMETAL_SECURITY_NAMESPACE": "lab",
+             "PMETAL_HOME": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[2:]}
+    assert rows[ours].endswith("  yes") and "CPU 4, memory 8.0 GiB" in rows[ours]
+    assert "no: another namespace" in rows[theirs]
     for proc in announcers:
         proc.stdin.close()
         assert proc.wait(WAIT) == 0
@@ -475,6 +487,55 @@ def test_four_lab_hosts_discover_each_other_across_the_bridge(netlab):
     print(f"each of 4 hosts saw the 3 others {max(took):.3f} s at most after its start; "
           f"all done {spread:.3f} s after the last one started")
     assert max(took) < WAIT
+    for proc in procs:
+        proc.stdin.close()
+        assert proc.wait(WAIT) == 0
+
+
+PATIENT_NODE = r"""
+import asyncio, sys, time
+from pmetal.cluster.discovery import Discovery
+from pmetal.security import NetworkNamespace
+node_id, host, psk, refresh = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+async def main():
+    loop = asyncio.get_running_loop()
+    def on_peer(peer):
+        print("saw", peer.node_id, time.monotonic(), flush=True)
+    d = Discovery(node_id, f"tcp://{host}:7420", NetworkNamespace("lab", psk.encode()),
+                  interfaces=[host], on_peer=on_peer, refresh_interval=refresh)
+    await d.start()
+    print("started", time.monotonic(), flush=True)
+    await loop.run_in_executor(None, sys.stdin.read)
+    await d.close()
+asyncio.run(main())
+"""
+
+
+def test_a_node_out_of_reach_when_it_announced_is_found_once_reachable(netlab):
+    """Host 2 is cut off while both nodes start, so its announcement is lost.
+    zeroconf's own browser asks again only 1, 5 and 14 s after its start,
+    then near record expiry (an hour); our refresh queries find it sooner."""
+    lab = netlab(2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    psk = "a-lab-psk-of-enough-length-6789"
+    lab.isolate(2)
+    ids = [new_id(), new_id()]
+    procs = [lab.python(h, PATIENT_NODE, node_id, h.address, psk, "0.5", stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, text=True, env=env)
+             for h, node_id in zip(lab.hosts, ids)]
+    started = [float(p.stdout.readline().split()[1]) for p in procs]
+    # The fault lasts past zeroconf's second query (about 1.1 s after start)
+    # and ends well before its third (about 5.1 s).
+    time.sleep(max(0.0, max(started) + 1.5 - time.monotonic()))
+    lab.rejoin(2)
+    healed = time.monotonic()
+    line = procs[0].stdout.readline().split()
+    assert line[:2] == ["saw", ids[1]], line
+    took = float(line[2]) - healed
+    print(f"host 1 found host 2 {took:.3f} s after the link came back "
+          f"({float(line[2]) - started[1]:.3f} s after host 2 started)")
+    assert took < 2.5   # zeroconf alone: ~3.6 s here, and never after its first 14 s
     for proc in procs:
         proc.stdin.close()
         assert proc.wait(WAIT) == 0
