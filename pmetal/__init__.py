@@ -9,7 +9,8 @@ from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
 from pmetal.api import (available_resources, cluster_resources, get, get_actor, init,
-                        is_initialized, kill, nodes, put, shutdown, wait)
+                        is_initialized, kill, nodes, put, shutdown, wait,
+                        wait_for_peers)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
 from pmetal.errors import (ActorDiedError, ActorError, AuthenticationError, BackpressureError,
                            ClosedError, ConfigError, GetTimeoutError, HandshakeError,
@@ -68,4 +69,5 @@ __all__ = [
     "remote",
     "shutdown",
     "wait",
+    "wait_for_peers",
 ]

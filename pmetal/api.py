@@ -40,6 +40,7 @@ __all__ = [
     "put",
     "shutdown",
     "wait",
+    "wait_for_peers",
 ]
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,8 @@ _node_proc: subprocess.Popen[bytes] | None = None   # the embedded node init sta
 
 
 def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: int | None,
-                resources: dict[str, float] | None, timeout: float) -> tuple[Any, str]:
+                resources: dict[str, float] | None, timeout: float,
+                peers: list[str] | None = None, discovery: bool = False) -> tuple[Any, str]:
     env = dict(os.environ)
     env.pop("PMETAL_PSK", None)
     env["PMETAL_PSK_HEX"] = namespace.psk.hex()
@@ -58,8 +60,16 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     # path (its script folder, the current folder), as Ray does for a job.
     here = [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(here))
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--embedded", "--host", "127.0.0.1",
+    # Alone, an embedded node listens on 127.0.0.1 whatever the config says:
+    # a plain script never opens a port to the network.
+    host = config.transport.host if (peers or discovery) else "127.0.0.1"
+    cmd = [sys.executable, "-m", "pmetal.actors.node", "--embedded", "--host", host,
            "--port", "0", "--resources", json.dumps(resources or {})]
+    if peers:
+        cmd += ["--peers", ",".join(peers)]
+    cmd += ["--discovery" if discovery else "--no-discovery"]
+    if discovery and config.discovery.interfaces:
+        cmd += ["--interfaces", config.discovery.interfaces]
     if num_workers is not None:
         cmd += ["--num-workers", str(num_workers)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
@@ -122,12 +132,21 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 return {"node_id": current.node_id, "address": current.node_address}
             raise PMetalError("pmetal.init() was already called; call pmetal.shutdown() first "
                               "or pass ignore_reinit_error=True")
-        if discovery:
-            raise ConfigError("discovery=True arrives with the cluster issue; pass peers or an "
-                              "address for now")
-        if peers:
-            raise ConfigError("peers= arrives with the cluster issue; start node daemons with "
-                              "'pmetal start --peers ...' and pass address= for now")
+        if (peers or discovery) and address is not None:
+            raise ConfigError("peers= and discovery= configure the embedded node that "
+                              "pmetal.init() starts; with address=... the node you join has "
+                              "its own (give them to 'pmetal start')")
+        if peers is not None:
+            from pmetal.transport import normalize_address
+            if isinstance(peers, str) or not all(isinstance(p, str) for p in peers):
+                raise PMetalTypeError(f"peers must be a list of 'host:port' strings, not "
+                                      f"{peers!r:.60}")
+            try:
+                peers = [normalize_address(p) for p in peers]
+            except ValueError as exc:
+                raise PMetalValueError(f"peers: {exc}") from exc
+        if not isinstance(discovery, bool):
+            raise PMetalTypeError(f"discovery must be True or False, not {discovery!r:.40}")
         cfg = config or load_config()
         if namespace is not None:
             cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
@@ -138,7 +157,8 @@ def init(address: str | None = None, *, namespace: str | None = None,
                                    psk.encode() if isinstance(psk, str) else psk)
                   if psk is not None else NetworkNamespace.generate(cfg.security.namespace))
             node_proc, node_address = _start_node(ns, cfg, num_workers, resources,
-                                                  timeout=cfg.transport.connect_timeout + 20)
+                                                  timeout=cfg.transport.connect_timeout + 20,
+                                                  peers=peers, discovery=discovery)
         else:
             if address == "auto":
                 from pmetal.actors.node import node_file
@@ -183,6 +203,21 @@ def init(address: str | None = None, *, namespace: str | None = None,
         _node_proc = node_proc
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
+
+
+def wait_for_peers(n: int, timeout: float = 30.0) -> list[str]:
+    """Wait until the cluster has ``n`` nodes besides this process's node,
+    all in the master's member list and alive; returns their node ids.
+
+    Raises PMetalTimeoutError after ``timeout`` seconds, naming what was
+    seen: the members, the nodes found but not (yet) members, and the
+    nodes discovery ignored with the reason (another namespace or PSK,
+    another protocol version)."""
+    if type(n) is not int or n < 0:
+        raise PMetalValueError(f"wait_for_peers: n must be a non-negative int, not {n!r:.40}")
+    _check_timeout(timeout, "wait_for_peers")
+    client = context.current()
+    return client.wait_for_peers(n, timeout)
 
 
 def _check_init_arguments(num_workers: Any) -> None:
@@ -366,29 +401,43 @@ def get_actor(name: str) -> ActorHandle:
 
 
 def nodes() -> list[dict[str, Any]]:
-    """Every node of the cluster, as dicts like Ray's ``ray.nodes()``."""
+    """Every node of the cluster, as dicts like Ray's ``ray.nodes()``, plus
+    each node's health as this node sees it and whether it is the master."""
     info = client().status()
-    out = [{"NodeID": info["node_id"], "Alive": True, "Address": info["address"],
-            "Resources": info["resources"]}]
-    out += [{"NodeID": m["node_id"], "Alive": True, "Address": m["address"],
-             "Resources": m["resources"]} for m in info["members"]]
+    cluster = info.get("cluster") or {}
+    out = []
+    for m in cluster.get("members") or []:
+        health = m.get("health", "unknown")
+        out.append({"NodeID": m["node_id"], "Address": m.get("address", ""),
+                    "Alive": m.get("state") != "dead" and health != "dead",
+                    "Resources": m.get("resources") or {}, "Health": health,
+                    "IsMaster": m["node_id"] == cluster.get("master")})
+    if not out:   # the node has not joined a cluster yet: itself
+        out.append({"NodeID": info["node_id"], "Address": info["address"], "Alive": True,
+                    "Resources": info["resources"], "Health": "self", "IsMaster": False})
     return out
 
 
 def cluster_resources() -> dict[str, float]:
-    """Total resources of all nodes."""
+    """Total resources of the live nodes."""
     total: dict[str, float] = {}
     for node in nodes():
-        for k, v in node["Resources"].items():
-            total[k] = total.get(k, 0.0) + v
+        if node["Alive"]:
+            for k, v in node["Resources"].items():
+                total[k] = total.get(k, 0.0) + v
     return total
 
 
 def available_resources() -> dict[str, float]:
-    """Resources of this node not held by actors (other nodes: their totals)."""
+    """Resources of the live nodes not held by actors (a member that did
+    not say in time counts with its totals)."""
     info = client().status()
-    total = dict(info["available"])
-    for m in info["members"]:
-        for k, v in m["resources"].items():
+    members = [m for m in (info.get("cluster") or {}).get("members") or []
+               if m.get("state") != "dead" and m.get("health") != "dead"]
+    if not members:
+        return dict(info["available"])
+    total: dict[str, float] = {}
+    for m in members:
+        for k, v in (m.get("available") or m.get("resources") or {}).items():
             total[k] = total.get(k, 0.0) + v
     return total

@@ -194,9 +194,9 @@ class ElectionConfig:
     bootstrap: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("timeout", "bootstrap"):
-            _require(getattr(self, name) > 0, "election", name,
-                     "must be a positive number of seconds")
+        _require(self.timeout > 0, "election", "timeout", "must be a positive number of seconds")
+        _require(self.bootstrap >= 0, "election", "bootstrap",
+                 "must be a number of seconds, 0 or more")
 
     @classmethod
     def wifi(cls) -> ElectionConfig:

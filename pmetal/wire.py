@@ -468,6 +468,7 @@ class Resources(Message):
     total: dict
     available: dict
     queued: int = 0
+    actors: int = 0
 
 
 # ------------------------------------------------------------ the cluster
@@ -565,13 +566,15 @@ class WatchCluster(Message):
 class ClusterState(Message):
     """A node's cluster as its clients need it: the nodes declared dead
     (their actors' calls fail at once), the master and its term, the
-    member-list epoch. ``version`` grows with every change."""
+    member-list epoch, and the live members (this node included).
+    ``version`` grows with every change."""
 
     version: int
     dead: tuple[str, ...]
     master: str
     term: int
     epoch: int
+    members: tuple[str, ...] = ()
 
 
 @_message(Kind.PROBE)

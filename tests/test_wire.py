@@ -82,7 +82,8 @@ EXAMPLES: dict[Kind, Message] = {
          "profile": {"cores": 2}, "state": "alive"}]),
     Kind.JOIN_CLUSTER: wire.JoinCluster(2, [{"node_id": "a" * 32, "address": ADDRESS}]),
     Kind.WATCH_CLUSTER: wire.WatchCluster(4, 10.0),
-    Kind.CLUSTER_STATE: wire.ClusterState(5, ("c" * 32,), "b" * 32, 3, 5),
+    Kind.CLUSTER_STATE: wire.ClusterState(5, ("c" * 32,), "b" * 32, 3, 5,
+                                                 ("a" * 32, "b" * 32)),
     Kind.PROBE: wire.Probe(b"x" * 100),
     Kind.INIT_ACTOR: wire.InitActor(
         actor_id="actor-1", cls_id="cls-1", cls_ref=Pickled(pickle.dumps(dict)), args=[],

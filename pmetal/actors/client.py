@@ -32,7 +32,7 @@ import zmq
 from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals, Retry
-from pmetal.actors.links import _TASKS, NodeLink, PeerLink
+from pmetal.actors.links import _TASKS, ClusterWatch, NodeLink, PeerLink
 from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
@@ -101,6 +101,8 @@ class CoreClient:
         self._closing = threading.Event()
         self._deferrals = Deferrals(self)
         self._created = False     # whether this client created actors (they die at detach)
+        self.watch = ClusterWatch(self.transport, self.identity, namespace, config,
+                                  node_address)
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -114,7 +116,8 @@ class CoreClient:
             if link is not None:
                 link.close()
             link = self.links[address] = PeerLink(self.transport, self.identity, self.namespace,
-                                                  self.config, address, self.node_link)
+                                                  self.config, address, self.node_link,
+                                                  self.watch)
             # A worker busy in a long call answers the handshake only after
             # it: wait as long as for a request, not the short handshake time.
             try:
@@ -306,8 +309,8 @@ class CoreClient:
             link.check()
             if not link.dead:
                 return link
-        if link is None and handle._state == "alive":
-            return self._own(self.link(handle._address), handle._actor_id)
+        if link is None and handle._state == "alive" and handle._node_id not in self.watch.dead:
+            return self._on(self._own(self.link(handle._address), handle._actor_id), handle)
         # The worker we knew died: ask the node for the actor's new home.
         try:
             loc = self.lookup(handle._actor_id, min_incarnation=handle._incarnation + 1,
@@ -319,7 +322,12 @@ class CoreClient:
             return ActorDiedError(f"actor {handle._class_name}({handle._actor_id[-8:]}) is "
                                   f"dead: {loc.reason or loc.state}")
         self._link_for(loc.address, handle._actor_id)   # drops a stale link there
-        return self._own(self.link(loc.address), handle._actor_id)
+        return self._on(self._own(self.link(loc.address), handle._actor_id), handle)
+
+    @staticmethod
+    def _on(link: PeerLink, handle: Any) -> PeerLink:
+        link.node_id = handle._node_id
+        return link
 
     def _link_for(self, address: str, owner: str) -> PeerLink | None:
         """Our link to ``address`` if it serves ``owner`` (an actor id, or
@@ -547,7 +555,7 @@ class CoreClient:
             items.append((link.monitor, _POLLIN))
         ready = {sock for sock, ev in zmq_poll(items, ms) if ev}
         for link in list(links.values()):
-            if link.monitor in ready:
+            if link.monitor in ready or (link.node_id and link.node_id in self.watch.dead):
                 link.check()
             if link.socket in ready and not link.dead:
                 sock = link.socket
@@ -602,6 +610,32 @@ class CoreClient:
             raise PeerError(f"node answered StatusRequest with {type(reply).__name__}")
         return reply.info
 
+    def wait_for_peers(self, n: int, timeout: float) -> list[str]:
+        """See :func:`pmetal.wait_for_peers`."""
+        own = self.node_id
+        if self.watch.wait(lambda s: len([m for m in s.members if m != own]) >= n,
+                           time.monotonic() + timeout):
+            assert self.watch.state is not None
+            return [m for m in self.watch.state.members if m != own]
+        try:
+            cluster = self.status().get("cluster", {})
+        except PMetalError as exc:
+            cluster = {"error": str(exc)}
+        members = [m["node_id"][:8] for m in cluster.get("members", [])
+                   if m.get("node_id") != own and m.get("state") != "dead"
+                   and m.get("health") != "dead"]
+        found = [d[:8] for d in cluster.get("discovered", []) if d[:8] not in members]
+        ignored = [f"{i.get('address', '?')} ({i.get('reason', '?')})"
+                   for i in cluster.get("ignored", [])]
+        raise PMetalTimeoutError(
+            f"wait_for_peers: {len(members)} of {n} peers joined within {timeout:g} s; "
+            f"members: {members or 'none'}; found but not members: {found or 'none'}; "
+            f"ignored: {ignored or 'none'}; master: {cluster.get('master', '')[:8] or 'none'}. "
+            f"If nobody is found: on macOS allow Local Network access for Python, check that "
+            f"the machines share a network without a VPN or firewall in the way "
+            f"(mDNS is UDP 5353 multicast), and that they share the namespace and PSK; "
+            f"static peers (pmetal start --peers HOST:PORT) always work")
+
     def shutdown_node(self, timeout: float = 5.0) -> None:
         self.request_node(Shutdown("driver shut down"), timeout=timeout)
 
@@ -611,6 +645,7 @@ class CoreClient:
         self._flush_wanted.set()
         if self._flusher is not None:
             self._flusher.join(timeout=2.0)
+        self.watch.close()
         with self.lock:
             for link in self.links.values():
                 link.close()

@@ -117,6 +117,12 @@ class ActorLifecycle:
 
     async def create(self, spec: CreateActor) -> Message:
         options = spec.options
+        existing = self.actors.get(spec.actor_id)
+        if existing is not None and existing.state != "dead":
+            # Asked twice (a master's decision retried under its successor):
+            # the actor is created once; this is it.
+            return await self.lookup(LookupActor(actor_id=spec.actor_id, wait=float(
+                options.get("timeout") or self.config.transport.request_timeout)))
         target = options.get("node") or ""
         need = needs(options)
         if target and target != self.node_id:
@@ -151,7 +157,9 @@ class ActorLifecycle:
             return Failure("bad_request", "ValueError",
                            f"an actor named {name!r} already exists (or is being created); "
                            f"pick another name or use pmetal.get_actor({name!r})")
-        record = ActorRecord(spec, restarts_left=int(options.get("max_restarts") or 0),
+        restarts = options.get("restarts_left", options.get("max_restarts") or 0)
+        record = ActorRecord(spec, restarts_left=int(restarts),
+                             incarnation=int(options.get("incarnation") or 0),
                              owner=(options["owner_node"], int(options.get("owner_pid") or 0)),
                              owner_client=options.get("owner_client") or "")
         record.reason = "waiting for resources" if not fits(need, self.available) else ""

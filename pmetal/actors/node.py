@@ -47,7 +47,10 @@ from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read
 from pmetal.actors.owners import Owners
 from pmetal.actors.placement import check_options, check_resources
 from pmetal.actors.pool import WorkerPool, WorkerProc
+from pmetal.actors.scheduler import Scheduler
 from pmetal.actors.zygote import ForkServer
+from pmetal.cluster.election import ElectionState
+from pmetal.cluster.service import ClusterService
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
@@ -56,10 +59,10 @@ from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, ActorLocation, CreateActor, Detach, Failure, KillActor,
-                         LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping, Pong,
-                         Resources, ResourcesRequest, Shutdown, Status, StatusRequest,
-                         WorkerReady)
+from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor, Detach, Failure,
+                         JoinCluster, KillActor, LeaseWorkers, LookupActor, Message, NodeJoin,
+                         OwnerDied, Ping, Pong, Probe, Resources, ResourcesRequest, Shutdown,
+                         Status, StatusRequest, Vote, VoteRequest, WatchCluster, WorkerReady)
 
 # READY_LINE, node_file, read_ready_line, is_node_process and routable_address
 # live in pmetal.actors.nodeproc and stay importable from here.
@@ -68,6 +71,7 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 
 log = logging.getLogger(__name__)
 
+_STATUS_ASK = 1.0   # s a member may take to say what it has free, for status
 _MAX_RECEIVE_FAILURES = 100
 _RECEIVE_BACKOFF = 0.01   # s between failed receives: a failing socket must not spin
 
@@ -89,6 +93,18 @@ class NodeStatistics:
     receive_errors: int = 0       # receives on the node's socket that failed (and were retried)
 
 
+_CLUSTER = (Beat, VoteRequest, Vote, ClusterView, JoinCluster, Probe)
+
+
+def _profile(node_id: str) -> dict[str, Any]:
+    try:
+        from pmetal.cluster.topology import NodeProfile
+        return NodeProfile.local(node_id).to_dict()
+    except Exception as exc:  # noqa: BLE001 - a profile is informative, never fatal
+        log.warning("could not measure this node's profile: %s", exc)
+        return {"node_id": node_id}
+
+
 def default_resources(num_cpus: float | None = None) -> dict[str, float]:
     cpus = float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))
     try:
@@ -104,7 +120,8 @@ class NodeDaemon:
                  identity: NodeIdentity, *, host: str = "127.0.0.1", port: int = 0,
                  num_workers: int | None = None, num_task_workers: int | None = None,
                  resources: dict[str, float] | None = None, peers: list[str] | None = None,
-                 embedded: bool = False, fork_server: ForkServer | None = None) -> None:
+                 embedded: bool = False, fork_server: ForkServer | None = None,
+                 discovery: bool | None = None, interfaces: str | None = None) -> None:
         self.config = config
         self.namespace = namespace
         self.identity = identity
@@ -139,6 +156,18 @@ class NodeDaemon:
                                          self.owners.forwarded(options, member))
         self.owners = Owners(self.node_id, config.actors.owner_lease, self.membership,
                              self.actors.kill_owned, self._cancellable_task)
+        # The cluster: heartbeats, health, election, the master's member list
+        # (pmetal.cluster.service); the master places actors (pmetal.actors.scheduler).
+        self.discover = config.discovery.enabled if discovery is None else discovery
+        self.interfaces = config.discovery.interfaces if interfaces is None else interfaces
+        alone = not self.peers and not self.discover
+        self.cluster = ClusterService(
+            config=config, identity=identity, namespace=namespace, transport=self.transport,
+            address=self.address, resources=self.resources, profile=_profile(self.node_id),
+            static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
+            on_dead=self._node_dead, on_refused=self.membership.refuse,
+            bootstrap=0.0 if alone else None)
+        self.scheduler = Scheduler(self)
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
@@ -162,9 +191,7 @@ class NodeDaemon:
                 self._cancellable_task(self.pool.fill())
                 self._cancellable_task(self.owners.watch.poll(self._stopping))
                 self._cancellable_task(self.owners.expire_leases(self._stopping))
-                join = NodeJoin(self.node_id, self.address, self.resources)
-                for peer in self.peers:
-                    self._cancellable_task(self.membership.join(peer, join, self._stopping))
+                self._cancellable_task(self.cluster.run(self._stopping, self._discovery()))
                 if on_ready is not None:
                     on_ready(self)
                 serve = group.create_task(self._serve())
@@ -226,6 +253,7 @@ class NodeDaemon:
         if isinstance(exc, (TypeError, ValueError, PMetalError)):
             log.warning("refused a %s from %s: %s: %s", kind, incoming.peer[:8],
                         type(exc).__name__, exc)
+            log.debug("the refusal's traceback", exc_info=exc)
         else:
             log.error("a %s from %s failed", kind, incoming.peer[:8], exc_info=exc)
         return Failure("bad_request", type(exc).__name__, str(exc) or repr(exc))
@@ -282,7 +310,7 @@ class NodeDaemon:
             self._later(incoming, self._create_actor(body, incoming))  # type: ignore[arg-type]
             return None
         if kind is LookupActor:
-            self._later(incoming, self.actors.lookup(body))  # type: ignore[arg-type]
+            self._later(incoming, self.scheduler.lookup(body))  # type: ignore[arg-type]
             return None
         if kind is KillActor:
             if body.actor_id in self.actors.actors or not body.node_id:  # type: ignore[attr-defined]
@@ -296,7 +324,8 @@ class NodeDaemon:
             self._later(incoming, self._status_with_calls())
             return None
         if kind is ResourcesRequest:
-            return Resources(self.resources, self.actors.available, len(self.actors.queue))
+            return Resources(self.resources, self.actors.available, len(self.actors.queue),
+                             self.actors.alive())
         if kind is OwnerDied:
             if body.node_id != incoming.peer:  # type: ignore[attr-defined]
                 raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
@@ -305,10 +334,19 @@ class NodeDaemon:
         if kind is Detach:
             return Ack(self.owners.client_gone(incoming.peer, f"its owner (client "
                                                               f"{incoming.peer[:8]}) shut down"))
-        if kind is NodeJoin:
-            self._later(incoming, self.membership.joined(body, incoming.peer,  # type: ignore[arg-type]
-                                                         self.status))
+        if kind in _CLUSTER:
+            return self.cluster.receive(incoming.peer, body)
+        if kind is WatchCluster:
+            self._later(incoming, self.cluster.watch(body))  # type: ignore[arg-type]
             return None
+        if kind is NodeJoin:
+            # Membership before the cluster service (an older static peer):
+            # it is beaten like any node found.
+            if body.node_id != incoming.peer:  # type: ignore[attr-defined]
+                raise ValueError(f"a NodeJoin for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
+                                 f"{incoming.peer[:8]}; a node joins as itself")
+            self.cluster.discovered(body.node_id, body.address)  # type: ignore[attr-defined]
+            return Status(self.status())
         if kind is Shutdown:
             log.info("shutdown requested by %s: %s", incoming.peer, body.reason)  # type: ignore[attr-defined]
             asyncio.get_running_loop().call_soon(self.stop)
@@ -320,10 +358,13 @@ class NodeDaemon:
 
     async def _create_actor(self, spec: CreateActor, incoming: Incoming) -> Message:
         check_options(spec.options)
+        if spec.options.get("term") is not None:
+            # Placed by the master: construct it here, unless the term is stale.
+            return await self.scheduler.placed(spec, incoming.peer)
         if spec.options.get("owner_node") == incoming.peer:
-            # Forwarded by the creator's node, which named the owner (only
-            # that node's own session can pass an owner on).
-            return await self.actors.create(spec)
+            # From the creator's node (which named the owner: only that
+            # node's own session can pass an owner on) to the master.
+            return await self.scheduler.decide(spec, origin=incoming.peer)
         # The creator's own node names the owner (see Owners.name).
         local = bool(getattr(self.listener.session(incoming.route), "local", False))
         options = self.owners.name(spec.options, incoming.peer, local)
@@ -331,7 +372,7 @@ class NodeDaemon:
             return Failure("actor_died", "ActorDiedError",
                            f"the process that creates the actor (pid "
                            f"{spec.options.get('owner_pid')}) has exited")
-        reply = await self.actors.create(replace(spec, options=options))
+        reply = await self.scheduler.place(replace(spec, options=options))
         if isinstance(reply, ActorLocation) and not local:
             reply = replace(reply, owner_lease=self.owners.leases.timeout)
         return reply
@@ -339,12 +380,69 @@ class NodeDaemon:
     async def _worker_exited(self, worker: WorkerProc, code: int) -> None:
         await self.actors.worker_exited(worker, code)
 
+    # -------------------------------------------------------------- cluster
+
+    def _discovery(self) -> Any:
+        """The mDNS announcer and browser, when this node discovers."""
+        if not self.discover:
+            return None
+        from pmetal.cluster.discovery import Discovery, discovery_interfaces
+        cluster = self.cluster
+        return Discovery(
+            self.node_id, self.address, self.namespace,
+            interfaces=discovery_interfaces(self.interfaces, self.listener.address),
+            incarnation=cluster.incarnation, resources=self.resources,
+            on_peer=lambda p: cluster.discovered(p.node_id, p.address, p.incarnation,
+                                                 dict(p.resources)))
+
+    def _view_changed(self, state: ElectionState) -> None:
+        """The master's member list changed: members are its live nodes."""
+        self.membership.sync(state, self.node_id)
+        self.scheduler.view_changed(state)
+
+    def _node_dead(self, node_id: str) -> None:
+        """Our detector declared ``node_id`` dead: never wait on it again."""
+        self.membership.drop(node_id)
+
+    def _fenced(self, why: str) -> None:
+        """This node was (or may have been) declared dead: the cluster has
+        restarted its actors elsewhere or holds them dead, so none may run
+        here any more. Actors whose owner runs on this node and that may
+        restart are restarted here (their owner's node restarts them, and
+        that is this node); the others end."""
+        ended = restarted = 0
+        for record in list(self.actors.actors.values()):
+            if record.state == "dead":
+                continue
+            local_owner = record.owner[0] == self.node_id
+            if local_owner and record.restarts_left != 0:
+                self.actors.kill_record(record, False, f"fenced: {why}")
+                restarted += 1
+            else:
+                self.actors.kill_record(record, True, f"node {self.node_id[:8]} was fenced: "
+                                                      f"{why}")
+                ended += 1
+        log.warning("fenced: ended %d actors, restarting %d owned here", ended, restarted)
+
     # --------------------------------------------------------------- status
 
     async def _status_with_calls(self) -> Message:
-        """status() plus each worker's calls served (asked of the workers)."""
+        """status() plus each worker's calls served (asked of the workers)
+        and each live member's free resources and actors (asked of them)."""
         info = self.status()
-        await self.pool.add_calls(info["workers"])
+        members = list(self.membership.members.values())
+        answers = await asyncio.gather(
+            self.pool.add_calls(info["workers"]),
+            *(asyncio.wait_for(self.membership.ask(m, ResourcesRequest()), _STATUS_ASK)
+              for m in members), return_exceptions=True)
+        free = {m.node_id: a for m, a in zip(members, answers[1:]) if isinstance(a, Resources)}
+        for entry in info["cluster"]["members"]:
+            if entry["node_id"] == self.node_id:
+                entry.update(available=self.actors.available, actors=self.actors.alive(),
+                             queued=len(self.actors.queue))
+            elif entry["node_id"] in free:
+                r = free[entry["node_id"]]
+                entry.update(available=r.available, actors=r.actors, queued=r.queued)
         return Status(info)
 
     def status(self) -> dict[str, Any]:
@@ -357,12 +455,14 @@ class NodeDaemon:
             "resources": self.resources,
             "available": self.actors.available,
             "members": self.membership.describe(),
+            "cluster": self.cluster.describe(),
             "refused_peers": self.membership.describe_refused(),
             "workers": self.pool.describe(),
             "actors": self.actors.table.describe(self.node_id),
             "queue": self.actors.queue.describe(),
             "owner_leases": self.owners.leases.describe(time.monotonic()),
             "statistics": self.statistics().__dict__,
+            "scheduler": self.scheduler.statistics(),
             "leases": self.owners.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
@@ -390,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-task-workers", type=int, default=None)
     parser.add_argument("--resources", default="{}", help="JSON object of extra resources")
     parser.add_argument("--peers", default="", help="comma-separated host:port of other nodes")
+    parser.add_argument("--discovery", action=argparse.BooleanOptionalAction, default=None,
+                        help="announce and discover nodes with mDNS")
+    parser.add_argument("--interfaces", default=None,
+                        help="comma-separated IPv4 addresses for mDNS")
     parser.add_argument("--embedded", action="store_true",
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
@@ -415,7 +519,8 @@ def main(argv: list[str] | None = None) -> int:
                             num_workers=args.num_workers, num_task_workers=args.num_task_workers,
                             resources=json.loads(args.resources),
                             peers=[p for p in args.peers.split(",") if p],
-                            embedded=args.embedded, fork_server=fork_server)
+                            embedded=args.embedded, fork_server=fork_server,
+                            discovery=args.discovery, interfaces=args.interfaces)
     except (PMetalError, ValueError, TypeError) as exc:
         if fork_server is not None:
             fork_server.close()

@@ -82,6 +82,11 @@ def check_options(options: dict[str, Any]) -> None:
     if methods is not None and (not isinstance(methods, (list, tuple))
                                 or not all(isinstance(m, str) for m in methods)):
         raise TypeError(f"{where}: methods must be a list of strings")
+    for key, low in (("term", 0), ("incarnation", 0), ("restarts_left", -1)):
+        # Stamped by the master (term) and by a restart elsewhere (the others).
+        value = options.get(key)
+        if value is not None and (type(value) is not int or value < low):
+            raise ValueError(f"{where}: {key} must be an integer >= {low}, not {value!r:.40}")
     for key in ("owner_pid", "timeout"):
         value = options.get(key)
         if value is not None and (not _is_number(value) or value < 0):

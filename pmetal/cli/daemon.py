@@ -30,7 +30,8 @@ from typing import Any
 
 from pmetal.actors.node import READY_LINE, is_node_process, node_file
 from pmetal.cli.basic import _fail, _write_new_key
-from pmetal.config import DEFAULT_PORT, load_config, pmetal_home
+from pmetal.config import (DEFAULT_PORT, DiscoveryConfig, ElectionConfig, HealthConfig,
+                           load_config, pmetal_home)
 from pmetal.errors import ConfigError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity, check_home, check_private_file
 from pmetal.security import NetworkNamespace
@@ -63,8 +64,14 @@ def _start_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default="", metavar="HOST:PORT,...",
                         help="comma-separated addresses of other nodes to join")
     parser.add_argument("--no-discovery", action="store_true",
-                        help="do not look for nodes on the LAN (the only behaviour for now: "
-                             "discovery arrives with the cluster issue)")
+                        help="neither announce this node nor look for others with mDNS "
+                             "(static --peers still work)")
+    parser.add_argument("--interfaces", default=None, metavar="ADDR,...",
+                        help="IPv4 addresses of the interfaces mDNS uses (default: the "
+                             "address the node listens on; every interface for 0.0.0.0)")
+    parser.add_argument("--wifi", action="store_true",
+                        help="health and election timeouts for Wi-Fi (a peer is dead after "
+                             "5 s of silence instead of 0.8 s)")
     parser.add_argument("--block", action="store_true",
                         help="stay in the foreground until the node stops (Ctrl-C stops it)")
 
@@ -103,6 +110,14 @@ def _run_start(args: argparse.Namespace) -> int:
            "--port", str(cfg.transport.port)]
     if peers:
         cmd += ["--peers", ",".join(peers)]
+    cmd += ["--no-discovery" if args.no_discovery else "--discovery"]
+    if args.interfaces:
+        DiscoveryConfig(interfaces=args.interfaces)   # a typo fails here, with its reason
+        cmd += ["--interfaces", args.interfaces]
+    if args.wifi:
+        for section, preset in (("HEALTH", HealthConfig.wifi()), ("ELECTION", ElectionConfig.wifi())):
+            for key, value in preset.__dict__.items():
+                env[f"PMETAL_{section}_{key.upper()}"] = str(value)
     record = {"namespace": cfg.security.namespace,
               "psk_file": "" if psk_file is None else str(psk_file)}
     if args.block:

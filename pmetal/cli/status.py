@@ -107,10 +107,7 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
     if leases:
         print(f"leases     {len(leases)} driver(s) on other machines hold a lease on their "
               f"actors (they end if it lapses)")
-    nodes = [(s["node_id"], s["address"], _resources(s.get("resources", {})), "this node")]
-    nodes += [(m["node_id"], m["address"], _resources(m.get("resources", {})), "")
-              for m in s.get("members", [])]
-    _table("NODES", ("NODE ID", "ADDRESS", "RESOURCES", ""), nodes)
+    _print_cluster(s)
     actors = s.get("actors", [])
     hosted = {a["actor_id"]: a for a in actors}
     _table("WORKERS", ("WORKER", "PID", "ROLE", "READY", "ACTOR", "CALLS"),
@@ -135,6 +132,32 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
     if s.get("refused_peers"):
         _table("REFUSED PEERS", ("ADDRESS", "REASON"),
                [(p["address"], p["reason"]) for p in s["refused_peers"]])
+
+
+def _print_cluster(s: dict[str, Any]) -> None:
+    """The master, its term and every member (this node too) with its health."""
+    cluster = s.get("cluster") or {}
+    master = cluster.get("master") or ""
+    print(f"master     {master or 'none'}   term {cluster.get('term', 0)}, epoch "
+          f"{cluster.get('epoch', 0)}, this node is {cluster.get('role', '?')}")
+    rows = []
+    for m in cluster.get("members") or []:
+        marks = [w for w, on in (("master", m["node_id"] == master),
+                                 ("this node", m["node_id"] == s["node_id"])) if on]
+        health = m.get("health", "?")
+        if m.get("state") == "dead":
+            health = "dead (master)"
+        rows.append((m["node_id"], m.get("address", ""), health,
+                     f"{m['rtt_ms']:.2f}" if m.get("rtt_ms") is not None else "-",
+                     _resources(m.get("resources", {}), m.get("available")),
+                     m.get("actors", "-"), ", ".join(marks)))
+    _table("NODES", ("NODE ID", "ADDRESS", "HEALTH", "RTT MS", "RESOURCES", "ACTORS", ""),
+           rows)
+    ignored = cluster.get("ignored") or []
+    if ignored:
+        _table("IGNORED BY DISCOVERY", ("NODE ID", "ADDRESS", "REASON"),
+               [(i.get("node_id", ""), i.get("address", ""), i.get("reason", ""))
+                for i in ignored])
 
 
 def _resources(total: dict[str, float], free: dict[str, float] | None = None) -> str:

@@ -84,6 +84,11 @@ log = logging.getLogger(__name__)
 _FOUNDING_TERMS = 2 ** 31   # a fresh node's first term is random below this
 
 
+def _described(member: Mapping[str, Any]) -> dict[str, Any]:
+    """What a member says of itself beyond its id, address and incarnation."""
+    return {"resources": member.get("resources") or {}, "profile": member.get("profile") or {}}
+
+
 class Role(enum.Enum):
     FOLLOWER = "follower"
     CANDIDATE = "candidate"
@@ -586,6 +591,10 @@ class ElectionManager:
         for m in members:
             cur = self._members.get(m["node_id"])
             if cur is not None and cur["incarnation"] >= m["incarnation"]:
+                if (cur["incarnation"] == m["incarnation"] and cur["state"] == ALIVE
+                        and _described(m) != _described(cur)):
+                    # The member itself says what it has (it was added from a Beat).
+                    changed |= self._members.put({**cur, **_described(m)})
                 continue   # known (an old incarnation's stale request, or a repeat)
             self._dead_since.pop(m["node_id"], None)
             changed |= self._members.put(m)
@@ -649,6 +658,10 @@ class ElectionManager:
         if mine is not None and mine["incarnation"] == self._me["incarnation"]:
             if mine["state"] == ALIVE:
                 self._in_view = True
+                if _described(mine) != _described(self._me):
+                    # Admitted from a Beat, which carries no resources or
+                    # profile: tell the master what this node has.
+                    out.append(self._join_message(sender, self._address(sender)))
                 return
             fenced = True
         else:

@@ -473,8 +473,10 @@ def test_status_counts_pool_workers_and_members() -> None:
     wait_until(lambda: client.status()["pool"]["exited"] > before["exited"], WAIT,
                what="the killed worker counted as exited")
     assert client.status()["pool"]["started"] > before["started"]
-    assert client.status()["membership"] == {"members": 1, "epoch": 0, "joins_refused": 0,
-                                             "requests_failed": 0}
+    membership = client.status()["membership"]
+    # Alone, the node is the master of a one-node list (epoch 1 on).
+    assert membership["members"] == 1 and membership["epoch"] >= 1, membership
+    assert membership["joins_refused"] == 0 and membership["requests_failed"] == 0
 
 
 def test_object_ref_inside_a_value_is_refused_at_the_call_site(counter: Any) -> None:

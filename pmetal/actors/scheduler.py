@@ -1,0 +1,282 @@
+"""Cluster-wide actor placement: the master decides, under its term.
+
+A creation travels three legs at most: the creator's node names the owner
+and asks the master (:meth:`Scheduler.place`); the master picks the node
+(:meth:`Scheduler.decide`: ``options.node`` if given, else the creator's
+node when it has room now, else any member with room now, else a node that
+could ever hold it, where the creation waits in that node's queue) and
+stamps the creation with its term; the chosen node constructs it
+(:meth:`Scheduler.placed`) unless the term is older than the newest it
+knows, which it refuses (fencing: a deposed master's late decision is
+void). A node alone decides for itself.
+
+If the master dies mid-decision, the creator's node sees it (its detector
+declares the master dead, or a new master is elected) and asks the new
+master; the new master first looks the actor up (a decision of the old one
+may have been carried out already) and places it only if no node has it,
+and a node asked to create an actor id it already hosts answers with that
+actor: an actor is created once.
+
+The creator's node also keeps the creation of every actor it placed on
+another node that may restart: when the master's list marks that node dead,
+it asks the master to place the actor again (same id, next incarnation) on a
+surviving node that fits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from pmetal.actors.placement import fits, needs
+from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
+                         ResourcesRequest)
+
+if TYPE_CHECKING:
+    from pmetal.actors.node import NodeDaemon
+    from pmetal.cluster.election import ElectionState
+
+__all__ = ["Scheduler"]
+
+log = logging.getLogger(__name__)
+
+_ASK_RESOURCES = 2.0   # s a member may take to say what it has free
+
+
+@dataclass
+class _Placed:
+    spec: CreateActor
+    node_id: str
+    incarnation: int
+    restarts_left: int     # -1: without limit
+
+
+class Scheduler:
+    def __init__(self, node: NodeDaemon) -> None:
+        self.node = node
+        self.elsewhere: dict[str, _Placed] = {}   # restartable actors placed on other nodes
+        self.restarts = 0
+        self.refused_stale = 0
+        # Actors whose restart elsewhere is due or under way: set when done.
+        self._restarting: dict[str, asyncio.Event] = {}
+
+    # ------------------------------------------------------------ creator
+
+    async def place(self, spec: CreateActor) -> Message:
+        """Place a creation this node named the owner of (see module doc)."""
+        node = self.node
+        if not node.membership.members and (not node.cluster.master or
+                                            node.cluster.is_master()):
+            return await node.actors.create(spec)   # alone: nobody else to decide
+        timeout = float(spec.options.get("timeout") or node.config.transport.request_timeout)
+        deadline = time.monotonic() + timeout
+        reply = await self._via_master(spec, deadline)
+        if isinstance(reply, ActorLocation):
+            self._remember(spec, reply)
+        return reply
+
+    async def _via_master(self, spec: CreateActor, deadline: float) -> Message:
+        node = self.node
+        while True:
+            master = await node.cluster.wait_master(deadline)
+            if not master:
+                return Failure("placement", "PlacementError",
+                               f"no master was elected within the creation's deadline: this "
+                               f"node sees {1 + len(node.membership.members)} of the "
+                               f"{len(node.cluster.state.members)} members (a master needs a "
+                               f"majority); check the network, or 'pmetal status'")
+            if master == node.node_id:
+                return await self.decide(spec, origin=node.node_id)
+            member = node.membership.members.get(master)
+            if member is None:
+                await asyncio.sleep(node.config.health.interval)   # the view is on its way
+                continue
+            ask = asyncio.ensure_future(node.membership.ask(member, spec))
+            gone = asyncio.ensure_future(node.cluster.until_gone(master))
+            try:
+                await asyncio.wait((ask, gone), timeout=max(0.0, deadline - time.monotonic()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for task in (ask, gone):
+                    task.cancel()
+            if ask.done() and not ask.cancelled():
+                reply = ask.result()
+                if not (isinstance(reply, Failure) and reply.error_type == "NotMasterError"):
+                    if not (isinstance(reply, Failure) and master in node.cluster.dead()):
+                        return reply
+            elif time.monotonic() >= deadline:
+                return Failure("timeout", "PMetalTimeoutError",
+                               f"the master {master[:8]} did not place the actor in time")
+            log.info("master %s went while placing actor %s; asking the next master",
+                     master[:8], spec.actor_id)
+            await asyncio.sleep(node.config.health.interval)
+
+    def _remember(self, spec: CreateActor, loc: ActorLocation) -> None:
+        node = self.node
+        if loc.node_id == node.node_id:
+            return
+        node.owners.forwarded(spec.options, loc.node_id)
+        restarts = int(spec.options.get("restarts_left", spec.options.get("max_restarts") or 0))
+        if restarts != 0:
+            self.elsewhere[spec.actor_id] = _Placed(spec, loc.node_id, loc.incarnation, restarts)
+
+    # ------------------------------------------------------------- master
+
+    async def decide(self, spec: CreateActor, origin: str) -> Message:
+        node = self.node
+        if not node.cluster.is_master():
+            return Failure("placement", "NotMasterError",
+                           f"node {node.node_id[:8]} is not the master (the master is "
+                           f"{node.cluster.master[:8] or 'not known'}); ask the master")
+        term = node.cluster.term
+        # Exactly once: a previous master may have placed it already.
+        existing = await self._existing(spec.actor_id)
+        if existing is not None:
+            return existing
+        options = dict(spec.options)
+        target = options.get("node") or await self._choose(needs(options), origin)
+        if not target:
+            total = node.membership.total_resources(node.resources)
+            return Failure("placement", "PlacementError",
+                           f"no node of this cluster could ever hold the actor: it needs "
+                           f"{needs(options)}; the cluster has {total}")
+        member = node.membership.find(target) if target != node.node_id else None
+        if target != node.node_id and member is None:
+            return Failure("placement", "PlacementError",
+                           f"no node {target} in this cluster; members: "
+                           f"{[node.node_id, *node.membership.members]}")
+        options["node"] = target if member is None else member.node_id
+        options["term"] = term
+        log.info("master places actor %s on node %s (term %d)", spec.actor_id,
+                 options["node"][:8], term)
+        placed = replace(spec, options=options)
+        if member is None:
+            return await node.actors.create(placed)
+        return await node.membership.ask(member, placed)
+
+    async def _existing(self, actor_id: str) -> ActorLocation | None:
+        node = self.node
+        record = node.actors.actors.get(actor_id)
+        if record is not None and record.state != "dead":
+            return node.actors.locate(record)
+        found = await node.membership.find_actor(LookupActor(actor_id=actor_id))
+        if found is not None and found.state != "dead":
+            return found
+        return None
+
+    async def _choose(self, need: dict[str, float], origin: str) -> str:
+        """The node for a creation: the creator's node if it has room now,
+        else any with room now (this node first), else one that could ever
+        hold it (it waits in that node's queue); "" if none could."""
+        node = self.node
+        members = list(node.membership.members.values())
+        answers = await asyncio.gather(*(
+            asyncio.wait_for(node.membership.ask(m, ResourcesRequest()), _ASK_RESOURCES)
+            for m in members), return_exceptions=True)
+        free = {node.node_id: (node.actors.available, node.resources, len(node.actors.queue))}
+        for m, a in zip(members, answers):
+            if isinstance(a, Resources):
+                free[m.node_id] = (a.available, a.total, a.queued)
+            else:
+                free[m.node_id] = ({}, m.resources, 0)
+        order = [origin] if origin in free else []
+        order += [n for n in free if n not in order]
+        for n in order:
+            available, _, queued = free[n]
+            if not queued and fits(need, available):
+                return n
+        for n in order:
+            if fits(need, free[n][1]):
+                return n
+        return ""
+
+    # ---------------------------------------------------------- placed here
+
+    async def placed(self, spec: CreateActor, sender: str) -> Message:
+        """A creation the master placed on this node: construct it unless
+        the term is stale (a deposed master)."""
+        node = self.node
+        term = int(spec.options.get("term") or 0)
+        if term < node.cluster.term:
+            self.refused_stale += 1
+            return Failure("placement", "StaleTermError",
+                           f"refused a placement of term {term} from {sender[:8]}: the current "
+                           f"term is {node.cluster.term} (a master that was deposed); ask the "
+                           f"current master")
+        return await node.actors.create(spec)
+
+    # ----------------------------------------------------------- restarts
+
+    def view_changed(self, state: ElectionState) -> None:
+        """Restart the actors this node placed on a node the master's list
+        now holds dead (or dropped)."""
+        alive = {m["node_id"] for m in state.members if m.get("state") != "dead"}
+        gone = [p for p in self.elsewhere.values() if p.node_id not in alive]
+        for p in gone:
+            del self.elsewhere[p.spec.actor_id]
+            if not self._owner_alive(p.spec):
+                continue
+            if p.restarts_left == 0:
+                continue
+            self.restarts += 1
+            self._restarting.setdefault(p.spec.actor_id, asyncio.Event())
+            options = dict(p.spec.options)
+            options.pop("term", None)
+            options.pop("node", None)
+            options["incarnation"] = p.incarnation + 1
+            options["restarts_left"] = p.restarts_left - 1 if p.restarts_left > 0 else -1
+            spec = replace(p.spec, options=options)
+            log.info("node %s is dead: restarting actor %s (incarnation %d) elsewhere",
+                     p.node_id[:8], spec.actor_id, p.incarnation + 1)
+            self.node._cancellable_task(self._restart(spec))
+
+    async def _restart(self, spec: CreateActor) -> None:
+        try:
+            reply = await self.place(spec)
+        finally:
+            done = self._restarting.pop(spec.actor_id, None)
+            if done is not None:
+                done.set()
+        if not isinstance(reply, ActorLocation):
+            log.warning("could not restart actor %s: %s", spec.actor_id,
+                        getattr(reply, "message", reply))
+
+    async def lookup(self, body: LookupActor) -> Message:
+        """A lookup that waits (up to ``body.wait``) for the restart of an
+        actor this node placed on a node that died, rather than answering
+        "no such actor" between the death and the restart."""
+        node = self.node
+        placed = self.elsewhere.get(body.actor_id)
+        deadline = time.monotonic() + body.wait
+        while placed is not None and placed.node_id in node.cluster.dead() \
+                and body.actor_id in self.elsewhere:
+            # Dead to our detector; the master's list (and the restart) follows.
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                await asyncio.wait_for(node.cluster.changed(), remaining)
+            except asyncio.TimeoutError:
+                break
+        waiting = self._restarting.get(body.actor_id)
+        if waiting is not None:
+            try:
+                await asyncio.wait_for(waiting.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                pass
+        return await node.actors.lookup(body)
+
+    def _owner_alive(self, spec: CreateActor) -> bool:
+        from pmetal import shm
+        pid = int(spec.options.get("owner_pid") or 0)
+        if pid:
+            return shm.pid_alive(pid)
+        client = spec.options.get("owner_client") or ""
+        return not client or client in self.node.owners.leases
+
+    def statistics(self) -> dict[str, Any]:
+        return {"placed_elsewhere": len(self.elsewhere), "restarts": self.restarts,
+                "refused_stale": self.refused_stale}
