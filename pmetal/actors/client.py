@@ -604,8 +604,9 @@ class CoreClient:
 
     # --------------------------------------------------------------- cluster
 
-    def status(self) -> dict[str, Any]:
-        reply = self.request_node(StatusRequest())
+    def status(self, probe: bool = False) -> dict[str, Any]:
+        """The node's status; ``probe`` first measures its links' bandwidth."""
+        reply = self.request_node(StatusRequest(detail=probe))
         if not isinstance(reply, Status):
             raise PeerError(f"node answered StatusRequest with {type(reply).__name__}")
         return reply.info

@@ -321,7 +321,7 @@ class NodeDaemon:
             self._later(incoming, self.pool.lease(body))  # type: ignore[arg-type]
             return None
         if kind is StatusRequest:
-            self._later(incoming, self._status_with_calls())
+            self._later(incoming, self._status_with_calls(probe=body.detail))  # type: ignore[attr-defined]
             return None
         if kind is ResourcesRequest:
             return Resources(self.resources, self.actors.available, len(self.actors.queue),
@@ -426,9 +426,12 @@ class NodeDaemon:
 
     # --------------------------------------------------------------- status
 
-    async def _status_with_calls(self) -> Message:
+    async def _status_with_calls(self, probe: bool = False) -> Message:
         """status() plus each worker's calls served (asked of the workers)
-        and each live member's free resources and actors (asked of them)."""
+        and each live member's free resources and actors (asked of them);
+        with ``probe``, after measuring the bandwidth of every link from here."""
+        if probe:
+            await self.cluster.probe_links()
         info = self.status()
         members = list(self.membership.members.values())
         answers = await asyncio.gather(

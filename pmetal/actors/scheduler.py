@@ -132,8 +132,10 @@ class Scheduler:
                            f"node {node.node_id[:8]} is not the master (the master is "
                            f"{node.cluster.master[:8] or 'not known'}); ask the master")
         term = node.cluster.term
-        # Exactly once: a previous master may have placed it already.
-        existing = await self._existing(spec.actor_id)
+        # Exactly once: a previous master may have placed it already (then
+        # wait for its constructor, as the creator would have).
+        timeout = float(spec.options.get("timeout") or node.config.transport.request_timeout)
+        existing = await self._existing(spec.actor_id, timeout)
         if existing is not None:
             return existing
         options = dict(spec.options)
@@ -157,12 +159,12 @@ class Scheduler:
             return await node.actors.create(placed)
         return await node.membership.ask(member, placed)
 
-    async def _existing(self, actor_id: str) -> ActorLocation | None:
+    async def _existing(self, actor_id: str, wait: float) -> Message | None:
         node = self.node
         record = node.actors.actors.get(actor_id)
         if record is not None and record.state != "dead":
-            return node.actors.locate(record)
-        found = await node.membership.find_actor(LookupActor(actor_id=actor_id))
+            return await node.actors.lookup(LookupActor(actor_id=actor_id, wait=wait))
+        found = await node.membership.find_actor(LookupActor(actor_id=actor_id, wait=wait))
         if found is not None and found.state != "dead":
             return found
         return None

@@ -25,12 +25,15 @@ _STATUS_TIMEOUT = 5.0
 def _status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true",
                         help="print the node's full status as JSON")
+    parser.add_argument("--probe", action="store_true",
+                        help="first measure the bandwidth of the link from this node to "
+                             "every member (a few MiB each)")
 
 
 def _run_status(args: argparse.Namespace) -> int:
     client = _client_of_recorded_node()
     try:
-        status = client.status()
+        status = client.status(probe=args.probe)
     finally:
         client.close()
     if args.json:
@@ -153,6 +156,13 @@ def _print_cluster(s: dict[str, Any]) -> None:
                      m.get("actors", "-"), ", ".join(marks)))
     _table("NODES", ("NODE ID", "ADDRESS", "HEALTH", "RTT MS", "RESOURCES", "ACTORS", ""),
            rows)
+    links = (cluster.get("topology") or {}).get("links") or []
+    if links:
+        _table("LINKS", ("FROM", "TO", "LATENCY US", "BANDWIDTH MB/S"),
+               [(link["a"][:8], link["b"][:8],
+                 f"{link['latency'] * 1e6:.0f}" if link.get("latency") else "-",
+                 f"{link['bandwidth'] / 1e6:.0f}" if link.get("bandwidth") else
+                 "- (pmetal status --probe)") for link in links])
     ignored = cluster.get("ignored") or []
     if ignored:
         _table("IGNORED BY DISCOVERY", ("NODE ID", "ADDRESS", "REASON"),

@@ -41,6 +41,7 @@ from typing import Any
 
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
+from pmetal.cluster.topology import ClusterTopology, NodeProfile, bandwidth_from, probe_plan
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -108,7 +109,7 @@ class ClusterService:
         self.resources = resources
         self.profile = profile
         self.incarnation = time.time_ns()
-        self._static = list(static_peers)
+        self._static = [_tcp(a) for a in static_peers]
         self._on_view = on_view
         self._on_fenced = on_fenced
         self._on_dead = on_dead
@@ -122,6 +123,8 @@ class ClusterService:
             election_config = replace(election_config, bootstrap=bootstrap)
         self.election = ElectionManager(self._me(), election_config, config.health, now=now,
                                         rng=random.Random())
+        self.topology = ClusterTopology()
+        self.topology.add_node(NodeProfile.from_dict(profile, node_id=self.node_id))
         self.peers: dict[str, _Peer] = {}      # address -> peer
         self._by_id: dict[str, str] = {}       # node id -> address
         self.version = 0
@@ -211,6 +214,8 @@ class ClusterService:
                 "incarnation": self.incarnation, "version": self.version,
                 "discovered": sorted(self._by_id),
                 "found": {n: round(t - self.started, 3) for n, t in self.first_seen.items()},
+                "topology": self.topology.to_dict(),
+                "ring": self.topology.best_ring(),
                 "ignored": ([dataclasses.asdict(i) for i in self.discovery.ignored()]
                             if self.discovery is not None else []),
                 "statistics": self.statistics().__dict__}
@@ -322,6 +327,7 @@ class ClusterService:
             log.error("a cluster task failed", exc_info=exc)
 
     def _peer(self, address: str, node_id: str = "") -> _Peer:
+        address = _tcp(address)
         peer = self.peers.get(address)
         if peer is None:
             if node_id and node_id in self._by_id and self._by_id[node_id] != address:
@@ -380,7 +386,9 @@ class ClusterService:
                 return
             if isinstance(reply, BeatEcho):
                 now = cluster_clock()
-                self._heard(reply.node_id, now, rtt=now - reply.sent)
+                rtt = now - reply.sent
+                self._heard(reply.node_id, now, rtt=rtt)
+                self.topology.update_link(self.node_id, reply.node_id, latency=rtt / 2, now=now)
             elif isinstance(reply, Failure):
                 self._counts["beats_failed"] += 1
                 self._on_refused(peer.address, f"refused our Beat: {reply.message}")
@@ -449,7 +457,7 @@ class ClusterService:
         share one identity. (A member that restarted elsewhere is silent at
         its old address, hence Dead, and is let in.)"""
         known = self._by_id.get(node_id)
-        if (not known or known == address or node_id not in self.health.watched()
+        if (not known or known == _tcp(address) or node_id not in self.health.watched()
                 or self.health.status(node_id) is HealthStatus.DEAD):
             return ""
         self._counts["clones_refused"] += 1
@@ -512,6 +520,7 @@ class ClusterService:
                 log.warning("no master (term %d): %s", ev.term, ev.detail)
             elif ev.kind == "view":
                 state = self.election.state
+                self._view_topology(state)
                 for m in state.members:
                     node_id, address = m.get("node_id", ""), m.get("address", "")
                     if node_id and node_id != self.node_id and address:
@@ -524,6 +533,39 @@ class ClusterService:
             elif ev.kind == "refused":
                 log.warning("cluster join refused: %s", ev.detail)
             self._bump()
+
+    def _view_topology(self, state: ElectionState) -> None:
+        listed = {m.get("node_id", "") for m in state.members}
+        for node_id in [n for n in self.topology.nodes() if n not in listed
+                        and n != self.node_id]:
+            self.topology.remove_node(node_id)
+        for m in state.members:
+            node_id = m.get("node_id", "")
+            if node_id and node_id != self.node_id:
+                try:
+                    self.topology.add_node(NodeProfile.from_dict(m.get("profile") or {},
+                                                                 node_id=node_id))
+                except PMetalError as exc:   # a malformed profile: the member stays
+                    log.warning("member %s sent an unreadable profile: %s", node_id[:8], exc)
+
+    async def probe_links(self, max_bytes: int = 4 << 20, timeout: float = 10.0) -> None:
+        """Measure the bandwidth of the link to every live member (the
+        on-demand probe: ``pmetal status --probe``), all at once."""
+        dead = self.dead()
+        peers = [p for p in self.peers.values() if p.node_id and p.node_id not in dead
+                 and p.node_id in self.topology]
+        await asyncio.gather(*(asyncio.wait_for(self._probe(p, max_bytes), timeout)
+                               for p in peers), return_exceptions=True)
+
+    async def _probe(self, peer: _Peer, max_bytes: int) -> None:
+        channel = self._channel(peer)
+        samples = []
+        for size in probe_plan(max_bytes):
+            start = time.perf_counter()
+            await channel.arequest(Probe(bytes(size)))
+            samples.append((size, time.perf_counter() - start))
+        self.topology.update_link(self.node_id, peer.node_id, bandwidth=bandwidth_from(samples),
+                                  now=cluster_clock())
 
     def fence(self, why: str) -> None:
         """This node may have been declared dead: its actors go (the
@@ -542,6 +584,11 @@ class ClusterService:
                 log.debug("could not update the announcement: %s", exc)
         self._events(now)
         self._bump()
+
+
+def _tcp(address: str) -> str:
+    """``address`` as peers advertise it: ``tcp://host:port``."""
+    return address if "://" in address else f"tcp://{address}"
 
 
 class _Stopped(Exception):

@@ -183,6 +183,11 @@ def test_every_node_sees_every_other(nodes: list[NodeProc], driver: dict[str, An
                 return {info["node_id"], *(m["node_id"] for m in info["members"])}
             wait_until(lambda: members() == expected, WAIT,
                        what=f"membership seen by node {node.port}")
+            cluster = client.status()["cluster"]
+            # Static peers are given as host:port, Beats carry tcp://host:port:
+            # one node, not a clone of itself.
+            assert cluster["statistics"]["clones_refused"] == 0, cluster["statistics"]
+            assert {m["health"] for m in cluster["members"]} == {"self", "healthy"}, cluster
         finally:
             client.close()
 

@@ -51,7 +51,7 @@ def _index_of(c: LabCluster, node_id: str) -> int:
     return next(i for i, n in c.nodes.items() if n.node_id == node_id)
 
 
-def _status(c: LabCluster, index: int) -> dict:
+def _status(c: LabCluster, index: int, probe: bool = False) -> dict:
     """``status()`` of node ``index``, asked by a client on its host."""
     node = c.nodes[index]
     code = ("import json, sys\n"
@@ -60,7 +60,7 @@ def _status(c: LabCluster, index: int) -> dict:
             "from pmetal.security import NetworkNamespace\n"
             "ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
             "c = CoreClient(sys.argv[1], ns, load_config())\n"
-            "print(json.dumps(c.status(), default=str))\n"
+            f"print(json.dumps(c.status(probe={probe}), default=str))\n"
             "c.close()\n")
     proc = c.lab.python(index, code, node.address, c.namespace, c.psk.hex(),
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=c._env(index, c.psk),
@@ -97,6 +97,16 @@ def test_status_shows_the_same_cluster_on_every_node(cluster: LabCluster) -> Non
         assert {m["health"] for m in s["members"]} <= {"self", "healthy", "degraded"}, s
     assert len(set(map(json.dumps, views))) == 1, views
     assert views[0][3] == sorted(n.node_id for n in cluster.live(HOSTS))
+    # The topology: latency from the beats, bandwidth from an on-demand probe.
+    probed = _status(cluster, 1, probe=True)["cluster"]
+    me = cluster.nodes[1].node_id
+    links = [link for link in probed["topology"]["links"] if me in (link["a"], link["b"])]
+    assert len(links) == 3, probed["topology"]
+    assert all(link["latency"] and link["bandwidth"] for link in links), links
+    assert sorted(probed["ring"]) == views[0][3]
+    for link in links:
+        print(f"\n[lab] link h1-{link['a'][:6]}/{link['b'][:6]}: latency "
+              f"{link['latency'] * 1e6:.0f} us, bandwidth {link['bandwidth'] / 1e6:.0f} MB/s")
 
 
 def test_killing_the_master_elects_another(cluster: LabCluster) -> None:
