@@ -1,11 +1,11 @@
 """Run the pmetal benchmark suites and print their tables.
 
-    python -m benchmarks                # transport and actors
+    python -m benchmarks                # transport, actors and cluster
     python -m benchmarks transport      # one suite
     python -m benchmarks --quick        # fewer repetitions (smoke run)
     python -m benchmarks instructions   # opt-in: instruction counts (valgrind)
 
-All traffic stays on 127.0.0.1.
+All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, instructions, transport
+from benchmarks import actors, cluster, instructions, transport
 
-SUITES = {"transport": transport.main, "actors": actors.main}
+SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main}
 OPT_IN = {"instructions": instructions.main}   # run only when named
 
 
