@@ -141,8 +141,9 @@ def _print_cluster(s: dict[str, Any]) -> None:
     """The master, its term and every member (this node too) with its health."""
     cluster = s.get("cluster") or {}
     master = cluster.get("master") or ""
-    print(f"master     {master or 'none'}   term {cluster.get('term', 0)}, epoch "
-          f"{cluster.get('epoch', 0)}, this node is {cluster.get('role', '?')}")
+    print(f"master     {master or 'none yet (an election is under way, or this node sees no majority)'}"
+          f"   term {cluster.get('term', 0)}, epoch {cluster.get('epoch', 0)}, this node is "
+          f"{cluster.get('role', '?')}")
     rows = []
     for m in cluster.get("members") or []:
         marks = [w for w, on in (("master", m["node_id"] == master),
