@@ -31,9 +31,11 @@ itself: its actors go, and it rejoins as a new incarnation.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,6 +127,7 @@ class ClusterService:
                                         rng=random.Random())
         self.topology = ClusterTopology()
         self.topology.add_node(NodeProfile.from_dict(profile, node_id=self.node_id))
+        self._rtts: dict[str, collections.deque[float]] = {}   # node id -> recent round trips
         self.peers: dict[str, _Peer] = {}      # address -> peer
         self._by_id: dict[str, str] = {}       # node id -> address
         self.version = 0
@@ -388,7 +391,12 @@ class ClusterService:
                 now = cluster_clock()
                 rtt = now - reply.sent
                 self._heard(reply.node_id, now, rtt=rtt)
-                self.topology.update_link(self.node_id, reply.node_id, latency=rtt / 2, now=now)
+                recent = self._rtts.setdefault(reply.node_id, collections.deque(maxlen=20))
+                recent.append(rtt)
+                # One-way latency: half the median of the last round trips (one
+                # slow beat, a busy moment of either node, does not move it).
+                self.topology.update_link(self.node_id, reply.node_id,
+                                          latency=statistics.median(recent) / 2, now=now)
             elif isinstance(reply, Failure):
                 self._counts["beats_failed"] += 1
                 self._on_refused(peer.address, f"refused our Beat: {reply.message}")
@@ -554,16 +562,25 @@ class ClusterService:
         dead = self.dead()
         peers = [p for p in self.peers.values() if p.node_id and p.node_id not in dead
                  and p.node_id in self.topology]
-        await asyncio.gather(*(asyncio.wait_for(self._probe(p, max_bytes), timeout)
-                               for p in peers), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(self._probe(p, max_bytes), timeout)
+                                         for p in peers), return_exceptions=True)
+        for peer, result in zip(peers, results):
+            if isinstance(result, BaseException):
+                log.warning("bandwidth probe to %s failed: %r", peer.address, result)
 
     async def _probe(self, peer: _Peer, max_bytes: int) -> None:
-        channel = self._channel(peer)
+        # A connection of its own: megabytes queued ahead of the Beats on
+        # theirs would delay them past dead_after on a slow link.
+        channel = Channel(self._transport.dial(peer.address), self._identity, self._namespace,
+                          self.config)
         samples = []
-        for size in probe_plan(max_bytes):
-            start = time.perf_counter()
-            await channel.arequest(Probe(bytes(size)))
-            samples.append((size, time.perf_counter() - start))
+        try:
+            for size in probe_plan(max_bytes):
+                start = time.perf_counter()
+                await channel.arequest(Probe(bytes(size)))
+                samples.append((size, time.perf_counter() - start))
+        finally:
+            channel.close()
         self.topology.update_link(self.node_id, peer.node_id, bandwidth=bandwidth_from(samples),
                                   now=cluster_clock())
 

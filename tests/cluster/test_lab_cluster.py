@@ -173,6 +173,44 @@ def test_a_three_one_partition_keeps_one_master_and_heals(cluster: LabCluster) -
     assert cluster.nodes[1].state["master"] == new
 
 
+def test_a_host_whose_link_goes_down_is_dead_and_rejoins_when_it_returns(
+        cluster: LabCluster) -> None:
+    cluster.wait(lambda: cluster.agreed(HOSTS, HOSTS), BOUND, "agreement")
+    master = cluster.nodes[1].state["master"]
+    host = next(i for i in HOSTS if cluster.nodes[i].node_id != master)
+    gone = cluster.nodes[host].node_id
+    rest = [i for i in HOSTS if i != host]
+    cluster.lab.isolate(host)   # the cable is pulled: no FIN, no RST, silence
+    took = cluster.wait(lambda: all(gone in cluster.nodes[i].state.get("dead", [])
+                                    for i in rest), BOUND,
+                        "every other node holds the cut-off host dead")
+    _report("link down to Dead on every other node", took)
+    # Cut off, the host can reach no majority: it keeps no master.
+    cluster.wait(lambda: not cluster.nodes[host].state.get("master"), BOUND,
+                 "the cut-off host has no master")
+    cluster.lab.rejoin(host)
+    took = cluster.wait(lambda: cluster.agreed(HOSTS, HOSTS), BOUND,
+                        "the host is a member again")
+    _report("link up to the host agreed on by all four again", took)
+
+
+def test_a_shaped_link_is_measured_slower_by_the_probe(cluster: LabCluster) -> None:
+    cluster.wait(lambda: cluster.agreed(HOSTS, HOSTS), BOUND, "agreement")
+    slow = cluster.nodes[4].node_id
+    cluster.lab.shape(4, "40mbit")   # 5 MB/s both ways, as a poor Wi-Fi link
+    try:
+        links = _status(cluster, 1, probe=True)["cluster"]["topology"]["links"]
+    finally:
+        cluster.lab.unshape(4)
+    me = cluster.nodes[1].node_id
+    speed = {(link["b"] if link["a"] == me else link["a"]): link["bandwidth"]
+             for link in links if me in (link["a"], link["b"])}
+    print(f"\n[lab] probe from h1: {', '.join(f'{n[:6]} {b / 1e6:.1f} MB/s' for n, b in speed.items())}"
+          f" (h4 = {slow[:6]} shaped to 40 Mbit/s)")
+    assert speed[slow] < 8e6, speed
+    assert all(b > 2 * speed[slow] for n, b in speed.items() if n != slow), speed
+
+
 def test_a_node_with_another_psk_is_never_admitted(cluster: LabCluster) -> None:
     cluster.wait(lambda: cluster.agreed(HOSTS, HOSTS), BOUND, "agreement")
     stranger = cluster.start(5, psk=secrets.token_bytes(32), probe=False)
