@@ -119,10 +119,10 @@ class DiscoveredPeer:
 class IgnoredPeer:
     """A pmetal node that is not ours to join, and why.
 
-    ``kind``: "namespace" (another namespace or PSK: logged at INFO, since
-    several clusters may share a LAN), "version" (another protocol
-    version), "malformed" (an unreadable record) or "duplicate" (announces
-    this node's id from another address); the last three at WARNING."""
+    ``kind``: "namespace" (another namespace or PSK), "version" (another
+    protocol version), "malformed" (an unreadable record) or "duplicate"
+    (announces this node's id from another address); each is logged once
+    per node and reason, at WARNING."""
 
     node_id: str
     address: str
@@ -335,9 +335,11 @@ class _Watcher:
                 if self._ignored.get(name) == seen:
                     return
                 self._ignored[name] = seen
-                log.log(logging.INFO if seen.kind == "namespace" else logging.WARNING,
-                        "ignoring pmetal node %s at %s: %s", seen.node_id, seen.address,
-                        seen.reason)
+                # A WARNING, once per node and reason: a node that cannot join
+                # is what a user who expected it to must see (pmetal discover and
+                # pmetal status list it too).
+                log.warning("ignoring pmetal node %s at %s: %s", seen.node_id, seen.address,
+                            seen.reason)
             self.changed.notify_all()
         if isinstance(seen, IgnoredPeer) and gone is not None:
             self._deliver("gone", gone.node_id)
