@@ -15,10 +15,8 @@ import json
 import signal
 import secrets
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 

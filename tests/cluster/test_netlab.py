@@ -13,7 +13,6 @@ import subprocess
 import time
 from typing import Any
 
-import pytest
 
 from netlab import NetLab, _base36, require_netlab
 
