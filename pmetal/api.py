@@ -401,8 +401,9 @@ def get_actor(name: str) -> ActorHandle:
 
 
 def nodes() -> list[dict[str, Any]]:
-    """Every node of the cluster, as dicts like Ray's ``ray.nodes()``, plus
-    each node's health as this node sees it and whether it is the master."""
+    """Every node of the cluster, as dicts like Ray's ``ray.nodes()`` (the
+    connected node first), plus each node's health as this node sees it and
+    whether it is the master."""
     info = client().status()
     cluster = info.get("cluster") or {}
     out = []
@@ -415,6 +416,7 @@ def nodes() -> list[dict[str, Any]]:
     if not out:   # the node has not joined a cluster yet: itself
         out.append({"NodeID": info["node_id"], "Address": info["address"], "Alive": True,
                     "Resources": info["resources"], "Health": "self", "IsMaster": False})
+    out.sort(key=lambda n: n["NodeID"] != info["node_id"])   # the connected node first
     return out
 
 

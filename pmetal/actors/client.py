@@ -101,8 +101,18 @@ class CoreClient:
         self._closing = threading.Event()
         self._deferrals = Deferrals(self)
         self._created = False     # whether this client created actors (they die at detach)
-        self.watch = ClusterWatch(self.transport, self.identity, namespace, config,
-                                  node_address)
+        self._watch: ClusterWatch | None = None   # started with the first remote actor
+
+    @property
+    def watch(self) -> ClusterWatch:
+        """The cluster's dead nodes as our node tells them (a long poll in a
+        thread of its own), started on first use: a client of one machine
+        never needs it."""
+        with self.lock:
+            if self._watch is None:
+                self._watch = ClusterWatch(self.transport, self.identity, self.namespace,
+                                           self.config, self.node_address)
+            return self._watch
 
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
@@ -116,8 +126,7 @@ class CoreClient:
             if link is not None:
                 link.close()
             link = self.links[address] = PeerLink(self.transport, self.identity, self.namespace,
-                                                  self.config, address, self.node_link,
-                                                  self.watch)
+                                                  self.config, address, self.node_link)
             # A worker busy in a long call answers the handshake only after
             # it: wait as long as for a request, not the short handshake time.
             try:
@@ -309,7 +318,8 @@ class CoreClient:
             link.check()
             if not link.dead:
                 return link
-        if link is None and handle._state == "alive" and handle._node_id not in self.watch.dead:
+        if link is None and handle._state == "alive" and not (
+                self._watch is not None and handle._node_id in self._watch.dead):
             return self._on(self._own(self.link(handle._address), handle._actor_id), handle)
         # The worker we knew died: ask the node for the actor's new home.
         try:
@@ -324,9 +334,12 @@ class CoreClient:
         self._link_for(loc.address, handle._actor_id)   # drops a stale link there
         return self._on(self._own(self.link(loc.address), handle._actor_id), handle)
 
-    @staticmethod
-    def _on(link: PeerLink, handle: Any) -> PeerLink:
+    def _on(self, link: PeerLink, handle: Any) -> PeerLink:
+        """``link`` serves an actor of node ``handle._node_id``: on another
+        node, the link fails its calls as soon as that node is declared dead."""
         link.node_id = handle._node_id
+        if link.node_id and link.node_id != self.node_id:
+            link.watch = self.watch
         return link
 
     def _link_for(self, address: str, owner: str) -> PeerLink | None:
@@ -555,7 +568,7 @@ class CoreClient:
             items.append((link.monitor, _POLLIN))
         ready = {sock for sock, ev in zmq_poll(items, ms) if ev}
         for link in list(links.values()):
-            if link.monitor in ready or (link.node_id and link.node_id in self.watch.dead):
+            if link.monitor in ready or link.node_dead():
                 link.check()
             if link.socket in ready and not link.dead:
                 sock = link.socket
@@ -646,7 +659,8 @@ class CoreClient:
         self._flush_wanted.set()
         if self._flusher is not None:
             self._flusher.join(timeout=2.0)
-        self.watch.close()
+        if self._watch is not None:
+            self._watch.close()
         with self.lock:
             for link in self.links.values():
                 link.close()

@@ -276,7 +276,7 @@ class PeerLink:
 
     def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
                  namespace: NetworkNamespace, config: PMetalConfig, address: str,
-                 node: NodeLink, watch: ClusterWatch | None = None) -> None:
+                 node: NodeLink) -> None:
         dialer = transport.dial(address)
         self.address = address
         self.node = node
@@ -290,13 +290,13 @@ class PeerLink:
         self.outbox: list[tuple[ObjectRef, list[Any]]] = []
         self.outbox_actor = ""
         self.owner = ""   # the actor this worker hosts, or _TASKS (see CoreClient._link_for)
-        self.node_id = ""  # the node of that worker, when known (ClusterWatch)
-        self._watch = watch
+        self.node_id = ""  # the node of that worker, when known
+        self.watch: ClusterWatch | None = None   # set for a worker of another node
 
     def check(self) -> None:
         """Read connection events; a disconnect marks the link dead, and so
         does the death of the worker's node (see ClusterWatch)."""
-        if self._watch is not None and self.node_id and self.node_id in self._watch.dead:
+        if self.node_dead():
             self.die(f"its node {self.node_id[:8]} was declared dead (it stopped answering "
                      f"heartbeats)")
             return
@@ -308,6 +308,10 @@ class PeerLink:
                 if self.node.gone():
                     why += f"; {self.node.dead}"
                 self.die(why)
+
+    def node_dead(self) -> bool:
+        """Whether the cluster holds this worker's node dead."""
+        return self.watch is not None and self.node_id in self.watch.dead
 
     def die(self, why: str) -> None:
         if self.dead:
