@@ -29,7 +29,7 @@ from tests.cluster.simnet import SimNet
 
 SCHEDULES = int(os.environ.get("PMETAL_SIM_SCHEDULES", "10000"))
 CHUNKS = 10
-STABLE = 5.0            # simulated seconds without faults before agreement is checked
+STABLE = 8.0            # simulated seconds without faults within which all must agree
 # Beats every 0.25 s instead of 0.1 s keep a schedule to a few hundred
 # messages; the election's own timing is the default one.
 HEALTH = HealthConfig(interval=0.25, degraded_after=0.5, suspect_after=0.75, dead_after=1.0,
