@@ -94,7 +94,7 @@ __all__ = ["ElectionEvent", "ElectionManager", "ElectionState", "ElectionStatist
 
 log = logging.getLogger(__name__)
 
-_FOUNDING_TERMS = 2 ** 31   # a fresh node's first term is random below this
+_FOUNDING_TERMS = 2 ** 31   # a founding election jumps the term by a random amount below this
 
 
 class ElectionManager(Roster):
@@ -396,13 +396,13 @@ class ElectionManager(Roster):
         # A new epoch under the new term: every member adopts this view.
         self._members.epoch += 1
         self._view_term = self._term
-        for node_id, since in self._dead_since.items():
+        for node_id in self._dead_since:
             self._members.mark(node_id, DEAD)
         self._view_changed(now, "elected", out)
 
     def _on_vote_request(self, sender: str, r: VoteRequest, now: float,
                          out: list[Outgoing]) -> None:
-        why = self._refusal(r, now)
+        why = self._refusal(sender, r, now)
         if not why and not r.pre:
             if r.term > self._term:
                 # Raft: a real request past every lease moves us to its term
@@ -425,7 +425,9 @@ class ElectionManager(Roster):
         out.append(Outgoing(sender, self._address(sender),
                             Vote(r.term, self.node_id, True, r.pre)))
 
-    def _refusal(self, r: VoteRequest, now: float) -> str:
+    def _refusal(self, sender: str, r: VoteRequest, now: float) -> str:
+        if r.candidate != sender:
+            return f"{sender} asked for a vote for {r.candidate}: a node campaigns for itself"
         if not self._booted:
             # A restarted node forgot whom it voted for: it must not vote
             # again until every election it may have voted in is over.
@@ -449,11 +451,11 @@ class ElectionManager(Roster):
             return
         if v.pre:
             if self._role is Role.FOLLOWER and self._pre_term and v.term == self._pre_term:
-                self._granted.add(v.voter)
+                self._granted.add(sender)
                 if has_quorum(self._granted, self._members.ids()):
                     self._start_candidacy(now, out, self._pre_term)
         elif self._role is Role.CANDIDATE and v.term == self._term:
-            self._granted.add(v.voter)
+            self._granted.add(sender)
             if has_quorum(self._granted, self._members.ids()):
                 self._become_master(now, out)
 
