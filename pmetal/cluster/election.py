@@ -53,8 +53,9 @@ above every term seen, so that clusters founded apart (a partition at
 start, a node restarted without memory alone) practically never share a
 term. Two masters that meet merge: the one with fewer members (tie: the
 larger node id) yields, sends its members to the other in a JoinCluster
-and becomes a follower; the winner adds them and runs an election above
-both terms. Until the winner's view arrives (or ``bootstrap`` seconds
+and becomes a follower; the winner adds them and runs an election in a
+term above both, by a random jump too: two masters that take in the same
+masterless nodes at once must not pick the same term. Until the winner's view arrives (or ``bootstrap`` seconds
 pass) the yielding side campaigns for no one and votes only for the winner:
 its old list and the winner's new one may have quorums that do not meet.
 
@@ -66,8 +67,8 @@ a timing assumption: no message is delayed longer than ``bootstrap`` minus
 the election timeout (a restarted node, having forgotten its vote, votes
 again only after its bootstrap window; a joining node waits that long).
 Not guaranteed: a master at every moment (there is none during an election
-or on a minority side); that clusters founded apart never share a term (one
-chance in about 2**31 per pair of founding elections).
+or on a minority side); that clusters founded or merged apart never share a
+term (one chance in about 2**31 per pair of such elections).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ from pmetal.cluster.events import (
     Outgoing,
     Role,
 )
-from pmetal.cluster.roster import Roster
+from pmetal.cluster.roster import TERM_JUMP, Roster
 from pmetal.cluster.view import ALIVE, DEAD, MemberList, entry, has_quorum, valid
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, ClusterView, JoinCluster, Message, Vote, VoteRequest
@@ -93,8 +94,6 @@ __all__ = ["ElectionEvent", "ElectionManager", "ElectionState", "ElectionStatist
            "Outgoing", "Role"]
 
 log = logging.getLogger(__name__)
-
-_FOUNDING_TERMS = 2 ** 31   # a founding election jumps the term by a random amount below this
 
 
 class ElectionManager(Roster):
@@ -289,7 +288,7 @@ class ElectionManager(Roster):
             # from each other at start may found clusters with lists that
             # do not intersect, so their terms must not collide. Random.
             seen = max((b.term for b in self._beats.values()), default=0)
-            return max(self._term, seen) + self._rng.randrange(1, _FOUNDING_TERMS)
+            return max(self._term, seen) + self._rng.randrange(1, TERM_JUMP)
         return self._term + 1
 
     def _adopt_term(self, term: int, now: float) -> None:

@@ -21,9 +21,13 @@ from pmetal.cluster.view import ALIVE, MemberList, entry, has_quorum, valid
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, ClusterView, JoinCluster
 
-__all__ = ["Roster"]
+__all__ = ["Roster", "TERM_JUMP"]
 
 log = logging.getLogger("pmetal.cluster.election")
+
+# Elections over lists from different lineages (founding, merging) move the
+# term up by a random amount below this: see pmetal.cluster.election.
+TERM_JUMP = 2 ** 31
 
 
 class Roster:
@@ -160,8 +164,11 @@ class Roster:
             # that saw a term above ours and would refuse our views as
             # stale: lead the merged list into a term above both, by a real
             # election, so that nothing either old master decided can pass
-            # for a decision of the merged cluster.
-            self._start_candidacy(now, out, max(top, self._term) + 1)
+            # for a decision of the merged cluster. A random jump: another
+            # master may be taking in the same masterless nodes right now,
+            # over a list whose quorums need not meet ours.
+            self._start_candidacy(now, out,
+                                  max(top, self._term) + self._rng.randrange(1, TERM_JUMP))
             return
         if changed:
             self._view_changed(now, "joined " + ",".join(m["node_id"] for m in members), out)
