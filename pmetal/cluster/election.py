@@ -55,9 +55,12 @@ term. Two masters that meet merge: the one with fewer members (tie: the
 larger node id) yields, sends its members to the other in a JoinCluster
 and becomes a follower; the winner adds them and runs an election in a
 term above both, by a random jump too: two masters that take in the same
-masterless nodes at once must not pick the same term. Until the winner's view arrives (or ``bootstrap`` seconds
-pass) the yielding side campaigns for no one and votes only for the winner:
-its old list and the winner's new one may have quorums that do not meet.
+masterless nodes at once must not pick the same term. Until the winner's
+view arrives the yielding side campaigns for no one and votes only for the
+winner: its old list and the winner's new one may have quorums that do not
+meet. If no view comes within ``bootstrap`` seconds, it gives up and holds
+its old list as a founder's (epoch 0: random term, loses to master-made
+lists).
 
 Guarantees, checked by a simulation of 10,000 random schedules of crashes,
 restarts, loss, delay and partitions (tests/cluster/test_election_sim.py):
@@ -230,6 +233,10 @@ class ElectionManager(Roster):
         if self._joining and now >= self._joining_until:
             log.info("node %s gives up joining %s", self.node_id[:8], self._joining[:8])
             self._joining = ""
+            # Our old list may have quorums that miss the merged cluster's,
+            # which may be electing in our next term: elect as a founder
+            # (random term) and lose every vote against a master-made list.
+            self._members.epoch = 0
         if self._role is Role.MASTER:
             self._master_tick(now, out)
         elif self._joining:
