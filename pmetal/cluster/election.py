@@ -440,6 +440,12 @@ class ElectionManager(Roster):
             return "bootstrapping"
         if self._joining and r.candidate != self._joining:
             return f"joining the cluster of {self._joining}"
+        if r.candidate not in self._members and r.candidate not in (self._master, self._joining):
+            # A candidate from another lineage (clusters founded apart, or
+            # a master that took us in before we took its view): its term
+            # must not become ours, or our lineage's next election could
+            # collide with its, over lists whose quorums need not meet.
+            return f"{r.candidate} is not in this node's member list"
         if r.term < self._term or (r.pre and r.term == self._term):
             self._counts["stale"] += 1
             return f"stale term {r.term} < {self._term}"
@@ -494,6 +500,10 @@ class ElectionManager(Roster):
                     out.append(self._join_message(sender, b.address))
                 return
             if self._master == sender and not self._in_view:
+                # Following a master whose list we are not in yet: we are
+                # joining it, whatever lists we held before.
+                if self._joining != sender:
+                    self._join(sender, b.address, now)
                 out.append(self._join_message(sender, b.address))
         elif sender == self._master:
             self._lose_master(now, f"master {sender} says it is not master")

@@ -81,8 +81,13 @@ class Roster:
                       b.term, b.epoch)
         elif b.term > self._term:
             # A member in a term above ours: it campaigned while it could
-            # not hear us, or follows a newer master. Raft: step down.
+            # not hear us, follows a newer master, or took a term from
+            # another lineage that also lists it. Raft: step down; and hold
+            # our list as a founder's (epoch 0: random term, loses to any
+            # master-made list), since that other lineage's next election
+            # may be in our next term, over quorums that miss ours.
             self._adopt_term(b.term, now)
+            self._members.epoch = 0
         elif b.master != self.node_id or b.epoch != self._members.epoch:
             self._send_view(sender, out)
 
@@ -94,8 +99,14 @@ class Roster:
         """Two masters: Raft's rule within one cluster, the merge rule across."""
         if self._members.same_incarnation(other, b.incarnation):
             if b.term > self._term:
+                # Raft: follow the newer master. Its list may not be ours
+                # (it may lead another lineage that took it in): join it
+                # until its view comes, as a yielding master does.
                 self._adopt_term(b.term, now)
                 self._follow(other, b.address, now)
+                self._join(other, b.address, now)
+                self._in_view = False
+                out.append(self._join_message(other, b.address))
             return
         mine = (len(self._members), other)
         theirs = (b.size, self.node_id)

@@ -109,11 +109,11 @@ def test_a_follower_back_from_a_partition_does_not_depose_the_master() -> None:
 def test_a_node_that_hears_its_master_refuses_votes() -> None:
     net = network(3, seed=6)
     master = formed(net)
-    follower = next(i for i in net.ids if i != master)
+    follower, rogue = (i for i in net.ids if i != master)
     s = state(net, follower)
     manager = net.nodes[follower].manager
     for pre in (True, False):
-        out = manager.receive("rogue", VoteRequest(s.term + 5, "rogue", s.epoch, pre), net.now)
+        out = manager.receive(rogue, VoteRequest(s.term + 5, rogue, s.epoch, pre), net.now)
         assert len(out) == 1 and not out[0].message.granted
         assert "alive" in out[0].message.reason
     assert manager.state.term == s.term and manager.state.voted_for == s.voted_for
