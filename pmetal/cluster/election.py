@@ -62,6 +62,11 @@ meet. If no view comes within ``bootstrap`` seconds, it gives up and holds
 its old list as a founder's (epoch 0: random term, loses to master-made
 lists).
 
+A node restarted without memory may have voted, or led, in any term of
+its old life. Until it is in a master's view it says so with every vote it
+grants ("fresh"); a candidate that needs such votes for its quorum takes a
+random term, and otherwise does not count them.
+
 Guarantees, checked by a simulation of 10,000 random schedules of crashes,
 restarts, loss, delay and partitions (tests/cluster/test_election_sim.py):
 at most one master per term; one master that every node follows, with one
@@ -98,6 +103,8 @@ __all__ = ["ElectionEvent", "ElectionManager", "ElectionState", "ElectionStatist
 
 log = logging.getLogger(__name__)
 
+_FRESH = "fresh"   # the reason of a pre-vote granted by a node without memory
+
 
 class ElectionManager(Roster):
     def __init__(self, me: Mapping[str, Any], config: ElectionConfig, health: HealthConfig, *,
@@ -121,6 +128,13 @@ class ElectionManager(Roster):
         # The view we hold, from our master or its lineage, lists this
         # incarnation alive: a later view that drops us fences us.
         self._in_view = False
+        # Started without memory and not yet in any master's view: it may
+        # have voted (or led) in any term of its old life. It says so when
+        # it grants a pre-vote, and a candidate that needs such votes for
+        # its quorum takes a random term, which its old life never used.
+        self._fresh = True
+        self._fresh_granted: set[str] = set()
+        self._jumped = False   # the current candidacy took a random term
         self._fence_pending = False
         # Joining another master's cluster (a merge): until its view comes,
         # or ``bootstrap`` seconds pass, campaign for no one and vote only
@@ -362,6 +376,7 @@ class ElectionManager(Roster):
     def _start_pre_vote(self, now: float, out: list[Outgoing]) -> None:
         self._pre_term = self._next_term()
         self._granted = {self.node_id}
+        self._fresh_granted = {self.node_id} if self._fresh else set()
         self._counts["pre_votes"] += 1
         self._deadline = now + self._jitter(self._config.timeout)
         if has_quorum(self._granted, self._members.ids()):
@@ -371,6 +386,7 @@ class ElectionManager(Roster):
         out.extend(Outgoing(n, self._address(n), request) for n in self._others())
 
     def _start_candidacy(self, now: float, out: list[Outgoing], term: int) -> None:
+        self._jumped = True   # the default for merges and founders; see _on_vote
         was_master = self._role is Role.MASTER
         self._term = term
         self._role = Role.CANDIDATE
@@ -395,6 +411,7 @@ class ElectionManager(Roster):
         self._master_address = self._me["address"]
         self._master_since = now
         self._in_view = True
+        self._fresh = False
         self._counts["won"] += 1
         log.info("node %s is master in term %d", self.node_id[:8], self._term)
         self._event("elected", now)
@@ -429,7 +446,8 @@ class ElectionManager(Roster):
             self._deadline = now + self._jitter(self._config.timeout)
         self._counts["granted"] += 1
         out.append(Outgoing(sender, self._address(sender),
-                            Vote(r.term, self.node_id, True, r.pre)))
+                            Vote(r.term, self.node_id, True, r.pre,
+                                 _FRESH if self._fresh else "")))
 
     def _refusal(self, sender: str, r: VoteRequest, now: float) -> str:
         if r.candidate != sender:
@@ -464,9 +482,20 @@ class ElectionManager(Roster):
         if v.pre:
             if self._role is Role.FOLLOWER and self._pre_term and v.term == self._pre_term:
                 self._granted.add(sender)
+                if v.reason == _FRESH:
+                    self._fresh_granted.add(sender)
                 if has_quorum(self._granted, self._members.ids()):
-                    self._start_candidacy(now, out, self._pre_term)
+                    term = self._pre_term
+                    jump = not has_quorum(self._granted - self._fresh_granted,
+                                          self._members.ids())
+                    if jump:
+                        term += self._rng.randrange(0, TERM_JUMP)
+                    jump = jump or self._members.epoch == 0   # founders' terms are random
+                    self._start_candidacy(now, out, term)
+                    self._jumped = jump
         elif self._role is Role.CANDIDATE and v.term == self._term:
+            if v.reason == _FRESH and not self._jumped:
+                return   # its old life may have voted in this very term
             self._granted.add(sender)
             if has_quorum(self._granted, self._members.ids()):
                 self._become_master(now, out)

@@ -43,6 +43,7 @@ class Roster:
     _members: MemberList
     _view_term: int
     _in_view: bool
+    _fresh: bool
     _fence_pending: bool
     _joining: str
     _master_since: float
@@ -230,6 +231,7 @@ class Roster:
         if mine is not None and mine["incarnation"] == self._me["incarnation"]:
             if mine["state"] == ALIVE:
                 self._in_view = True
+                self._fresh = False
                 return
             fenced = True
         else:
