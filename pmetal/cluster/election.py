@@ -32,46 +32,68 @@ The rules are Raft's leader election with pre-vote and check-quorum:
   masters when they are merely cut off from each other, and a cut-off
   network is far more common at home than a machine that never returns.
 
-What changes the member list: only the master. It adds a node that asks
-(:class:`~pmetal.wire.JoinCluster`) or that beats with no master, marks a
-member "dead" as soon as the failure detector says so (the runtime restarts
-its actors on that ``view`` event), drops it after ``health.remove_after``
-seconds dead, and replaces an entry when a Beat shows a new incarnation.
-Every change increments ``epoch`` and goes to every member as a
-:class:`~pmetal.wire.ClusterView` carrying the master's term; followers
-adopt views from their master when the epoch is newer, and refuse stale
-terms. A node that such a view marks dead, or drops, is *fenced*: the
-shell kills its actors and calls :meth:`ElectionManager.fence` with a new
-incarnation, and the node rejoins.
+What changes the member list: only the master (:mod:`pmetal.cluster.roster`).
+It adds a node that asks (:class:`~pmetal.wire.JoinCluster`) or that beats
+with no master, marks a member "dead" as soon as the failure detector says
+so (the runtime restarts its actors on that ``view`` event), drops it after
+``health.remove_after`` seconds dead, and replaces an entry when a Beat
+shows a new (larger) incarnation. Every change increments ``epoch`` and
+goes to every member as a :class:`~pmetal.wire.ClusterView` carrying the
+master's term; followers adopt views from their master when the epoch is
+newer, and refuse stale terms. A node that such a view marks dead, or
+drops, is *fenced*: the shell kills its actors and calls
+:meth:`ElectionManager.fence` with a new incarnation, and the node rejoins.
 
 Bootstrap: for ``election.bootstrap`` seconds a fresh node elects no one
 and votes for no one, unless it hears of a master, which it then joins.
-Then its list is itself plus the nodes it discovered. A fresh node (term
-0) that founds a cluster starts at a random term, so that clusters formed
-apart (or a node restarted without memory) practically never reuse a term
-another cluster used. Two masters that meet merge: the one with fewer
-members (tie: the larger node id) yields, sends its members to the other
-in a JoinCluster and becomes a follower; the winner adds them and runs an
-election above both terms, so the merged cluster gets a term no one used.
+Then its list is itself plus the nodes it heard from, at epoch 0 (a list
+no master made, which loses every vote against one a master made). An
+election over such a list (a *founding* election) jumps to a random term
+above every term seen, so that clusters founded apart (a partition at
+start, a node restarted without memory alone) practically never share a
+term. Two masters that meet merge: the one with fewer members (tie: the
+larger node id) yields, sends its members to the other in a JoinCluster
+and becomes a follower; the winner adds them and runs an election in a
+term above both, by a random jump too: two masters that take in the same
+masterless nodes at once must not pick the same term. Until the winner's
+view arrives the yielding side campaigns for no one and votes only for the
+winner: its old list and the winner's new one may have quorums that do not
+meet. If no view comes within ``bootstrap`` seconds, it gives up and holds
+its old list as a founder's (epoch 0: random term, loses to master-made
+lists).
 
-Guarantees: at most one master per term among nodes that can exchange
-votes, provided a message is not delayed longer than ``bootstrap`` minus
+A node restarted without memory may have voted, or led, in any term of
+its old life. Until it is in a master's view it says so with every vote it
+grants ("fresh"); a candidate that needs such votes for its quorum takes a
+random term, and otherwise does not count them.
+
+Guarantees, checked by a simulation of 10,000 random schedules of crashes,
+restarts, loss, delay and partitions (tests/cluster/test_election_sim.py):
+at most one master per term; one master that every node follows, with one
+term and one epoch, a few seconds after the faults stop. The first rests on
+a timing assumption: no message is delayed longer than ``bootstrap`` minus
 the election timeout (a restarted node, having forgotten its vote, votes
-again only after its bootstrap window). Not guaranteed: a master at every
-moment (there is none during an election or on a minority side); that two
-clusters formed apart never share a term (it is random: one chance in
-about 2**31 per pair of clusters per term).
+again only after its bootstrap window; a joining node waits that long).
+Not guaranteed: a master at every moment (there is none during an election
+or on a minority side); that clusters founded or merged apart never share a
+term (one chance in about 2**31 per pair of such elections).
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
+from pmetal.cluster.events import (
+    ElectionEvent,
+    ElectionState,
+    ElectionStatistics,
+    Outgoing,
+    Role,
+)
+from pmetal.cluster.roster import TERM_JUMP, Roster
 from pmetal.cluster.view import ALIVE, DEAD, MemberList, entry, has_quorum, valid
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, ClusterView, JoinCluster, Message, Vote, VoteRequest
@@ -81,75 +103,16 @@ __all__ = ["ElectionEvent", "ElectionManager", "ElectionState", "ElectionStatist
 
 log = logging.getLogger(__name__)
 
-_FOUNDING_TERMS = 2 ** 31   # a fresh node's first term is random below this
+_FRESH = "fresh"   # the reason of a pre-vote granted by a node without memory
 
 
-def _described(member: Mapping[str, Any]) -> dict[str, Any]:
-    """What a member says of itself beyond its id, address and incarnation."""
-    return {"resources": member.get("resources") or {}, "profile": member.get("profile") or {}}
-
-
-class Role(enum.Enum):
-    FOLLOWER = "follower"
-    CANDIDATE = "candidate"
-    MASTER = "master"
-
-
-@dataclass(frozen=True)
-class ElectionState:
-    term: int
-    role: Role
-    master: str               # "" while none is known
-    epoch: int
-    members: tuple[dict, ...]  # entries as in pmetal.wire, this node included
-    voted_for: str
-
-
-@dataclass(frozen=True)
-class ElectionEvent:
-    """For the shell. ``kind``: "elected" (this node became master),
-    "master" (a new master is known, this node included), "no_master" (the
-    master was lost or stepped down), "view" (the member list changed:
-    ``epoch``), "fenced" (the master declared this node dead or dropped
-    it: kill every actor, call :meth:`ElectionManager.fence` with a new
-    incarnation), "refused" (a join was refused: ``detail`` says why)."""
-
-    kind: str
-    term: int
-    master: str
-    epoch: int
-    at: float
-    detail: str = ""
-
-
-@dataclass(frozen=True)
-class Outgoing:
-    to: str        # node id
-    address: str   # "" when unknown: answer on the connection it came from
-    message: Message
-
-
-@dataclass(frozen=True)
-class ElectionStatistics:
-    term: int
-    role: Role
-    epoch: int
-    members: int
-    elections: int        # candidacies started (real votes asked)
-    pre_votes: int        # pre-vote rounds started
-    won: int
-    votes_granted: int
-    votes_refused: int
-    stale: int            # messages refused for a stale term
-    views_sent: int
-    joins_refused: int
-    fenced: int
-
-
-class ElectionManager:
+class ElectionManager(Roster):
     def __init__(self, me: Mapping[str, Any], config: ElectionConfig, health: HealthConfig, *,
                  now: float, rng: random.Random, peers: Iterable[Mapping[str, Any]] = ()
                  ) -> None:
+        """``me``: this node's member entry (see pmetal.wire). ``peers``:
+        static peers' entries (addresses to beat to; members of the founded
+        list only once heard from). ``now`` starts the bootstrap window."""
         self._me = entry(me)
         self.node_id: str = self._me["node_id"]
         self._config = config
@@ -165,7 +128,20 @@ class ElectionManager:
         # The view we hold, from our master or its lineage, lists this
         # incarnation alive: a later view that drops us fences us.
         self._in_view = False
+        # Started without memory and not yet in any master's view: it may
+        # have voted (or led) in any term of its old life. It says so when
+        # it grants a pre-vote, and a candidate that needs such votes for
+        # its quorum takes a random term, which its old life never used.
+        self._fresh = True
+        self._fresh_granted: set[str] = set()
+        self._jumped = False   # the current candidacy took a random term
         self._fence_pending = False
+        # Joining another master's cluster (a merge): until its view comes,
+        # or ``bootstrap`` seconds pass, campaign for no one and vote only
+        # for it, since our list and its list may have disjoint quorums.
+        self._joining = ""
+        self._joining_address = ""
+        self._joining_until = 0.0
         self._boot_until = now + config.bootstrap
         self._booted = False
         self._master_seen = now         # last sign of life of the master we follow
@@ -176,6 +152,7 @@ class ElectionManager:
         self._heard: dict[str, float] = {}
         self._dead_since: dict[str, float] = {}
         self._known: dict[str, dict[str, Any]] = {}   # discovered nodes by id
+        self._reachable: set[str] = set()            # ... that discovery says answer
         self._beats: dict[str, Beat] = {}            # last Beat of each node
         self._events: list[ElectionEvent] = []
         self._counts = dict.fromkeys(("elections", "pre_votes", "won", "granted", "refused",
@@ -205,20 +182,30 @@ class ElectionManager:
 
     def beat(self, now: float) -> dict[str, Any]:
         """The election fields of this node's next Beat."""
+        if self._joining and not self._master:
+            # Tells our followers where we went, so they join it too.
+            return {"term": self._term, "master": self._joining, "epoch": self._members.epoch,
+                    "size": len(self._members), "master_address": self._joining_address}
         return {"term": self._term, "master": self._master, "epoch": self._members.epoch,
                 "size": len(self._members), "master_address": self._master_address}
 
     # ----------------------------------------------------------------- inputs
 
     def heard(self, node_id: str, now: float) -> None:
+        """Any message from that node (check-quorum counts it);
+        :meth:`receive` calls it itself."""
         self._heard[node_id] = now
 
     def discovered(self, member: Mapping[str, Any], now: float) -> list[Outgoing]:
+        """A reachable node (mDNS, a static peer that answered): a member
+        of the list this node founds if bootstrap ends with no master."""
         if valid(member) and member["node_id"] != self.node_id:
             self._known[member["node_id"]] = entry(member)
+            self._reachable.add(member["node_id"])
         return []
 
     def peer_dead(self, node_id: str, dead: bool, now: float) -> list[Outgoing]:
+        """The failure detector's verdict on a peer (dead, or alive again)."""
         out: list[Outgoing] = []
         if not dead:
             self._dead_since.pop(node_id, None)
@@ -242,20 +229,32 @@ class ElectionManager:
         self._in_view = False
         if self._role is not Role.FOLLOWER:
             self._step_down(now, "fenced")
+        epoch = self._members.epoch   # our own entry is not a new list
         self._members.put(self._me)
+        self._members.epoch = epoch
         out: list[Outgoing] = []
         if self._master:
             out.append(self._join_message(self._master, self._master_address))
         return out
 
     def tick(self, now: float) -> list[Outgoing]:
+        """Called every ``health.interval``: timeouts, check-quorum, removals."""
         out: list[Outgoing] = []
         if not self._booted:
             if now < self._boot_until:
                 return out
             self._end_bootstrap(now)
+        if self._joining and now >= self._joining_until:
+            log.info("node %s gives up joining %s", self.node_id[:8], self._joining[:8])
+            self._joining = ""
+            # Our old list may have quorums that miss the merged cluster's,
+            # which may be electing in our next term: elect as a founder
+            # (random term) and lose every vote against a master-made list.
+            self._members.epoch = 0
         if self._role is Role.MASTER:
             self._master_tick(now, out)
+        elif self._joining:
+            pass
         elif self._role is Role.FOLLOWER:
             if self._master and now - self._master_seen >= self._config.timeout:
                 self._lose_master(now, "master silent")
@@ -269,6 +268,8 @@ class ElectionManager:
         return out
 
     def receive(self, sender: str, message: Message, now: float) -> list[Outgoing]:
+        """A Beat, VoteRequest, Vote, ClusterView or JoinCluster from
+        ``sender`` (the node id its session proved); other kinds are ignored."""
         self._heard[sender] = now
         out: list[Outgoing] = []
         if isinstance(message, Beat):
@@ -308,7 +309,7 @@ class ElectionManager:
             # from each other at start may found clusters with lists that
             # do not intersect, so their terms must not collide. Random.
             seen = max((b.term for b in self._beats.values()), default=0)
-            return max(self._term, seen) + self._rng.randrange(1, _FOUNDING_TERMS)
+            return max(self._term, seen) + self._rng.randrange(1, TERM_JUMP)
         return self._term + 1
 
     def _adopt_term(self, term: int, now: float) -> None:
@@ -361,7 +362,8 @@ class ElectionManager:
             return
         # Found the cluster among the nodes discovered (heard from) so far.
         for node_id, e in self._known.items():
-            if node_id in self._heard and node_id not in self._members:
+            if ((node_id in self._heard or node_id in self._reachable)
+                    and node_id not in self._members):
                 self._members.put(e)
         # Epoch 0: a list no master made yet. Nodes that hold one loses every
         # vote against them, so a restarted node cannot outvote the list
@@ -374,6 +376,7 @@ class ElectionManager:
     def _start_pre_vote(self, now: float, out: list[Outgoing]) -> None:
         self._pre_term = self._next_term()
         self._granted = {self.node_id}
+        self._fresh_granted = {self.node_id} if self._fresh else set()
         self._counts["pre_votes"] += 1
         self._deadline = now + self._jitter(self._config.timeout)
         if has_quorum(self._granted, self._members.ids()):
@@ -383,6 +386,7 @@ class ElectionManager:
         out.extend(Outgoing(n, self._address(n), request) for n in self._others())
 
     def _start_candidacy(self, now: float, out: list[Outgoing], term: int) -> None:
+        self._jumped = True   # the default for merges and founders; see _on_vote
         was_master = self._role is Role.MASTER
         self._term = term
         self._role = Role.CANDIDATE
@@ -407,6 +411,7 @@ class ElectionManager:
         self._master_address = self._me["address"]
         self._master_since = now
         self._in_view = True
+        self._fresh = False
         self._counts["won"] += 1
         log.info("node %s is master in term %d", self.node_id[:8], self._term)
         self._event("elected", now)
@@ -414,13 +419,13 @@ class ElectionManager:
         # A new epoch under the new term: every member adopts this view.
         self._members.epoch += 1
         self._view_term = self._term
-        for node_id, since in self._dead_since.items():
+        for node_id in self._dead_since:
             self._members.mark(node_id, DEAD)
         self._view_changed(now, "elected", out)
 
     def _on_vote_request(self, sender: str, r: VoteRequest, now: float,
                          out: list[Outgoing]) -> None:
-        why = self._refusal(r, now)
+        why = self._refusal(sender, r, now)
         if not why and not r.pre:
             if r.term > self._term:
                 # Raft: a real request past every lease moves us to its term
@@ -441,13 +446,24 @@ class ElectionManager:
             self._deadline = now + self._jitter(self._config.timeout)
         self._counts["granted"] += 1
         out.append(Outgoing(sender, self._address(sender),
-                            Vote(r.term, self.node_id, True, r.pre)))
+                            Vote(r.term, self.node_id, True, r.pre,
+                                 _FRESH if self._fresh else "")))
 
-    def _refusal(self, r: VoteRequest, now: float) -> str:
+    def _refusal(self, sender: str, r: VoteRequest, now: float) -> str:
+        if r.candidate != sender:
+            return f"{sender} asked for a vote for {r.candidate}: a node campaigns for itself"
         if not self._booted:
             # A restarted node forgot whom it voted for: it must not vote
             # again until every election it may have voted in is over.
             return "bootstrapping"
+        if self._joining and r.candidate != self._joining:
+            return f"joining the cluster of {self._joining}"
+        if r.candidate not in self._members and r.candidate not in (self._master, self._joining):
+            # A candidate from another lineage (clusters founded apart, or
+            # a master that took us in before we took its view): its term
+            # must not become ours, or our lineage's next election could
+            # collide with its, over lists whose quorums need not meet.
+            return f"{r.candidate} is not in this node's member list"
         if r.term < self._term or (r.pre and r.term == self._term):
             self._counts["stale"] += 1
             return f"stale term {r.term} < {self._term}"
@@ -465,11 +481,22 @@ class ElectionManager:
             return
         if v.pre:
             if self._role is Role.FOLLOWER and self._pre_term and v.term == self._pre_term:
-                self._granted.add(v.voter)
+                self._granted.add(sender)
+                if v.reason == _FRESH:
+                    self._fresh_granted.add(sender)
                 if has_quorum(self._granted, self._members.ids()):
-                    self._start_candidacy(now, out, self._pre_term)
+                    term = self._pre_term
+                    jump = not has_quorum(self._granted - self._fresh_granted,
+                                          self._members.ids())
+                    if jump:
+                        term += self._rng.randrange(0, TERM_JUMP)
+                    jump = jump or self._members.epoch == 0   # founders' terms are random
+                    self._start_candidacy(now, out, term)
+                    self._jumped = jump
         elif self._role is Role.CANDIDATE and v.term == self._term:
-            self._granted.add(v.voter)
+            if v.reason == _FRESH and not self._jumped:
+                return   # its old life may have voted in this very term
+            self._granted.add(sender)
             if has_quorum(self._granted, self._members.ids()):
                 self._become_master(now, out)
 
@@ -497,185 +524,22 @@ class ElectionManager:
                     self._follow(sender, b.address, now)
             else:
                 self._counts["stale"] += 1
+                if self._joining == sender:
+                    # It must learn our term to lead us above it.
+                    out.append(self._join_message(sender, b.address))
                 return
             if self._master == sender and not self._in_view:
+                # Following a master whose list we are not in yet: we are
+                # joining it, whatever lists we held before.
+                if self._joining != sender:
+                    self._join(sender, b.address, now)
                 out.append(self._join_message(sender, b.address))
         elif sender == self._master:
             self._lose_master(now, f"master {sender} says it is not master")
+            if b.master:
+                self._join(b.master, b.master_address, now)
 
-    def _master_beat(self, sender: str, b: Beat, now: float, out: list[Outgoing]) -> None:
-        member = self._members.get(sender)
-        if b.master == sender:
-            self._meet_master(sender, b, now, out)
-            return
-        if member is None:
-            if b.master in ("", self.node_id):
-                # A node with no master, or one that follows us unlisted: take it in.
-                self._add(now, out, [entry({"node_id": sender, "address": b.address,
-                                            "incarnation": b.incarnation,
-                                            **self._extra(sender)})], b.term, b.epoch)
-            return
-        if b.incarnation > member["incarnation"]:
-            self._add(now, out, [entry({"node_id": sender, "address": b.address,
-                                        "incarnation": b.incarnation, **self._extra(sender)})],
-                      b.term, b.epoch)
-        elif b.term > self._term:
-            # A member in a term above ours: it campaigned while it could
-            # not hear us, or follows a newer master. Raft: step down.
-            self._adopt_term(b.term, now)
-        elif b.master != self.node_id or b.epoch != self._members.epoch:
-            self._send_view(sender, out)
-
-    def _extra(self, node_id: str) -> dict[str, Any]:
-        known = self._known.get(node_id) or {}
-        return {"resources": known.get("resources", {}), "profile": known.get("profile", {})}
-
-    def _meet_master(self, other: str, b: Beat, now: float, out: list[Outgoing]) -> None:
-        """Two masters: Raft's rule within one cluster, the merge rule across."""
-        if self._members.same_incarnation(other, b.incarnation):
-            if b.term > self._term:
-                self._adopt_term(b.term, now)
-                self._follow(other, b.address, now)
-            return
-        mine = (len(self._members), other)
-        theirs = (b.size, self.node_id)
-        if mine >= theirs:
-            return   # it yields to us when it sees our Beat
-        log.info("master %s yields to master %s (%d members against %d)", self.node_id[:8],
-                 other[:8], len(self._members), b.size)
-        joining = [self._me] + [e for e in self._members.entries() if e["node_id"] != self.node_id]
-        out.append(Outgoing(other, b.address, JoinCluster(self._term, joining)))
-        self._step_down(now, f"merging into the cluster of {other}")
-
-    # ------------------------------------------------------ membership (master)
-
-    def _master_tick(self, now: float, out: list[Outgoing]) -> None:
-        timeout = self._config.timeout
-        if now - self._master_since >= timeout:
-            recent = {n for n, t in self._heard.items() if now - t < timeout}
-            recent.add(self.node_id)
-            if not has_quorum(recent, self._members.ids()):
-                self._step_down(now, "no quorum heard")
-                return
-        remove_after = self._health.remove_after
-        gone = [n for n, t in self._dead_since.items()
-                if now - t >= remove_after and n in self._members and n != self.node_id]
-        for node_id in gone:
-            self._members.remove(node_id)
-        if gone:
-            self._view_changed(now, "removed " + ",".join(gone), out)
-
-    def _on_join(self, sender: str, j: JoinCluster, now: float, out: list[Outgoing]) -> None:
-        members = [m for m in j.members if valid(m)] if isinstance(j.members, list) else []
-        if not members or members[0]["node_id"] != sender:
-            self._refuse(now, f"join from {sender}: the sender must be its first member")
-            return
-        if self._role is not Role.MASTER:
-            return   # it learns the master from our Beat and asks it
-        if any(m["node_id"] == self.node_id for m in members):
-            self._refuse(now, f"join from {sender}: lists this master's own id "
-                              f"{self.node_id} (a cloned identity?)")
-            return
-        beat = self._beats.get(sender)
-        self._add(now, out, [entry(m) for m in members], j.term,
-                  beat.epoch if beat is not None else 0, answer=sender)
-
-    def _refuse(self, now: float, why: str) -> None:
-        log.warning("refused %s", why)
-        self._counts["joins_refused"] += 1
-        self._event("refused", now, why)
-
-    def _add(self, now: float, out: list[Outgoing], members: list[dict[str, Any]], term: int,
-             epoch: int, answer: str = "") -> None:
-        changed = False
-        for m in members:
-            cur = self._members.get(m["node_id"])
-            if cur is not None and cur["incarnation"] >= m["incarnation"]:
-                if (cur["incarnation"] == m["incarnation"] and cur["state"] == ALIVE
-                        and _described(m) != _described(cur)):
-                    # The member itself says what it has (it was added from a Beat).
-                    changed |= self._members.put({**cur, **_described(m)})
-                continue   # known (an old incarnation's stale request, or a repeat)
-            self._dead_since.pop(m["node_id"], None)
-            changed |= self._members.put(m)
-        top = max([term] + [b.term for n, b in self._beats.items()
-                            if any(m["node_id"] == n for m in members)])
-        if changed:
-            self._members.epoch = max(self._members.epoch, epoch + 1)
-        if changed and (top > self._term or len(members) > 1):
-            # A merge (a master yielded its members to us), or newcomers
-            # that saw a term above ours and would refuse our views as
-            # stale: lead the merged list into a term above both, by a real
-            # election, so that nothing either old master decided can pass
-            # for a decision of the merged cluster.
-            self._start_candidacy(now, out, max(top, self._term) + 1)
-            return
-        if changed:
-            self._view_changed(now, "joined " + ",".join(m["node_id"] for m in members), out)
-        elif answer:
-            self._send_view(answer, out)
-
-    def _view_changed(self, now: float, why: str, out: list[Outgoing]) -> None:
-        self._event("view", now, why)
-        for node_id in self._others():
-            self._send_view(node_id, out)
-
-    def _send_view(self, node_id: str, out: list[Outgoing]) -> None:
-        self._counts["views"] += 1
-        out.append(Outgoing(node_id, self._address(node_id),
-                            ClusterView(self._term, self.node_id, self._members.epoch,
-                                        list(self._members.entries()))))
-
-    def _join_message(self, master: str, address: str) -> Outgoing:
-        return Outgoing(master, address or self._address(master),
-                        JoinCluster(self._term, [dict(self._me)]))
-
-    # ----------------------------------------------------------------- views
-
-    def _on_view(self, sender: str, v: ClusterView, now: float, out: list[Outgoing]) -> None:
-        if v.master != sender or not isinstance(v.members, list):
-            return
-        if v.term < self._term:
-            self._counts["stale"] += 1
-            return
-        if self._role is Role.MASTER:
-            if v.term == self._term:
-                return
-            self._adopt_term(v.term, now)
-        elif v.term > self._term:
-            self._adopt_term(v.term, now)
-        elif self._master not in ("", sender):
-            return
-        self._term = v.term
-        self._follow(sender, self._address(sender), now)
-        if (v.term, v.epoch) <= (self._view_term, self._members.epoch):
-            return
-        members = [m for m in v.members if valid(m)]
-        self._members.replace(members, v.epoch)
-        self._view_term = v.term
-        self._event("view", now)
-        mine = self._members.get(self.node_id)
-        if mine is not None and mine["incarnation"] == self._me["incarnation"]:
-            if mine["state"] == ALIVE:
-                self._in_view = True
-                if _described(mine) != _described(self._me):
-                    # Admitted from a Beat, which carries no resources or
-                    # profile: tell the master what this node has.
-                    out.append(self._join_message(sender, self._address(sender)))
-                return
-            fenced = True
-        else:
-            # Dropped while admitted: fenced. Listed as an older incarnation
-            # (a master that missed our rejoin): just ask again.
-            fenced = mine is None and self._in_view
-        if mine is None or mine["incarnation"] != self._me["incarnation"]:
-            self._members.put(self._me)   # keep ourselves in our own list
-            self._members.epoch = v.epoch
-        if fenced and not self._fence_pending:
-            self._fence_pending = True
-            self._counts["fenced"] += 1
-            log.warning("node %s fenced by master %s in term %d", self.node_id[:8], sender[:8],
-                        v.term)
-            self._event("fenced", now, "the master declared this node dead or dropped it")
-        elif not fenced:
-            out.append(self._join_message(sender, self._address(sender)))
+    def _join(self, master: str, address: str, now: float) -> None:
+        self._joining = master
+        self._joining_address = address
+        self._joining_until = now + self._config.bootstrap

@@ -12,7 +12,11 @@ seeded generator, so a seed replays a run exactly.
 
 While it runs, :class:`SimNet` records which node became master in each
 term, over the whole run and across restarts, and raises
-:class:`Violation` as soon as a term has two.
+:class:`Violation` as soon as a term has two. It also checks that a
+master keeps its role only while it can reach a quorum of its member list:
+once the network has not changed for :meth:`SimNet.settle` seconds, a
+master cut off from its quorum (check-quorum should have stepped it down)
+is a violation too.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pmetal.cluster.election import ElectionEvent, ElectionManager, Outgoing, Role
+from pmetal.cluster.view import has_quorum
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, Message
 
@@ -45,6 +50,7 @@ class SimNode:
     heard: dict[str, float] = field(default_factory=dict)
     dead: set[str] = field(default_factory=set)
     tick_seq: int = 0   # ticks scheduled for an earlier life are ignored
+    master_since: float = -1.0
 
 
 class SimNet:
@@ -65,6 +71,7 @@ class SimNet:
         self.masters: dict[int, str] = {}           # term -> the node elected in it
         self.log: list[tuple[float, str, ElectionEvent]] = []
         self.messages = 0
+        self.changed_at = 0.0       # the last crash, restart, partition or heal
         self.nodes: dict[str, SimNode] = {}
         for node_id in self.ids:
             self.nodes[node_id] = self._new_node(node_id, 1)
@@ -94,10 +101,12 @@ class SimNet:
 
     def crash(self, node_id: str) -> None:
         self.nodes[node_id].alive = False
+        self.changed_at = self.now
 
     def restart(self, node_id: str) -> None:
         old = self.nodes[node_id]
         self.nodes[node_id] = self._new_node(node_id, old.incarnation + 1)
+        self.changed_at = self.now
 
     def partition(self, *groups: Iterable[str]) -> None:
         """Split the network: nodes talk only within their group (nodes
@@ -106,9 +115,17 @@ class SimNet:
         for i, g in enumerate(groups):
             for node_id in g:
                 self.group[node_id] = i
+        self.changed_at = self.now
 
     def heal(self) -> None:
         self.group = dict.fromkeys(self.ids, 0)
+        self.changed_at = self.now
+
+    @property
+    def settle(self) -> float:
+        """How long check-quorum may take to step down a master cut off
+        from its quorum: its timeout, a tick, the last messages in flight."""
+        return self.election.timeout + self.health.interval + self.max_delay + 1e-6
 
     def live(self) -> list[SimNode]:
         return [n for n in self.nodes.values() if n.alive]
@@ -182,6 +199,10 @@ class SimNet:
         now = self.now
         manager = node.manager
         self._send(node_id, manager.tick(now))
+        if node.master_since >= 0 and manager.state.role is not Role.MASTER:
+            node.master_since = -1.0
+        if node.master_since >= 0 and now - max(self.changed_at, node.master_since) > self.settle:
+            self._check_quorum(node)
         dead_after = self.health.dead_after
         for peer, last in node.heard.items():
             if peer not in node.dead and now - last >= dead_after:
@@ -199,6 +220,7 @@ class SimNet:
         for event in node.manager.events():
             self.log.append((self.now, node.node_id, event))
             if event.kind == "elected":
+                node.master_since = self.now
                 other = self.masters.setdefault(event.term, node.node_id)
                 if other != node.node_id:
                     raise Violation(f"seed {self.seed}: term {event.term} has two masters, "
@@ -207,6 +229,16 @@ class SimNet:
             elif event.kind == "fenced":
                 node.incarnation += 1
                 self._send(node.node_id, node.manager.fence(self.now, node.incarnation))
+
+    def _check_quorum(self, node: SimNode) -> None:
+        group = self.group[node.node_id]
+        reachable = {i for i, n in self.nodes.items() if n.alive and self.group[i] == group}
+        members = [m["node_id"] for m in node.manager.state.members]
+        if not has_quorum(reachable, members):
+            raise Violation(f"seed {self.seed}: {node.node_id} is still master "
+                            f"{self.now - self.changed_at:.3f} s after the network changed, "
+                            f"reaching only {sorted(reachable)} of its members {members} "
+                            f"(t={self.now:.3f}); rerun with PMETAL_SIM_SEED={self.seed}")
 
     # ------------------------------------------------------------ agreement
 

@@ -15,7 +15,7 @@ import pytest
 from pmetal.cluster.election import ElectionManager, Role
 from pmetal.cluster.view import has_quorum
 from pmetal.config import ElectionConfig, HealthConfig
-from pmetal.wire import Beat, ClusterView, VoteRequest
+from pmetal.wire import Beat, ClusterView, JoinCluster, VoteRequest
 from tests.cluster.simnet import SimNet
 
 ELECTION = ElectionConfig()          # the defaults: timeout 0.8 s, bootstrap 2 s
@@ -109,11 +109,11 @@ def test_a_follower_back_from_a_partition_does_not_depose_the_master() -> None:
 def test_a_node_that_hears_its_master_refuses_votes() -> None:
     net = network(3, seed=6)
     master = formed(net)
-    follower = next(i for i in net.ids if i != master)
+    follower, rogue = (i for i in net.ids if i != master)
     s = state(net, follower)
     manager = net.nodes[follower].manager
     for pre in (True, False):
-        out = manager.receive("rogue", VoteRequest(s.term + 5, "rogue", s.epoch, pre), net.now)
+        out = manager.receive(rogue, VoteRequest(s.term + 5, rogue, s.epoch, pre), net.now)
         assert len(out) == 1 and not out[0].message.granted
         assert "alive" in out[0].message.reason
     assert manager.state.term == s.term and manager.state.voted_for == s.voted_for
@@ -225,6 +225,20 @@ def test_two_clusters_formed_apart_merge_into_the_larger() -> None:
     assert state(net, big).term > max(terms)
     assert [m["node_id"] for m in state(net, big).members] == net.ids
     assert events(net, small, "no_master")
+
+
+def test_a_join_that_claims_the_masters_own_id_is_refused() -> None:
+    net = network(2, seed=14)
+    master = formed(net)
+    manager = net.nodes[master].manager
+    manager.events()
+    epoch = manager.state.epoch
+    clone = {"node_id": master, "address": "sim://clone", "incarnation": 7}
+    manager.receive("n7", JoinCluster(0, [{"node_id": "n7", "address": "sim://n7",
+                                           "incarnation": 1}, clone]), net.now)
+    refused = [e for e in manager.events() if e.kind == "refused"]
+    assert len(refused) == 1 and master in refused[0].detail
+    assert manager.state.epoch == epoch and manager.statistics().joins_refused == 1
 
 
 # -------------------------------------------------------------- stale terms
