@@ -32,7 +32,8 @@ import zmq
 from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals, Retry
-from pmetal.actors.links import _TASKS, ClusterWatch, NodeLink, PeerLink
+from pmetal.actors.links import _TASKS, NodeLink, PeerLink
+from pmetal.actors.watch import ClusterWatch, peers_missing
 from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
@@ -635,20 +636,7 @@ class CoreClient:
             cluster = self.status().get("cluster", {})
         except PMetalError as exc:
             cluster = {"error": str(exc)}
-        members = [m["node_id"][:8] for m in cluster.get("members", [])
-                   if m.get("node_id") != own and m.get("state") != "dead"
-                   and m.get("health") != "dead"]
-        found = [d[:8] for d in cluster.get("discovered", []) if d[:8] not in members]
-        ignored = [f"{i.get('address', '?')} ({i.get('reason', '?')})"
-                   for i in cluster.get("ignored", [])]
-        raise PMetalTimeoutError(
-            f"wait_for_peers: {len(members)} of {n} peers joined within {timeout:g} s; "
-            f"members: {members or 'none'}; found but not members: {found or 'none'}; "
-            f"ignored: {ignored or 'none'}; master: {cluster.get('master', '')[:8] or 'none'}. "
-            f"If nobody is found: on macOS allow Local Network access for Python, check that "
-            f"the machines share a network without a VPN or firewall in the way "
-            f"(mDNS is UDP 5353 multicast), and that they share the namespace and PSK; "
-            f"static peers (pmetal start --peers HOST:PORT) always work")
+        raise peers_missing(cluster, own, n, timeout)
 
     def shutdown_node(self, timeout: float = 5.0) -> None:
         self.request_node(Shutdown("driver shut down"), timeout=timeout)

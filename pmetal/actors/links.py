@@ -32,7 +32,6 @@ death takes its workers), the error says so.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -42,17 +41,18 @@ import zmq
 
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
-from pmetal.errors import (PeerError, PMetalError, PMetalTimeoutError, RequestTimeoutError,
+from pmetal.errors import (PeerError, PMetalTimeoutError, RequestTimeoutError,
                            TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import ClusterState, Message, Ping, WatchCluster
+from pmetal.wire import Message, Ping
 
 if TYPE_CHECKING:
     from pmetal.actors.refs import ObjectRef
+    from pmetal.actors.watch import ClusterWatch
 
-__all__ = ["ClusterWatch", "NodeLink", "PeerLink"]
+__all__ = ["NodeLink", "PeerLink"]
 
 log = logging.getLogger(__name__)
 
@@ -176,99 +176,6 @@ class NodeLink:
         with self._lock:
             self.closed = True
             self.channel.close()   # the dialer stops and closes its monitor too
-
-
-class ClusterWatch:
-    """The nodes the cluster holds dead, as our node tells it.
-
-    Its thread alone uses its socket (a ZeroMQ socket belongs to one
-    thread); :meth:`close` wakes it through a pipe and waits for it."""
-
-    _WAIT = 10.0   # s a long poll stays open
-
-    def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
-                 namespace: NetworkNamespace, config: PMetalConfig, address: str) -> None:
-        self.dead: frozenset[str] = frozenset()
-        self.state: ClusterState | None = None
-        self._closing = threading.Event()
-        self._updated = threading.Condition()
-        self._wake_r, self._wake_w = os.pipe()
-        self._handshake = config.transport.handshake_timeout
-        dialer = transport.dial(address)
-        self._socket = dialer.socket
-        self._channel = Channel(dialer, identity, namespace, config)
-        self._thread = threading.Thread(target=self._run, name="pmetal-cluster-watch",
-                                        daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._watch()
-        finally:
-            self._channel.close()
-            os.close(self._wake_r)
-
-    def _watch(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
-        version = -1
-        while not self._closing.is_set():
-            try:
-                if self._channel.session is None:
-                    self._channel.open(timeout=self._handshake)
-                reply = self._ask(poller, WatchCluster(version, self._WAIT))
-            except PMetalError as exc:
-                log.debug("cluster watch: %s", exc)
-                if self._closing.wait(0.5):
-                    return
-                continue
-            if reply is None:
-                return   # closing
-            if not isinstance(reply, ClusterState):
-                return   # a node that does not know the cluster (an older one)
-            with self._updated:
-                self.state = reply
-                self.dead = frozenset(reply.dead)
-                version = reply.version
-                self._updated.notify_all()
-
-    def _ask(self, poller: zmq.Poller, body: Message) -> Message | None:
-        channel = self._channel
-        corr = channel.submit(body, timeout=self._handshake)
-        deadline = time.monotonic() + self._WAIT + 5.0
-        while (env := channel.take(corr)) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                channel.abandon()
-                raise RequestTimeoutError("the node did not answer the cluster watch")
-            ready = dict(poller.poll(int(remaining * 1000) + 1))
-            if self._wake_r in ready or self._closing.is_set():
-                return None
-            if self._socket in ready:
-                try:
-                    channel.pump(0)
-                except PMetalTimeoutError:
-                    pass
-        return env.body
-
-    def wait(self, done: Any, deadline: float) -> bool:
-        """Wait until ``done(state)`` holds (True) or ``deadline`` passes."""
-        with self._updated:
-            while not (self.state is not None and done(self.state)):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or self._closing.is_set():
-                    return False
-                self._updated.wait(min(remaining, 0.5))
-            return True
-
-    def close(self) -> None:
-        if self._closing.is_set():
-            return
-        self._closing.set()
-        os.write(self._wake_w, b"x")
-        self._thread.join(timeout=2.0 + self._handshake)
-        os.close(self._wake_w)
 
 
 class PeerLink:
