@@ -403,6 +403,7 @@ class NodeDaemon:
     def _node_dead(self, node_id: str) -> None:
         """Our detector declared ``node_id`` dead: never wait on it again."""
         self.membership.drop(node_id)
+        self.scheduler.node_dead(node_id)
 
     def _fenced(self, why: str) -> None:
         """This node was (or may have been) declared dead: the cluster has

@@ -92,6 +92,10 @@ class Scheduler:
                 return await self.decide(spec, origin=node.node_id)
             member = node.membership.members.get(master)
             if member is None:
+                if time.monotonic() >= deadline:
+                    return Failure("timeout", "PMetalTimeoutError",
+                                   f"the master {master[:8]} is not in this node's member list "
+                                   f"yet; the creation's deadline passed")
                 await asyncio.sleep(node.config.health.interval)   # the view is on its way
                 continue
             ask = asyncio.ensure_future(node.membership.ask(member, spec))
@@ -214,9 +218,23 @@ class Scheduler:
 
     def view_changed(self, state: ElectionState) -> None:
         """Restart the actors this node placed on a node the master's list
-        now holds dead (or dropped)."""
-        alive = {m["node_id"] for m in state.members if m.get("state") != "dead"}
-        gone = [p for p in self.elsewhere.values() if p.node_id not in alive]
+        now holds dead, or no longer lists while this node's detector holds
+        it dead too. (A node merely missing from a list, as in a view adopted
+        during a merge, may be alive: restarting its actors would make two.)"""
+        self._restart_lost(state)
+
+    def node_dead(self, node_id: str) -> None:
+        """This node's detector declared ``node_id`` dead: restart what we
+        placed there if the master's list no longer lists it (if it does,
+        the master marks it dead and view_changed restarts)."""
+        self._restart_lost(self.node.cluster.state)
+
+    def _restart_lost(self, state: ElectionState) -> None:
+        listed = {m["node_id"]: m.get("state") for m in state.members}
+        dead = self.node.cluster.dead()
+        gone = [p for p in self.elsewhere.values()
+                if listed.get(p.node_id) == "dead"
+                or (p.node_id not in listed and p.node_id in dead)]
         for p in gone:
             del self.elsewhere[p.spec.actor_id]
             if not self._owner_alive(p.spec):
