@@ -447,6 +447,12 @@ class ClusterService:
                 self._discovered({"node_id": sender, "address": body.address,  # type: ignore[attr-defined]
                                   "incarnation": body.incarnation}, now)  # type: ignore[attr-defined]
             self._heard(sender, now)
+            master, master_address = body.master, body.master_address  # type: ignore[attr-defined]
+            if master and master_address and master != self.node_id \
+                    and master not in self._by_id:
+                # A node that knows only a follower (one static peer) learns of
+                # the master here: beating it is how the master takes it in.
+                self.discovered(master, master_address)
             self._send_all(self.election.receive(sender, body, now))
             self._events(now)
             return BeatEcho(self.node_id, body.sent)  # type: ignore[attr-defined]

@@ -745,3 +745,17 @@ def test_second_node_with_a_cloned_identity_is_refused(nodes: list[NodeProc],
         client.close()
         stop_node(clone)
 
+
+
+def test_wait_for_peers_returns_them_or_names_what_it_saw(nodes: list[NodeProc],
+                                                          driver: dict[str, Any]) -> None:
+    peers = pmetal.wait_for_peers(2, timeout=WAIT)
+    assert set(peers) == {n.node_id for n in nodes[1:]}
+    with pytest.raises(pmetal.PMetalTimeoutError) as info:
+        pmetal.wait_for_peers(5, timeout=0.3)
+    text = str(info.value)
+    assert "2 of 5 peers joined within 0.3 s" in text, text
+    assert all(n.node_id[:8] in text for n in nodes[1:]), text
+    assert "static peers" in text   # what to try
+    with pytest.raises(pmetal.PMetalValueError):
+        pmetal.wait_for_peers(-1)

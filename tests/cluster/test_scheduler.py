@@ -159,3 +159,16 @@ def test_a_master_lost_mid_decision_creates_the_actor_once(three: list[dict[str,
     assert [a["state"] for a in copies] == ["alive"], copies
     new_master = agreed_master([origin, target])
     assert new_master != master_id
+
+
+def test_an_embedded_node_joins_static_peers(three: list[dict[str, Any]]) -> None:
+    pmetal.init(peers=[three[0]["address"]], psk=three[0]["psk"])
+    peers = pmetal.wait_for_peers(3, timeout=WAIT)
+    assert {n["node_id"] for n in three} <= set(peers)
+    here = pmetal.api.client().node_id
+    listed = pmetal.nodes()
+    assert listed[0]["NodeID"] == here and len(listed) == 4
+    assert sum(n["IsMaster"] for n in listed) == 1
+    # Actors go where the master puts them, also from an embedded node.
+    actor = SlowStart.options(node=three[1]["node_id"]).remote(os.devnull, 0.0)
+    assert pmetal.get(actor.ping.remote(), timeout=WAIT) > 0
