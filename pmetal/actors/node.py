@@ -96,10 +96,12 @@ class NodeStatistics:
 _CLUSTER = (Beat, VoteRequest, Vote, ClusterView, JoinCluster, Probe)
 
 
-def _profile(node_id: str) -> dict[str, Any]:
+def _profile(node_id: str, measure: bool) -> dict[str, Any]:
+    """This machine's profile; ``measure``: with its GFLOP/s (numpy, tens of
+    ms: a node alone, an embedded one in a script, skips it)."""
     try:
         from pmetal.cluster.topology import NodeProfile
-        return NodeProfile.local(node_id).to_dict()
+        return NodeProfile.local(node_id, measure=measure).to_dict()
     except Exception as exc:  # noqa: BLE001 - a profile is informative, never fatal
         log.warning("could not measure this node's profile: %s", exc)
         return {"node_id": node_id}
@@ -163,7 +165,8 @@ class NodeDaemon:
         alone = not self.peers and not self.discover
         self.cluster = ClusterService(
             config=config, identity=identity, namespace=namespace, transport=self.transport,
-            address=self.address, resources=self.resources, profile=_profile(self.node_id),
+            address=self.address, resources=self.resources,
+            profile=_profile(self.node_id, measure=not alone),
             static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
             on_dead=self._node_dead, on_refused=self.membership.refuse,
             bootstrap=0.0 if alone else None)

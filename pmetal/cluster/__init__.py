@@ -9,14 +9,31 @@ around them (sockets, timers, the node's callbacks), and
 docs/cluster.md tells how they behave together.
 """
 
-from pmetal.cluster.discovery import DiscoveredPeer, Discovery, IgnoredPeer, browse
-from pmetal.cluster.election import (ElectionEvent, ElectionManager, ElectionState,
-                                     ElectionStatistics, Role)
-from pmetal.cluster.health import (HealthEvent, HealthMonitor, HealthStatistics, HealthStatus,
-                                   HealthSummary)
-from pmetal.cluster.service import ClusterService, ClusterStatistics
-from pmetal.cluster.topology import ClusterTopology, ConnectionProfile, NodeProfile
-from pmetal.config import ElectionConfig, HealthConfig
+import importlib
+from typing import Any
+
+# Loaded on first use: a node alone never needs zeroconf (tens of ms of
+# imports in every pmetal.init()).
+_WHERE = {
+    "ClusterService": "service", "ClusterStatistics": "service",
+    "ClusterTopology": "topology", "ConnectionProfile": "topology", "NodeProfile": "topology",
+    "DiscoveredPeer": "discovery", "Discovery": "discovery", "IgnoredPeer": "discovery",
+    "browse": "discovery",
+    "ElectionEvent": "election", "ElectionManager": "election", "ElectionState": "election",
+    "ElectionStatistics": "election", "Role": "election",
+    "HealthEvent": "health", "HealthMonitor": "health", "HealthStatistics": "health",
+    "HealthStatus": "health", "HealthSummary": "health",
+    "ElectionConfig": None, "HealthConfig": None,
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'pmetal.cluster' has no attribute {name!r}")
+    where = _WHERE[name]
+    module = importlib.import_module(f"pmetal.cluster.{where}" if where else "pmetal.config")
+    return getattr(module, name)
+
 
 __all__ = [
     "ClusterService",
