@@ -43,7 +43,8 @@ from typing import Any
 
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
-from pmetal.cluster.topology import ClusterTopology, NodeProfile, bandwidth_from, probe_plan
+from pmetal.cluster.probe import follow_members, probe_bandwidth
+from pmetal.cluster.topology import ClusterTopology, NodeProfile
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -549,18 +550,7 @@ class ClusterService:
             self._bump()
 
     def _view_topology(self, state: ElectionState) -> None:
-        listed = {m.get("node_id", "") for m in state.members}
-        for node_id in [n for n in self.topology.nodes() if n not in listed
-                        and n != self.node_id]:
-            self.topology.remove_node(node_id)
-        for m in state.members:
-            node_id = m.get("node_id", "")
-            if node_id and node_id != self.node_id:
-                try:
-                    self.topology.add_node(NodeProfile.from_dict(m.get("profile") or {},
-                                                                 node_id=node_id))
-                except PMetalError as exc:   # a malformed profile: the member stays
-                    log.warning("member %s sent an unreadable profile: %s", node_id[:8], exc)
+        follow_members(self.topology, state.members, self.node_id)
 
     async def probe_links(self, max_bytes: int = 4 << 20, timeout: float = 10.0) -> None:
         """Measure the bandwidth of the link to every live member (the
@@ -568,27 +558,16 @@ class ClusterService:
         dead = self.dead()
         peers = [p for p in self.peers.values() if p.node_id and p.node_id not in dead
                  and p.node_id in self.topology]
-        results = await asyncio.gather(*(asyncio.wait_for(self._probe(p, max_bytes), timeout)
-                                         for p in peers), return_exceptions=True)
+        results = await asyncio.gather(*(asyncio.wait_for(
+            probe_bandwidth(self._transport, self._identity, self._namespace, self.config,
+                            p.address, max_bytes), timeout) for p in peers),
+            return_exceptions=True)
         for peer, result in zip(peers, results):
             if isinstance(result, BaseException):
                 log.warning("bandwidth probe to %s failed: %r", peer.address, result)
-
-    async def _probe(self, peer: _Peer, max_bytes: int) -> None:
-        # A connection of its own: megabytes queued ahead of the Beats on
-        # theirs would delay them past dead_after on a slow link.
-        channel = Channel(self._transport.dial(peer.address), self._identity, self._namespace,
-                          self.config)
-        samples = []
-        try:
-            for size in probe_plan(max_bytes):
-                start = time.perf_counter()
-                await channel.arequest(Probe(bytes(size)))
-                samples.append((size, time.perf_counter() - start))
-        finally:
-            channel.close()
-        self.topology.update_link(self.node_id, peer.node_id, bandwidth=bandwidth_from(samples),
-                                  now=cluster_clock())
+            else:
+                self.topology.update_link(self.node_id, peer.node_id, bandwidth=result,
+                                          now=cluster_clock())
 
     def fence(self, why: str) -> None:
         """This node may have been declared dead: its actors go (the
