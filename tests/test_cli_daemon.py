@@ -633,3 +633,20 @@ def test_peer_of_another_namespace_is_a_warning_and_listed_in_status(
         assert _status(other)["members"] == [] and _status(home)["members"] == []
     finally:
         _kill_recorded_node(other)
+
+
+def test_start_for_wifi_uses_the_wifi_timeouts_and_discovery_on_loopback(home: Path) -> None:
+    started = pmetal(home, "start", "--port", "0", "--wifi")
+    try:
+        assert started.returncode == 0, started.stderr
+        cluster = _status(home)["cluster"]
+        # A peer is dead after 5 s of silence, not 0.8 s; the election waits 3 s.
+        assert cluster["timeouts"] == {"dead_after": 5.0, "interval": 0.5, "election": 3.0}
+        # pmetal start discovers by default, on the address it listens on
+        # (127.0.0.1 here: nothing leaves this machine).
+        assert cluster["discovery"] == ["127.0.0.1"]
+        text = pmetal(home, "status")
+        assert "master" in text.stdout and "NODES (1)" in text.stdout, text.stdout
+        assert pmetal(home, "stop").returncode == 0
+    finally:
+        _kill_recorded_node(home)

@@ -38,7 +38,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
@@ -88,11 +88,6 @@ class ClusterStatistics:
     fenced: int
     clones_refused: int
     version: int
-
-
-@dataclass
-class _Waiters:
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ClusterService:
@@ -216,6 +211,11 @@ class ClusterService:
         return {"master": s.master, "term": s.term, "epoch": s.epoch, "role": s.role.value
                 if hasattr(s.role, "value") else str(s.role), "members": members,
                 "incarnation": self.incarnation, "version": self.version,
+                "discovery": (self.discovery.interfaces if self.discovery is not None
+                              else None),
+                "timeouts": {"dead_after": self.config.health.dead_after,
+                             "interval": self.config.health.interval,
+                             "election": self.config.election.timeout},
                 "discovered": sorted(self._by_id),
                 "found": {n: round(t - self.started, 3) for n, t in self.first_seen.items()},
                 "topology": self.topology.to_dict(),
