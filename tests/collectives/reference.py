@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pmetal.collectives.ops import ReduceOp, finish, reduce_into
+from pmetal.collectives.ops import ReduceOp, chunk_bounds, finish, reduce_into
 from pmetal.collectives.plan import Action, Plan, Recv, Send
 
 
@@ -166,3 +166,46 @@ def _stuck(programs: list[list[Action]], pending: list[list[int]]) -> None:
                         "Send)")
     raise PlanFault(f"deadlock: ranks {blocked} are each waiting for a message no rank "
                     "can send")
+
+
+def results(plan: Plan, buffers: Sequence[np.ndarray]) -> list[np.ndarray | None]:
+    """Each rank's result (its result chunks, concatenated), or None for a
+    rank the operation gives nothing (a non-root rank of reduce)."""
+    out: list[np.ndarray | None] = []
+    for rank, buf in enumerate(buffers):
+        bounds = plan.result_bounds(rank)
+        out.append(np.concatenate([buf[a:b] for a, b in bounds]) if bounds else None)
+    return out
+
+
+def expected(op_name: str, op: ReduceOp, inputs: Sequence[np.ndarray],
+             root: int) -> list[np.ndarray | None]:
+    """What numpy says each rank should end with."""
+    w = len(inputs)
+    stacked = np.stack(inputs)
+    dtype = stacked.dtype
+    with np.errstate(over="ignore", invalid="ignore"):
+        if op in (ReduceOp.SUM, ReduceOp.MEAN):
+            reduced = np.sum(stacked, axis=0, dtype=dtype)
+            if op is ReduceOp.MEAN and w > 1:
+                reduced = (reduced // dtype.type(w) if np.issubdtype(dtype, np.integer)
+                           else reduced / dtype.type(w))
+        elif op is ReduceOp.PRODUCT:
+            reduced = np.prod(stacked, axis=0, dtype=dtype)
+        elif op is ReduceOp.MAX:
+            reduced = np.max(stacked, axis=0)
+        else:
+            reduced = np.min(stacked, axis=0)
+    blocks = chunk_bounds(stacked.shape[1], w)
+    if op_name in ("all_reduce", "barrier"):
+        return [reduced] * w
+    if op_name == "reduce":
+        return [reduced if r == root else None for r in range(w)]
+    if op_name == "broadcast":
+        return [inputs[root]] * w
+    if op_name == "all_gather":
+        gathered = np.concatenate([inputs[r][a:b] for r, (a, b) in enumerate(blocks)])
+        return [gathered] * w
+    if op_name == "reduce_scatter":
+        return [reduced[a:b] for a, b in blocks]
+    raise AssertionError(op_name)
