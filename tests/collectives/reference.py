@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -34,10 +34,12 @@ class PlanFault(AssertionError):
 
 
 def run(plan: Plan, inputs: Sequence[np.ndarray], op: ReduceOp = ReduceOp.SUM, *,
-        relaxed_seed: int | None = None) -> list[np.ndarray]:
+        relaxed_seed: int | None = None,
+        trace: list[tuple[int, Action]] | None = None) -> list[np.ndarray]:
     """Every rank's buffer after running ``plan`` on copies of ``inputs``,
     with ``finish`` applied to each rank's result chunks of a reducing
-    operation."""
+    operation. ``trace``, if given, receives every (rank, action) run, in
+    the order run."""
     w = plan.world
     if len(inputs) != w:
         raise PlanFault(f"{len(inputs)} inputs for a world of {w}")
@@ -78,6 +80,8 @@ def run(plan: Plan, inputs: Sequence[np.ndarray], op: ReduceOp = ReduceOp.SUM, *
     queues: dict[tuple[int, int], deque[tuple[int, np.ndarray]]] = {}
 
     def execute(rank: int, a: Action) -> None:
+        if trace is not None:
+            trace.append((rank, a))
         start, end = plan.chunks[a.chunk]
         if isinstance(a, Send):
             queues.setdefault((rank, a.to_rank), deque()).append(
@@ -112,7 +116,8 @@ def run(plan: Plan, inputs: Sequence[np.ndarray], op: ReduceOp = ReduceOp.SUM, *
     return buffers
 
 
-def _in_order(programs, can_run, execute) -> None:  # type: ignore[no-untyped-def]
+def _in_order(programs: list[list[Action]], can_run: Callable[[int, Action], bool],
+              execute: Callable[[int, Action], None]) -> None:
     pc = [0] * len(programs)
     progressed = True
     while progressed:
@@ -122,7 +127,7 @@ def _in_order(programs, can_run, execute) -> None:  # type: ignore[no-untyped-de
                 execute(rank, program[pc[rank]])
                 pc[rank] += 1
                 progressed = True
-    _stuck(programs, [[i for i in range(pc[r], len(p))] for r, p in enumerate(programs)])
+    _stuck(programs, [list(range(pc[r], len(p))) for r, p in enumerate(programs)])
 
 
 def _conflict(a: Action, b: Action) -> bool:
@@ -136,7 +141,8 @@ def _conflict(a: Action, b: Action) -> bool:
     return False
 
 
-def _relaxed(programs, can_run, execute, rng: random.Random) -> None:  # type: ignore[no-untyped-def]
+def _relaxed(programs: list[list[Action]], can_run: Callable[[int, Action], bool],
+             execute: Callable[[int, Action], None], rng: random.Random) -> None:
     pending = [list(range(len(p))) for p in programs]
     while True:
         enabled = []
