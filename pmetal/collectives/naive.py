@@ -18,7 +18,13 @@ back the blocks it lacks (all_gather) or its own reduced block
 
 from __future__ import annotations
 
-from pmetal.collectives.plan import Plan, PlanRequest, Schedule, split_blocks, split_whole
+from pmetal.collectives.plan import (
+    Plan,
+    PlanRequest,
+    Schedule,
+    split_blocks,
+    split_whole,
+)
 
 __all__ = ["NAME", "OPS", "plan"]
 

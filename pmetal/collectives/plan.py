@@ -49,9 +49,9 @@ have no actions at all.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol, Union
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from pmetal.collectives.ops import chunk_bounds
 from pmetal.errors import PMetalValueError
@@ -88,7 +88,7 @@ class Recv:
     reduce: bool
 
 
-Action = Union[Send, Recv]
+Action = Send | Recv
 
 
 @dataclass(frozen=True)
@@ -169,16 +169,14 @@ class Strategy(Protocol):
     def plan(self, request: PlanRequest) -> Plan: ...
 
 
-@dataclass
 class Schedule:
-    """A plan under construction: actions per rank and step index. Steps a
-    rank has no action in are dropped when built; within a step, sends are
-    put before receives (stable), as the semantics require."""
-    world: int
-    _steps: list[dict[int, list[Action]]] = field(default_factory=list)
+    """A plan under construction, for the strategy modules: actions per
+    rank and step index. Steps a rank has no action in are dropped when
+    built; within a step, sends are put before receives (stable), as the
+    semantics require."""
 
-    def __post_init__(self) -> None:
-        self._steps = [{} for _ in range(self.world)]
+    def __init__(self, world: int) -> None:
+        self._steps: list[dict[int, list[Action]]] = [{} for _ in range(world)]
 
     def send(self, rank: int, step: int, to_rank: int, chunk: int) -> None:
         self._steps[rank].setdefault(step, []).append(Send(to_rank, chunk))
@@ -311,8 +309,3 @@ def _simulate(plan: Plan) -> None:
             raise PMetalValueError(
                 f"malformed plan: rank {src} sends chunk {q[0]} to rank {dst}, "
                 "which never receives it")
-
-
-def children_tuple(tree: Mapping[int, Sequence[int]], world: int) -> tuple[tuple[int, ...], ...]:
-    """A children map as a tuple indexed by rank (missing ranks: no children)."""
-    return tuple(tuple(tree.get(r, ())) for r in range(world))

@@ -30,7 +30,13 @@ What it guarantees:
 
 from __future__ import annotations
 
-from pmetal.collectives.plan import Plan, PlanRequest, Schedule, split_blocks, split_whole
+from pmetal.collectives.plan import (
+    Plan,
+    PlanRequest,
+    Schedule,
+    split_blocks,
+    split_whole,
+)
 
 __all__ = ["NAME", "OPS", "plan"]
 

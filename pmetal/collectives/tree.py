@@ -31,7 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from pmetal.collectives.plan import Plan, PlanRequest, Schedule, split_blocks, split_whole
+from pmetal.collectives.plan import (
+    Plan,
+    PlanRequest,
+    Schedule,
+    split_blocks,
+    split_whole,
+)
 from pmetal.errors import PMetalValueError
 
 __all__ = ["NAME", "OPS", "binomial_tree", "plan", "tree_by_rank", "tree_depth"]

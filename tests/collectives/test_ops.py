@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -16,7 +18,7 @@ def test_chunk_bounds_cover_the_buffer_evenly(n: int, parts: int) -> None:
     bounds = chunk_bounds(n, parts)
     assert len(bounds) == parts
     assert bounds[0][0] == 0 and bounds[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     lengths = [end - start for start, end in bounds]
     assert max(lengths) - min(lengths) <= 1
     assert lengths == sorted(lengths, reverse=True)   # longer first, empty last

@@ -11,6 +11,8 @@ test cases, to keep the whole table within a few seconds.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -160,7 +162,7 @@ def test_ring_plans_follow_the_given_order() -> None:
 
 def chain(world: int, root: int) -> dict[int, list[int]]:
     ranks = [root] + [r for r in range(world) if r != root]
-    return {a: [b] for a, b in zip(ranks, ranks[1:])}
+    return {a: [b] for a, b in itertools.pairwise(ranks)}
 
 
 def star(world: int, root: int) -> dict[int, list[int]]:
