@@ -2,4 +2,24 @@
 
 Filled by the collectives issue; the package exists so the layout is fixed."""
 
-__all__: list[str] = []
+from pmetal.collectives.compression import (
+    Compressed,
+    CompressionConfig,
+    CompressionStatistics,
+    CompressionStrategy,
+    GradientCompressor,
+    QuantizationType,
+    aggregate,
+    decompress,
+)
+
+__all__: list[str] = [
+    "Compressed",
+    "CompressionConfig",
+    "CompressionStatistics",
+    "CompressionStrategy",
+    "GradientCompressor",
+    "QuantizationType",
+    "aggregate",
+    "decompress",
+]
