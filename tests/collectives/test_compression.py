@@ -258,6 +258,45 @@ def test_nan_and_inf_are_refused_without_touching_state(strategy: CompressionStr
     assert np.isfinite(decompress(comp.compress("g", x))).all()
 
 
+def test_overflowing_error_feedback_is_refused_and_reset_recovers() -> None:
+    comp = compressor(S.FP16)
+    x = np.array([3e38, 1.0], dtype=np.float32)
+    assert decompress(comp.compress("g", x)).tolist() == [65504.0, 1.0]
+    owed = comp.residual("g")
+    with pytest.raises(PMetalValueError, match=r"overflows float32.*reset\('g'\)"):
+        comp.compress("g", x)  # 3e38 + (3e38 - 65504) is beyond float32
+    assert np.array_equal(comp.residual("g"), owed)  # type: ignore[arg-type]
+    comp.reset("g")
+    assert np.isfinite(decompress(comp.compress("g", x))).all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(LOSSY), st.sampled_from(DTYPES),
+       hnp.array_shapes(min_dims=1, max_dims=3, min_side=0, max_side=9), st.data())
+def test_any_finite_input_gives_finite_output_or_a_clear_refusal(
+        strategy: CompressionStrategy, dtype: type, shape: tuple[int, ...],
+        data: st.DataObject) -> None:
+    """Magnitudes up to the dtype's maximum never put inf on the wire or in
+    a residual: either the step is refused with an overflow error and the
+    state stays as it was, or everything is finite."""
+    width = np.dtype(dtype).itemsize * 8
+    x = data.draw(hnp.arrays(dtype, shape, elements=st.floats(
+        width=width, allow_nan=False, allow_infinity=False)))  # type: ignore[arg-type]
+    comp = compressor(strategy, ratio=0.3, rank=1, chunk_size=4)
+    for _ in range(3):
+        owed = comp.residual("g")
+        try:
+            sent = decompress(comp.compress("g", x))
+        except PMetalValueError as exc:
+            assert "overflow" in str(exc)
+            now = comp.residual("g")
+            assert (owed is None and now is None) or np.array_equal(owed, now)  # type: ignore[arg-type]
+            continue
+        assert np.isfinite(sent).all()
+        residual = comp.residual("g")
+        assert residual is None or np.isfinite(residual).all()
+
+
 def test_none_passes_non_finite_values_through() -> None:
     x = np.array([np.nan, np.inf, 1.0])
     assert np.array_equal(decompress(compressor(S.NONE).compress("g", x)), x, equal_nan=True)

@@ -54,7 +54,9 @@ including empty ones; MLX arrays are converted at the boundary (bfloat16 via
 float32) and results are numpy. Lossy strategies refuse NaN and inf with
 :class:`~pmetal.errors.PMetalValueError` and leave their state untouched, so
 a caller can skip the step (as a loss scaler does); error feedback would
-otherwise carry the NaN into every later step. NONE passes anything through.
+otherwise carry the NaN into every later step. A gradient whose sum with its
+residual, or whose compressed form, overflows its dtype is refused the same
+way (``reset(name)`` drops the residual). NONE passes anything through.
 
 A compressor is not thread-safe: one per training loop. ``nbytes`` counts
 the arrays on the wire, not the few bytes of name, shape and dtype.

@@ -87,7 +87,10 @@ def one_bit_encode(x: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
     counts = np.full(blocks.shape[0], chunk, dtype=np.int64)
     if counts.size:
         counts[-1] = x.size - chunk * (counts.size - 1)
-    scales = (blocks.sum(axis=1) / counts).astype(x.dtype)
+    # Summed in float64 and clipped: float32 magnitudes near their maximum
+    # would overflow a float32 sum, and an inf scale decodes to inf.
+    means = blocks.sum(axis=1, dtype=np.float64) / counts
+    scales = np.minimum(means, np.finfo(x.dtype).max).astype(x.dtype)
     return np.packbits(x >= 0), scales
 
 

@@ -68,15 +68,10 @@ class GradientCompressor:
         if strategy is CompressionStrategy.NONE:
             self._count(x.nbytes, x.nbytes, uncompressed=False)
             return Compressed(name, strategy, x.shape, x.dtype, x.reshape(-1).copy())
-        self._check_finite(name, x)
-        self._check_shape(name, x)
-        work = x.reshape(-1).astype(work_dtype(x.dtype))
-        residual = self._residuals.get(name)
-        if residual is not None:
-            work += residual
+        work = self._with_residual(name, x, (x.size,))
         compressed = self._encode(name, x, work)
         if self.config.error_feedback:
-            self._residuals[name] = work - decompress(compressed).reshape(-1).astype(work.dtype)
+            self._keep(name, work - decompress(compressed).reshape(-1).astype(work.dtype))
         self._count(x.nbytes, compressed.nbytes, uncompressed=False)
         return compressed
 
@@ -128,19 +123,17 @@ class GradientCompressor:
             raise PMetalValueError(
                 f"PowerSGD at rank {self.config.rank} cannot shrink {name!r} of shape {x.shape};"
                 " all-reduce it uncompressed (check powersgd_eligible(shape) first)")
-        self._check_finite(name, x)
-        self._check_shape(name, x)
         shape = powersgd.matrix_shape(x.shape)
-        matrix = x.reshape(shape).astype(work_dtype(x.dtype))
-        residual = self._residuals.get(name)
-        if residual is not None:
-            matrix += residual
+        matrix = self._with_residual(name, x, shape)
         state = self._powersgd.get(name)
         if state is None:
             state = powersgd.PowerSGDTensor.start(name, shape, self.config.rank,
                                                   self.config.seed, matrix.dtype)
             self._powersgd[name] = state
         p = state.p(matrix)
+        if not np.isfinite(p).all():
+            raise PMetalValueError(f"PowerSGD's P for {name!r} overflowed: the gradient is too"
+                                   f" large for {matrix.dtype}; clip it first")
         self._count(x.nbytes, p.nbytes, uncompressed=False)
         return p
 
@@ -159,7 +152,7 @@ class GradientCompressor:
         state = self._powersgd_state(name, "powersgd_finish")
         approx, local, matrix = state.finish(_as_numpy(q_reduced, f"reduced Q of {name!r}"))
         if self.config.error_feedback:
-            self._residuals[name] = matrix - local
+            self._keep(name, matrix - local)
         shape, dtype = self._shapes[name]
         return approx.reshape(shape).astype(dtype)
 
@@ -223,10 +216,28 @@ class GradientCompressor:
                 f"gradient {name!r} was {known[0]} {known[1]} and is now {x.shape} {x.dtype};"
                 f" its residual no longer fits: call reset({name!r}) first")
 
-    @staticmethod
-    def _check_finite(name: str, x: np.ndarray) -> None:
+    def _with_residual(self, name: str, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """``x`` in working precision and ``shape``, plus what error feedback
+        owes it; refuses NaN and inf without touching any state."""
         if not np.isfinite(x).all():
             raise PMetalValueError(
                 f"gradient {name!r} contains NaN or inf; error feedback would carry it into"
                 " every later step, so it was not compressed: skip this step or clip first")
+        self._check_shape(name, x)
+        work = x.reshape(shape).astype(work_dtype(x.dtype))
+        residual = self._residuals.get(name)
+        if residual is not None:
+            work += residual
+            if not np.isfinite(work).all():
+                raise PMetalValueError(
+                    f"gradient {name!r} plus its error-feedback residual overflows {work.dtype};"
+                    f" clip gradients, or call reset({name!r}) to drop the residual")
+        return work
+
+    def _keep(self, name: str, residual: np.ndarray) -> None:
+        if not np.isfinite(residual).all():
+            raise PMetalValueError(
+                f"gradient {name!r} overflowed {residual.dtype} when compressed with"
+                f" {self.config.strategy.name}; clip gradients first")
+        self._residuals[name] = residual
 

@@ -85,8 +85,12 @@ class PowerSGDTensor:
         # Reduced QR of a rank-deficient P (a zero gradient) still returns
         # orthonormal columns, so the step never divides by zero.
         self.p_hat = np.linalg.qr(p_reduced)[0].astype(self.matrix.dtype)
-        self.q_local = self.matrix.T @ self.p_hat
-        return self.q_local
+        q_local = self.matrix.T @ self.p_hat
+        if not np.isfinite(q_local).all():
+            raise PMetalValueError(f"PowerSGD's Q for {self.name!r} overflowed: the gradient is"
+                                   f" too large for {q_local.dtype}; clip it first")
+        self.q_local = q_local
+        return q_local
 
     def finish(self, q_reduced: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The approximation of the reduced gradient, the local one (for
