@@ -36,6 +36,8 @@ class QuantizationType(enum.Enum):
 
 
 class CompressionStrategy(enum.Enum):
+    """What a :class:`GradientCompressor` sends (table in the package docstring)."""
+
     NONE = "none"
     TOPK = "topk"
     RANDOM_K = "random_k"
@@ -58,9 +60,7 @@ class CompressionStrategy(enum.Enum):
         return self is not CompressionStrategy.NONE
 
 
-
 SPARSE = frozenset({CompressionStrategy.TOPK, CompressionStrategy.RANDOM_K})
-
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,14 @@ from pmetal.errors import PMetalTypeError, PMetalValueError
 
 __all__ = ["GradientCompressor"]
 
-_F16_MAX = float(np.finfo(np.float16).max)
+
+
+def _narrow(values: np.ndarray, dtype: np.dtype | type) -> np.ndarray:
+    """``values`` cast to ``dtype``, clipped to its finite range first: a
+    float16 gradient's float32 residual, or float32 into fp16, can exceed
+    it, and an inf would reach every rank. Error feedback keeps the excess."""
+    limit = float(np.finfo(dtype).max)
+    return np.clip(values, -limit, limit).astype(dtype)
 
 
 def _as_numpy(array: Any, what: str) -> np.ndarray:
@@ -84,7 +91,7 @@ class GradientCompressor:
         s = c.strategy
         made = (name, s, x.shape, x.dtype)
         if s is CompressionStrategy.FP16:
-            return Compressed(*made, np.clip(work, -_F16_MAX, _F16_MAX).astype(np.float16))
+            return Compressed(*made, _narrow(work, np.float16))
         if s is CompressionStrategy.BF16:
             return Compressed(*made, codecs.bf16_encode(
                 np.clip(work, -codecs.BF16_MAX, codecs.BF16_MAX)))
@@ -97,7 +104,7 @@ class GradientCompressor:
         k = min(work.size, max(1, math.ceil(c.ratio * work.size))) if work.size else 0
         if s is CompressionStrategy.TOPK:
             indices = codecs.top_k_indices(work, k)
-            return Compressed(*made, work[indices].astype(x.dtype), indices=indices)
+            return Compressed(*made, _narrow(work[indices], x.dtype), indices=indices)
         # RANDOM_K: draws depend on (seed, name, step) only, so ranks that
         # share a seed pick the same positions in the same step.
         step = self._steps.get(name, 0)
@@ -107,7 +114,7 @@ class GradientCompressor:
         values = work[indices]
         if not c.error_feedback and k:
             values = values * (work.size / k)  # unbiased: E[decompressed] = input
-        return Compressed(*made, values.astype(x.dtype), indices=indices)
+        return Compressed(*made, _narrow(values, x.dtype), indices=indices)
 
     # -- PowerSGD -------------------------------------------------------------
 
