@@ -405,6 +405,9 @@ def test_aggregate_refuses_mismatched_or_malformed_parts() -> None:
         bad = dataclasses.replace(good, indices=np.array(indices, dtype=np.int32))
         with pytest.raises(PMetalValueError, match="strictly increasing within 0..9"):
             aggregate([good, bad])
+    wraps = dataclasses.replace(good, indices=np.array([9, 8, 9], dtype=np.uint64))
+    with pytest.raises(PMetalValueError, match="strictly increasing"):  # no unsigned wrap
+        aggregate([wraps])
     int8 = compressor(S.INT8).compress("g", x)
     with pytest.raises(PMetalValueError, match="expected 10 payload bytes and 1 scales"):
         decompress(dataclasses.replace(int8, values=int8.values[:5]))

@@ -41,7 +41,7 @@ def _check(c: Compressed) -> None:
                 or not np.issubdtype(c.indices.dtype, np.integer):
             raise bad("indices (integers) and values must be 1-D arrays of one length")
         if c.indices.size and (c.indices[0] < 0 or c.indices[-1] >= size
-                               or (c.indices.size > 1 and np.any(np.diff(c.indices) <= 0))):
+                               or np.any(c.indices[1:] <= c.indices[:-1])):
             raise bad(f"indices must be strictly increasing within 0..{size - 1}")
     elif c.strategy in (CompressionStrategy.INT8, CompressionStrategy.ONE_BIT):
         expected = size if c.strategy is CompressionStrategy.INT8 else -(-size // 8)
