@@ -1,13 +1,42 @@
 """Collective operations (ring, tree, naive) scheduled by the elected master.
 
 So far the pure half: :func:`make_plan` builds a :class:`Plan` (who sends
-which chunk to whom, step by step) for each operation and strategy, and
-:mod:`pmetal.collectives.ops` holds the reduce operators. The executor that
-moves bytes, the groups and the SPMD API come with the rest of the issue."""
+which chunk to whom, step by step) for each operation and strategy,
+:mod:`pmetal.collectives.ops` holds the reduce operators, and
+:mod:`pmetal.collectives.compression` the gradient compressors (with error
+feedback, summed only after decompression). The executor that moves bytes,
+the groups and the SPMD API come with the rest of the issue."""
 
+from pmetal.collectives.compression import (
+    Compressed,
+    CompressionConfig,
+    CompressionStatistics,
+    CompressionStrategy,
+    GradientCompressor,
+    QuantizationType,
+    aggregate,
+    decompress,
+)
 from pmetal.collectives.ops import ReduceOp, chunk_bounds
 from pmetal.collectives.plan import Plan, PlanRequest, Recv, Send, Step, check_plan
 from pmetal.collectives.planner import make_plan
 
-__all__ = ["Plan", "PlanRequest", "Recv", "ReduceOp", "Send", "Step", "check_plan",
-           "chunk_bounds", "make_plan"]
+__all__ = [
+    "Compressed",
+    "CompressionConfig",
+    "CompressionStatistics",
+    "CompressionStrategy",
+    "GradientCompressor",
+    "Plan",
+    "PlanRequest",
+    "QuantizationType",
+    "Recv",
+    "ReduceOp",
+    "Send",
+    "Step",
+    "aggregate",
+    "check_plan",
+    "chunk_bounds",
+    "decompress",
+    "make_plan",
+]
