@@ -234,7 +234,8 @@ class GradientCompressor:
         work = x.reshape(shape).astype(work_dtype(x.dtype))
         residual = self._residuals.get(name)
         if residual is not None:
-            work += residual
+            with np.errstate(over="ignore"):   # an overflow is refused just below
+                work += residual
             if not np.isfinite(work).all():
                 raise PMetalValueError(
                     f"gradient {name!r} plus its error-feedback residual overflows {work.dtype};"

@@ -75,7 +75,8 @@ class PowerSGDTensor:
         # A step abandoned half way (a failed all-reduce) is simply
         # restarted: nothing of it reached the residual or the warm start.
         self.matrix, self.p_hat, self.q_local = matrix, None, None
-        return matrix @ self.q
+        with np.errstate(over="ignore"):   # the caller refuses a product that overflowed
+            return matrix @ self.q
 
     def q_step(self, p_reduced: np.ndarray) -> np.ndarray:
         if self.matrix is None:
