@@ -78,7 +78,8 @@ class GradientCompressor:
         work = self._with_residual(name, x, (x.size,))
         compressed = self._encode(name, x, work)
         if self.config.error_feedback:
-            self._keep(name, work - decompress(compressed).reshape(-1).astype(work.dtype))
+            with np.errstate(over="ignore"):   # _keep refuses a residual that overflowed
+                self._keep(name, work - decompress(compressed).reshape(-1).astype(work.dtype))
         self._count(x.nbytes, compressed.nbytes, uncompressed=False)
         return compressed
 
