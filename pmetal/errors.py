@@ -28,6 +28,8 @@ code written for Ray's builtin exceptions keeps working::
     ├── ActorError
     │   └── ActorDiedError                   the actor's process died or was killed
     ├── PlacementError                       no node can host it (resources, node)
+    ├── CollectiveError                      a collective operation failed: a member
+    │                                        died, stalled or sent the wrong chunk
     └── NotInitializedError                  pmetal.init() has not been called
 
 The split between :class:`ClosedError` and :class:`PeerError` follows trio's
@@ -43,6 +45,7 @@ __all__ = [
     "AuthenticationError",
     "BackpressureError",
     "ClosedError",
+    "CollectiveError",
     "ConfigError",
     "GetTimeoutError",
     "HandshakeError",
@@ -183,6 +186,13 @@ class ActorDiedError(ActorError):
 class PlacementError(PMetalError):
     """No node can host the actor or task: the resources asked for exceed
     what every node has, or the named node is not in the cluster."""
+
+
+class CollectiveError(PMetalError):
+    """A collective operation (all_reduce, broadcast, ...) could not complete
+    on this rank: a member died, stalled past the deadline or sent a chunk
+    the plan does not expect. The buffer holds partial results; re-form the
+    group over the live members and run the operation again."""
 
 
 class NotInitializedError(PMetalError):
