@@ -13,8 +13,9 @@ from pmetal.api import (available_resources, cluster_resources, get, get_actor, 
                         wait_for_peers)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
 from pmetal.errors import (ActorDiedError, ActorError, AuthenticationError, BackpressureError,
-                           ClosedError, ConfigError, GetTimeoutError, HandshakeError,
-                           IdentityError, NotInitializedError, PeerError, PlacementError,
+                           ClosedError, CollectiveError, ConfigError, GetTimeoutError,
+                           HandshakeError, IdentityError, NotInitializedError, PeerError,
+                           PlacementError,
                            PMetalError, PMetalTimeoutError, PMetalTypeError,
                            PMetalValueError, ProtocolError, RemoteError,
                            ReplayError, RequestTimeoutError, SecurityError, TransportError)
@@ -31,6 +32,7 @@ __all__ = [
     "AuthenticationError",
     "BackpressureError",
     "ClosedError",
+    "CollectiveError",
     "ConfigError",
     "GetTimeoutError",
     "HandshakeError",
