@@ -97,10 +97,8 @@ async def execute(plan: Plan, rank: int, buffer: np.ndarray, links: RankLinks, *
         # independent); its receives then run in program order, which keeps
         # the FIFO matching and the order of reductions on every chunk.
         if sends:
-            posts = [links.send(a.to_rank, op_id, a.chunk, _view(plan, flat, a.chunk))
-                     for a in sends]
-            await _bounded(asyncio.gather(*posts), loop, deadline, links, what, rank, index,
-                           peer=None)
+            await _bounded(_post(plan, flat, sends, links, op_id), loop, deadline, links,
+                           what, rank, index, peer=None)
         for a in recvs:
             chunk, data = await _bounded(links.recv(a.from_rank, op_id), loop, deadline,
                                          links, what, rank, index, peer=a.from_rank)
@@ -124,6 +122,24 @@ async def execute(plan: Plan, rank: int, buffer: np.ndarray, links: RankLinks, *
         for start, end in plan.result_bounds(rank):
             finish(op, flat[start:end], plan.world)
     return buffer
+
+
+async def _post(plan: Plan, flat: np.ndarray, sends: list[Send], links: RankLinks,
+                op_id: int) -> None:
+    """Post a step's sends together; the task group owns them, so a failed
+    or timed-out step leaves no send running behind it."""
+    if len(sends) == 1:
+        a = sends[0]
+        await links.send(a.to_rank, op_id, a.chunk, _view(plan, flat, a.chunk))
+        return
+    try:
+        async with asyncio.TaskGroup() as group:
+            for a in sends:
+                group.create_task(
+                    links.send(a.to_rank, op_id, a.chunk, _view(plan, flat, a.chunk)))
+    except ExceptionGroup as failed:
+        # One cause is enough for the CollectiveError the caller raises.
+        raise failed.exceptions[0] from failed
 
 
 def _view(plan: Plan, flat: np.ndarray, chunk: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from pmetal.collectives import (
 )
 from pmetal.collectives.plan import Plan, Recv, Send
 from pmetal.collectives.planner import OPS, STRATEGIES
-from pmetal.errors import PMetalError, PMetalValueError
+from pmetal.errors import PeerError, PMetalError, PMetalValueError
 from tests.collectives import reference
 
 WAIT = 20.0  # bound on any one scenario: a hang fails fast
@@ -321,3 +321,33 @@ def test_arguments_that_do_not_fit_the_plan_are_refused() -> None:
         asyncio.run(call(np.zeros((3, 4))[:, :2]))
     with pytest.raises(PMetalValueError, match="timeout"):
         asyncio.run(call(np.zeros(6), timeout=0))
+
+
+class BrokenSends(MemoryLinks):
+    """Links whose connection to ``broken`` is reset (what a socket link
+    raises when the peer's host went away)."""
+
+    def __init__(self, network: MemoryNetwork, rank: int, broken: int) -> None:
+        super().__init__(network, rank)
+        self.broken = broken
+
+    async def send(self, to_rank: int, op_id: int, chunk: int, data: np.ndarray) -> None:
+        if to_rank == self.broken:
+            raise PeerError(f"connection to rank {to_rank} reset")
+        await super().send(to_rank, op_id, chunk, data)
+
+
+def test_a_send_that_fails_raises_naming_the_step() -> None:
+    plan = make_plan("broadcast", "naive", 3, 0, 6)
+    first = plan.steps[0][0].actions
+    assert sum(isinstance(a, Send) for a in first) == 2, "both sends in one step"
+
+    async def scenario() -> None:
+        network = MemoryNetwork(3)
+        with pytest.raises(CollectiveError, match="connection to rank 2 reset") as info:
+            await execute(plan, 0, np.ones(6), BrokenSends(network, 0, broken=2),
+                          op=ReduceOp.SUM, op_id=1, timeout=5.0)
+        assert "at step 0" in str(info.value) and "re-form the group" in str(info.value)
+        assert isinstance(info.value.__cause__, PeerError)
+
+    asyncio.run(asyncio.wait_for(scenario(), WAIT))
