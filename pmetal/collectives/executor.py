@@ -36,7 +36,6 @@ What a :class:`RankLinks` must guarantee (the socket links included):
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Awaitable
 from typing import Protocol, TypeVar
 
@@ -47,8 +46,6 @@ from pmetal.collectives.plan import Plan, Recv, Send
 from pmetal.errors import CollectiveError, PeerError, PMetalValueError, TransportError
 
 __all__ = ["MemoryLinks", "MemoryNetwork", "RankLinks", "execute"]
-
-log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
