@@ -75,7 +75,6 @@ class _Peer:
     node_id: str = ""
     channel: Channel | None = None
     beating: bool = False          # a Beat is in flight
-    sends: int = 0                 # one-way messages in flight
 
 
 @dataclass(frozen=True)
@@ -158,17 +157,6 @@ class ClusterService:
 
     def is_master(self) -> bool:
         return self.election.state.role is Role.MASTER
-
-    def master_address(self) -> str:
-        master = self.master
-        if not master:
-            return ""
-        if master == self.node_id:
-            return self.address
-        for m in self.election.state.members:
-            if m.get("node_id") == master:
-                return str(m.get("address") or "")
-        return self._by_id.get(master, "")
 
     def dead(self) -> set[str]:
         """Nodes this node's detector or the master's list holds dead."""
