@@ -202,6 +202,10 @@ class HealthMonitor:
         return sorted(n for n, p in self._peers.items()
                       if now - p.last + _SLACK >= self.config.remove_after)
 
+    def __contains__(self, node_id: object) -> bool:
+        """Whether ``node_id`` is watched (no sorted copy: asked per message)."""
+        return node_id in self._peers
+
     def watched(self) -> list[str]:
         return sorted(self._peers)
 

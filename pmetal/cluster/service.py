@@ -460,7 +460,7 @@ class ClusterService:
         share one identity. (A member that restarted elsewhere is silent at
         its old address, hence Dead, and is let in.)"""
         known = self._by_id.get(node_id)
-        if (not known or known == _tcp(address) or node_id not in self.health.watched()
+        if (not known or known == _tcp(address) or node_id not in self.health
                 or self.health.status(node_id) is HealthStatus.DEAD):
             return ""
         self._counts["clones_refused"] += 1
@@ -492,7 +492,7 @@ class ClusterService:
         if not node_id or node_id == self.node_id:
             return
         self.first_seen.setdefault(node_id, now)
-        if node_id not in self.health.watched():
+        if node_id not in self.health:
             self.health.watch(node_id, now)
         self.election.heard(node_id, now)
         self._handle_health(self.health.heard(node_id, now, rtt), now)
@@ -528,7 +528,7 @@ class ClusterService:
                     node_id, address = m.get("node_id", ""), m.get("address", "")
                     if node_id and node_id != self.node_id and address:
                         self._peer(address, node_id)
-                        if node_id not in self.health.watched():
+                        if node_id not in self.health:
                             self.health.watch(node_id, now)
                 self._on_view(state)
             elif ev.kind == "fenced":
