@@ -74,16 +74,17 @@ def client_of(node: dict[str, Any]) -> CoreClient:
 
 
 def agreed_master(nodes: list[dict[str, Any]]) -> str:
-    """The master every node names, once they agree (waited for)."""
+    """The master every node names, once they agree (each node's cluster
+    watch is woken by every change; one deadline for all)."""
     clients = [client_of(n) for n in nodes]
     try:
-        deadline = time.monotonic() + WAIT
-        while True:
-            views = {(s["master"], s["term"]) for s in (c.status()["cluster"] for c in clients)}
-            if len(views) == 1 and next(iter(views))[0]:
-                return next(iter(views))[0]
-            assert time.monotonic() < deadline, f"no agreed master: {views}"
-            time.sleep(0.05)
+        def agreed(_: Any) -> bool:
+            states = [c.watch.state for c in clients]
+            return all(st is not None and st.master for st in states) and len(
+                {(st.master, st.term) for st in states}) == 1  # type: ignore[union-attr]
+        assert clients[0].watch.wait(agreed, time.monotonic() + WAIT), \
+            f"no agreed master: {[c.watch.state for c in clients]}"
+        return clients[0].watch.state.master  # type: ignore[union-attr]
     finally:
         for c in clients:
             c.close()
