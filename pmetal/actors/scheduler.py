@@ -96,7 +96,7 @@ class Scheduler:
                     return Failure("timeout", "PMetalTimeoutError",
                                    f"the master {master[:8]} is not in this node's member list "
                                    f"yet; the creation's deadline passed")
-                await self._next_change(deadline)   # the view is on its way
+                await asyncio.sleep(node.config.health.interval)   # the view is on its way
                 continue
             ask = asyncio.ensure_future(node.membership.ask(member, spec))
             gone = asyncio.ensure_future(node.cluster.until_gone(master))
@@ -116,16 +116,7 @@ class Scheduler:
                                f"the master {master[:8]} did not place the actor in time")
             log.info("master %s went while placing actor %s; asking the next master",
                      master[:8], spec.actor_id)
-            await self._next_change(deadline)
-
-    async def _next_change(self, deadline: float) -> None:
-        """Until the cluster changes (a view, a master, a death), at most
-        until ``deadline`` (time.monotonic) or one election timeout."""
-        wait = min(deadline - time.monotonic(), self.node.config.election.timeout)
-        try:
-            await asyncio.wait_for(self.node.cluster.changed(), max(0.0, wait))
-        except asyncio.TimeoutError:
-            pass
+            await asyncio.sleep(node.config.health.interval)
 
     def _remember(self, spec: CreateActor, loc: ActorLocation) -> None:
         node = self.node
