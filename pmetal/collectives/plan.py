@@ -117,6 +117,11 @@ class Plan:
         return max((end for _, end in self.chunks), default=0)
 
     @property
+    def max_chunk(self) -> int:
+        """Elements in the largest chunk (the size of a receive's scratch)."""
+        return max((end - start for start, end in self.chunks), default=0)
+
+    @property
     def reduces(self) -> bool:
         """Whether ``finish`` applies to the results (a reducing op)."""
         return self.op_name in REDUCING_OPS
