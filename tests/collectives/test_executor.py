@@ -10,9 +10,8 @@ a group re-formed over the survivors works."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
