@@ -25,8 +25,9 @@ from typing import Any
 from pmetal.errors import ConfigError
 
 __all__ = [
-    "ActorsConfig",
     "DEFAULT_PORT",
+    "ActorsConfig",
+    "CollectiveConfig",
     "DiscoveryConfig",
     "ElectionConfig",
     "HealthConfig",
@@ -46,7 +47,11 @@ _MiB = 1 << 20
 # Variables that do not belong to a section.
 # PMETAL_PSK_HEX is how a node hands its key to the processes it starts (any
 # bytes survive hex; a raw key does not survive an environment string).
-_STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_PSK_HEX", "PMETAL_LOG_LEVEL"})
+# Not config fields: the launcher's rank environment (pmetal launch) and
+# process-wide settings read where they are used.
+_STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_PSK_HEX", "PMETAL_LOG_LEVEL",
+                             "PMETAL_RANK", "PMETAL_WORLD_SIZE", "PMETAL_LOCAL_RANK",
+                             "PMETAL_NODES"})
 
 
 def _require(cond: bool, section: str, name: str, why: str) -> None:
@@ -229,6 +234,40 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class CollectiveConfig:
+    """Collective operations (pmetal.collectives).
+
+    The master (or rank 0 of a static world) fixes these for a group when
+    it forms; each operation's plan follows from them and the buffer's
+    size, the same on every rank. ``strategy``: "auto" (the tree up to
+    ``tree_max_bytes``, the ring above), or "ring", "tree", "naive" for
+    every operation. ``chunk_bytes``: the largest message of a pipelined
+    ring (smaller pipelines deeper, larger costs fewer headers).
+    ``timeout``: seconds one operation may take before every survivor
+    raises CollectiveError. ``connect_timeout``: seconds to form the
+    group's connections. ``shared_memory``: ranks on one machine exchange
+    through shared memory instead of TCP.
+    """
+
+    strategy: str = "auto"
+    tree_max_bytes: int = 64 * 1024
+    chunk_bytes: int = 1 * _MiB
+    timeout: float = 30.0
+    connect_timeout: float = 30.0
+    shared_memory: bool = True
+
+    def __post_init__(self) -> None:
+        s = "collectives"
+        _require(self.strategy in ("auto", "ring", "tree", "naive"), s, "strategy",
+                 f"is {self.strategy!r}; use auto, ring, tree or naive")
+        _require(self.tree_max_bytes >= 0, s, "tree_max_bytes", "must be 0 or more")
+        _require(self.chunk_bytes >= 4096, s, "chunk_bytes", "must be at least 4096")
+        _require(self.timeout > 0, s, "timeout", "must be a positive number of seconds")
+        _require(self.connect_timeout > 0, s, "connect_timeout",
+                 "must be a positive number of seconds")
+
+
+@dataclass(frozen=True)
 class PMetalConfig:
     """The whole configuration: one field per section."""
 
@@ -238,6 +277,7 @@ class PMetalConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     election: ElectionConfig = field(default_factory=ElectionConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    collectives: CollectiveConfig = field(default_factory=CollectiveConfig)
 
 
 def pmetal_home(env: Mapping[str, str] | None = None) -> Path:

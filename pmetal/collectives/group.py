@@ -1,0 +1,294 @@
+"""A formed group of ranks and the operations users call on it.
+
+:class:`Schedule` is what the master (or rank 0 of a static world) decides
+once per formation of a group and stamps with its term and the
+membership epoch: the strategy rule, the ring order and the chunk size.
+Every operation's :class:`~pmetal.collectives.plan.Plan` then follows from
+the schedule and the buffer's size by a pure function, so every rank
+computes the same plan without a round trip to the master per operation
+(a 4 KiB all_reduce takes about 100 us; one more hop would double it).
+
+:class:`Group` owns one rank's links and its operation counter, turns
+arrays into flat buffers (numpy in place; MLX, bfloat16 and anything else
+converted and returned) and runs the executor. Every operation is
+synchronous; the asyncio API (:mod:`pmetal.collectives.spmd`) runs them
+in a worker thread. One operation at a time per group: operations are
+numbered in call order, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pmetal.collectives.executor import RankLinks, execute
+from pmetal.collectives.ops import ReduceOp, chunk_bounds
+from pmetal.collectives.plan import Plan
+from pmetal.collectives.planner import make_plan, pipeline_parts_for
+from pmetal.collectives.tcplinks import DTYPE_CODES, P2P_BASE
+from pmetal.config import CollectiveConfig
+from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
+
+__all__ = ["Group", "Schedule"]
+
+@dataclass(frozen=True)
+class Schedule:
+    """The master's decisions for one formation of a group (see the module
+    docstring). ``order`` is the ring order of the ranks (from the
+    topology's link figures); ``strategy`` "auto" means the tree up to
+    ``tree_max_bytes`` and the ring above."""
+    name: str
+    world: int
+    term: int = 0
+    epoch: int = 0
+    order: tuple[int, ...] = ()
+    strategy: str = "auto"
+    tree_max_bytes: int = 64 * 1024
+    chunk_bytes: int = 1 << 20
+
+    @classmethod
+    def from_config(cls, name: str, world: int, config: CollectiveConfig, *, term: int = 0,
+                    epoch: int = 0, order: tuple[int, ...] = ()) -> Schedule:
+        return cls(name=name, world=world, term=term, epoch=epoch,
+                   order=order or tuple(range(world)), strategy=config.strategy,
+                   tree_max_bytes=config.tree_max_bytes, chunk_bytes=config.chunk_bytes)
+
+    def strategy_for(self, op: str, nbytes: int) -> str:
+        if self.strategy != "auto":
+            return self.strategy
+        if op == "barrier" or nbytes <= self.tree_max_bytes:
+            return "tree"
+        return "ring"
+
+    def plan(self, op: str, n_elements: int, itemsize: int, root: int = 0,
+             strategy: str | None = None) -> Plan:
+        strategy = strategy or self.strategy_for(op, n_elements * itemsize)
+        parts = 1
+        if strategy == "ring" and n_elements:
+            parts = pipeline_parts_for(n_elements, itemsize, self.world, self.chunk_bytes)
+        return _plan(op, strategy, self.world, root, n_elements, self.order or None, parts,
+                     self.term, self.epoch)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(op: str, strategy: str, world: int, root: int, n_elements: int,
+          order: tuple[int, ...] | None, parts: int, term: int, epoch: int) -> Plan:
+    import dataclasses
+    plan = make_plan(op, strategy, world, root, n_elements, order=order, pipeline_parts=parts)
+    return dataclasses.replace(plan, term=term, epoch=epoch)
+
+
+class Group:
+    """One rank's membership of a formed group: ``rank``, ``size`` and the
+    operations. Arrays of float16, float32, float64, int32 and int64 (and
+    the other dtypes of :data:`~pmetal.collectives.tcplinks.DTYPE_CODES`)
+    travel as they are; bfloat16 (MLX) is reduced in float32 and rounded
+    back; MLX arrays are returned as new MLX arrays; contiguous numpy
+    arrays are changed in place and returned."""
+
+    def __init__(self, schedule: Schedule, rank: int, links: RankLinks, *,
+                 timeout: float, on_close: Callable[[], None] | None = None) -> None:
+        if not 0 <= rank < schedule.world:
+            raise PMetalValueError(f"rank {rank} is not in a group of {schedule.world}")
+        self.schedule = schedule
+        self.rank = rank
+        self.size = schedule.world
+        self.name = schedule.name
+        self.timeout = timeout
+        self.links = links
+        self._op_id = 0
+        self._p2p_sent: dict[int, int] = {}
+        self._p2p_received: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._on_close = on_close
+        self.closed = False
+        # A script that ends without close() must still let its last
+        # operation's queued bytes reach the peers.
+        atexit.register(self.close)
+
+    def __repr__(self) -> str:
+        return (f"Group({self.name!r}, rank={self.rank}, size={self.size}, "
+                f"term={self.schedule.term}, epoch={self.schedule.epoch})")
+
+    # ----------------------------------------------------------- operations
+
+    def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                   timeout: float | None = None, strategy: str | None = None) -> Any:
+        """Reduce ``x`` over every rank; every rank gets the same result."""
+        return self._run("all_reduce", x, op, 0, timeout, strategy)
+
+    def reduce(self, x: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
+               timeout: float | None = None, strategy: str | None = None) -> Any:
+        """Reduce ``x`` onto ``root``; other ranks' ``x`` is left undefined
+        (it held partial sums), as in MPI's in-place reduce."""
+        return self._run("reduce", x, op, root, timeout, strategy)
+
+    def broadcast(self, x: Any, root: int = 0, *, timeout: float | None = None,
+                  strategy: str | None = None) -> Any:
+        """``root``'s ``x`` on every rank (same shape and dtype everywhere)."""
+        return self._run("broadcast", x, ReduceOp.SUM, root, timeout, strategy)
+
+    def all_gather(self, x: Any, *, timeout: float | None = None,
+                   strategy: str | None = None) -> Any:
+        """Every rank's ``x`` stacked in rank order: shape ``(size, *x.shape)``."""
+        array, back = _as_array(x)
+        n = array.size
+        buffer = np.empty(n * self.size, dtype=array.dtype)
+        buffer[self.rank * n:(self.rank + 1) * n] = array.reshape(-1)
+        self._execute("all_gather", buffer, ReduceOp.SUM, 0, timeout, strategy)
+        return back(buffer.reshape((self.size, *array.shape)), fresh=True)
+
+    def reduce_scatter(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
+                       timeout: float | None = None, strategy: str | None = None) -> Any:
+        """Reduce ``x`` over every rank and return this rank's block of the
+        result (flat; blocks as :func:`~pmetal.collectives.ops.chunk_bounds`
+        splits ``x.size`` elements ``size`` ways)."""
+        array, back = _as_array(x)
+        buffer = array.reshape(-1).copy()
+        self._execute("reduce_scatter", buffer, _op(op), 0, timeout, strategy)
+        start, end = chunk_bounds(buffer.size, self.size)[self.rank]
+        return back(buffer[start:end].copy(), fresh=True)
+
+    def barrier(self, *, timeout: float | None = None) -> None:
+        """Return once every rank has entered the barrier."""
+        self._execute("barrier", np.empty(0, np.uint8), ReduceOp.SUM, 0, timeout, None)
+
+    def send(self, x: Any, to_rank: int, *, timeout: float | None = None) -> None:
+        """Send ``x`` to ``to_rank`` (matched by that rank's next
+        :meth:`recv` from this one); returns once queued."""
+        array, _ = _as_array(x)
+        self._check_peer(to_rank)
+        with self._lock:
+            n = self._p2p_sent.get(to_rank, 0)
+            self._p2p_sent[to_rank] = n + 1
+            flat = np.ascontiguousarray(array).reshape(-1)
+            try:
+                self.links.send(to_rank, P2P_BASE + n, 0, flat)
+                self.links.release(P2P_BASE + n)
+            except Exception as exc:
+                raise CollectiveError(f"send to rank {to_rank} of group {self.name!r} "
+                                      f"failed: {exc}") from exc
+
+    def recv(self, x: Any, from_rank: int, *, timeout: float | None = None) -> Any:
+        """Receive into ``x`` (its shape and dtype must match what
+        ``from_rank`` sent) the next array ``from_rank`` sent this rank."""
+        import time
+        array, back = _as_array(x)
+        self._check_peer(from_rank)
+        with self._lock:
+            n = self._p2p_received.get(from_rank, 0)
+            self._p2p_received[from_rank] = n + 1
+            flat = array.reshape(-1)
+            deadline = time.monotonic() + (timeout or self.timeout)
+            try:
+                _chunk, data = self.links.recv(from_rank, P2P_BASE + n, deadline, flat)
+            except TimeoutError as exc:
+                raise CollectiveError(f"recv from rank {from_rank} of group {self.name!r}: "
+                                      "nothing arrived before the deadline") from exc
+            except Exception as exc:
+                raise CollectiveError(f"recv from rank {from_rank} of group {self.name!r} "
+                                      f"failed: {exc}") from exc
+            if data.dtype != flat.dtype or data.size != flat.size:
+                raise CollectiveError(
+                    f"recv from rank {from_rank}: it sent {data.size} x {data.dtype}, this "
+                    f"rank expected {flat.size} x {flat.dtype}")
+            if data is not flat:
+                flat[...] = data
+        return back(array, fresh=False)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        atexit.unregister(self.close)
+        close = getattr(self.links, "close", None)
+        if close is not None:
+            close()
+        if self._on_close is not None:
+            self._on_close()
+
+    # ------------------------------------------------------------- machinery
+
+    def _check_peer(self, rank: int) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.size or rank == self.rank:
+            raise PMetalValueError(f"rank {rank!r} is not another rank of group "
+                                   f"{self.name!r} (ranks 0 to {self.size - 1}, this is "
+                                   f"{self.rank})")
+
+    def _run(self, name: str, x: Any, op: ReduceOp | str, root: int,
+             timeout: float | None, strategy: str | None) -> Any:
+        array, back = _as_array(x)
+        if not 0 <= root < self.size:
+            raise PMetalValueError(f"root {root} is not a rank of group {self.name!r} "
+                                   f"(ranks 0 to {self.size - 1})")
+        buffer = array if array.flags.c_contiguous and array.flags.writeable else array.copy()
+        self._execute(name, buffer.reshape(-1), _op(op), root, timeout, strategy)
+        if buffer is not array:
+            if not array.flags.writeable:
+                return back(buffer, fresh=True)
+            array[...] = buffer
+        return back(array, fresh=False)
+
+    def _execute(self, name: str, flat: np.ndarray, op: ReduceOp, root: int,
+                 timeout: float | None, strategy: str | None) -> None:
+        if self.closed:
+            raise CollectiveError(f"group {self.name!r} is closed; form a new one")
+        if strategy is not None and strategy not in ("ring", "tree", "naive"):
+            raise PMetalValueError(f"unknown strategy {strategy!r}; use ring, tree or naive")
+        with self._lock:
+            self._op_id += 1
+            plan = self.schedule.plan(name, flat.size, flat.dtype.itemsize, root, strategy)
+            execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
+                    timeout=timeout or self.timeout)
+
+
+def _op(op: ReduceOp | str) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    try:
+        return ReduceOp[str(op).upper()]
+    except KeyError:
+        raise PMetalValueError(f"unknown reduce op {op!r}; use one of "
+                               f"{', '.join(o.name for o in ReduceOp)}") from None
+
+
+def _as_array(x: Any) -> tuple[np.ndarray, Callable[..., Any]]:
+    """``x`` as a numpy array, and how to turn the result back into what
+    the caller passed (the same numpy array, or a new MLX array)."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.name not in DTYPE_CODES:
+            raise PMetalTypeError(f"collectives carry arrays of {', '.join(DTYPE_CODES)}, "
+                                  f"not {x.dtype}")
+        return x, lambda result, fresh: result
+    module = type(x).__module__
+    if module.startswith("mlx"):
+        return _from_mlx(x)
+    if isinstance(x, (list, tuple, int, float)):
+        array = np.asarray(x)
+        if array.dtype.name not in DTYPE_CODES:
+            raise PMetalTypeError(f"cannot send {type(x).__name__} of {array.dtype}")
+        return array, lambda result, fresh: result
+    raise PMetalTypeError(f"collectives take numpy or MLX arrays, not {type(x).__name__}")
+
+
+def _from_mlx(x: Any) -> tuple[np.ndarray, Callable[..., Any]]:
+    import mlx.core as mx
+    dtype = x.dtype
+    if dtype == mx.bfloat16:
+        # numpy has no bfloat16: reduce in float32 (every rank rounds the
+        # same float32 result, so they stay bit-identical) and round back.
+        array = np.array(x.astype(mx.float32))
+    else:
+        array = np.array(x)
+
+    def back(result: np.ndarray, fresh: bool) -> Any:
+        out = mx.array(result)
+        return out.astype(dtype) if out.dtype != dtype else out
+
+    return array, back
