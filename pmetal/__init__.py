@@ -24,6 +24,31 @@ from pmetal.security import NetworkNamespace
 
 _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
+# Imported on first use: collectives need numpy, which a script that only
+# uses actors should not pay for at import.
+_LAZY = {
+    "CollectiveConfig": "pmetal.config",
+    "CompressionConfig": "pmetal.collectives.compression",
+    "CompressionStrategy": "pmetal.collectives.compression",
+    "DistributedBackend": "pmetal.collectives.spmd",
+    "DistributedConfig": "pmetal.collectives.spmd",
+    "DistributedContext": "pmetal.collectives.spmd",
+    "GradientCompressor": "pmetal.collectives.compression",
+    "QuantizationType": "pmetal.collectives.compression",
+    "ReduceOp": "pmetal.collectives.ops",
+    "RingBackend": "pmetal.collectives.spmd",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pmetal' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
     "ActorClass",
     "ActorDiedError",
@@ -32,9 +57,16 @@ __all__ = [
     "AuthenticationError",
     "BackpressureError",
     "ClosedError",
+    "CollectiveConfig",
     "CollectiveError",
+    "CompressionConfig",
+    "CompressionStrategy",
     "ConfigError",
+    "DistributedBackend",
+    "DistributedConfig",
+    "DistributedContext",
     "GetTimeoutError",
+    "GradientCompressor",
     "HandshakeError",
     "IdentityError",
     "NetworkNamespace",
@@ -49,10 +81,13 @@ __all__ = [
     "PeerError",
     "PlacementError",
     "ProtocolError",
+    "QuantizationType",
+    "ReduceOp",
     "RemoteError",
     "RemoteFunction",
     "ReplayError",
     "RequestTimeoutError",
+    "RingBackend",
     "SecurityConfig",
     "SecurityError",
     "TransportConfig",
