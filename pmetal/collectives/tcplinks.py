@@ -254,13 +254,24 @@ class _Peer:
     # Reading (only the executor's thread reads).
 
     def read_exactly(self, view: memoryview, deadline: float,
-                     is_dead: Callable[[], bool]) -> None:
+                     is_dead: Callable[[], bool], *, started: bool = False) -> None:
+        """Fill ``view``. ``started``: the message's header is already read.
+        Giving up in the middle of a message leaves the stream unreadable
+        (the rest would be taken for a header), so the connection is then
+        marked broken."""
         got, total = 0, view.nbytes
         while got < total:
             try:
                 n = self.sock.recv_into(view[got:], total - got)
             except (BlockingIOError, InterruptedError):
-                self._wait_readable(deadline, is_dead)
+                try:
+                    self._wait_readable(deadline, is_dead)
+                except (TimeoutError, PeerError) as exc:
+                    if got or started:
+                        with self.lock:
+                            self._break(f"a message from rank {self.rank} stopped halfway "
+                                        f"({exc}); this connection cannot be used again")
+                    raise
                 continue
             except OSError as exc:
                 with self.lock:
@@ -366,7 +377,8 @@ class TcpLinks:
             else:
                 data = np.empty(nbytes // dtype.itemsize, dtype=dtype)
             if nbytes:
-                peer.read_exactly(memoryview(data).cast("B"), deadline, is_dead)
+                peer.read_exactly(memoryview(data).cast("B"), deadline, is_dead,
+                                  started=True)
             self.bytes_received += nbytes
             if got_op == op_id:
                 return chunk, data
