@@ -108,6 +108,7 @@ class Group:
         self._lock = threading.Lock()
         self._on_close = on_close
         self.closed = False
+        self._failed = False  # the last operation failed: close() need not flush
         # A script that ends without close() must still let its last
         # operation's queued bytes reach the peers.
         atexit.register(self.close)
@@ -209,7 +210,9 @@ class Group:
         atexit.unregister(self.close)
         close = getattr(self.links, "close", None)
         if close is not None:
-            close()
+            # After a failure the peers that would read the queued bytes are
+            # dead or stalled: waiting for them to drain would only delay.
+            close(timeout=0.0 if self._failed else 10.0)
         if self._on_close is not None:
             self._on_close()
 
@@ -244,8 +247,10 @@ class Group:
         with self._lock:
             self._op_id += 1
             plan = self.schedule.plan(name, flat.size, flat.dtype.itemsize, root, strategy)
+            self._failed = True
             execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
                     timeout=timeout or self.timeout)
+            self._failed = False
 
 
 def _op(op: ReduceOp | str) -> ReduceOp:
