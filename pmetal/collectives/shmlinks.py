@@ -522,12 +522,20 @@ class ShmLinks:
         with self._lock:
             return {r for r, p in self._peers.items() if p.lost}
 
-    def close(self) -> None:
-        """Close the sockets (peers see end-of-file) and unmap the rings;
-        a view a caller still holds keeps its mapping alive."""
+    def close(self, linger: float = 10.0) -> None:
+        """Deliver what is still queued for live peers (for at most
+        ``linger`` seconds: the end of the last operation), then close the
+        sockets (peers see end-of-file) and unmap the rings; a view a caller
+        still holds keeps its mapping alive."""
         with self._lock:
             if self._closed:
                 return
+            end = time.monotonic() + linger
+            while time.monotonic() < end:
+                busy = [p for p in self._peers.values() if (p.backlog or p.wbuf) and not p.lost]
+                if not busy:
+                    break
+                self._sleep(busy, end)
             self._closed = True
             flusher = self._flusher
         if flusher is not None:

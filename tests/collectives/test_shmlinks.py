@@ -75,6 +75,9 @@ elif scenario == "relay":              # say what arrived, then echo it
         print(int(data.sum()), flush=True)
         links.send(0, op, chunk, data.copy())
     links.recv(0, 3, deadline)
+elif scenario == "bye":                # send three rings' worth and close at once
+    links.send(0, 1, 0, np.arange(3 * ring, dtype=np.int64))
+    links.release(1)
 elif scenario in ("kill", "stop"):     # one message, then wait to be killed or stopped
     links.send(0, 1, 0, np.arange(10, dtype=np.float64))
     sys.stdin.read()
@@ -201,6 +204,14 @@ def test_a_send_outlives_its_buffer_and_its_operation(token: str) -> None:
         assert chunk == 7
         np.testing.assert_array_equal(back, np.arange(3 * RING))
         links.send(1, 3, 0, np.zeros(0, np.int8))
+        finished(proc)
+
+
+def test_close_delivers_what_is_still_queued(token: str) -> None:
+    links, proc = pair("bye", token)
+    with links:
+        _, data = links.recv(1, 1, time.monotonic() + WAIT)
+        np.testing.assert_array_equal(data, np.arange(3 * RING))
         finished(proc)
 
 
