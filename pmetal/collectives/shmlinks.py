@@ -46,32 +46,25 @@ per-peer backlog holding a view of the caller's data (``detach`` and
 ``release`` copy the unsent rest), pushed whenever an ack makes room: in any
 later call, while ``recv`` waits, and after ``release`` by a flusher thread
 (started on demand, gone when the backlog is empty) so that the end of an
-operation is delivered while the caller computes.
+operation is delivered while the caller computes; ``close`` delivers what is
+left (for ``linger`` seconds at most) before it closes.
 
-Connecting. The rendezvous folder ``/dev/shm/pmetal-<hash of the token>``
-(elsewhere than Linux: the temporary folder) is created 0700 and must be
-ours; each rank binds ``<rank>.sock`` in it, dials the lower ranks and
-accepts the higher ones; hellos carry the rank, pid and ring object name and
-a MAC keyed by the token. Once every peer has attached to its rings, a rank
-unlinks its object and socket file, and the last one the folder: a SIGKILL
-after :meth:`ShmLinks.connect` leaves nothing behind. A SIGKILL during it
-leaves a socket file in the private folder and the ring object, which
-:func:`pmetal.shm.sweep` unlinks once its creator is dead.
+Connecting (:mod:`pmetal.collectives.shmrendezvous`): the ranks meet in a
+0700 folder named by a hash of the group's secret token and prove the token
+in their hellos; once every peer has mapped a rank's rings, the rank unlinks
+every name it made, so a SIGKILL after :meth:`ShmLinks.connect` leaves
+nothing behind in ``/dev/shm`` (during it: a socket file in the private
+folder, and the ring object, which :func:`pmetal.shm.sweep` unlinks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 import mmap
-import os
 import select
 import socket
-import stat
 import struct
-import tempfile
 import threading
 import time
 from collections import deque
@@ -81,15 +74,13 @@ from typing import Self
 import numpy as np
 
 from pmetal import shm
+from pmetal.collectives.shmrendezvous import join
 from pmetal.errors import (
     ClosedError,
-    HandshakeError,
     PeerError,
     PMetalTimeoutError,
     PMetalValueError,
     ProtocolError,
-    SecurityError,
-    TransportError,
 )
 
 __all__ = ["ShmLinks"]
@@ -103,9 +94,8 @@ _DTYPE_CODES = {np.dtype(t): c for t, c in (
 _DTYPES = {c: t for t, c in _DTYPE_CODES.items()}
 
 _REC = struct.Struct("<4s4xQIIQQQ")   # kind, op_id, chunk, dtype, nbytes, position, length
-_DATA, _ACK, _READY = b"PMD1", b"PMA1", b"PMR1"
-_HELLO = struct.Struct("<4sIIQQ32s16s")  # magic, rank, world, pid, pid namespace, name, MAC
-_HELLO_MAGIC = b"PMH1"
+_Record = tuple[bytes, int, int, int, int, int, int]
+_DATA, _ACK = b"PMD1", b"PMA1"
 _ALIGN = 64            # piece alignment: any dtype's views, and a cache line
 _SPIN = 50e-6          # non-blocking reads before a receiver sleeps
 _PID_CHECK = 0.5       # how often a sleeper checks the peer's pid
@@ -117,8 +107,8 @@ def _aligned(n: int) -> int:
 
 @dataclass(eq=False)
 class _Pending:
-    """A message (part) not yet in the ring: ``data`` holds its bytes from
-    ``base`` on; ``sent`` of its ``nbytes`` are in the ring already."""
+    """A message not wholly in the ring yet: ``data`` holds its bytes from
+    ``base`` on (a view of the caller's buffer until ``owned``)."""
 
     op_id: int
     chunk: int
@@ -129,49 +119,45 @@ class _Pending:
     sent: int = 0
     owned: bool = False
 
+    def own(self) -> None:
+        if not self.owned:
+            self.data = self.data[self.sent - self.base:].copy()
+            self.base, self.owned = self.sent, True
+
 
 class _Peer:
-    """One peer: its socket, our ring to it (``ring_out``) and its ring to us
-    (``ring_in``), and both directions' positions."""
+    """One peer: its socket, our ring to it and its ring to us, and the
+    positions (monotonic byte counts) of both directions."""
 
     def __init__(self, rank: int, pid: int, sock: socket.socket) -> None:
         self.rank, self.pid, self.sock = rank, pid, sock
-        self.ring_out: np.ndarray = np.empty(0, np.uint8)
-        self.ring_in: np.ndarray = np.empty(0, np.uint8)
+        self.ring_out = self.ring_in = np.empty(0, np.uint8)
         self.in_map: mmap.mmap | None = None
-        # sending: our next free position, and where the peer is done reading
-        self.write = self.acked = 0
+        self.write = self.acked = 0          # our next position; where the peer is done
         self.backlog: deque[_Pending] = deque()
-        self.wbuf = bytearray()
-        # receiving: records read, how far we are done, how far we said so
-        self.rbuf = bytearray()
-        self.inbox: deque[tuple[bytes, int, int, int, int, int, int]] = deque()
-        self.consumed = self.ack_sent = 0
-        self.lent = 0            # end of the piece a returned view shows (0: none)
-        self.stash: dict[int, deque[tuple[int, np.ndarray]]] = {}
-        self.lost = ""           # why the link broke ("" while it works)
+        self.wbuf, self.rbuf = bytearray(), bytearray()
+        self.inbox: deque[_Record] = deque()
+        self.consumed = self.ack_sent = 0    # where we are done; what we told the peer
+        self.lent = 0                        # end of the piece a returned view shows
+        self.stash: dict[int, deque[tuple[int, np.ndarray]]] = {}   # later op_ids'
+        self.lost = ""                       # why the link broke ("" while it works)
         self.pid_checked = 0.0
 
 
 class ShmLinks:
     """One rank's links to the other ranks of its machine (see the module
-    docstring). Made by :meth:`connect`; not thread-safe for callers (one
-    executor at a time), though its own flusher thread shares its state."""
+    docstring). Made by :meth:`connect`; one caller at a time, though its
+    own flusher thread shares its state (under its lock)."""
 
     def __init__(self, rank: int, world: int, peers: dict[int, _Peer], own: mmap.mmap | None,
                  ring_bytes: int) -> None:
         self.rank, self.world = rank, world
-        self._peers = peers
-        self._own = own
-        self._ring = ring_bytes
+        self._peers, self._own, self._ring = peers, own, ring_bytes
         self._piece = ring_bytes // 4 // _ALIGN * _ALIGN
         self._ack_every = ring_bytes // 8
         self._lock = threading.Lock()
-        self._flushing = False
         self._flusher: threading.Thread | None = None
-        self._closed = False
-
-    # ------------------------------------------------------------ connect
+        self._flushing = self._closed = False
 
     @classmethod
     def connect(cls, token: str, rank: int, world: int, *, deadline: float,
@@ -188,61 +174,15 @@ class ShmLinks:
         ring_bytes = max(64 << 10, -(-ring_bytes // page) * page)
         if world == 1:
             return cls(rank, world, {}, None, ring_bytes)
-        if shm._posixshmem is None:
-            raise TransportError("shared-memory links need POSIX shared memory, which this "
-                                 "platform lacks: use the TCP links")
-        key, folder = _rendezvous(token)
-        me = os.path.join(folder, f"{rank}.sock")
-        name, own = _create_rings(ring_bytes * (world - 1))
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        peers: dict[int, _Peer] = {}
-        socks: list[socket.socket] = []
-        try:
-            listener.bind(me)
-            listener.listen(world)
-            # Dial the lower ranks, accept the higher ones; then every hello.
-            socks = [_dial(os.path.join(folder, f"{p}.sock"), deadline) for p in range(rank)]
-            for _ in range(world - 1 - rank):
-                listener.settimeout(max(1e-3, deadline - time.monotonic()))
-                try:
-                    socks.append(listener.accept()[0])
-                except TimeoutError as exc:
-                    raise PMetalTimeoutError(f"rank {rank}: not every higher rank dialed in "
-                                             "before the deadline") from exc
-            hello = _hello(key, rank, world, name)
-            for sock in socks:
-                sock.sendall(hello)
-            for i, sock in enumerate(socks):
-                peer, pid, peer_name = _check_hello(key, world, _read(sock, _HELLO.size, deadline))
-                if peer == rank or peer in peers or (i < rank and peer != i):
-                    raise HandshakeError(f"rank {rank} met a second rank {peer} (or rank {i} "
-                                         f"answered as {peer}): two groups share a token")
-                peers[peer] = _attach(_Peer(peer, pid, sock), peer_name, rank, ring_bytes)
-            ready = _REC.pack(_READY, 0, 0, 0, 0, 0, 0)
-            for p in peers.values():
-                p.sock.sendall(ready)
-            for p in peers.values():
-                if _REC.unpack(_read(p.sock, _REC.size, deadline))[0] != _READY:
-                    raise ProtocolError(f"rank {p.rank} sent something else than READY")
-        except BaseException:
-            for sock in socks:
-                sock.close()
-            own.close()
-            raise
-        finally:
-            # Every peer mapped our rings (or never will): nothing to find by name.
-            shm.unlink(name)
-            listener.close()
-            with contextlib.suppress(OSError):
-                os.unlink(me)
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)   # the last rank out removes it
-        links = cls(rank, world, peers, own, ring_bytes)
-        for p in peers.values():
-            p.sock.setblocking(False)
-            index = p.rank if p.rank < rank else p.rank - 1
-            p.ring_out = np.frombuffer(own, np.uint8, ring_bytes, index * ring_bytes)
-        return links
+        own, members = join(token, rank, world, ring_bytes, deadline)
+        peers = {}
+        for m in members:
+            peer = peers[m.rank] = _Peer(m.rank, m.pid, m.sock)
+            m.sock.setblocking(False)
+            peer.in_map, peer.ring_in = m.ring, np.frombuffer(m.ring, np.uint8)
+            index = m.rank if m.rank < rank else m.rank - 1
+            peer.ring_out = np.frombuffer(own, np.uint8, ring_bytes, index * ring_bytes)
+        return cls(rank, world, peers, own, ring_bytes)
 
     # ------------------------------------------------------------ sending
 
@@ -271,7 +211,7 @@ class ShmLinks:
                 self._service(peer)
                 for item in peer.backlog:
                     if item.op_id == op_id and item.chunk == chunk:
-                        _own(item)
+                        item.own()
 
     def release(self, op_id: int) -> None:
         """``op_id`` is over: no backlog keeps a view of the caller's data
@@ -287,21 +227,25 @@ class ShmLinks:
                     self._ack(peer)
                 for item in peer.backlog:
                     if item.op_id == op_id:
-                        _own(item)
-            if not self._flushing and any(p.backlog or p.wbuf for p in self._peers.values()):
+                        item.own()
+            if not self._flushing and self._busy():
                 self._flushing = True
                 self._flusher = threading.Thread(target=self._flush_loop, daemon=True,
                                                  name=f"pmetal-shmlinks-{self.rank}")
                 self._flusher.start()
 
     def _push(self, peer: _Peer) -> None:
-        """Copy backlog into the ring while it has room; tell the peer piece by piece."""
+        """Copy backlog into the ring while it has room, telling the peer
+        piece by piece (so it reads the first while we copy the next)."""
         while peer.backlog and not peer.lost:
             item = peer.backlog[0]
             n = min(item.nbytes - item.sent, self._piece)
-            start = self._alloc(peer, n)
-            if start is None:
-                return
+            # The piece's place: contiguous, so the tail of the ring may be skipped.
+            size, at = _aligned(n), peer.write % self._ring
+            start = peer.write + (self._ring - at if at + size > self._ring else 0)
+            if start + size - peer.acked > self._ring:
+                return   # no room until the peer acks
+            peer.write = start + size
             if n:
                 at, src = start % self._ring, item.sent - item.base
                 peer.ring_out[at:at + n] = item.data[src:src + n]
@@ -311,17 +255,6 @@ class ShmLinks:
             item.sent += n
             if item.sent == item.nbytes:
                 peer.backlog.popleft()
-
-    def _alloc(self, peer: _Peer, n: int) -> int | None:
-        """The ring position for a piece of ``n`` bytes, or None while the
-        peer has not made room for it. A piece never wraps around."""
-        size, at = _aligned(n), peer.write % self._ring
-        skip = self._ring - at if at + size > self._ring else 0
-        if peer.write + skip + size - peer.acked > self._ring:
-            return None
-        start = peer.write + skip
-        peer.write = start + size
-        return start
 
     def _flush(self, peer: _Peer) -> None:
         while peer.wbuf and not peer.lost:
@@ -372,9 +305,8 @@ class ShmLinks:
                     return record[2], self._take(peer, record, deadline, out, keep=True,
                                                  lend=True)
 
-    def _take(self, peer: _Peer, first: tuple[bytes, int, int, int, int, int, int],
-              deadline: float, out: np.ndarray | None, *, keep: bool,
-              lend: bool = False) -> np.ndarray:
+    def _take(self, peer: _Peer, first: _Record, deadline: float, out: np.ndarray | None,
+              *, keep: bool, lend: bool = False) -> np.ndarray:
         """Read the message whose first piece is ``first``, into ``out``
         when it fits; ``keep=False`` only frees its pieces."""
         _, op_id, chunk, code, nbytes, start, length = first
@@ -419,7 +351,7 @@ class ShmLinks:
             self._consume(peer, peer.lent)
             peer.lent = 0
 
-    def _next(self, peer: _Peer, deadline: float) -> tuple[bytes, int, int, int, int, int, int]:
+    def _next(self, peer: _Peer, deadline: float) -> _Record:
         """The next data record from ``peer``: spin, then sleep in poll()."""
         spin_until = 0.0
         while True:
@@ -497,16 +429,16 @@ class ShmLinks:
         for fd, _ in events:
             self._service(fds[fd])
 
+    def _busy(self) -> list[_Peer]:
+        return [p for p in self._peers.values() if (p.backlog or p.wbuf) and not p.lost]
+
     def _flush_loop(self) -> None:
         """The flusher thread: deliver backlog left at the end of an
         operation; exits when there is none (or the links close)."""
         with self._lock:
-            while True:
-                busy = [p for p in self._peers.values() if (p.backlog or p.wbuf) and not p.lost]
-                if self._closed or not busy:
-                    self._flushing = False
-                    return
+            while (busy := self._busy()) and not self._closed:
                 self._sleep(busy, time.monotonic() + _PID_CHECK)
+            self._flushing = False
 
     def _lose(self, peer: _Peer, why: str) -> None:
         if not peer.lost:
@@ -531,10 +463,7 @@ class ShmLinks:
             if self._closed:
                 return
             end = time.monotonic() + linger
-            while time.monotonic() < end:
-                busy = [p for p in self._peers.values() if (p.backlog or p.wbuf) and not p.lost]
-                if not busy:
-                    break
+            while (busy := self._busy()) and time.monotonic() < end:
                 self._sleep(busy, end)
             self._closed = True
             flusher = self._flusher
@@ -570,135 +499,12 @@ class ShmLinks:
 
 # ------------------------------------------------------------------ helpers
 
-def _own(item: _Pending) -> None:
-    """Copy the unsent rest of ``item`` so it no longer views the caller's buffer."""
-    if not item.owned:
-        item.data = item.data[item.sent - item.base:].copy()
-        item.base, item.owned = item.sent, True
-
-
 def _fits(out: np.ndarray | None, dtype: np.dtype, count: int) -> bool:
     return (out is not None and out.dtype == dtype and out.size == count
             and out.flags.c_contiguous and out.flags.writeable)
 
 
-def _read(sock: socket.socket, n: int, deadline: float) -> bytes:
-    data = b""
-    while len(data) < n:
-        sock.settimeout(max(1e-3, deadline - time.monotonic()))
-        try:
-            got = sock.recv(n - len(data))
-        except TimeoutError as exc:
-            raise PMetalTimeoutError("the shared-memory links timed out waiting for a "
-                                     "peer's handshake") from exc
-        if not got:
-            raise PeerError("a peer closed its shared-memory link while connecting")
-        data += got
-    return data
-
-
-def _folder(token: str) -> tuple[bytes, str]:
-    """The group's key and rendezvous folder: in /dev/shm where there is one
-    (the ranks share it by definition), named by a hash of the token."""
-    key = hashlib.blake2b(token.encode(), person=b"pm-shmlinks").digest()
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return key, os.path.join(base, "pmetal-" + hashlib.blake2b(
-        key, digest_size=12, person=b"pm-shml-dir").hexdigest())
-
-
-def _rendezvous(token: str) -> tuple[bytes, str]:
-    """:func:`_folder`, made 0700 here or by another rank; refused unless it
-    is a folder we own that nobody else may enter (the name is secret, but a
-    folder another user made first must not be used)."""
-    key, folder = _folder(token)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(folder, 0o700)
-    info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise SecurityError(f"{folder} is not a private folder of this user: another user "
-                            "may be interfering; use a fresh group token")
-    return key, folder
-
-
-def _dial(path: str, deadline: float) -> socket.socket:
-    """Connect to a lower rank's socket, waiting (with growing pauses) for
-    that rank to bind it."""
-    pause = 0.001
-    while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            sock.connect(path)
-            return sock
-        except (FileNotFoundError, ConnectionRefusedError) as exc:
-            sock.close()
-            if time.monotonic() + pause > deadline:
-                raise PMetalTimeoutError(f"no rank listened at {path} before the deadline") \
-                    from exc
-            time.sleep(pause)
-            pause = min(2 * pause, 0.05)
-
-
-def _mac(key: bytes, body: bytes) -> bytes:
-    return hashlib.blake2b(body, key=key, digest_size=16, person=b"pm-shml-hello").digest()
-
-
-def _hello(key: bytes, rank: int, world: int, name: str) -> bytes:
-    body = _HELLO.pack(_HELLO_MAGIC, rank, world, os.getpid(), shm._pid_namespace(),
-                       name.encode(), b"")
-    return body[:-16] + _mac(key, body[:-16])
-
-
-def _check_hello(key: bytes, world: int, blob: bytes) -> tuple[int, int, str]:
-    magic, rank, their_world, pid, pid_ns, name, mac = _HELLO.unpack(blob)
-    if magic != _HELLO_MAGIC or not hmac.compare_digest(mac, _mac(key, blob[:-16])):
-        raise HandshakeError("a process in the rendezvous folder does not hold the group's "
-                             "token: stale or foreign; use a fresh group token")
-    if their_world != world or not 0 <= rank < world:
-        raise HandshakeError(f"a peer joined as rank {rank} of {their_world}, this rank "
-                             f"expects a world of {world}")
-    same_ns = pid_ns == shm._pid_namespace() and pid_ns
-    return rank, pid if same_ns else 0, name.rstrip(b"\0").decode()
-
-
-def _create_rings(size: int) -> tuple[str, mmap.mmap]:
-    """A new 0600 object of ``size`` bytes, mapped read-write, its pages
-    touched now rather than on the first pass of each ring."""
-    assert shm._posixshmem is not None
-    name = shm._new_name(0)
-    fd = shm._posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        return name, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    except BaseException:
-        shm.unlink(name)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _attach(peer: _Peer, name: str, rank: int, ring_bytes: int) -> _Peer:
-    """Map, read-only, the ring ``peer`` keeps for ``rank`` in its object."""
-    assert shm._posixshmem is not None
-    if not shm._valid_name(name):
-        raise HandshakeError(f"rank {peer.rank} named a bad shared-memory object {name!r}")
-    fd = shm._posixshmem.shm_open(name, os.O_RDONLY, 0o600)
-    try:
-        info = os.fstat(fd)
-        index = rank if rank < peer.rank else rank - 1
-        if info.st_uid != os.getuid() or info.st_size < (index + 1) * ring_bytes:
-            raise HandshakeError(f"the rings of rank {peer.rank} ({name}) are not this user's "
-                                 "or too small: every rank must use the same ring_bytes")
-        peer.in_map = mmap.mmap(fd, ring_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
-                                offset=index * ring_bytes)
-    finally:
-        os.close(fd)
-    peer.ring_in = np.frombuffer(peer.in_map, np.uint8)
-    return peer
-
-
 def _close_map(mapping: mmap.mmap | None) -> None:
     if mapping is not None:
-        try:
+        with contextlib.suppress(BufferError):   # a caller's view keeps it alive
             mapping.close()
-        except BufferError:
-            pass   # a caller still holds a view: the mapping goes with it

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from pmetal import shm
-from pmetal.collectives import shmlinks
+from pmetal.collectives import shmrendezvous
 from pmetal.collectives.shmlinks import ShmLinks
 from pmetal.errors import PeerError
 from tests.actors.conftest import read_line, wait_until
@@ -106,7 +106,7 @@ def leftovers(token: str, pids: tuple[int, ...]) -> list[str]:
     """What this group left in /dev/shm: ring objects of ``pids`` and the
     rendezvous folder."""
     found = shm.objects(creators=pids)
-    folder = shmlinks._folder(token)[1]
+    folder = shmrendezvous._folder(token)[1]
     if os.path.exists(folder):
         found.append(folder + "/" + ",".join(os.listdir(folder)))
     return found
@@ -116,7 +116,7 @@ def leftovers(token: str, pids: tuple[int, ...]) -> list[str]:
 def token() -> Iterator[str]:
     value = os.urandom(16).hex()
     yield value
-    folder = shmlinks._folder(value)[1]
+    folder = shmrendezvous._folder(value)[1]
     if os.path.isdir(folder):   # only after a failure or the SIGKILL-in-connect test
         for entry in os.listdir(folder):
             os.unlink(os.path.join(folder, entry))
@@ -285,7 +285,7 @@ def test_a_stopped_peer_times_out_at_the_deadline(token: str) -> None:
 def test_a_peer_killed_while_connecting_leaves_only_what_sweep_and_the_folder_hold(
         token: str) -> None:
     proc = child("echo", token, 1, 2)     # rank 0 never comes
-    folder = shmlinks._folder(token)[1]
+    folder = shmrendezvous._folder(token)[1]
     wait_until(lambda: (os.path.exists(os.path.join(folder, "1.sock"))
                         and shm.objects(creators=(proc.pid,))), WAIT, what="rank 1 waiting")
     proc.kill()
