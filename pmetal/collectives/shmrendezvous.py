@@ -12,7 +12,7 @@ Each rank binds ``<rank>.sock`` in it, dials the lower ranks (waiting for
 them to bind, with growing pauses up to 50 ms) and accepts the higher ones.
 
 Hello (both ways on every socket, :data:`_HELLO`): magic ``PMH1``, rank,
-world, pid, pid namespace, the ring object's name, and a 16-byte BLAKE2b MAC
+world, ring size, pid, pid namespace, the ring object's name, and a 16-byte BLAKE2b MAC
 keyed by the token, so that a stale or foreign process in the folder is
 refused. Each side then maps the ring the other keeps for it (read-only,
 after checking the object is this user's and large enough) and answers
@@ -48,7 +48,8 @@ from pmetal.errors import (
 
 __all__ = ["Member", "join"]
 
-_HELLO = struct.Struct("<4sIIQQ32s16s")  # magic, rank, world, pid, pid namespace, name, MAC
+# magic, rank, world, ring bytes, pid, pid namespace, ring object name, MAC
+_HELLO = struct.Struct("<4sIIQQQ32s16s")
 _HELLO_MAGIC, _READY = b"PMH1", b"PMR1"
 
 
@@ -93,11 +94,11 @@ def join(token: str, rank: int, world: int, ring_bytes: int,
             except TimeoutError as exc:
                 raise PMetalTimeoutError(f"rank {rank}: not every higher rank dialed in "
                                          "before the deadline") from exc
-        hello = _hello(key, rank, world, name)
+        hello = _hello(key, rank, world, ring_bytes, name)
         for sock in socks:
             sock.sendall(hello)
         for i, sock in enumerate(socks):
-            peer, pid, peer_name = _check_hello(key, world, _read(sock, _HELLO.size, deadline))
+            peer, pid, peer_name = _check_hello(key, world, ring_bytes, _read(sock, _HELLO.size, deadline))
             if peer == rank or peer in members or (i < rank and peer != i):
                 raise HandshakeError(f"rank {rank} met a second rank {peer} (or rank {i} "
                                      f"answered as {peer}): two groups share a token")
@@ -185,20 +186,23 @@ def _mac(key: bytes, body: bytes) -> bytes:
     return hashlib.blake2b(body, key=key, digest_size=16, person=b"pm-shml-hello").digest()
 
 
-def _hello(key: bytes, rank: int, world: int, name: str) -> bytes:
-    body = _HELLO.pack(_HELLO_MAGIC, rank, world, os.getpid(), shm._pid_namespace(),
-                       name.encode(), b"")[:-16]
+def _hello(key: bytes, rank: int, world: int, ring_bytes: int, name: str) -> bytes:
+    body = _HELLO.pack(_HELLO_MAGIC, rank, world, ring_bytes, os.getpid(),
+                       shm._pid_namespace(), name.encode(), b"")[:-16]
     return body + _mac(key, body)
 
 
-def _check_hello(key: bytes, world: int, blob: bytes) -> tuple[int, int, str]:
-    magic, rank, their_world, pid, pid_ns, name, mac = _HELLO.unpack(blob)
+def _check_hello(key: bytes, world: int, ring_bytes: int, blob: bytes) -> tuple[int, int, str]:
+    magic, rank, their_world, their_ring, pid, pid_ns, name, mac = _HELLO.unpack(blob)
     if magic != _HELLO_MAGIC or not hmac.compare_digest(mac, _mac(key, blob[:-16])):
         raise HandshakeError("a process in the rendezvous folder does not hold the group's "
                              "token: stale or foreign; use a fresh group token")
     if their_world != world or not 0 <= rank < world:
         raise HandshakeError(f"a peer joined as rank {rank} of {their_world}, this rank "
                              f"expects a world of {world}")
+    if their_ring != ring_bytes:
+        raise HandshakeError(f"rank {rank} has rings of {their_ring} bytes, this rank of "
+                             f"{ring_bytes}: every rank must pass the same ring_bytes")
     same_ns = pid_ns == shm._pid_namespace() and pid_ns
     return rank, pid if same_ns else 0, name.rstrip(b"\0").decode()
 
@@ -230,7 +234,7 @@ def _attach(peer: int, name: str, rank: int, ring_bytes: int) -> mmap.mmap:
         index = rank if rank < peer else rank - 1
         if info.st_uid != os.getuid() or info.st_size < (index + 1) * ring_bytes:
             raise HandshakeError(f"the rings of rank {peer} ({name}) are not this user's "
-                                 "or too small: every rank must use the same ring_bytes")
+                                 "or smaller than it said")
         return mmap.mmap(fd, ring_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ,
                          offset=index * ring_bytes)
     finally:

@@ -21,7 +21,7 @@ import pytest
 from pmetal import shm
 from pmetal.collectives import shmrendezvous
 from pmetal.collectives.shmlinks import ShmLinks
-from pmetal.errors import PeerError
+from pmetal.errors import HandshakeError, PeerError
 from tests.actors.conftest import read_line, wait_until
 
 pytestmark = pytest.mark.skipif(not shm.available() or not os.path.isdir("/dev/shm"),
@@ -302,6 +302,15 @@ def test_connect_times_out_without_peers(token: str) -> None:
         ShmLinks.connect(token, 1, 2, deadline=start + 0.3, ring_bytes=RING)
     assert time.monotonic() - start < 5.0
     assert leftovers(token, (os.getpid(),)) == []
+
+
+def test_ranks_with_different_rings_refuse_each_other(token: str) -> None:
+    proc = child("echo", token, 1, 2)
+    with pytest.raises(HandshakeError, match="ring_bytes"):
+        ShmLinks.connect(token, 0, 2, deadline=time.monotonic() + WAIT, ring_bytes=2 * RING)
+    proc.communicate(timeout=WAIT)
+    assert proc.returncode != 0
+    assert leftovers(token, (os.getpid(), proc.pid)) == []
 
 
 def test_a_world_of_one_needs_nothing(token: str) -> None:
