@@ -279,7 +279,8 @@ class ShmLinks:
         """The next message of ``op_id`` from ``from_rank`` as ``(chunk,
         data)``: ``out`` filled when it fits (contiguous, same dtype and
         length), else a read-only view of the ring valid until the next
-        call (or a fresh array for a message that came in pieces)."""
+        ``recv`` or ``release`` (or a fresh array for a message that came
+        in pieces)."""
         peer = self._peer(from_rank)
         with self._lock:
             self._check_open()
