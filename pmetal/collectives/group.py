@@ -212,7 +212,7 @@ class Group:
         if close is not None:
             # After a failure the peers that would read the queued bytes are
             # dead or stalled: waiting for them to drain would only delay.
-            close(timeout=0.0 if self._failed else 10.0)
+            close(0.0 if self._failed else 10.0)
         if self._on_close is not None:
             self._on_close()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import hashlib
 import ipaddress
 import logging
 import os
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from pmetal.collectives import tcplinks
+from pmetal.collectives.executor import RankLinks
 from pmetal.collectives.group import Group, Schedule
 from pmetal.collectives.ops import ReduceOp
 from pmetal.config import CollectiveConfig, ConfigError, load_config
@@ -144,15 +146,33 @@ class RingBackend(DistributedBackend):
         schedule = Schedule.from_config(config.name, config.world_size, collectives)
         fingerprint = ",".join(config.nodes) + repr(schedule)
         tag = tcplinks.group_tag(fingerprint, schedule.term, schedule.epoch)
-        host, port = config.addresses[config.rank]
-        listener = tcplinks.listen(host, port)
-        try:
-            links = tcplinks.connect_mesh(config.rank, config.addresses, listener,
-                                          key=self._key(), tag=tag, epoch=schedule.epoch,
-                                          deadline=time.monotonic() + timeout)
-        finally:
-            listener.close()
+        deadline = time.monotonic() + timeout
+        key = self._key()
+        if self.same_machine:
+            # Every rank is on this machine: shared-memory rings, as MPI
+            # does. The token (the rendezvous's secret) is bound to the
+            # group's tag, so ranks of another formation never meet.
+            from pmetal.collectives.shmlinks import ShmLinks
+            token = hashlib.blake2b(tag, key=key, digest_size=16).hexdigest()
+            links: RankLinks = ShmLinks.connect(token, config.rank, config.world_size,
+                                                deadline=deadline)
+        else:
+            host, port = config.addresses[config.rank]
+            listener = tcplinks.listen(host, port)
+            try:
+                links = tcplinks.connect_mesh(config.rank, config.addresses, listener,
+                                              key=key, tag=tag, epoch=schedule.epoch,
+                                              deadline=deadline)
+            finally:
+                listener.close()
         return Group(schedule, config.rank, links, timeout=collectives.timeout)
+
+    @property
+    def same_machine(self) -> bool:
+        """Whether the ranks exchange through shared memory: every node is
+        on loopback (so on this machine) and ``shared_memory`` is on."""
+        return (self.collectives.shared_memory and self.config.world_size > 1
+                and all(_is_loopback(h) for h, _ in self.config.addresses))
 
 
 class DistributedContext:
