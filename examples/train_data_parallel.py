@@ -38,6 +38,7 @@ one machine-readable line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,7 @@ from pmetal.collectives import (
     GradientCompressor,
     ReduceOp,
     all_reduce_compressed,
+    all_reduce_compressed_many,
     traffic,
 )
 
@@ -143,6 +145,15 @@ class NumpyModel:
             grads["b_hidden"] = d_hidden.sum(axis=0)
         return float(loss), np.concatenate([grads[k].reshape(-1) for k in p]).astype(np.float32)
 
+    def layers(self, flat):
+        """The bucket's per-layer views, named and shaped like the weights."""
+        bounds = np.cumsum([0] + [v.size for v in self.params.values()])
+        return {name: flat[lo:hi].reshape(value.shape) for (name, value), lo, hi
+                in zip(self.params.items(), bounds[:-1], bounds[1:], strict=True)}
+
+    def bucket(self, layers):
+        return np.concatenate([layer.reshape(-1) for layer in layers.values()])
+
     def step(self, flat_gradient, learning_rate):
         offset = 0
         for value in self.params.values():
@@ -173,6 +184,11 @@ class MlxModel:
         flat = self.mx.concatenate([grads[k].reshape(-1) for k in self.params])
         return loss.item(), flat   # an MLX array: the collectives take it as it is
 
+    layers = NumpyModel.layers
+
+    def bucket(self, layers):
+        return self.mx.concatenate([layer.reshape(-1) for layer in layers.values()])
+
     def step(self, flat_gradient, learning_rate):
         offset = 0
         for name, value in self.params.items():
@@ -200,10 +216,15 @@ def train(args, ctx):
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         loss, gradient = model.loss_and_gradients()
+        gradient_bytes += gradient.nbytes
         before = traffic(ctx.group).bytes_sent
         if strategy is CompressionStrategy.NONE:
             gradient = ctx.all_reduce_blocking(gradient, ReduceOp.MEAN)
-            gradient_bytes += gradient.nbytes
+        elif strategy is CompressionStrategy.POWERSGD:
+            # PowerSGD compresses matrices: one tensor per layer, not the bucket.
+            layers = all_reduce_compressed_many(ctx.group, model.layers(gradient), compressor,
+                                                ReduceOp.MEAN)
+            gradient = model.bucket(layers)
         else:
             gradient = all_reduce_compressed(ctx.group, gradient, compressor, ReduceOp.MEAN,
                                              name="gradients")
@@ -216,23 +237,22 @@ def train(args, ctx):
     seconds = time.perf_counter() - started
 
     final_loss = global_mean(model.loss_and_gradients()[0])
-    if strategy is not CompressionStrategy.NONE:
-        stats = compressor.statistics()
-        raw_bytes, gradient_bytes = stats.bytes_in, stats.bytes_out
-    else:
-        raw_bytes = gradient_bytes
-    totals = ctx.all_reduce_blocking(np.array([raw_bytes, gradient_bytes, wire_bytes], np.int64))
+    stats = compressor.statistics()   # what the compressor took in and put out
+    if strategy is CompressionStrategy.NONE:
+        stats = dataclasses.replace(stats, bytes_in=gradient_bytes, bytes_out=gradient_bytes)
+    totals = ctx.all_reduce_blocking(
+        np.array([gradient_bytes, stats.bytes_in, stats.bytes_out, wire_bytes], np.int64))
     summary = {"compression": args.compression, "world": world, "steps": args.steps,
                "backend": args.backend, "model": args.model, "final_loss": final_loss,
-               "gradient_bytes": int(totals[0]), "encoded_bytes": int(totals[1]),
-               "wire_bytes": int(totals[2]), "seconds": round(seconds, 3)}
+               "gradient_bytes": int(totals[0]), "compressor_in": int(totals[1]),
+               "compressor_out": int(totals[2]), "wire_bytes": int(totals[3]),
+               "seconds": round(seconds, 3)}
     if rank == 0:
         print(f"final loss {final_loss:.4f} after {args.steps} steps on {world} ranks "
               f"({args.model}, {args.compression}, {args.backend}, {seconds:.1f} s)")
-        print(f"gradient bytes sent: {summary['wire_bytes']:,} on the links; "
-              f"{summary['gradient_bytes']:,} bytes of gradients encoded in "
-              f"{summary['encoded_bytes']:,} "
-              f"({summary['gradient_bytes'] / summary['encoded_bytes']:.1f}x smaller)")
+        print(f"gradient bytes sent: {summary['wire_bytes']:,} on the links for "
+              f"{summary['gradient_bytes']:,} bytes of gradients (compressed "
+              f"{summary['compressor_in'] / summary['compressor_out']:.1f}x)")
         if args.json:
             print("json " + json.dumps(summary), flush=True)
 

@@ -5,16 +5,33 @@ Each rank compresses its gradients with its own
 included), and the ranks exchange what the compressor produced, never a
 sum of encoded bytes:
 
-- **Element-wise strategies** (TopK, random-k, fp16, bf16, int8, 1-bit):
-  every rank packs its :class:`~pmetal.collectives.compression.Compressed`
-  tensors into one byte buffer, the ranks all-gather the buffers, and every
-  rank decompresses every rank's tensors and adds them in rank order
-  (:func:`~pmetal.collectives.compression.aggregate`). Every rank adds the
-  same bytes in the same order, so results are bit-identical.
+- **Sparse strategies** (TopK, random-k), and every element-wise strategy
+  with two ranks: every rank packs its
+  :class:`~pmetal.collectives.compression.Compressed` tensors into one byte
+  buffer, the ranks all-gather the buffers, and every rank decompresses
+  every rank's tensors and adds them in rank order
+  (:func:`~pmetal.collectives.compression.aggregate`). Sparse gradients of
+  different ranks do not sum to a sparse one, so there is nothing better
+  to do with them: each rank receives the ``world - 1`` others' pairs.
+- **Quantizers** (fp16, bf16, int8, 1-bit) with three ranks or more,
+  block-wise, as 1-bit Adam and DoubleSqueeze do: every tensor is split
+  into ``world`` blocks (:func:`~pmetal.collectives.ops.chunk_bounds`);
+  each rank compresses block ``j`` for rank ``j`` (residual under
+  ``"name[j/world]"``) and sends it there; rank ``j`` decompresses the
+  blocks it received, adds them in rank order, compresses the sum again
+  with its own residual (``"name[j/world]:reduced"``), and the ranks
+  all-gather the reduced blocks. Each rank sends about
+  ``2 (world - 1) / world`` compressed gradients, as a ring all-reduce of
+  the dense one sends ``2 (world - 1) / world`` dense ones: the wire saves
+  the compressor's full ratio at any world size (an all-gather would save
+  ``2 / world`` of it).
 - **PowerSGD**: two all-reduces (SUM) of the dense factors P and Q per
   matrix (Vogels et al. 2019); tensors it cannot shrink go through a plain
   all-reduce.
 - **NONE**: a plain all-reduce.
+
+Every rank ends with the decompression of the same all-gathered bytes, so
+results are bit-identical.
 
 Before the data, the ranks all-gather two int64 per rank: the size of the
 buffer they are about to send and a fingerprint of the compression
@@ -22,16 +39,20 @@ configuration and of the tensors' names, shapes and dtypes. What a
 compressor emits is a function of those alone (TopK always keeps
 ``ceil(ratio * n)`` pairs, 1-bit one bit per element and one scale per
 chunk), so ranks that agree send buffers of one size and one layout, and
-each rank reads the others' buffers with its own layout. Ranks that
+each rank reads the others' buffers with its own layout (a reduced
+block with the layout of its own compression of that block). Ranks that
 disagree (a rank started with another ``--compression``, or another model)
 all raise the same :class:`~pmetal.errors.CollectiveError` at once instead
 of exchanging mismatched bytes.
 
-What travels per rank and call, beyond the links' 28-byte message headers:
-the 16 bytes of size and fingerprint, and the compressed arrays (values,
-indices, scales, PowerSGD factors) exactly as ``Compressed.nbytes`` counts
-them. The compressor's :meth:`~GradientCompressor.statistics` accumulate
-the bytes before and after compression; :func:`traffic` reads the bytes a
+What travels, beyond the links' 28-byte message headers: the 16 bytes of
+size and fingerprint from each rank to each other rank, and the compressed
+arrays (values, indices, scales, PowerSGD factors) exactly as
+``Compressed.nbytes`` counts them, each time they cross a link (reduced
+blocks padded to the largest block's size, a few bytes). The compressor's
+:meth:`~GradientCompressor.statistics` accumulate the bytes before and
+after compression (block-wise, both compressions: what a rank keeps for
+itself and the reduced block too); :func:`traffic` reads the bytes a
 group's links sent and received.
 
 The array data is unauthenticated like every collective's (docs/security.md);
@@ -53,9 +74,10 @@ from pmetal.collectives.compression import (
     CompressionStrategy,
     GradientCompressor,
     aggregate,
+    decompress,
 )
 from pmetal.collectives.group import Group, _as_array, _op
-from pmetal.collectives.ops import ReduceOp
+from pmetal.collectives.ops import ReduceOp, chunk_bounds
 from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
 
 __all__ = ["LinkTraffic", "all_reduce_compressed", "all_reduce_compressed_many", "traffic"]
@@ -96,8 +118,8 @@ def all_reduce_compressed_many(group: Group, tensors: Mapping[str, Any],
                                op: ReduceOp | str = ReduceOp.SUM, *,
                                timeout: float | None = None) -> dict[str, Any]:
     """:func:`all_reduce_compressed` of several named tensors (a model's
-    gradients) in one exchange: one all-gather of every tensor's compressed
-    arrays instead of one per tensor. Returns ``{name: result}`` in the
+    gradients) in one exchange: every tensor's compressed arrays travel in
+    one buffer per message instead of one message per tensor. Returns ``{name: result}`` in the
     order given; numpy arrays are also reduced in place."""
     if not isinstance(compressor, GradientCompressor):
         raise PMetalTypeError(f"all_reduce_compressed needs a GradientCompressor, not "
@@ -118,25 +140,32 @@ def all_reduce_compressed_many(group: Group, tensors: Mapping[str, Any],
                 for n, (a, _) in arrays.items()}
     elif strategy is CompressionStrategy.NONE:
         plan = dict.fromkeys(arrays, "dense")
+    elif strategy.quantization is not None and group.size > 2:
+        plan = dict.fromkeys(arrays, "scatter")
     else:
         plan = dict.fromkeys(arrays, "gather")
 
     # Compress first: a gradient the compressor refuses (NaN, a dtype it
     # does not take) fails on this rank before any byte leaves it.
-    sent: dict[str, Compressed] = {}
+    sent = {n: compressor.compress(n, a) for n, (a, _) in arrays.items() if plan[n] == "gather"}
+    pieces: list[dict[str, Compressed]] = [{} for _ in range(group.size)]
     for name, (array, _) in arrays.items():
-        if plan[name] == "gather":
-            sent[name] = compressor.compress(name, array)
-    payload = _pack(list(sent.values()))
-    _agree(group, payload.size, _fingerprint(compressor, reduce_op, arrays, plan), timeout)
+        if plan[name] == "scatter":
+            flat = array.reshape(-1)
+            for j, (lo, hi) in enumerate(chunk_bounds(flat.size, group.size)):
+                pieces[j][name] = compressor.compress(f"{name}[{j}/{group.size}]", flat[lo:hi])
+    nbytes = sum(c.nbytes for part in (sent, *pieces) for c in part.values())
+    _agree(group, nbytes, _fingerprint(compressor, reduce_op, arrays, plan), timeout)
 
     results: dict[str, np.ndarray] = {}
     if sent:
-        gathered = group.all_gather(payload, timeout=timeout)
+        gathered = group.all_gather(_pack(list(sent.values())), timeout=timeout)
         parts = [_unpack(gathered[r], sent) for r in range(group.size)]
         for name in sent:
             results[name] = aggregate([p[name] for p in parts],
                                       average=reduce_op is ReduceOp.MEAN)
+    if pieces[0]:
+        results.update(_scatter_gather(group, compressor, pieces, reduce_op, timeout))
     for name, (array, _) in arrays.items():
         if plan[name] == "powersgd":
             results[name] = _powersgd(group, compressor, name, array, reduce_op, timeout)
@@ -147,6 +176,44 @@ def all_reduce_compressed_many(group: Group, tensors: Mapping[str, Any],
             group.all_reduce(values, reduce_op, timeout=timeout)
             results[name] = values.reshape(array.shape)
     return {name: _deliver(tensors[name], arrays[name], results[name]) for name in arrays}
+
+
+def _scatter_gather(group: Group, compressor: GradientCompressor,
+                    pieces: list[dict[str, Compressed]], op: ReduceOp,
+                    timeout: float | None) -> dict[str, np.ndarray]:
+    """Three ranks or more: rank j reduces block j of every tensor, then
+    the reduced blocks, compressed again, are all-gathered (see the module
+    docstring). ``pieces[j]``: this rank's compressed block j per tensor."""
+    world, me = group.size, group.rank
+    for j in range(world):
+        if j != me:
+            group.send(_pack(list(pieces[j].values())), j, timeout=timeout)
+    mine = pieces[me]
+    contributions = []
+    for i in range(world):
+        if i == me:
+            contributions.append(mine)
+            continue
+        buffer = np.empty(sum(c.nbytes for c in mine.values()), np.uint8)
+        group.recv(buffer, i, timeout=timeout)
+        contributions.append(_unpack(buffer, mine))
+    # This rank's block, summed in rank order, is compressed once more with
+    # its own error feedback (the name's ":reduced" residual).
+    reduced = [compressor.compress(f"{block.name}:reduced",
+                                   aggregate([c[name] for c in contributions],
+                                             average=op is ReduceOp.MEAN))
+               for name, block in mine.items()]
+    # Blocks differ in size by at most one element, so their compressed
+    # forms may differ by a few bytes: pad to the largest. Every rank knows
+    # each block's layout from its own compression of that block.
+    width = max(sum(c.nbytes for c in piece.values()) for piece in pieces)
+    payload = np.zeros(width, np.uint8)
+    packed = _pack(reduced)
+    payload[:packed.size] = packed
+    gathered = group.all_gather(payload, timeout=timeout)
+    blocks = [_unpack(gathered[j], pieces[j]) for j in range(world)]
+    return {name: np.concatenate([decompress(b[name]).reshape(-1) for b in blocks])
+            for name in mine}
 
 
 def _powersgd(group: Group, compressor: GradientCompressor, name: str, array: np.ndarray,

@@ -22,6 +22,8 @@ from pmetal.collectives import (
     aggregate,
     all_reduce_compressed,
     all_reduce_compressed_many,
+    chunk_bounds,
+    decompress,
     traffic,
 )
 from pmetal.collectives.group import Group
@@ -98,16 +100,42 @@ def test_every_rank_gets_the_sum_of_decompressed_gradients_bit_for_bit(
         return out
 
     results = run_world(world, body)
-    # The same compressors, the same gradients, summed in one process.
-    reference = [GradientCompressor(config(strategy)) for _ in range(world)]
+    expected = reference(strategy, world, steps)
     for step in range(steps):
         for name in ("w", "b", "empty"):
-            expected = aggregate([reference[r].compress(name, gradients(r, step)[name])
-                                  for r in range(world)])
             for rank in range(world):
                 got = results[rank][step][name]
-                assert got.dtype == np.float32 and got.shape == expected.shape
-                assert np.array_equal(got, expected), (strategy, world, rank, step, name)
+                want = expected[step][name]
+                assert got.dtype == np.float32 and got.shape == want.shape
+                assert np.array_equal(got, want), (strategy, world, rank, step, name)
+
+
+def reference(strategy: CompressionStrategy, world: int,
+              steps: int) -> list[dict[str, np.ndarray]]:
+    """The same compressors and gradients, reduced in one process: sparse
+    strategies (and any strategy with 2 ranks) all-gathered and summed;
+    quantizers with 3 ranks or more reduced block-wise, rank j summing
+    block j and compressing it again under ``name[j/world]:reduced``."""
+    compressors = [GradientCompressor(config(strategy)) for _ in range(world)]
+    out = []
+    for step in range(steps):
+        sums = {}
+        for name in ("w", "b", "empty"):
+            grads = [gradients(r, step)[name] for r in range(world)]
+            if strategy.quantization is None or world <= 2:
+                sums[name] = aggregate([compressors[r].compress(name, grads[r])
+                                        for r in range(world)])
+                continue
+            blocks = []
+            for j, (lo, hi) in enumerate(chunk_bounds(grads[0].size, world)):
+                label = f"{name}[{j}/{world}]"
+                pieces = [compressors[r].compress(label, grads[r].reshape(-1)[lo:hi])
+                          for r in range(world)]
+                reduced = compressors[j].compress(f"{label}:reduced", aggregate(pieces))
+                blocks.append(decompress(reduced))
+            sums[name] = np.concatenate(blocks).reshape(grads[0].shape)
+        out.append(sums)
+    return out
 
 
 def test_error_feedback_delivers_every_gradient_over_the_wire() -> None:
@@ -130,6 +158,56 @@ def test_error_feedback_delivers_every_gradient_over_the_wire() -> None:
         assert np.array_equal(received, results[0][0])
         assert np.allclose(received + held_back, sent, atol=1e-3)
     assert np.abs(held_back).max() > 0.1  # TopK at 5% did hold some back
+
+
+def test_error_feedback_on_both_sides_of_a_block_wise_reduction() -> None:
+    """1-bit with 3 ranks: each rank's blocks keep their residuals, and so
+    does each block's reducer; together they hold back exactly what the
+    ranks did not receive."""
+    world, steps = 3, 40
+
+    def body(group: Group) -> tuple[np.ndarray, list[np.ndarray], np.ndarray]:
+        compressor = GradientCompressor(config(S.ONE_BIT))
+        received = np.zeros(48 * 33, np.float64)
+        for step in range(steps):
+            g = gradients(group.rank, step)["w"]
+            received += all_reduce_compressed(group, g, compressor, name="w").reshape(-1)
+        mine = [compressor.residual(f"w[{j}/{world}]") for j in range(world)]
+        reducer = compressor.residual(f"w[{group.rank}/{world}]:reduced")
+        return received, mine, reducer
+
+    results = run_world(world, body)
+    sent = sum(gradients(r, s)["w"].astype(np.float64).reshape(-1)
+               for r in range(world) for s in range(steps))
+    held_back = np.concatenate([sum(results[r][1][j] for r in range(world)) + results[j][2]
+                                for j in range(world)])
+    for received, _, _ in results:
+        assert np.array_equal(received, results[0][0])
+        assert np.allclose(received + held_back, sent, atol=1e-3)
+    assert np.abs(held_back).max() > 0.1
+
+
+def test_powersgd_error_feedback_keeps_each_ranks_own_approximation() -> None:
+    """Over many steps, the reduced approximations plus every rank's
+    residual add up to every gradient sent: each rank's residual is its
+    matrix minus its own approximation, not minus the group's (which an
+    in-place all-reduce of Q once made it)."""
+    world, steps = 2, 12
+
+    def body(group: Group) -> tuple[np.ndarray, np.ndarray]:
+        compressor = GradientCompressor(CompressionConfig(strategy=S.POWERSGD, rank=2))
+        received = np.zeros((48, 33), np.float64)
+        for step in range(steps):
+            g = gradients(group.rank, step)["w"]
+            received += all_reduce_compressed(group, g, compressor, name="w")
+        return received, compressor.residual("w")
+
+    results = run_world(world, body)
+    sent = sum(gradients(r, s)["w"].astype(np.float64) for r in range(world) for s in range(steps))
+    held_back = sum(r[1] for r in results)
+    for received, _ in results:
+        assert np.array_equal(received, results[0][0])
+        assert np.allclose(received + held_back, sent, atol=1e-3)
 
 
 @pytest.mark.parametrize("strategy", [S.TOPK, S.ONE_BIT, S.NONE, S.POWERSGD],
@@ -189,6 +267,24 @@ def test_links_carry_the_encoded_bytes_and_sixteen_more() -> None:
         # 1250 bytes of signs and 3 float32 scales; 16 bytes of size and fingerprint.
         assert encoded == 1250 + 3 * 4
         assert sent == received == encoded + 16
+
+
+def test_three_ranks_reduce_quantized_blocks_instead_of_gathering_everything() -> None:
+    """1-bit over 3 ranks: each rank sends the 2 blocks it does not reduce
+    and then its reduced block to the 2 others, about 4/3 of one
+    compressed gradient, where an all-gather would send 2."""
+    def body(group: Group) -> int:
+        compressor = GradientCompressor(CompressionConfig(strategy=S.ONE_BIT))
+        g = np.random.default_rng(group.rank).standard_normal(10_000).astype(np.float32)
+        before = traffic(group).bytes_sent
+        all_reduce_compressed(group, g, compressor, name="g")
+        return traffic(group).bytes_sent - before
+
+    # Blocks of 3334, 3333 and 3333 elements: 417 bytes of signs and one
+    # scale each. Every rank's 16 bytes of agreement, its 2 blocks and its
+    # reduced block each reach the 2 other ranks.
+    block = 417 + 4
+    assert sum(run_world(3, body)) == 3 * 2 * (16 + block + block)
 
 
 def test_mlx_arrays_come_back_as_mlx_arrays() -> None:
