@@ -15,7 +15,8 @@ on the whole training set, whatever the number of ranks):
   (``pmetal.collectives.all_reduce_compressed``).
 
 The gradients travel as one flat buffer (a "bucket", as PyTorch DDP does):
-one exchange per step instead of one per layer.
+one exchange per step instead of one per layer. PowerSGD, which compresses
+matrices, gets them layer by layer (``all_reduce_compressed_many``).
 
 Run it::
 
