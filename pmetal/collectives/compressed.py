@@ -119,8 +119,9 @@ def all_reduce_compressed_many(group: Group, tensors: Mapping[str, Any],
                                timeout: float | None = None) -> dict[str, Any]:
     """:func:`all_reduce_compressed` of several named tensors (a model's
     gradients) in one exchange: every tensor's compressed arrays travel in
-    one buffer per message instead of one message per tensor. Returns ``{name: result}`` in the
-    order given; numpy arrays are also reduced in place."""
+    one buffer per message instead of one message per tensor. Returns
+    ``{name: result}`` in the order given; numpy arrays are also reduced in
+    place."""
     if not isinstance(compressor, GradientCompressor):
         raise PMetalTypeError(f"all_reduce_compressed needs a GradientCompressor, not "
                               f"{type(compressor).__name__}")
