@@ -136,36 +136,45 @@ def test_mlx_backend_trains_the_same_model_through_the_same_collectives(
         (numpy_run, mlx_run)
 
 
-def test_a_rank_killed_mid_training_makes_the_survivor_fail_fast(tmp_path: Path) -> None:
-    """kill -9 of rank 1 while the ranks exchange compressed gradients:
-    rank 0 exits with CollectiveError, far within the operation timeout,
+@pytest.mark.parametrize(("world", "compression"), [(2, "topk"), (3, "onebit")])
+def test_a_rank_killed_mid_training_makes_every_survivor_fail_fast(
+        world: int, compression: str, tmp_path: Path) -> None:
+    """kill -9 of the last rank while the ranks exchange compressed
+    gradients (all-gathered with 2 ranks, block-wise 1-bit with 3): every
+    survivor exits with CollectiveError, far within the operation timeout,
     instead of waiting for gradients that will never come."""
-    nodes = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
+    nodes = ",".join(f"127.0.0.1:{p}" for p in free_ports(world))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
     env.update(PMETAL_HOME=str(tmp_path), PYTHONPATH=str(ROOT), OPENBLAS_NUM_THREADS="1",
                PMETAL_COLLECTIVES_TIMEOUT="20")
     ranks = [subprocess.Popen(
-        [sys.executable, "-u", str(EXAMPLE), "--compression", "topk", "--steps", "1000000",
-         "--log-every", "1", "--rank", str(r), "--world", "2", "--nodes", nodes],
+        [sys.executable, "-u", str(EXAMPLE), "--compression", compression, "--steps",
+         "1000000", "--log-every", "1", "--rank", str(r), "--world", str(world),
+         "--nodes", nodes],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for r in range(2)]
+        for r in range(world)]
+    survivors, victim = ranks[:-1], ranks[-1]
+    errors = []
     try:
         assert ranks[0].stdout is not None
-        # Rank 0 prints once both ranks train.
+        # Rank 0 prints once every rank trains.
         ready, _, _ = select.select([ranks[0].stdout], [], [], DEADLINE)
         assert ready, "rank 0 printed nothing within the deadline"
         first = ranks[0].stdout.readline()
         assert first.startswith("step    1/"), first
-        ranks[1].kill()
+        victim.kill()
         killed = time.monotonic()
-        _, err = ranks[0].communicate(timeout=DEADLINE)
+        for rank in survivors:
+            errors.append(rank.communicate(timeout=DEADLINE)[1])
         took = time.monotonic() - killed
     finally:
         for rank in ranks:
             if rank.poll() is None:
                 rank.kill()
             rank.communicate()
-    assert ranks[0].returncode != 0
-    assert "CollectiveError" in err, err
-    assert took < 10, f"rank 0 took {took:.1f} s to notice (timeout 20 s)\n{err}"
-    print(f"\nrank 0 failed {took:.2f} s after rank 1 was killed: {err.strip().splitlines()[-1]}")
+    for r, (rank, err) in enumerate(zip(survivors, errors, strict=True)):
+        assert rank.returncode != 0, f"rank {r} exited 0"
+        assert "CollectiveError" in err, f"rank {r}:\n{err}"
+    assert took < 10, f"the survivors took {took:.1f} s to notice (timeout 20 s)\n{errors}"
+    print(f"\n{world} ranks, {compression}: every survivor failed within {took:.2f} s of the"
+          f" kill; rank 0: {errors[0].strip().splitlines()[-1]}")
