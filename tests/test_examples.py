@@ -26,6 +26,14 @@ EXPECTED = {
         "caught ValueError from the actor: ValueError: cannot divide the counter by zero",
         "cluster resources: ['CPU', 'memory']",
     ],
+    # Starts two ranks of itself (no --rank, no PMETAL_RANK).
+    "train_data_parallel.py": [
+        "step    1/300  loss 2.3026",
+        "step  300/300  loss 0.07",
+        "final loss 0.07",
+        "after 300 steps on 2 ranks (softmax, none, numpy",
+        "gradient bytes sent: 24,600,000 on the links",
+    ],
 }
 
 

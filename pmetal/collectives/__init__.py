@@ -7,8 +7,17 @@ which chunk to whom, step by step) for each operation and strategy,
 feedback, summed only after decompression), and
 :mod:`pmetal.collectives.executor` runs one rank's part of a plan over
 injected links (:func:`execute`; in-memory links for tests). The socket
-links, the groups and the SPMD API come with the rest of the issue."""
+links (:mod:`pmetal.collectives.tcplinks`), the groups
+(:mod:`pmetal.collectives.group`) and the SPMD API
+(:mod:`pmetal.collectives.spmd`) carry them between processes;
+:func:`all_reduce_compressed` reduces compressed gradients over a group."""
 
+from pmetal.collectives.compressed import (
+    LinkTraffic,
+    all_reduce_compressed,
+    all_reduce_compressed_many,
+    traffic,
+)
 from pmetal.collectives.compression import (
     Compressed,
     CompressionConfig,
@@ -32,6 +41,7 @@ __all__ = [
     "CompressionStatistics",
     "CompressionStrategy",
     "GradientCompressor",
+    "LinkTraffic",
     "MemoryLinks",
     "MemoryNetwork",
     "Plan",
@@ -43,9 +53,12 @@ __all__ = [
     "Send",
     "Step",
     "aggregate",
+    "all_reduce_compressed",
+    "all_reduce_compressed_many",
     "check_plan",
     "chunk_bounds",
     "decompress",
     "execute",
     "make_plan",
+    "traffic",
 ]

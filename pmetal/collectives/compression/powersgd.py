@@ -91,7 +91,9 @@ class PowerSGDTensor:
             raise PMetalValueError(f"PowerSGD's Q for {self.name!r} overflowed: the gradient is"
                                    f" too large for {q_local.dtype}; clip it first")
         self.q_local = q_local
-        return q_local
+        # A copy: the caller all-reduces it in place, and the sum must not
+        # replace this rank's own Q, which its error feedback needs.
+        return q_local.copy()
 
     def finish(self, q_reduced: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The approximation of the reduced gradient, the local one (for
