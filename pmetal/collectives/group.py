@@ -120,9 +120,23 @@ class Group:
     # ----------------------------------------------------------- operations
 
     def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
-                   timeout: float | None = None, strategy: str | None = None) -> Any:
-        """Reduce ``x`` over every rank; every rank gets the same result."""
+                   timeout: float | None = None, strategy: str | None = None,
+                   compression: Any = None, name: str = "gradient") -> Any:
+        """Reduce ``x`` over every rank; every rank gets the same result.
+        ``compression``: a :class:`~pmetal.collectives.compression.GradientCompressor`
+        (SUM or MEAN only), whose error feedback keeps the residual of
+        ``name`` from one call to the next (see docs/compression.md)."""
+        if compression is not None:
+            from pmetal.collectives.compressed import all_reduce_compressed
+            return all_reduce_compressed(self, x, compression, _op(op), name=name,
+                                         timeout=timeout)
         return self._run("all_reduce", x, op, 0, timeout, strategy)
+
+    def statistics(self) -> dict[str, Any]:
+        """Operations run and bytes this rank's links sent and received."""
+        return {"operations": self._op_id,
+                "bytes_sent": getattr(self.links, "bytes_sent", 0),
+                "bytes_received": getattr(self.links, "bytes_received", 0)}
 
     def reduce(self, x: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
                timeout: float | None = None, strategy: str | None = None) -> Any:

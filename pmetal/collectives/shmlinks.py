@@ -75,6 +75,7 @@ import numpy as np
 
 from pmetal import shm
 from pmetal.collectives.shmrendezvous import join
+from pmetal.collectives.tcplinks import P2P_BASE
 from pmetal.errors import (
     ClosedError,
     PeerError,
@@ -158,6 +159,8 @@ class ShmLinks:
         self._lock = threading.Lock()
         self._flusher: threading.Thread | None = None
         self._flushing = self._closed = False
+        self._retired = 0  # collective operations up to this op_id are over here
+        self.bytes_sent = self.bytes_received = 0
 
     @classmethod
     def connect(cls, token: str, rank: int, world: int, *, deadline: float,
@@ -199,6 +202,7 @@ class ShmLinks:
             if peer.lost:
                 raise PeerError(f"rank {to_rank} is unreachable: {peer.lost}")
             peer.backlog.append(_Pending(op_id, chunk, code, raw.nbytes, raw))
+            self.bytes_sent += raw.nbytes
             self._push(peer)
             if peer.backlog:
                 self._service(peer)   # read the acks that may have made room
@@ -218,9 +222,11 @@ class ShmLinks:
         after this (dropped for dead peers, copied for live ones and sent by
         the flusher thread), and the regions read are acked."""
         with self._lock:
+            if op_id < P2P_BASE:
+                self._retired = max(self._retired, op_id)
             for peer in self._peers.values():
                 self._return_lent(peer)
-                for old in [o for o in peer.stash if o <= op_id]:
+                for old in [o for o in peer.stash if o <= self._retired]:
                     del peer.stash[old]
                 self._service(peer)
                 if peer.consumed > peer.ack_sent:
@@ -286,8 +292,6 @@ class ShmLinks:
             self._check_open()
             for p in self._peers.values():
                 self._return_lent(p)
-            for old in [o for o in peer.stash if o < op_id]:
-                del peer.stash[old]
             kept = peer.stash.get(op_id)
             if kept:
                 chunk, data = kept.popleft()
@@ -297,14 +301,18 @@ class ShmLinks:
                 return chunk, data
             while True:
                 record = self._next(peer, deadline)
-                if record[1] < op_id:      # a failed operation's leftover
+                if record[1] == op_id:
+                    data = self._take(peer, record, deadline, out, keep=True, lend=True)
+                    self.bytes_received += data.nbytes
+                    return record[2], data
+                if record[1] < P2P_BASE and record[1] <= self._retired:
+                    # An operation already over here (it failed): dropped.
                     self._take(peer, record, deadline, None, keep=False)
-                elif record[1] > op_id:    # a later operation's: copy out, keep
+                else:
+                    # A later operation's, or a point-to-point message that
+                    # overtook this one: copy out and keep for then.
                     data = self._take(peer, record, deadline, None, keep=True)
                     peer.stash.setdefault(record[1], deque()).append((record[2], data))
-                else:
-                    return record[2], self._take(peer, record, deadline, out, keep=True,
-                                                 lend=True)
 
     def _take(self, peer: _Peer, first: _Record, deadline: float, out: np.ndarray | None,
               *, keep: bool, lend: bool = False) -> np.ndarray:
