@@ -142,6 +142,7 @@ class _Peer:
         self.lent = 0                        # end of the piece a returned view shows
         self.stash: dict[int, deque[tuple[int, np.ndarray]]] = {}   # later op_ids'
         self.lost = ""                       # why the link broke ("" while it works)
+        self.hung_up = False                 # it stopped reading (its records may remain)
         self.pid_checked = 0.0
 
 
@@ -199,8 +200,9 @@ class ShmLinks:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         with self._lock:
             self._check_open()
-            if peer.lost:
-                raise PeerError(f"rank {to_rank} is unreachable: {peer.lost}")
+            if peer.lost or peer.hung_up:
+                raise PeerError(f"rank {to_rank} is unreachable: "
+                                f"{peer.lost or 'it closed its link'}")
             peer.backlog.append(_Pending(op_id, chunk, code, raw.nbytes, raw))
             self.bytes_sent += raw.nbytes
             self._push(peer)
@@ -263,11 +265,19 @@ class ShmLinks:
                 peer.backlog.popleft()
 
     def _flush(self, peer: _Peer) -> None:
-        while peer.wbuf and not peer.lost:
+        while peer.wbuf and not peer.lost and not peer.hung_up:
             try:
                 sent = peer.sock.send(peer.wbuf)
             except BlockingIOError:
                 return   # the peer reads its socket later; poll() waits for room
+            except BrokenPipeError:
+                # The peer closed its end (it is done, or dead). What it sent
+                # before is still readable, such as the rest of its last
+                # operation: reading, not this write, decides when it is gone.
+                peer.hung_up = True
+                peer.wbuf.clear()
+                peer.backlog.clear()
+                return
             except OSError as exc:
                 self._lose(peer, f"its socket failed: {exc}")
                 return
