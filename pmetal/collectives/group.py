@@ -37,6 +37,11 @@ from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
 
 __all__ = ["Group", "Schedule"]
 
+# How long close() still lets queued bytes drain after an operation failed.
+# A member that stalled (SIGSTOP, a frozen host) reads nothing: waiting the
+# links' full flush timeout would only delay re-forming the group.
+_FAILED_FLUSH = 1.0
+
 @dataclass(frozen=True)
 class Schedule:
     """The master's decisions for one formation of a group (see the module
@@ -108,6 +113,7 @@ class Group:
         self._lock = threading.Lock()
         self._on_close = on_close
         self.closed = False
+        self.failed = False  # an operation raised CollectiveError
         # A script that ends without close() must still let its last
         # operation's queued bytes reach the peers.
         atexit.register(self.close)
@@ -209,7 +215,7 @@ class Group:
         atexit.unregister(self.close)
         close = getattr(self.links, "close", None)
         if close is not None:
-            close()
+            close(timeout=_FAILED_FLUSH) if self.failed else close()
         if self._on_close is not None:
             self._on_close()
 
@@ -244,8 +250,12 @@ class Group:
         with self._lock:
             self._op_id += 1
             plan = self.schedule.plan(name, flat.size, flat.dtype.itemsize, root, strategy)
-            execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
-                    timeout=timeout or self.timeout)
+            try:
+                execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
+                        timeout=timeout or self.timeout)
+            except CollectiveError:
+                self.failed = True
+                raise
 
 
 def _op(op: ReduceOp | str) -> ReduceOp:
