@@ -22,6 +22,7 @@ test) on ports the kernel picked, so parallel runs never collide.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import queue
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from netlab import NetLab, lab_available
 
 from pmetal.collectives import tcplinks
 from pmetal.errors import AuthenticationError, CollectiveError, ProtocolError
@@ -93,11 +95,14 @@ class Rank:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                self.lines.put(json.loads(line))
-            except ValueError:
-                self.lines.put({"unparsed": line})
+        try:
+            for line in self.proc.stdout:
+                try:
+                    self.lines.put(json.loads(line))
+                except ValueError:
+                    self.lines.put({"unparsed": line})
+        except (OSError, ValueError):
+            pass  # the pipe was closed under us (a lab's teardown): the end
         self.lines.put(None)
 
     def wait(self, cond: Callable[[dict[str, Any]], bool], timeout: float,
@@ -223,14 +228,17 @@ def test_matrix_on_loopback(world: int, ranks: Callable[..., Rank], tmp_path: Pa
 # ------------------------------------------------------------- failures
 
 def fail_mid_all_reduce(spawn: Callable[..., Rank], nodes: list[str], new_nodes: list[str],
-                        victim: int, sig: signal.Signals, *, timeout: float = 5.0,
+                        victim: int, sig: signal.Signals | None, *, timeout: float = 5.0,
+                        fault: Callable[[Rank], None] | None = None, what: str = "",
                         env: Callable[[int], dict[str, str]] | None = None,
                         start: Callable[[int], Callable[..., subprocess.Popen[Any]]] | None
                         = None, bound: float | None = None) -> dict[int, float]:
-    """Kill (or stop) ``victim`` while every rank loops all_reduce of 16
-    MiB; every survivor must raise within ``timeout`` (+ slack), then the
-    survivors re-form on ``new_nodes`` and an all_reduce works. Returns
-    each survivor's seconds from the signal to its error."""
+    """Kill (or stop: ``sig``; or anything ``fault`` does to the victim's
+    :class:`Rank`, called ``what``, a stall) ``victim`` while every rank
+    loops all_reduce of 16 MiB; every survivor must raise within
+    ``timeout`` (+ slack), then the survivors re-form on ``new_nodes``
+    and an all_reduce works. Returns each survivor's seconds from the
+    fault to its error."""
     world = len(nodes)
     workers = [spawn("loop", {"rank": r, "nodes": nodes, "mib": 16, "timeout": timeout},
                      env=env(r) if env else None,
@@ -240,17 +248,22 @@ def fail_mid_all_reduce(spawn: Callable[..., Rank], nodes: list[str], new_nodes:
     for w in workers:
         w.wait(lambda line: line.get("op", 0) >= 2, 60.0, "two all_reduces")
     signalled = time.time()
-    os.kill(workers[victim].proc.pid, sig)
+    if sig is not None:
+        os.kill(workers[victim].proc.pid, sig)
+        what = sig.name
+    else:
+        assert fault is not None
+        fault(workers[victim])
     survivors = [r for r in range(world) if r != victim]
     bound = bound or timeout + 3.0
     elapsed, causes = {}, {}
     for r in survivors:
         line = workers[r].wait(lambda line: "error" in line or "wrong" in line, bound + 10.0,
-                               f"rank {r} raising after rank {victim} got {sig.name}")
+                               f"rank {r} raising after rank {victim} got {what}")
         assert line.get("error") == "CollectiveError", line
         elapsed[r] = line["t"] - signalled
         causes[r] = line["causes"]
-    print(f"world {world}, {sig.name} of rank {victim} mid all_reduce: survivors raised after "
+    print(f"world {world}, {what} of rank {victim} mid all_reduce: survivors raised after "
           + ", ".join(f"rank {r} {elapsed[r]:.2f} s ({'/'.join(causes[r])})" for r in survivors)
           + f" (timeout {timeout:g} s)")
     assert max(elapsed.values()) <= bound, elapsed
@@ -422,3 +435,48 @@ def test_malformed_bytes_do_not_crash_a_rank(ranks: Callable[..., Rank]) -> None
         assert line.get("ok") is True, line
     assert "refused a collective connection" in a.stderr(), a.stderr()
     assert "failed during its handshake" in a.stderr(), a.stderr()
+
+
+# ------------------------------------------------------- namespace hosts
+
+@pytest.mark.slow
+@pytest.mark.skipif(lab_available() is not None, reason=f"across namespace hosts: "
+                    f"{lab_available()}")
+def test_across_namespace_hosts(ranks: Callable[..., Rank], tmp_path: Path) -> None:
+    """One rank per host of a lab (tests/netlab.py), on the hosts' 10.x
+    addresses with a PSK: a reduced matrix (every operation, root and
+    strategy, float32 and int64, world 4), then kill -9 mid all_reduce
+    and the re-formed group of the three survivors."""
+    world, dtypes = 4, ("float32", "int64")
+    psk = secrets.token_bytes(32)
+    with NetLab(world) as lab:
+        def env(r: int) -> dict[str, str]:
+            return worker_env(tmp_path / f"h{r}", PMETAL_PSK_HEX=psk.hex())
+
+        def start(r: int) -> Callable[..., subprocess.Popen[Any]]:
+            return functools.partial(lab.run, lab.hosts[r])
+
+        def nodes(port: int, hosts: list[int] | None = None) -> list[str]:
+            return [f"{lab.hosts[r].address}:{port}" for r in (hosts or range(world))]
+
+        # Off loopback a PSK is required: without one a rank refuses to start.
+        lonely = ranks("connect", {"rank": 0, "nodes": nodes(29400)},
+                       env=worker_env(tmp_path / "h0"), start=start(0))
+        line = lonely.wait(lambda line: True, 30.0, "a rank without a PSK")
+        assert line["error"] == "ConfigError" and "PMETAL_PSK" in line["message"], line
+
+        started = time.monotonic()
+        groups = {s: nodes(29500 + i) for i, s in enumerate(STRATEGIES)}
+        results = run_matrix(ranks, tmp_path, groups, world, dtypes=dtypes, start=start,
+                             env=env)
+        check_matrix(results, world, dtypes)
+        print(f"namespace hosts {[h.address for h in lab.hosts]}: {results[0]['cases']} "
+              f"cases per rank, per strategy {results[0]['timings']} s, "
+              f"{time.monotonic() - started:.1f} s in all")
+        fail_mid_all_reduce(ranks, nodes(29600), nodes(29601, [0, 2, 3]), 1, signal.SIGKILL,
+                            env=env, start=start)
+        # A host that drops off the network (its cable pulled) closes
+        # nothing: the survivors raise at the deadline, then re-form.
+        fail_mid_all_reduce(ranks, nodes(29700), nodes(29701, [0, 1, 3]), 2, None,
+                            fault=lambda _rank: lab.isolate(3), what="the network cut",
+                            env=env, start=start)
