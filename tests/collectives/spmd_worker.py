@@ -271,6 +271,36 @@ class Matrix:
         self.run_case(case, lambda: ctx.barrier_blocking())
         self.check(case, True)
 
+    def asyncio_api(self, ctx: DistributedContext, label: str) -> None:
+        """The awaitable twins give what the blocking ones give."""
+        import asyncio
+        case = f"{label}/asyncio"
+        w, r = self.world, self.rank
+        xs = inputs(case, w, 3 * w + 2, "float32")
+
+        async def body() -> None:
+            x = xs[r].copy()
+            got = await ctx.all_reduce(x, "max")
+            self.check(case + "/all_reduce", got is x and agrees(x, reference(ReduceOp.MAX, xs),
+                                                                  exact=True))
+            y = xs[r].copy()
+            await ctx.broadcast(y, root=w - 1)
+            self.check(case + "/broadcast", np.array_equal(y, xs[w - 1]))
+            gathered = await ctx.all_gather(xs[r])
+            self.check(case + "/all_gather", np.array_equal(gathered, np.stack(xs)))
+            block = await ctx.reduce_scatter(xs[r], "min")
+            start, end = chunk_bounds(xs[r].size, w)[r]
+            self.check(case + "/reduce_scatter",
+                       np.array_equal(block, reference(ReduceOp.MIN, xs)[start:end]))
+            await ctx.barrier()
+            if w > 1:
+                await ctx.send(xs[r], (r + 1) % w)
+                into = np.empty_like(xs[r])
+                await ctx.recv(into, (r - 1) % w)
+                self.check(case + "/send_recv", np.array_equal(into, xs[(r - 1) % w]))
+            self.hashes[case] = digest(x) + digest(y) + digest(gathered)
+        self.run_case(case, lambda: asyncio.run(body()))
+
     def mlx(self, ctx: DistributedContext, label: str) -> None:
         """MLX arrays come back as new MLX arrays of their dtype, reduced."""
         for dtype in ("float32", "bfloat16"):
@@ -313,6 +343,7 @@ def run_matrix(spec: dict[str, Any]) -> None:
             t0 = time.monotonic()
             with make_context(spec, nodes, rank, strategy) as ctx:
                 matrix.strategy(ctx, f"w{world}/{strategy}")
+                matrix.asyncio_api(ctx, f"w{world}/{strategy}")
                 if have_mlx and strategy == "auto":
                     matrix.mlx(ctx, f"w{world}/{strategy}")
             timings[strategy] = round(time.monotonic() - t0, 2)

@@ -179,6 +179,7 @@ def check_matrix(results: list[dict[str, Any]], world: int, dtypes: tuple[str, .
     # Coverage: every strategy x op x dtype, every root, and every size.
     names = cases[0]
     for strategy in strategies:
+        assert f"w{world}/{strategy}/asyncio" in names  # the awaitable API
         for dtype in dtypes:
             for op in ("all_reduce", "broadcast", "all_gather"):
                 assert any(n.startswith(f"w{world}/{strategy}/{op}/{dtype}/") for n in names)
