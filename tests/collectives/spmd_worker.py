@@ -271,6 +271,37 @@ class Matrix:
         self.run_case(case, lambda: ctx.barrier_blocking())
         self.check(case, True)
 
+    def layouts(self, ctx: DistributedContext, label: str) -> None:
+        """Arrays of any shape; a strided view is reduced in place (into its
+        base); a read-only array is left alone and the result returned."""
+        case = f"{label}/layouts"
+        w, r = self.world, self.rank
+        xs = inputs(case, w, 6 * 5, "int64")
+        want = reference(ReduceOp.SUM, xs).reshape(6, 5)
+
+        def body() -> None:
+            grid = xs[r].reshape(6, 5).copy()
+            got = ctx.all_reduce_blocking(grid)
+            self.check(case + "/2d", got is grid and np.array_equal(grid, want))
+            base = xs[r].reshape(6, 5).copy()
+            view = base[::2, 1::2]
+            got = ctx.all_reduce_blocking(view)
+            expect = xs[r].reshape(6, 5).copy()
+            expect[::2, 1::2] = want[::2, 1::2]
+            self.check(case + "/strided", got is view and np.array_equal(base, expect),
+                       f"got {base}, want {expect}")
+            frozen = xs[r].reshape(6, 5).copy()
+            frozen.flags.writeable = False
+            got = ctx.all_reduce_blocking(frozen)
+            self.check(case + "/read-only", got is not frozen
+                       and np.array_equal(frozen, xs[r].reshape(6, 5))
+                       and np.array_equal(got, want))
+            gathered = ctx.all_gather_blocking(xs[r].reshape(6, 5))
+            self.check(case + "/all_gather-2d", gathered.shape == (w, 6, 5)
+                       and np.array_equal(gathered.reshape(w, -1), np.stack(xs)))
+            self.hashes[case] = digest(grid) + digest(view) + digest(got)
+        self.run_case(case, body)
+
     def asyncio_api(self, ctx: DistributedContext, label: str) -> None:
         """The awaitable twins give what the blocking ones give."""
         import asyncio
@@ -344,6 +375,7 @@ def run_matrix(spec: dict[str, Any]) -> None:
             with make_context(spec, nodes, rank, strategy) as ctx:
                 matrix.strategy(ctx, f"w{world}/{strategy}")
                 matrix.asyncio_api(ctx, f"w{world}/{strategy}")
+                matrix.layouts(ctx, f"w{world}/{strategy}")
                 if have_mlx and strategy == "auto":
                     matrix.mlx(ctx, f"w{world}/{strategy}")
             timings[strategy] = round(time.monotonic() - t0, 2)

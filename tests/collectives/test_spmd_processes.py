@@ -180,6 +180,7 @@ def check_matrix(results: list[dict[str, Any]], world: int, dtypes: tuple[str, .
     names = cases[0]
     for strategy in strategies:
         assert f"w{world}/{strategy}/asyncio" in names  # the awaitable API
+        assert f"w{world}/{strategy}/layouts" in names  # 2-D, strided, read-only
         for dtype in dtypes:
             for op in ("all_reduce", "broadcast", "all_gather"):
                 assert any(n.startswith(f"w{world}/{strategy}/{op}/{dtype}/") for n in names)
