@@ -22,6 +22,8 @@ so that the same script serves loopback and the namespace hosts:
   re-forms the group there and checks one all_reduce.
 - ``connect``: form the group and run one all_reduce; print the outcome
   (the refusal tests).
+- ``mismatch``: one all_reduce per strategy of the ``n`` and ``dtype``
+  given, which the test makes differ between ranks; print each outcome.
 
 Every line this script prints on stdout is one JSON object.
 """
@@ -453,11 +455,29 @@ def run_connect(spec: dict[str, Any]) -> None:
              elapsed=round(time.monotonic() - start, 3))
 
 
+# --------------------------------------------------------------- mismatch
+
+def run_mismatch(spec: dict[str, Any]) -> None:
+    """all_reduce of ``n`` x ``dtype`` (the test gives ranks different
+    ones) in a group per strategy; print each outcome."""
+    for strategy, nodes in spec["groups"].items():
+        with make_context(spec, nodes, spec["rank"], strategy,
+                          timeout=spec["timeout"]) as ctx:
+            start = time.monotonic()
+            try:
+                ctx.all_reduce_blocking(np.ones(spec["n"], spec["dtype"]))
+                emit(strategy=strategy, ok=True)
+            except PMetalError as exc:
+                emit(strategy=strategy, error=type(exc).__name__, message=str(exc),
+                     elapsed=round(time.monotonic() - start, 3))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     mode, spec = sys.argv[1], json.loads(sys.argv[2])
-    {"matrix": run_matrix, "loop": run_loop, "connect": run_connect}[mode](spec)
+    {"matrix": run_matrix, "loop": run_loop, "connect": run_connect,
+     "mismatch": run_mismatch}[mode](spec)
 
 
 if __name__ == "__main__":

@@ -299,6 +299,31 @@ def test_member_dies_mid_all_reduce(world: int, victim: int, sig: signal.Signals
     fail_mid_all_reduce(ranks, nodes[:world], nodes[world:], victim, sig)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "dtype"), [(12, "float32"), (10, "float64"), (1 << 16, "float32")],
+                         ids=["size", "dtype", "much-larger"])
+def test_ranks_passing_different_arrays_all_raise(n: int, dtype: str,
+                                                  ranks: Callable[..., Rank]) -> None:
+    """A user error (rank 2 passes another size or dtype than ranks 0 and
+    1): every rank raises CollectiveError within the timeout, under every
+    strategy, and at least one says what is wrong."""
+    world, timeout = 3, 1.5
+    nodes = free_nodes(loopback_host(), 3 * world)
+    groups = {s: nodes[i * world:(i + 1) * world] for i, s in enumerate(("ring", "tree",
+                                                                         "naive"))}
+    workers = [ranks("mismatch", {"rank": r, "groups": groups, "timeout": timeout,
+                                  "n": n if r == 2 else 10,
+                                  "dtype": dtype if r == 2 else "float32"})
+               for r in range(world)]
+    for strategy in groups:
+        lines = [w.wait(lambda line, s=strategy: line.get("strategy") == s, 30.0,
+                        f"rank {r} under {strategy}") for r, w in enumerate(workers)]
+        assert all(line.get("error") == "CollectiveError" for line in lines), lines
+        assert all(line["elapsed"] <= timeout + 3.0 for line in lines), lines
+        assert any("every rank must pass the same shape and dtype" in line["message"]
+                   for line in lines), lines
+
+
 # ------------------------------------------------------------- refusals
 
 def test_another_psk_is_refused(ranks: Callable[..., Rank]) -> None:
