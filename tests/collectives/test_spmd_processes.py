@@ -326,6 +326,18 @@ def test_ranks_passing_different_arrays_all_raise(n: int, dtype: str,
 
 # ------------------------------------------------------------- refusals
 
+def test_a_rank_that_never_starts_is_named(ranks: Callable[..., Rank]) -> None:
+    """Ranks 0 and 1 of a world of 3 whose rank 2 never starts: both give
+    up at connect_timeout, naming rank 2."""
+    nodes = free_nodes(loopback_host(), 3)
+    workers = [ranks("connect", {"rank": r, "nodes": nodes, "connect_timeout": 2.0})
+               for r in range(2)]
+    for w in workers:
+        line = w.wait(lambda line: True, 20.0, "a rank of an incomplete world")
+        assert line["error"] == "CollectiveError", line
+        assert "rank(s) [2]" in line["message"], line
+
+
 def test_another_psk_is_refused(ranks: Callable[..., Rank]) -> None:
     nodes = free_nodes(loopback_host(), 2)
     spec = {"nodes": nodes, "connect_timeout": 3.0}
