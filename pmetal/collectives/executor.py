@@ -155,7 +155,8 @@ def _run(plan: Plan, rank: int, flat: np.ndarray, links: RankLinks, op: ReduceOp
                 raise CollectiveError(
                     f"{what}: rank {rank} at step {index} expected chunk {a.chunk} from "
                     f"rank {a.from_rank} but was sent chunk {chunk}; the peers disagree "
-                    f"on the plan (a stale or corrupt plan, or a bug): {_REFORM}")
+                    f"on the plan: every rank must pass the same shape and dtype (else a "
+                    f"stale or corrupt plan, or a bug): {_REFORM}")
             if data.dtype != local.dtype or data.size != local.size:
                 raise CollectiveError(
                     f"{what}: rank {rank} at step {index} received chunk {chunk} from rank "

@@ -37,6 +37,7 @@ from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
 
 __all__ = ["Group", "Schedule"]
 
+
 @dataclass(frozen=True)
 class Schedule:
     """The master's decisions for one formation of a group (see the module
@@ -108,7 +109,7 @@ class Group:
         self._lock = threading.Lock()
         self._on_close = on_close
         self.closed = False
-        self._failed = False  # the last operation failed: close() need not flush
+        self.failed = False  # an operation raised CollectiveError
         # A script that ends without close() must still let its last
         # operation's queued bytes reach the peers.
         atexit.register(self.close)
@@ -223,10 +224,8 @@ class Group:
         self.closed = True
         atexit.unregister(self.close)
         close = getattr(self.links, "close", None)
-        if close is not None:
-            # After a failure the peers that would read the queued bytes are
-            # dead or stalled: waiting for them to drain would only delay.
-            close(0.0 if self._failed else 10.0)
+        if close is not None and not self.failed:  # a failure closed them (_fail)
+            close(10.0)
         if self._on_close is not None:
             self._on_close()
 
@@ -256,15 +255,32 @@ class Group:
                  timeout: float | None, strategy: str | None) -> None:
         if self.closed:
             raise CollectiveError(f"group {self.name!r} is closed; form a new one")
+        if self.failed:
+            raise CollectiveError(f"an earlier operation of group {self.name!r} failed, "
+                                  "so it cannot be used again: re-form the group over the "
+                                  "live members")
         if strategy is not None and strategy not in ("ring", "tree", "naive"):
             raise PMetalValueError(f"unknown strategy {strategy!r}; use ring, tree or naive")
         with self._lock:
             self._op_id += 1
             plan = self.schedule.plan(name, flat.size, flat.dtype.itemsize, root, strategy)
-            self._failed = True
-            execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
-                    timeout=timeout or self.timeout)
-            self._failed = False
+            try:
+                execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
+                        timeout=timeout or self.timeout)
+            except CollectiveError:
+                self._fail()
+                raise
+
+    def _fail(self) -> None:
+        """An operation failed: the group cannot be used again (its streams
+        may hold half a message, its peers disagree on where they are).
+        Close the links now, without waiting for queued bytes: every rank
+        still waiting on this one then fails at once instead of at its
+        deadline, and the failure spreads through the whole group."""
+        self.failed = True
+        close = getattr(self.links, "close", None)
+        if close is not None:
+            close(0.0)
 
 
 def _op(op: ReduceOp | str) -> ReduceOp:

@@ -260,6 +260,8 @@ class ShmLinks:
             peer.wbuf += _REC.pack(_DATA, item.op_id, item.chunk, item.code, item.nbytes,
                                    start, n)
             self._flush(peer)
+            if peer.lost or peer.hung_up:
+                return   # the backlog went with the link
             item.sent += n
             if item.sent == item.nbytes:
                 peer.backlog.popleft()

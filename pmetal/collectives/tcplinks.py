@@ -417,12 +417,13 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
     if not 0 <= rank < world:
         raise PMetalValueError(f"rank {rank} is not in a world of {world}")
     peers: dict[int, socket.socket] = {}
+    refusals: dict[int, str] = {}  # claimed rank -> why its connection was refused
     failure: list[BaseException] = []
     accepted = threading.Event()
 
     def accept_all() -> None:
         try:
-            _accept(listener, rank, world, key, tag, deadline, peers)
+            _accept(listener, rank, world, key, tag, deadline, peers, refusals)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             failure.append(exc)
         finally:
@@ -439,11 +440,16 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
             raise failure[0]
         missing = [r for r in range(world) if r != rank and r not in peers]
         if missing:
+            # A rank that connected and was refused (another PSK, group or
+            # epoch) is the likelier story than one that never started.
+            refused = "".join(f"; a connection claiming rank {r} came but {why}"
+                              for r, why in sorted(refusals.items()) if r in missing)
             raise CollectiveError(
                 f"rank {rank} formed no connection with rank(s) {missing} before the "
                 "deadline: those ranks did not start, or cannot reach this one "
-                f"({addresses[rank][0]}:{addresses[rank][1]}); check that every rank runs "
-                "and that the addresses are right")
+                f"({addresses[rank][0]}:{addresses[rank][1]}), or were refused; check that "
+                f"every rank runs with the same PSK and settings and that the addresses are "
+                f"right{refused}")
     except BaseException:
         for sock in list(peers.values()):
             sock.close()
@@ -494,6 +500,10 @@ def _dial(address: tuple[str, int], rank: int, other: int, key: bytes, tag: byte
                 raise AuthenticationError(f"rank {other} refused rank {rank}: {reason}")
             nonces = nonce + their_nonce
             if not hmac.compare_digest(proof, _proof(key, b"A", tag, other, rank, nonces)):
+                # Tell the listener why (it logs it and names it if its
+                # formation times out), then fail here at once.
+                _send_refusal(sock, f"rank {rank} found that this rank could not prove "
+                                    "its PSK: the two ranks have different PSKs")
                 raise AuthenticationError(
                     f"rank {other} at {address[0]}:{address[1]} could not prove the "
                     "namespace's PSK for this group: another cluster, another PSK, or "
@@ -511,9 +521,12 @@ def _dial(address: tuple[str, int], rank: int, other: int, key: bytes, tag: byte
 
 
 def _accept(listener: socket.socket, rank: int, world: int, key: bytes, tag: bytes,
-            deadline: float, peers: dict[int, socket.socket]) -> None:
+            deadline: float, peers: dict[int, socket.socket],
+            refusals: dict[int, str]) -> None:
     """Accept every rank above ``rank``; a connection that fails the
-    handshake is refused with its reason and does not count."""
+    handshake is refused with its reason (noted in ``refusals`` by the
+    rank it claims) and does not count. The formation goes on: an
+    unauthenticated connection must not be able to end it."""
     expected = set(range(rank + 1, world))
     while expected:
         left = deadline - time.monotonic()
@@ -541,16 +554,25 @@ def _accept(listener: socket.socket, rank: int, world: int, key: bytes, tag: byt
             if reason is not None:
                 sock.sendall(bytes(16) + _REFUSED + reason.encode()[:200])
                 log.warning("refused a collective connection: %s", reason)
+                refusals[their_rank] = f"was refused: {reason}"
                 sock.close()
                 continue
             nonce = os.urandom(16)
             nonces = their_nonce + nonce
             sock.sendall(nonce + _proof(key, b"A", tag, rank, their_rank, nonces))
             proof = _read(sock, 32)
+            if proof == _REFUSED:
+                why = _read_reason(sock)
+                log.warning("a collective connection claiming rank %s refused this rank: %s",
+                            their_rank, why)
+                refusals[their_rank] = f"refused this rank ({why})"
+                sock.close()
+                continue
             if not hmac.compare_digest(proof, _proof(key, b"D", tag, rank, their_rank,
                                                       nonces)):
                 log.warning("refused a collective connection claiming rank %s: it could "
                             "not prove the namespace's PSK", their_rank)
+                refusals[their_rank] = "could not prove the namespace's PSK"
                 sock.close()
                 continue
             sock.settimeout(None)
@@ -569,6 +591,14 @@ def _read(sock: socket.socket, n: int) -> bytes:
             raise EOFError("the peer closed the connection during the handshake")
         data += part
     return bytes(data)
+
+
+def _send_refusal(sock: socket.socket, reason: str) -> None:
+    """Best effort: the peer may already be gone."""
+    try:
+        sock.sendall(_REFUSED + reason.encode()[:200])
+    except OSError:
+        pass
 
 
 def _read_reason(sock: socket.socket) -> str:
