@@ -50,7 +50,8 @@ _LOOPBACK_KEY = b"pmetal-loopback-collectives-without-psk"
 @dataclass(frozen=True)
 class DistributedConfig:
     """A static world: ``nodes`` lists every rank's ``host:port`` in rank
-    order, ``rank`` is this process's. ``psk``: the namespace key (default
+    order (a list, or one comma-separated string), ``rank`` is this
+    process's. ``psk``: the namespace key (default
     ``PMETAL_PSK``/``PMETAL_PSK_HEX``; not needed when every node is on
     loopback). ``collectives``: strategy, chunk size and timeouts
     (default: ``PMETAL_COLLECTIVES_*`` variables, else the defaults)."""
@@ -62,7 +63,10 @@ class DistributedConfig:
     addresses: tuple[tuple[str, int], ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        nodes = tuple(self.nodes)
+        # "a:1,b:2" (as in PMETAL_NODES) or a list; a string must not be
+        # taken for a list of characters.
+        nodes = tuple(n.strip() for n in self.nodes.split(",") if n.strip()) \
+            if isinstance(self.nodes, str) else tuple(self.nodes)
         if not nodes:
             raise ConfigError("DistributedConfig.nodes is empty: list every rank's host:port")
         if not isinstance(self.rank, int) or not 0 <= self.rank < len(nodes):
