@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from netlab import NetLab
 
+import pmetal
 from pmetal.cli import main
 from pmetal.cli.launch import GRACE, parse_hosts, place
 from pmetal.collectives.launchenv import (
@@ -405,3 +406,32 @@ def test_an_unreachable_host_fails_the_launch_with_the_rsh_status(tmp_path: Path
     assert done.returncode != 0
     assert f"rank 0 (on pm-no-such-namespace) exited with code {done.returncode}" \
         in done.stderr
+
+
+def test_an_ssh_style_agent_gets_one_shell_quoted_command(tmp_path: Path) -> None:
+    """ssh joins its words into one line for the remote shell: the launcher's words
+    (the keeper's source, with quotes and new lines, and its JSON) must survive that.
+    The agent here does what ssh does, on this machine: drop the host, join the
+    words with spaces and run the line with sh -c, in a bare environment (ssh
+    carries none), so PYTHONPATH must arrive in the keeper's spec."""
+    agent = tmp_path / "bin" / "ssh"
+    agent.parent.mkdir()
+    agent.write_text('#!/bin/sh\nshift\nexec env -i PATH="$PATH" HOME="$HOME" sh -c "$*"\n')
+    agent.chmod(0o755)
+    (tmp_path / "it's here.py").write_text(
+        "import json, os, sys\n"
+        "import pmetal\n"  # found through the PYTHONPATH the spec carried
+        "print(json.dumps([os.environ['PMETAL_RANK'], os.environ['PMETAL_NODES'],"
+        " sys.argv[1:], os.path.dirname(pmetal.__file__)]))\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pmetal", "launch", "--hosts", "alpha,beta",
+         "--rsh", f"{agent} {{host}}", "--addresses", "alpha=127.0.0.1,beta=127.0.0.2",
+         "--tag-output", "it's here.py", "a b", '"$HOME"'],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=DEADLINE,
+        check=False)
+    assert done.returncode == 0, done.stderr
+    lines = sorted(done.stdout.splitlines())
+    package = os.path.dirname(pmetal.__file__)  # the one this test imported, not another
+    nodes = "127.0.0.1:52480,127.0.0.2:52480"
+    assert [json.loads(line.partition(" ")[2]) for line in lines] == [
+        [str(r), nodes, ["a b", '"$HOME"'], package] for r in range(2)]
