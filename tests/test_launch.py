@@ -203,7 +203,7 @@ def test_a_failing_rank_sets_the_exit_code_and_stops_the_others(
     code, _, err = run.finish()
     assert code == 7
     assert "rank 1 exited with code 7" in err
-    assert "still running" in err and "2" in err  # rank 2 was killed, and said so
+    assert "rank(s) 2 still running" in err  # rank 2 was killed, and said so
     assert _gone(run.pids, DEADLINE) == []
     assert time.monotonic() - started < GRACE + DEADLINE
 
@@ -288,6 +288,8 @@ def test_module_mode_runs_python_dash_m(tmp_path: Path) -> None:
     (["--hosts", "a,a", "x.py"], "'a' is listed twice"),
     (["--hosts", "a,b", "--addresses", "c=10.0.0.1", "x.py"], "'c' is not one of --hosts"),
     (["--hosts", "a,b", "--addresses", "a", "x.py"], "'a' is not HOST=ADDRESS"),
+    (["--hosts", "a,b", "--addresses", "a=1.2.3.4:5", "x.py"], "a='1.2.3.4:5' is not an address"),
+    (["-n", "2", "--rsh", "ssh {host}", "x.py"], "--rsh applies only with --hosts"),
     (["--hosts", "a", "--rsh", "", "x.py"], "--rsh is empty"),
     (["--hosts", "a", "--rsh", "ssh 'x", "x.py"], "--rsh"),
 ])
@@ -355,6 +357,7 @@ def test_local_rank_defaults_to_the_index_among_the_same_hosts_ranks() -> None:
     ({"PMETAL_NODES": "a:1,:2,c:3"}, "':2' is not host:port"),
     ({"PMETAL_NODES": "a:1,fd00::1:2,c:3"}, "write an IPv6 host in brackets"),
     ({"PMETAL_NODES": "a:1,b:2,a:1"}, "ranks 0 and 2 both have 'a:1'"),
+    ({"PMETAL_NODES": "a:1,[b]:2,c:3"}, "'b' in brackets is not an IPv6 address"),
     ({"PMETAL_NODES": "a:1,b:2,,"}, "PMETAL_NODES lists 4 address(es)"),
 ])
 def test_from_env_errors_name_the_variable_the_value_and_the_fix(

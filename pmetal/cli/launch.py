@@ -58,6 +58,8 @@ GRACE = 3.0
 """Seconds between SIGTERM and SIGKILL when ranks are stopped."""
 DEFAULT_BASE_PORT = 52480
 """First port of the ranks of each host with ``--hosts`` (the node daemon has 52416)."""
+RSH = "ssh {host}"
+"""How a host is reached by default (``--rsh``)."""
 _SHELL_AGENTS = frozenset({"ssh", "rsh"})  # they hand their words to a remote shell
 
 
@@ -74,7 +76,7 @@ def _launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hosts", default=None, metavar="H[:SLOTS],...",
                         help="run the ranks on these hosts, each taking SLOTS (default 1) "
                              "consecutive ranks in turn; default: N local processes")
-    parser.add_argument("--rsh", default="ssh {host}", metavar="TEMPLATE",
+    parser.add_argument("--rsh", default=None, metavar="TEMPLATE",
                         help="command that runs a program on {host} (default 'ssh {host}'; "
                              "e.g. 'ip netns exec {host}')")
     parser.add_argument("--addresses", default=None, metavar="HOST=ADDR,...",
@@ -127,6 +129,8 @@ def place(hosts: Sequence[tuple[str, int]], n: int) -> list[str]:
 
 def parse_addresses(text: str | None, hosts: Sequence[str]) -> dict[str, str]:
     """``"a=10.0.0.1,b=10.0.0.2"`` for the hosts listed; ConfigError otherwise."""
+    from pmetal.collectives.launchenv import format_node, parse_node
+
     found: dict[str, str] = {}
     for entry in (text or "").split(","):
         if not entry.strip():
@@ -137,7 +141,12 @@ def parse_addresses(text: str | None, hosts: Sequence[str]) -> dict[str, str]:
         if host not in hosts:
             raise ConfigError(f"--addresses: {host!r} is not one of --hosts "
                               f"({', '.join(hosts)})")
-        found[host] = address.strip("[]")
+        address = address.strip("[]")
+        try:
+            parse_node(format_node(address, 1))
+        except ConfigError as exc:
+            raise ConfigError(f"--addresses: {host}={address!r} is not an address") from exc
+        found[host] = address
     return found
 
 
@@ -163,6 +172,7 @@ class _Rank:
 
 
 def _plan(args: argparse.Namespace) -> list[_Rank]:
+    # Imported here: pmetal.collectives brings numpy, which other commands do not need.
     from pmetal.collectives.launchenv import LaunchEnv, format_node
 
     if not args.program:
@@ -175,8 +185,9 @@ def _plan(args: argparse.Namespace) -> list[_Rank]:
     if args.hosts is None:
         if args.n is None:
             raise ConfigError("how many ranks? give -n N (or --hosts)")
-        if args.addresses is not None:
-            raise ConfigError("--addresses applies only with --hosts")
+        for name in ("addresses", "rsh"):
+            if getattr(args, name) is not None:
+                raise ConfigError(f"--{name} applies only with --hosts")
         if not args.module and not Path(args.program[0]).is_file():
             raise ConfigError(f"no such script: {args.program[0]!r} (in {os.getcwd()}); "
                               f"give the path of a Python script, or -m MODULE")
@@ -213,7 +224,7 @@ def _plan(args: argparse.Namespace) -> list[_Rank]:
                            "grace": GRACE})
         keeper = [sys.executable, "-c", keeper_source, spec]
         ranks.append(_Rank(r, hosts[r], tuple(keeper if hosts[r] is None
-                                              else _remote(args.rsh, hosts[r], keeper))))
+                                              else _remote(RSH if args.rsh is None else args.rsh, hosts[r], keeper))))
     return ranks
 
 
@@ -236,7 +247,7 @@ def _remote(template: str, host: str, argv: list[str]) -> list[str]:
 
 def _run_launch(args: argparse.Namespace) -> int:
     ranks = _plan(args)
-    return _Job(ranks, tag=args.tag_output, timeout=args.timeout, rsh=args.rsh).run()
+    return _Job(ranks, tag=args.tag_output, timeout=args.timeout, rsh=args.rsh or RSH).run()
 
 
 def _describe(code: int) -> tuple[str, int]:

@@ -29,6 +29,7 @@ does not refuse them as typos.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,11 @@ def parse_node(text: str) -> tuple[str, int]:
         if not sep or not host or "]" in host:
             raise ConfigError(f"{entry!r} is not host:port (an IPv6 host is written "
                               f"[address]:port)")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError as exc:
+            raise ConfigError(f"{entry!r}: {host!r} in brackets is not an IPv6 "
+                              f"address") from exc
     else:
         host, sep, port = entry.rpartition(":")
         if not sep or not host:
