@@ -98,6 +98,25 @@ def _gone(pids: Sequence[int], timeout: float) -> list[int]:
             os.close(fd)
 
 
+def _free_run(count: int) -> int:
+    """The first of ``count`` consecutive ports free on 127.0.0.1 a moment ago."""
+    for _ in range(100):
+        held: list[socket.socket] = []
+        try:
+            first = socket.create_server(("127.0.0.1", 0))
+            held.append(first)
+            base = first.getsockname()[1]
+            for port in range(base + 1, base + count):
+                held.append(socket.create_server(("127.0.0.1", port)))
+            return base
+        except OSError:  # the next port is taken (or past 65535): another try
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise AssertionError(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 class Job:
     """``pmetal launch`` started in the background, with the ranks' reports."""
 
@@ -114,11 +133,27 @@ class Job:
             cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.conns: dict[int, socket.socket] = {}
         self.reports: dict[int, dict[str, Any]] = {}
-        for _ in range(n):
-            conn, _ = self.listener.accept()
-            report = json.loads(conn.makefile().readline())
-            self.conns[report["rank"]] = conn
-            self.reports[report["rank"]] = report
+        # Wait for the next report or for the launcher's exit, whichever comes first:
+        # a launch that fails early shows its stderr instead of a 30 s accept timeout.
+        exited = os.pidfd_open(self.proc.pid)
+        try:
+            poller = select.poll()
+            poller.register(self.listener, select.POLLIN)
+            poller.register(exited, select.POLLIN)
+            deadline = time.monotonic() + DEADLINE
+            while len(self.reports) < n:
+                events = dict(poller.poll(max(0.0, deadline - time.monotonic()) * 1000))
+                if exited in events or not events:
+                    self.proc.kill()
+                    _, err = self.proc.communicate(timeout=DEADLINE)
+                    raise AssertionError(f"{len(self.reports)} of {n} ranks reported; "
+                                         f"launcher status {self.proc.returncode}:\n{err}")
+                conn, _ = self.listener.accept()
+                report = json.loads(conn.makefile().readline())
+                self.conns[report["rank"]] = conn
+                self.reports[report["rank"]] = report
+        finally:
+            os.close(exited)
 
     @property
     def pids(self) -> list[int]:
@@ -181,10 +216,7 @@ def test_every_rank_gets_its_own_rank_and_the_same_nodes(job: Callable[..., Job]
 
 
 def test_base_port_gives_rank_r_port_p_plus_r(job: Callable[..., Job]) -> None:
-    with socket.socket() as probe:  # a port that was free a moment ago, and the next two
-        probe.bind(("127.0.0.1", 0))
-        base = probe.getsockname()[1]
-    base = min(base, 65000)
+    base = _free_run(3)
     run = job(["-n", "3", "--base-port", str(base)], n=3)
     for rank in range(3):
         run.order(rank, 0)
@@ -218,10 +250,11 @@ def test_a_rank_killed_by_a_signal_is_named(job: Callable[..., Job]) -> None:
 
 
 def test_timeout_stops_every_rank(job: Callable[..., Job]) -> None:
-    run = job(["-n", "3", "--timeout", "1"], n=3)
+    # Long enough for the three ranks to start and report on a loaded machine.
+    run = job(["-n", "3", "--timeout", "4"], n=3)
     code, _, err = run.finish()
     assert code == 124
-    assert "timed out after 1 s" in err
+    assert "timed out after 4 s" in err
     assert _gone(run.pids, DEADLINE) == []
 
 
