@@ -269,6 +269,20 @@ def test_a_signal_to_the_launcher_reaches_every_rank(job: Callable[..., Job],
     assert _gone(run.pids, DEADLINE) == []
 
 
+def test_a_second_signal_kills_at_once(job: Callable[..., Job]) -> None:
+    """Rank 1 ignores SIGTERM; the second signal does not wait out its grace period.
+    (Two different signals: two of one kind sent at once may arrive as one.)"""
+    run = job(["-n", "2"], n=2, ignore_term=[1])
+    run.proc.send_signal(signal.SIGTERM)
+    run.proc.send_signal(signal.SIGINT)
+    code, _, err = run.finish()
+    # Pending together, they may be handled in either order (Linux: lowest number first).
+    assert code in (128 + signal.SIGTERM, 128 + signal.SIGINT)
+    assert "while stopping: killing every rank" in err
+    assert "still running" not in err
+    assert _gone(run.pids, DEADLINE) == []
+
+
 def test_ranks_die_with_a_killed_launcher(job: Callable[..., Job]) -> None:
     """kill -9 of the launcher: each rank's keeper sees its stdin close."""
     run = job(["-n", "2"], n=2, ignore_term=[1])
