@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from netlab import NetLab
 
 import pmetal
@@ -34,6 +36,7 @@ from pmetal.cli.launch import GRACE, parse_hosts, place
 from pmetal.collectives.launchenv import (
     LAUNCH_VARIABLES,
     LaunchEnv,
+    format_node,
     from_env,
     parse_node,
 )
@@ -384,6 +387,13 @@ def test_local_rank_defaults_to_the_index_among_the_same_hosts_ranks() -> None:
     local = [from_env({"PMETAL_RANK": str(r), "PMETAL_WORLD_SIZE": "4",
                        "PMETAL_NODES": nodes}).local_rank for r in range(4)]
     assert local == [0, 0, 1, 2]
+
+
+@given(host=st.one_of(st.ip_addresses().map(str),
+                      st.from_regex(r"[a-z][a-z0-9.-]{0,30}", fullmatch=True)),
+       port=st.integers(1, 65535))
+def test_an_entry_reads_back_as_written(host: str, port: int) -> None:
+    assert parse_node(format_node(host, port)) == (host, port)
 
 
 @pytest.mark.parametrize("change, message", [
