@@ -71,6 +71,10 @@ def _keeper_source() -> str:
 
 
 def _launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = ("%(prog)s [-n N] [--hosts H[:SLOTS],...] [--rsh TEMPLATE] "
+                    "[--addresses HOST=ADDR,...]\n"
+                    "       [--base-port P] [--tag-output] [--timeout S] "
+                    "(script.py | -m module) [args...]")
     parser.add_argument("-n", "--np", dest="n", type=int, default=None, metavar="N",
                         help="number of ranks (default with --hosts: the total of the slots)")
     parser.add_argument("--hosts", default=None, metavar="H[:SLOTS],...",
