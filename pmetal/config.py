@@ -5,10 +5,7 @@ Every field can be overridden from the environment as
 Three variables stand outside the sections: ``PMETAL_HOME`` (the folder that
 holds the node key pair, ``~/.pmetal`` by default), ``PMETAL_PSK`` (the
 namespace pre-shared key; never printed) and ``PMETAL_LOG_LEVEL`` (logging
-level of pmetal's own processes: node daemons and workers). ``pmetal launch``
-sets ``PMETAL_RANK``, ``PMETAL_WORLD_SIZE``, ``PMETAL_LOCAL_RANK`` and
-``PMETAL_NODES`` for each rank (see :mod:`pmetal.collectives.launchenv`).
-Any other ``PMETAL_*`` variable is
+level of pmetal's own processes: node daemons and workers). Any other ``PMETAL_*`` variable is
 rejected, so a typo fails loudly instead of being ignored.
 
 Tests shrink timeouts by building a config, never by patching constants::
@@ -49,9 +46,8 @@ _MiB = 1 << 20
 # Variables that do not belong to a section.
 # PMETAL_PSK_HEX is how a node hands its key to the processes it starts (any
 # bytes survive hex; a raw key does not survive an environment string).
-# PMETAL_RANK, _WORLD_SIZE, _LOCAL_RANK and _NODES are what `pmetal launch`
-# gives each rank (pmetal/collectives/launchenv.py reads them): a launched
-# script that calls pmetal.init() must not see them refused as typos.
+# Not config fields: the launcher's rank environment (pmetal launch) and
+# process-wide settings read where they are used.
 _STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_PSK_HEX", "PMETAL_LOG_LEVEL",
                              "PMETAL_RANK", "PMETAL_WORLD_SIZE", "PMETAL_LOCAL_RANK",
                              "PMETAL_NODES"})
