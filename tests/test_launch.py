@@ -495,3 +495,44 @@ def test_an_ssh_style_agent_gets_one_shell_quoted_command(tmp_path: Path) -> Non
     nodes = "127.0.0.1:52480,127.0.0.2:52480"
     assert [json.loads(line.partition(" ")[2]) for line in lines] == [
         [str(r), nodes, ["a b", '"$HOME"'], package] for r in range(2)]
+
+
+# ------------------------------------- with the collectives runtime (after the merge)
+
+ALL_REDUCE_SCRIPT = """
+import numpy as np, pmetal
+config = pmetal.DistributedConfig.from_env()
+ctx = pmetal.DistributedContext(pmetal.RingBackend(config))
+x = np.full(1000, config.rank + 1, np.int64)
+ctx.all_reduce_blocking(x, pmetal.ReduceOp.SUM)
+print(config.rank, int(x.min()), int(x.max()), flush=True)
+ctx.close()
+"""
+
+
+def _all_reduce(folder: Path, launch_args: Sequence[str], n: int, **env: str) -> None:
+    if not hasattr(pmetal, "DistributedConfig"):
+        pytest.skip("needs the collectives' SPMD API (pmetal.DistributedConfig)")
+    (folder / "all_reduce.py").write_text(ALL_REDUCE_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, "-m", "pmetal", "launch", *launch_args, "--tag-output",
+         "--timeout", str(DEADLINE), "all_reduce.py"],
+        cwd=folder, env={**_env(), **env}, capture_output=True, text=True,
+        timeout=2 * DEADLINE, check=False)
+    assert done.returncode == 0, done.stderr
+    total = n * (n + 1) // 2
+    assert sorted(done.stdout.splitlines()) == [f"[{r}] {r} {total} {total}" for r in range(n)]
+
+
+def test_launched_ranks_all_reduce_on_loopback(tmp_path: Path) -> None:
+    _all_reduce(tmp_path, ["-n", "3"], 3)
+
+
+def test_launched_ranks_all_reduce_across_namespaces(netlab: Callable[[int], NetLab],
+                                                     tmp_path: Path) -> None:
+    lab = netlab(2)
+    h1, h2 = lab.hosts
+    _all_reduce(tmp_path, ["--hosts", f"{h1.name}:2,{h2.name}:2",
+                           "--rsh", "ip netns exec {host}",
+                           "--addresses", f"{h1.name}={h1.address},{h2.name}={h2.address}"],
+                4, PMETAL_PSK="a-psk-for-the-launch-lab-test")
