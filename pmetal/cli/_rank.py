@@ -59,9 +59,14 @@ def main():
               file=sys.stderr)
         return 127
     done = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    for signum in signals:
         signal.signal(signum, lambda signum, frame: child.send_signal(signum))
+    # The control thread blocks these signals: one the kernel gave it would wait
+    # for the main thread to wake from child.wait(), which is when the rank ends.
+    saved = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     threading.Thread(target=_control, args=(child, done, spec["grace"]), daemon=True).start()
+    signal.pthread_sigmask(signal.SIG_SETMASK, saved)
     code = child.wait()
     done.set()
     if code < 0:  # die of the same signal, so that the launcher can name it

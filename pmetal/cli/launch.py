@@ -47,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -265,6 +265,19 @@ def _describe(code: int) -> tuple[str, int]:
     return f"exited with code {code}", code
 
 
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _nothing(signum: int, frame: Any) -> None:
+    del signum, frame  # see _Job._catch_signals
+
+
+def _start_thread(target: Callable[..., None], *args: Any, name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, args=args, daemon=True, name=name)
+    thread.start()
+    return thread
+
+
 def _say(text: str) -> None:
     print(f"pmetal launch: {text}", file=sys.stderr, flush=True)
 
@@ -279,13 +292,13 @@ class _Job:
         self.timeout = timeout
         self.rsh = rsh
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
-        # SimpleQueue: put() is safe in a signal handler, get() wakes for one.
+        # Every waiting thread reports here: ("exit", rank, status), ("signal", n, 0).
         self.events: queue.SimpleQueue[tuple[str, int, int]] = queue.SimpleQueue()
         self.pumps: list[threading.Thread] = []
         self.out_lock = threading.Lock()
 
     def run(self) -> int:
-        handlers = self._catch_signals()
+        restore = self._catch_signals()
         try:
             for rank in self.ranks:
                 self._start(rank)
@@ -301,17 +314,41 @@ class _Job:
                     proc.stdin.close()
             for pump in self.pumps:  # a rank's orphan could hold the pipe: bounded
                 pump.join(timeout=2.0)
-            for signum, handler in handlers.items():
-                signal.signal(signum, handler)
+            restore()
 
-    def _catch_signals(self) -> dict[int, Any]:
+    def _catch_signals(self) -> Callable[[], None]:
+        """Turn SIGINT, SIGTERM and SIGHUP into events; return what undoes it.
+
+        Not with a Python handler that puts the event: the kernel gives a
+        process's signal to any thread that does not block it (numpy's BLAS
+        threads too, since pmetal.collectives imports numpy), and Python runs
+        the handler in the main thread only once that thread wakes, which a
+        main thread asleep in events.get() would not. The C-level handler
+        writes the signal's number to the wakeup fd from whichever thread took
+        it, and a thread of ours reads it. The Python handler does nothing;
+        it is there so that the signal neither kills nor interrupts us."""
         if threading.current_thread() is not threading.main_thread():
-            return {}  # signal handlers exist only there (an embedding program)
-        saved = {}
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            saved[signum] = signal.signal(
-                signum, lambda signum, frame: self.events.put(("signal", signum, 0)))
-        return saved
+            return lambda: None  # signals exist only there (an embedding program's thread)
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)  # the C handler must never block
+        saved = {signum: signal.signal(signum, _nothing) for signum in _SIGNALS}
+        saved_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        _start_thread(self._relay_signals, read_end, name="launch-signals")
+
+        def restore() -> None:
+            signal.set_wakeup_fd(saved_fd)
+            for signum, handler in saved.items():
+                signal.signal(signum, handler)
+            os.close(write_end)  # the relay thread reads end of file and closes read_end
+
+        return restore
+
+    def _relay_signals(self, read_end: int) -> None:
+        with open(read_end, "rb", buffering=0) as wakeups:
+            while numbers := wakeups.read(64):
+                for signum in numbers:
+                    if signum in _SIGNALS:
+                        self.events.put(("signal", signum, 0))
 
     def _start(self, rank: _Rank) -> None:
         pipe = subprocess.PIPE if self.tag else None
@@ -322,16 +359,13 @@ class _Job:
             raise ConfigError(f"cannot start rank {rank.rank} ({rank.argv[0]!r}): "
                               f"{exc.strerror}; check --rsh") from exc
         self.procs[rank.rank] = proc
-        threading.Thread(target=self._wait, args=(rank.rank, proc), daemon=True,
-                         name=f"launch-wait-{rank.rank}").start()
+        _start_thread(self._wait, rank.rank, proc, name=f"launch-wait-{rank.rank}")
         if self.tag:
             assert proc.stdout is not None and proc.stderr is not None
             prefix = f"[{rank.rank}] ".encode()
             for stream, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                pump = threading.Thread(target=self._pump, args=(stream, out, prefix),
-                                        daemon=True, name=f"launch-pump-{rank.rank}")
-                pump.start()
-                self.pumps.append(pump)
+                self.pumps.append(_start_thread(self._pump, stream, out, prefix,
+                                                name=f"launch-pump-{rank.rank}"))
 
     def _wait(self, rank: int, proc: subprocess.Popen[bytes]) -> None:
         self.events.put(("exit", rank, proc.wait()))
