@@ -157,7 +157,9 @@ def test_variables_of_other_programs_are_ignored() -> None:
     assert cfg == PMetalConfig()
 
 
-@pytest.mark.parametrize("key", ["PMETAL_HOME", "PMETAL_PSK", "PMETAL_LOG_LEVEL"])
+@pytest.mark.parametrize("key", ["PMETAL_HOME", "PMETAL_PSK", "PMETAL_LOG_LEVEL",
+                                 "PMETAL_RANK", "PMETAL_WORLD_SIZE", "PMETAL_LOCAL_RANK",
+                                 "PMETAL_NODES"])
 def test_standalone_variables_are_not_sections(key: str) -> None:
     assert load_config(env={key: "/some/value"}) == PMetalConfig()
 

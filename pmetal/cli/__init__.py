@@ -7,8 +7,9 @@ returns the exit status. A later subcommand (``bench``, ``generate``,
 
 This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
-``daemon`` (``start``, ``stop``, the node.json record) and ``status``
-(``status``, ``kill``).
+``daemon`` (``start``, ``stop``, the node.json record), ``status``
+(``status``, ``kill``), ``discover`` and ``launch`` (with ``_rank``, the
+keeper each launched rank runs under).
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
 traceback), 2 a usage or configuration error, 130 interrupted.
@@ -28,6 +29,7 @@ from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_ar
                               _run_config, _run_identity, _run_keygen)
 from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
 from pmetal.cli.discover import _discover_arguments, _run_discover
+from pmetal.cli.launch import _launch_arguments, _run_launch
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
 from pmetal.errors import ConfigError, PMetalError
 
@@ -64,6 +66,8 @@ COMMANDS: dict[str, Command] = {
                     _run_kill, _kill_arguments),
     "discover": Command("list the pmetal nodes visible on the network (mDNS)",
                         _run_discover, _discover_arguments),
+    "launch": Command("run a script as N ranks (SPMD), here or on --hosts, with the rank "
+                      "environment set", _run_launch, _launch_arguments),
 }
 
 
