@@ -19,8 +19,10 @@ numbered in call order, the same on every rank.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -80,7 +82,6 @@ class Schedule:
 @functools.lru_cache(maxsize=256)
 def _plan(op: str, strategy: str, world: int, root: int, n_elements: int,
           order: tuple[int, ...] | None, parts: int, term: int, epoch: int) -> Plan:
-    import dataclasses
     plan = make_plan(op, strategy, world, root, n_elements, order=order, pipeline_parts=parts)
     return dataclasses.replace(plan, term=term, epoch=epoch)
 
@@ -194,7 +195,6 @@ class Group:
     def recv(self, x: Any, from_rank: int, *, timeout: float | None = None) -> Any:
         """Receive into ``x`` (its shape and dtype must match what
         ``from_rank`` sent) the next array ``from_rank`` sent this rank."""
-        import time
         array, back = _as_array(x)
         self._check_peer(from_rank)
         with self._lock:
