@@ -7,8 +7,8 @@ returns the exit status. A later subcommand (``bench``, ``generate``,
 
 This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
-``daemon`` (``start``, ``stop``, the node.json record) and ``status``
-(``status``, ``kill``).
+``daemon`` (``start``, ``stop``, the node.json record), ``status``
+(``status``, ``kill``), ``discover`` and ``bench``.
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
 traceback), 2 a usage or configuration error, 130 interrupted.
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pmetal._version import __version__
 from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_arguments,
                               _run_config, _run_identity, _run_keygen)
+from pmetal.cli.bench import _bench_arguments, _run_bench
 from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
 from pmetal.cli.discover import _discover_arguments, _run_discover
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
@@ -64,6 +65,8 @@ COMMANDS: dict[str, Command] = {
                     _run_kill, _kill_arguments),
     "discover": Command("list the pmetal nodes visible on the network (mDNS)",
                         _run_discover, _discover_arguments),
+    "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
+                     "nccl-tests)", _run_bench, _bench_arguments),
 }
 
 
