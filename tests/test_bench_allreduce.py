@@ -81,11 +81,12 @@ class _SumComm:
 
 @pytest.mark.parametrize("spoil, wrong", [(False, 0), (True, 3 * 10)])
 def test_the_checker_counts_every_wrong_element(spoil: bool, wrong: int) -> None:
-    spec = BenchSpec(world=3, sizes=(65536,), iters=2, warmup=1)
-    got = _measure(_SumComm(3, spoil), spec, 65536, "ring", _inputs(16384, 0),
-                   _expected(16384, 3))
-    assert got["wrong"] == wrong   # 3 repetitions x 10 back-to-back operations
-    assert len(got["times"]) == 2
+    spec = BenchSpec(world=3, sizes=(65536,), strategies=("ring", "auto"), iters=2,
+                     warmup=1)
+    got = _measure(_SumComm(3, spoil), spec, 65536, _inputs(16384, 0), _expected(16384, 3))
+    for strategy in ("ring", "auto"):
+        assert got[strategy]["wrong"] == wrong   # 3 repetitions x 10 operations
+        assert len(got[strategy]["times"]) == 2
 
 
 def test_sizes_and_their_spelling() -> None:

@@ -5,9 +5,9 @@ Layout: every rank is its own process (``python -m pmetal.bench.allreduce
 --worker JOB``) on 127.0.0.1, forming a group with
 :class:`~pmetal.collectives.spmd.RingBackend` as a user's script would.
 One set of processes per world size (and same-machine setting) measures
-every size and every strategy, interleaved size by size so that a noisy
-machine hurts the strategies alike: ``ring``, ``tree``, ``naive`` are
-forced per call, ``auto`` is the group's own choice.
+every size and every strategy, the strategies taking turns repetition by
+repetition so that a noisy machine hurts them alike: ``ring``, ``tree``,
+``naive`` are forced per call, ``auto`` is the group's own choice.
 
 Each size: warm-up repetitions, then ``iters`` timed ones; each starts
 after a barrier and times ``batch_for(size)`` back-to-back operations
@@ -212,28 +212,31 @@ class _GlooComm:
 _COMMS = {"pmetal": _PmetalComm, "gloo": _GlooComm}
 
 
-def _measure(comm: Any, spec: BenchSpec, size: int, strategy: str, source: np.ndarray,
-             expected: np.ndarray) -> dict[str, Any]:
-    """One size and strategy on this rank: per-operation seconds of each
-    timed repetition, and the wrong elements of every repetition."""
+def _measure(comm: Any, spec: BenchSpec, size: int, source: np.ndarray,
+             expected: np.ndarray) -> dict[str, dict[str, Any]]:
+    """One size on this rank, every strategy: per-operation seconds of
+    each timed repetition, and the wrong elements of every repetition.
+    The strategies take turns repetition by repetition, so that a busy
+    spell of the machine hits them alike."""
     import numpy as np
     k = batch_for(size)
     buffers = [np.empty_like(source) for _ in range(k)]
     handles = [comm.wrap(b) for b in buffers]
-    times: list[float] = []
-    wrong = 0
+    out: dict[str, dict[str, Any]] = {s: {"times": [], "wrong": 0} for s in spec.strategies}
     for rep in range(spec.warmup + spec.iters):
-        for b in buffers:
-            np.copyto(b, source)
-        comm.barrier()
-        start = time.perf_counter()
-        for h in handles:
-            comm.all_reduce(h, strategy)
-        elapsed = time.perf_counter() - start
-        wrong += sum(int(np.count_nonzero(b != expected)) for b in buffers)
-        if rep >= spec.warmup:
-            times.append(elapsed / k)
-    return {"times": times, "wrong": wrong}
+        for strategy in spec.strategies:
+            for b in buffers:
+                np.copyto(b, source)
+            comm.barrier()
+            start = time.perf_counter()
+            for h in handles:
+                comm.all_reduce(h, strategy)
+            elapsed = time.perf_counter() - start
+            out[strategy]["wrong"] += sum(int(np.count_nonzero(b != expected))
+                                          for b in buffers)
+            if rep >= spec.warmup:
+                out[strategy]["times"].append(elapsed / k)
+    return out
 
 
 def _worker(job_path: str) -> None:
@@ -253,11 +256,10 @@ def _worker(job_path: str) -> None:
     import numpy as np
     first_wrong = int(np.count_nonzero(first != _expected(n, spec.world)))
     results: dict[str, dict[str, Any]] = {}
-    for size in spec.sizes:  # size by size, every strategy: noise hits them alike
+    for size in spec.sizes:
         source, expected = _inputs(size // 4, rank), _expected(size // 4, spec.world)
-        for strategy in spec.strategies:
-            results[f"{strategy}/{size}"] = _measure(comm, spec, size, strategy, source,
-                                                     expected)
+        for strategy, got in _measure(comm, spec, size, source, expected).items():
+            results[f"{strategy}/{size}"] = got
     comm.barrier()
     comm.close()
     with open(job["out"], "w") as f:

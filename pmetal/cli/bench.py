@@ -90,7 +90,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         worlds = tuple(int(w) for w in args.world.split(",") if w.strip())
     except ValueError:
         raise ConfigError(f"--world {args.world!r}: write world sizes such as 2,4") from None
-    strategies = tuple(s.strip() for s in args.strategy.split(",") if s.strip())
+    strategies = tuple(dict.fromkeys(s.strip() for s in args.strategy.split(",") if s.strip()))
     unknown = sorted(set(strategies) - set(_STRATEGIES))
     if unknown or not strategies:
         raise ConfigError(f"--strategy {args.strategy!r}: choose among "
