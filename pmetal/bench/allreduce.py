@@ -167,6 +167,10 @@ class _PmetalComm:
     def connect(self) -> None:
         self.ctx.connect_blocking()
 
+    def links(self) -> str:
+        """What carries the data (TcpLinks; shared memory once it exists)."""
+        return type(self.ctx.group.links).__name__
+
     def wrap(self, buffer: np.ndarray) -> Any:
         return buffer
 
@@ -191,6 +195,9 @@ class _GlooComm:
         torch.set_num_threads(1)
         self.torch, self.dist = torch, dist
         self.rank, self.world, self.store = rank, spec.world, nodes[0]
+
+    def links(self) -> str:
+        return "gloo"
 
     def connect(self) -> None:
         self.dist.init_process_group("gloo", init_method=f"tcp://{self.store}",
@@ -265,7 +272,8 @@ def _worker(job_path: str) -> None:
     with open(job["out"], "w") as f:
         json.dump({"rank": rank, "started": started, "imported": imported,
                    "connected": connected, "first_done": first_done,
-                   "first_wrong": first_wrong, "results": results}, f)
+                   "first_wrong": first_wrong, "links": comm.links(), "results": results},
+                  f)
 
 
 def _spec_from_json(data: dict[str, Any]) -> BenchSpec:
@@ -312,6 +320,7 @@ class WorldResult:
     spec: BenchSpec
     rows: dict[str, list[Row]]   # by strategy ("gloo" for --system gloo)
     cold: ColdStart
+    links: str = ""              # what carried the data, by type (rank 0's)
 
 
 def _free_ports(count: int) -> list[int]:
@@ -415,7 +424,7 @@ def _merge(spec: BenchSpec, spawned: float, outs: list[dict[str, Any]]) -> World
         - max(o["imported"] for o in outs),
         first_op=max(o["first_done"] - o["connected"] for o in outs),
         wrong=sum(o["first_wrong"] for o in outs))
-    return WorldResult(spec=spec, rows=rows, cold=cold)
+    return WorldResult(spec=spec, rows=rows, cold=cold, links=outs[0]["links"])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

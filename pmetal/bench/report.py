@@ -115,7 +115,8 @@ def _us(seconds: float) -> str:
 
 def _table(result: WorldResult, name: str, markdown: bool) -> str:
     spec = result.spec
-    path = "TCP 127.0.0.1" if not spec.same_machine else "same-machine path on"
+    path = (f"same-machine path on ({result.links})" if spec.same_machine
+            else f"TCP 127.0.0.1 ({result.links})")
     title = (f"{spec.world} ranks, {name}" + ("" if name == "gloo" else f", {path}")
              + f": median of {spec.iters} after {spec.warmup} warm-ups, slowest rank")
     auto = name == "auto"
