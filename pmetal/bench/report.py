@@ -86,7 +86,7 @@ def run(options: Options, out: TextIO = sys.stdout) -> list[WorldResult]:
             p(_table(result, "gloo", options.markdown))
     p(_cold(results, options.markdown))
     p(_targets(results, gloo, options.markdown))
-    p(f"\nload average at the end: {_load()}")
+    p(f"\nload average at the end: {_load()}; memcpy 64 MiB at the end: {_memcpy()}")
     return results
 
 
@@ -255,6 +255,24 @@ def _load() -> str:
         return "unknown"
 
 
+def _memcpy() -> str:
+    """One thread's 64 MiB copy now (median of 7): how much memory
+    bandwidth the machine has left for this sitting; large all_reduces
+    move each byte several times through memory."""
+    import time
+
+    import numpy as np
+    a = np.ones(64 * MiB // 4, np.float32)
+    b = np.empty_like(a)
+    np.copyto(b, a)
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        np.copyto(b, a)
+        times.append(time.perf_counter() - start)
+    return f"{64 * MiB / sorted(times)[3] / 1e9:.1f} GB/s (anchors README: 4.9-6.0)"
+
+
 def _header(options: Options) -> str:
     import pmetal
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -267,6 +285,7 @@ def _header(options: Options) -> str:
         (f"# sizes {fmt_size(sizes[0])} to {fmt_size(sizes[-1])}; each repetition starts "
          "after a barrier and times 50 back-to-back operations up to 4 KiB, 10 up to "
          "256 KiB, 1 above; time = the slowest rank's per operation"),
+        f"# memcpy 64 MiB, one thread, now: {_memcpy()}",
         ("# algbw = size / time, busbw = algbw x 2(n-1)/n (nccl-tests), GB/s = 1e9 B/s; "
          "#wrong = elements differing from the exact sum, every repetition, every rank"),
     ]
