@@ -157,7 +157,8 @@ def _cold(results: Sequence[WorldResult], markdown: bool) -> str:
              "slowest rank")
     notes = (f"({README}, not this run: {', '.join(f'{k} {v}' for k, v in ANCHOR_INIT.items())})")
     heading = f"\n### {title}\n" if markdown else f"\n# {title}"
-    return heading + "\n" + _grid(header, rows, markdown, left=1) + "\n" + notes
+    gap = "\n\n" if markdown else "\n"  # markdown: a line after a table must not join it
+    return heading + "\n" + _grid(header, rows, markdown, left=1) + gap + notes
 
 
 def _find(results: Sequence[WorldResult], world: int, *, system: str = "pmetal",
@@ -235,7 +236,7 @@ def _targets(results: Sequence[WorldResult], gloo_ran: bool, markdown: bool) -> 
                      _versus(what, auto, mpi_range)])
     title = "Targets (float32 sum; TCP loopback with the same-machine path off unless said)"
     heading = f"\n### {title}\n" if markdown else f"\n# {title}"
-    lines = [heading, _grid(header, rows, markdown, left=1)]
+    lines = [heading, _grid(header, rows, markdown, left=1) + ("\n" if markdown else "")]
     if not gloo_ran:
         lines.append("torch.distributed gloo: " + (
             "not run (--anchors off)" if importlib.util.find_spec("torch") else
