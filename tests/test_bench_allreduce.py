@@ -100,6 +100,10 @@ def test_sizes_and_their_spelling() -> None:
         BenchSpec(world=1, sizes=(4,))
 
 
-def test_unknown_strategy_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_options_are_usage_errors_before_anything_runs(
+        capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "allreduce", "--strategy", "ring,fastest"]) == 2
     assert "choose among" in capsys.readouterr().err
+    assert main(["bench", "allreduce", "--world", "2,1"]) == 2
+    captured = capsys.readouterr()
+    assert "at least 2 ranks" in captured.err and captured.out == ""

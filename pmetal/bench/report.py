@@ -62,14 +62,16 @@ def run(options: Options, out: TextIO = sys.stdout) -> list[WorldResult]:
     """Measure and print; returns every world's result."""
     gloo = options.anchors and importlib.util.find_spec("torch") is not None
     p = lambda *a: print(*a, file=out, flush=True)
+    specs = {(world, same): BenchSpec(  # every spec checked before anything runs
+        world=world, sizes=options.sizes, strategies=options.strategies,
+        iters=options.iters, warmup=options.warmup, same_machine=same,
+        chunk_bytes=options.chunk_bytes, tree_max_bytes=options.tree_max_bytes,
+        timeout=options.timeout) for world in options.worlds for same in options.same_machine}
     p(_header(options))
     results: list[WorldResult] = []
     for world in options.worlds:
         for same in options.same_machine:
-            spec = BenchSpec(world=world, sizes=options.sizes, strategies=options.strategies,
-                             iters=options.iters, warmup=options.warmup, same_machine=same,
-                             chunk_bytes=options.chunk_bytes,
-                             tree_max_bytes=options.tree_max_bytes, timeout=options.timeout)
+            spec = specs[(world, same)]
             print(f"pmetal bench allreduce: {world} ranks, same-machine path "
                   f"{'on' if same else 'off'} ...", file=sys.stderr, flush=True)
             result = run_world(spec)
