@@ -256,6 +256,7 @@ def _worker(job_path: str) -> None:
     imported = time.time()
     comm.connect()
     connected = time.time()
+    links = comm.links()
     n = FIRST_OP_BYTES // 4
     first = _inputs(n, rank)
     comm.all_reduce(comm.wrap(first), "auto")
@@ -272,7 +273,7 @@ def _worker(job_path: str) -> None:
     with open(job["out"], "w") as f:
         json.dump({"rank": rank, "started": started, "imported": imported,
                    "connected": connected, "first_done": first_done,
-                   "first_wrong": first_wrong, "links": comm.links(), "results": results},
+                   "first_wrong": first_wrong, "links": links, "results": results},
                   f)
 
 
