@@ -28,7 +28,11 @@ first): from the spawn of the processes to the group formed and to the
 first 4 KiB all_reduce's result on the slowest rank.
 
 ``--system gloo`` runs the same loop over torch.distributed's gloo (when
-torch is installed) in the same process layout.
+torch is installed) in the same process layout. Its rendezvous (torch's
+TCPStore on rank 0) listens on every interface whatever address it is
+given; the anchors run it in a loopback-only network namespace for that
+reason, and ``--anchors off`` skips it. Untested here: torch is not
+installed on the machine this was written on.
 """
 
 from __future__ import annotations
