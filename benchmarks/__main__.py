@@ -4,6 +4,7 @@
     python -m benchmarks transport      # one suite
     python -m benchmarks --quick        # fewer repetitions (smoke run)
     python -m benchmarks instructions   # opt-in: instruction counts (valgrind)
+    python -m benchmarks allreduce      # opt-in: collectives, = pmetal bench allreduce
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -13,10 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, cluster, instructions, transport
+from benchmarks import actors, allreduce, cluster, instructions, transport
 
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main}
-OPT_IN = {"instructions": instructions.main}   # run only when named
+# Run only when named: instructions needs valgrind; allreduce takes a
+# minute or two by itself (its figures: docs/performance.md, Collectives).
+OPT_IN = {"instructions": instructions.main, "allreduce": allreduce.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ returns the exit status. A later subcommand (``bench``, ``generate``,
 This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
 ``daemon`` (``start``, ``stop``, the node.json record), ``status``
-(``status``, ``kill``), ``discover`` and ``launch`` (with ``_rank``, the
-keeper each launched rank runs under).
+(``status``, ``kill``), ``discover``, ``launch`` (with ``_rank``, the
+keeper each launched rank runs under) and ``bench``.
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
 traceback), 2 a usage or configuration error, 130 interrupted.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pmetal._version import __version__
 from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_arguments,
                               _run_config, _run_identity, _run_keygen)
+from pmetal.cli.bench import _bench_arguments, _run_bench
 from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
 from pmetal.cli.discover import _discover_arguments, _run_discover
 from pmetal.cli.launch import _launch_arguments, _run_launch
@@ -68,6 +69,8 @@ COMMANDS: dict[str, Command] = {
                         _run_discover, _discover_arguments),
     "launch": Command("run a script as N ranks (SPMD), here or on --hosts, with the rank "
                       "environment set", _run_launch, _launch_arguments),
+    "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
+                     "nccl-tests)", _run_bench, _bench_arguments),
 }
 
 
