@@ -58,9 +58,10 @@ def create_group(actors: Sequence[ActorHandle], *, name: str,
     ``actors[r]``). ``config`` may force the strategy and chunk size and
     sets the operations' timeout and the connection timeout (default: the
     ``collectives`` section of the configuration). Idempotent: the same
-    actors and settings return the group there is. Other actors or
-    settings form it anew under the same name (a new epoch), for example
-    over the survivors after a member died; members then call
+    actors and settings return the group there is, unless an operation
+    failed in it. Otherwise it forms anew under the same name (a new
+    epoch), for example over the survivors after a member died, or over
+    the same members after one stalled; members then call
     :func:`get_group` again, and one that keeps using the old formation is
     refused with :class:`CollectiveError`."""
     formation, _ = rendezvous.form(actors, name, config)

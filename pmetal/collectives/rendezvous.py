@@ -17,8 +17,9 @@ collective "Info" actor), made by :func:`form` on the caller's node.
   members share one node or the topology lacks one of them), applies the
   :class:`~pmetal.config.CollectiveConfig` (which may force the strategy
   and chunk size) and hands the proposal to the rendezvous actor. The same
-  members and settings again return the formation there is; anything else
-  makes a new one (epoch + 1, a fresh formation id).
+  members and settings again return the formation there is, unless an
+  operation failed in it; anything else makes a new one (epoch + 1, a
+  fresh formation id).
 - :func:`join_group` (``get_group`` inside a member's method) fetches the
   formation, finds the caller's rank from its actor id, listens on its
   worker's host (port 0), registers the address with the rendezvous actor
@@ -29,8 +30,10 @@ collective "Info" actor), made by :func:`form` on the caller's node.
 - The :class:`ActorGroup` it returns is a :class:`~pmetal.collectives.group.Group`
   cached per process and name. An operation that fails (a member died or
   stalled) closes this rank's connections, so every other member's
-  operation fails at once instead of at its timeout; the formation is
-  then spent and the driver forms the group again over the live members.
+  operation fails at once instead of at its timeout, and tells the
+  rendezvous actor: the formation is spent, and the driver forms the group
+  again over the live members (the same members too, when the one that
+  failed was only stalled).
   A member that holds a formation older than the rendezvous actor's (or a
   group since destroyed) is refused with a :class:`CollectiveError` that
   says so.
@@ -134,11 +137,12 @@ class Rendezvous:
         self._epochs = 0
         self._joined: dict[int, tuple[str, int]] = {}
         self._complete = False
+        self._failed = False
         self._changed = asyncio.Condition()
 
     async def form(self, proposal: Formation) -> Formation:
         current = self.formation
-        if current is not None and current.same_request(proposal):
+        if current is not None and current.same_request(proposal) and not self._failed:
             return current
         self._epochs += 1
         schedule = dataclasses.replace(proposal.schedule, epoch=self._epochs)
@@ -148,12 +152,25 @@ class Rendezvous:
             self.formation = formation
             self._joined = {}
             self._complete = False
+            self._failed = False
             self._changed.notify_all()
         log.info("collective group %r formed: epoch %d, %d members, term %d",
                  self.name, formation.epoch, formation.size, schedule.term)
         return formation
 
     async def current(self) -> Formation | None:
+        return self.formation
+
+    async def failed(self, formation_id: str) -> Formation | None:
+        """A member's operation failed in formation ``formation_id``: it is
+        spent, so forming the group again, even over the same members (a
+        member that stalled and came back), makes a new formation. Returns
+        the current formation."""
+        if self.formation is not None and self.formation.formation_id == formation_id:
+            if not self._failed:
+                log.info("collective group %r: an operation failed in epoch %d", self.name,
+                         self.formation.epoch)
+            self._failed = True
         return self.formation
 
     async def join(self, formation_id: str, rank: int, address: tuple[str, int],
@@ -374,7 +391,8 @@ class ActorGroup(Group):
         the group formed again without waiting for us, or was destroyed."""
         client = context.current()
         try:
-            now = _ask(client, self._rendezvous, "current", timeout=_EXPLAIN_WAIT)
+            now = _ask(client, self._rendezvous, "failed", self.formation.formation_id,
+                       timeout=_EXPLAIN_WAIT)
         except PMetalError:
             return (f"{failure} (the group's rendezvous actor is gone: the group was "
                     "destroyed or its node died; create it again)")
@@ -389,11 +407,19 @@ class ActorGroup(Group):
 
 class _LocalGroups:
     """This process's memberships, by group name (one per name: a process
-    hosts one actor)."""
+    hosts one actor). One lock per name: joining a group waits for the
+    other members, and a threaded actor joining two groups at once must
+    not make one wait behind the other (their members may join them in
+    the other order)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.groups: dict[str, ActorGroup] = {}
+        self._joining: dict[str, threading.Lock] = {}
+
+    def lock_for(self, name: str) -> threading.Lock:
+        with self.lock:
+            return self._joining.setdefault(name, threading.Lock())
 
     def drop(self, name: str, why: str) -> None:
         with self.lock:
@@ -421,7 +447,7 @@ def join_group(name: str) -> ActorGroup:
             f"there is no collective group named {name!r}: create it from the driver with "
             f"pmetal.collective.create_group(actors, name={name!r}) first")
     timeout = client.config.transport.request_timeout
-    with _local.lock:
+    with _local.lock_for(name):
         formation: Formation | None = _ask(client, rendezvous, "current", timeout=timeout)
         if formation is None:
             raise PMetalValueError(f"collective group {name!r} is not formed yet")
@@ -429,8 +455,7 @@ def join_group(name: str) -> ActorGroup:
         if cached is not None:
             if cached.formation.formation_id == formation.formation_id and not cached.closed:
                 return cached
-            del _local.groups[name]
-            cached.supersede(f"the group formed again as epoch {formation.epoch}")
+            _local.drop(name, f"the group formed again as epoch {formation.epoch}")
         rank = formation.rank_of(actor_id)
         if rank is None:
             raise PMetalValueError(
@@ -438,7 +463,8 @@ def join_group(name: str) -> ActorGroup:
                 f"(epoch {formation.epoch}, members {list(formation.members)}); add it with "
                 "create_group from the driver")
         group = _connect(client, formation, rank, rendezvous)
-        _local.groups[name] = group
+        with _local.lock:
+            _local.groups[name] = group
         return group
 
 

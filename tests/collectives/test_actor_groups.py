@@ -209,6 +209,43 @@ def test_a_killed_member_fails_every_survivor_then_the_survivors_reform(
         pmetal.get(survivors[0].use_kept.remote(), timeout=WAIT)
 
 
+def test_a_stalled_member_fails_the_others_at_the_timeout_then_all_reform(
+        members: Any, group_name: str) -> None:
+    """SIGSTOP (a member that hangs without closing anything): the others
+    raise at the operation's timeout, not later; once it runs again the same
+    three actors form a new epoch and work."""
+    config = CollectiveConfig(timeout=2.0, connect_timeout=WAIT)
+    actors = members(3)
+    collective.create_group(actors, name=group_name, config=config)
+    victim = actors[0]
+    victim_pid = pmetal.get(victim.pid.remote(), timeout=WAIT)
+    spins = [a.spin.remote(group_name, 1 << 10, 10**9) for a in actors]
+    assert pmetal.get(victim.started.remote(), timeout=WAIT)
+    os.kill(victim_pid, signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        for ref in spins[1:]:
+            with pytest.raises(CollectiveError, match="form the group again"):
+                pmetal.get(ref, timeout=config.timeout + DEATH_WAIT)
+        elapsed = time.monotonic() - stopped
+        print(f"both others raised CollectiveError {elapsed:.2f} s after the SIGSTOP "
+              f"(operation timeout {config.timeout:g} s)")
+        assert elapsed < config.timeout + DEATH_WAIT
+    finally:
+        os.kill(victim_pid, signal.SIGCONT)
+    with pytest.raises(CollectiveError):   # its peers closed their connections
+        pmetal.get(spins[0], timeout=WAIT)
+
+    again = collective.create_group(actors, name=group_name, config=config)
+    assert again.epoch == 2   # the same members, but epoch 1 failed
+    assert pmetal.get([a.join.remote(group_name) for a in actors],
+                      timeout=WAIT) == [(0, 3, 2), (1, 3, 2), (2, 3, 2)]
+    value = np.ones(3, dtype=np.int32)
+    for result in pmetal.get([a.all_reduce.remote(group_name, value) for a in actors],
+                             timeout=WAIT):
+        np.testing.assert_array_equal(result, value * 6)
+
+
 def test_destroy_group(members: Any, group_name: str) -> None:
     (actor,) = members(1)
     collective.create_group([actor], name=group_name, config=CONFIG)
