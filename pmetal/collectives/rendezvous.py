@@ -7,19 +7,20 @@ membership epoch at the time the group formed, and the group's own epoch,
 which grows each time the group forms anew under the same name. The
 formation lives in a **rendezvous actor** (:class:`Rendezvous`, an async,
 detached pmetal actor named ``pmetal-collective:<name>``, like Ray's
-collective "Info" actor), made by :func:`form` on the caller's node.
+collective "Info" actor), started by :func:`form` on the master's node.
 
-- :func:`form` (the driver's ``create_group``) reads the cluster as the
-  caller's node knows it from the master (term, membership epoch, the
-  topology's link figures), orders the ring by
+- :func:`form` (the driver's ``create_group``) sends the request (members
+  in rank order, their nodes, the :class:`~pmetal.config.CollectiveConfig`,
+  which may force the strategy and chunk size) to the rendezvous actor.
+  There, on the master's node, :meth:`Rendezvous.form` reads the cluster
+  as that node knows it (term, membership epoch, the topology's link
+  figures), orders the ring by
   :meth:`~pmetal.cluster.topology.ClusterTopology.best_ring` over the
   members' nodes (members of one node side by side; rank order when the
-  members share one node or the topology lacks one of them), applies the
-  :class:`~pmetal.config.CollectiveConfig` (which may force the strategy
-  and chunk size) and hands the proposal to the rendezvous actor. The same
-  members and settings again return the formation there is, unless an
-  operation failed in it; anything else makes a new one (epoch + 1, a
-  fresh formation id).
+  members share one node or the topology lacks one of them) and stamps
+  the formation. The same request again returns the formation there is,
+  unless an operation failed in it; anything else makes a new one
+  (epoch + 1, a fresh formation id).
 - :func:`join_group` (``get_group`` inside a member's method) fetches the
   formation, finds the caller's rank from its actor id, listens on its
   worker's host (port 0), registers the address with the rendezvous actor
@@ -38,9 +39,11 @@ collective "Info" actor), made by :func:`form` on the caller's node.
   group since destroyed) is refused with a :class:`CollectiveError` that
   says so.
 
-The schedule is computed by the caller of ``create_group`` from its node's
-view of the cluster, which follows the master's member list and term; it
-is not a round trip to the master itself.
+The rendezvous actor stays on the node that was master when the group
+first formed: after an election it goes on scheduling the group from that
+node's view, which follows the new master's term. If that node dies, the
+members keep their connections but ``get_group`` and ``create_group``
+start over with a new rendezvous actor.
 """
 
 from __future__ import annotations
@@ -62,8 +65,10 @@ from pmetal.collectives import tcplinks
 from pmetal.collectives.group import Group, Schedule
 from pmetal.config import CollectiveConfig
 from pmetal.errors import (
+    ActorDiedError,
     CollectiveError,
     PMetalError,
+    PMetalTimeoutError,
     PMetalTypeError,
     PMetalValueError,
     RemoteError,
@@ -115,13 +120,6 @@ class Formation:
         except ValueError:
             return None
 
-    def same_request(self, other: Formation) -> bool:
-        """Whether ``other`` asks for this formation (so forming it again
-        is a no-op): same members, nodes and settings."""
-        mine = dataclasses.replace(self.schedule, epoch=0, term=0)
-        theirs = dataclasses.replace(other.schedule, epoch=0, term=0)
-        return (self.members, self.nodes, mine, self.timeout, self.connect_timeout) == (
-            other.members, other.nodes, theirs, other.timeout, other.connect_timeout)
 
 
 # ----------------------------------------------------------- the actor
@@ -134,28 +132,50 @@ class Rendezvous:
     def __init__(self, name: str) -> None:
         self.name = name
         self.formation: Formation | None = None
+        self._request: Formation | None = None  # what the caller asked for it
+        self._forming = asyncio.Lock()
         self._epochs = 0
         self._joined: dict[int, tuple[str, int]] = {}
         self._complete = False
         self._failed = False
         self._changed = asyncio.Condition()
 
-    async def form(self, proposal: Formation) -> Formation:
-        current = self.formation
-        if current is not None and current.same_request(proposal) and not self._failed:
-            return current
-        self._epochs += 1
-        schedule = dataclasses.replace(proposal.schedule, epoch=self._epochs)
-        formation = dataclasses.replace(proposal, epoch=self._epochs, schedule=schedule,
-                                        formation_id=secrets.token_hex(8))
-        async with self._changed:
-            self.formation = formation
-            self._joined = {}
-            self._complete = False
-            self._failed = False
-            self._changed.notify_all()
-        log.info("collective group %r formed: epoch %d, %d members, term %d",
-                 self.name, formation.epoch, formation.size, schedule.term)
+    def cluster_view(self) -> dict[str, Any]:
+        """The cluster as this actor's node knows it: the master's term,
+        the membership epoch, the topology (blocking: run in a thread).
+        The one piece of I/O of the schedule; tests override it."""
+        cluster: dict[str, Any] = context.current().status().get("cluster") or {}
+        return cluster
+
+    async def form(self, request: Formation) -> Formation:
+        """Form the group ``request`` asks for (members, nodes, settings;
+        its term, order and epochs are decided here), or return the
+        formation there is when the request is the same and nothing failed
+        in it."""
+        async with self._forming:
+            current = self.formation
+            if current is not None and request == self._request and not self._failed:
+                return current
+            cluster = await asyncio.to_thread(self.cluster_view)
+            if cluster.get("role") not in (None, "master"):
+                log.info("collective group %r is scheduled on a node that is not the master "
+                         "(it was when the group first formed); term %s", self.name,
+                         cluster.get("term"))
+            self._epochs += 1
+            schedule = dataclasses.replace(
+                request.schedule, epoch=self._epochs, term=int(cluster.get("term") or 0),
+                order=ring_order(request.nodes, cluster.get("topology")))
+            formation = dataclasses.replace(
+                request, epoch=self._epochs, schedule=schedule,
+                cluster_epoch=int(cluster.get("epoch") or 0), formation_id=secrets.token_hex(8))
+            async with self._changed:
+                self.formation, self._request = formation, request
+                self._joined = {}
+                self._complete = False
+                self._failed = False
+                self._changed.notify_all()
+        log.info("collective group %r formed: epoch %d, %d members, term %d, ring %s",
+                 self.name, formation.epoch, formation.size, schedule.term, schedule.order)
         return formation
 
     async def current(self) -> Formation | None:
@@ -294,26 +314,31 @@ def form(actors: Sequence[ActorHandle], name: str,
     client = context.current()
     if config is None:
         config = client.config.collectives
-    cluster = client.status().get("cluster") or {}
-    nodes = tuple(h._node_id for h in handles)
-    schedule = Schedule.from_config(name, len(handles), config,
-                                    term=int(cluster.get("term") or 0),
-                                    order=ring_order(nodes, cluster.get("topology")))
-    proposal = Formation(name, 0, "", ids, nodes, schedule, int(cluster.get("epoch") or 0),
-                         config.timeout, config.connect_timeout)
-    timeout = client.config.transport.request_timeout
-    rendezvous = _rendezvous(client, name)
-    if rendezvous is None:
-        options = {"name": RENDEZVOUS_PREFIX + name, "lifetime": "detached"}
-        try:
-            rendezvous = ActorClass(Rendezvous, options).remote(name)
-        except PMetalError as exc:
-            # Another process may have made it meanwhile: use that one.
-            rendezvous = _rendezvous(client, name)
-            if rendezvous is None:
-                raise CollectiveError(f"cannot start the rendezvous actor of collective "
-                                      f"group {name!r}: {exc}") from exc
-    return _ask(client, rendezvous, "form", proposal, timeout=timeout), rendezvous
+    # What the caller decides: members and settings. Term, epochs and ring
+    # order are the rendezvous actor's, on the master's node.
+    request = Formation(name, 0, "", ids, tuple(h._node_id for h in handles),
+                        Schedule.from_config(name, len(handles), config), 0, config.timeout,
+                        config.connect_timeout)
+    rendezvous = _rendezvous(client, name) or _start_rendezvous(client, name)
+    formation = _ask(client, rendezvous, "form", request,
+                     timeout=client.config.transport.request_timeout)
+    return formation, rendezvous
+
+
+def _start_rendezvous(client: Any, name: str) -> ActorHandle:
+    """Start group ``name``'s rendezvous actor on the master's node, so that
+    the master schedules the group."""
+    master = (client.status().get("cluster") or {}).get("master") or ""
+    options = {"name": RENDEZVOUS_PREFIX + name, "lifetime": "detached", "node": master}
+    try:
+        return ActorClass(Rendezvous, options).remote(name)
+    except PMetalError as exc:
+        # Another process may have made it meanwhile: use that one.
+        rendezvous = _rendezvous(client, name)
+        if rendezvous is None:
+            raise CollectiveError(f"cannot start the rendezvous actor of collective group "
+                                  f"{name!r} on the master's node {master[:8]}: {exc}") from exc
+        return rendezvous
 
 
 def destroy(name: str) -> bool:
@@ -475,8 +500,14 @@ def _connect(client: Any, formation: Formation, rank: int,
     try:
         address = (host, listener.getsockname()[1])
         wait = formation.connect_timeout
-        addresses = _ask(client, rendezvous, "join", formation.formation_id, rank, address,
-                         wait, timeout=wait + _ASK_MARGIN)
+        try:
+            addresses = _ask(client, rendezvous, "join", formation.formation_id, rank,
+                             address, wait, timeout=wait + _ASK_MARGIN)
+        except (ActorDiedError, PMetalTimeoutError) as exc:
+            raise CollectiveError(
+                f"collective group {formation.name!r}: its rendezvous actor did not answer "
+                f"rank {rank}'s get_group ({exc}); the group was destroyed or the node that "
+                "held it died: create it again from the driver") from exc
         links = tcplinks.connect_mesh(
             rank, addresses, listener, key=tcplinks.collective_key(client.namespace.psk),
             tag=formation.tag, epoch=formation.epoch,

@@ -261,11 +261,19 @@ def test_destroy_group(members: Any, group_name: str) -> None:
 
 # ------------------------------------------------- the pure parts, no cluster
 
-def _proposal(name: str, members: tuple[str, ...], **config: Any) -> Formation:
+def _request(name: str, members: tuple[str, ...], **config: Any) -> Formation:
     cfg = CollectiveConfig(**config)
-    schedule = Schedule.from_config(name, len(members), cfg, term=7)
-    return Formation(name, 0, "", members, ("n",) * len(members), schedule, 3, cfg.timeout,
-                     cfg.connect_timeout)
+    schedule = Schedule.from_config(name, len(members), cfg)
+    return Formation(name, 0, "", members, ("n1", "n2") * (len(members) // 2), schedule, 0,
+                     cfg.timeout, cfg.connect_timeout)
+
+
+class _FixedView(Rendezvous):
+    """The rendezvous actor's logic, with the cluster it reads fixed."""
+
+    def cluster_view(self) -> dict[str, Any]:
+        return {"term": 7, "epoch": 3, "role": "master", "topology": {
+            "nodes": [{"node_id": "n1"}, {"node_id": "n2"}], "links": []}}
 
 
 def test_ring_order_follows_the_topology_and_keeps_a_node_s_ranks_together() -> None:
@@ -284,11 +292,12 @@ def test_ring_order_follows_the_topology_and_keeps_a_node_s_ranks_together() -> 
 
 def test_the_rendezvous_forms_idempotently_and_refuses_stale_and_late_joins() -> None:
     async def scenario() -> None:
-        rv = Rendezvous("g")
-        first = await rv.form(_proposal("g", ("x", "y")))
+        rv = _FixedView("g")
+        first = await rv.form(_request("g", ("x", "y")))
         assert first.epoch == first.schedule.epoch == 1
-        assert (await rv.form(_proposal("g", ("x", "y")))) is first
-        second = await rv.form(_proposal("g", ("x", "y"), strategy="ring"))
+        assert (first.schedule.term, first.cluster_epoch, first.schedule.order) == (7, 3, (0, 1))
+        assert (await rv.form(_request("g", ("x", "y")))) is first
+        second = await rv.form(_request("g", ("x", "y"), strategy="ring"))
         assert second.epoch == 2 and second.tag != first.tag
         # A rank of the old formation is refused; one alone times out
         # naming the rank that did not come, and leaves no address behind.
@@ -301,5 +310,10 @@ def test_the_rendezvous_forms_idempotently_and_refuses_stale_and_late_joins() ->
         assert both[0] == both[1] == [("127.0.0.1", 1), ("127.0.0.1", 2)]
         with pytest.raises(CollectiveError, match="after every member connected"):
             await rv.join(second.formation_id, 1, ("127.0.0.1", 3), 5.0)
+        # Once an operation failed in it, the same request forms anew.
+        assert (await rv.form(_request("g", ("x", "y"), strategy="ring"))) is second
+        assert (await rv.failed(second.formation_id)) is second
+        third = await rv.form(_request("g", ("x", "y"), strategy="ring"))
+        assert third.epoch == 3 and third.formation_id != second.formation_id
 
     asyncio.run(asyncio.wait_for(scenario(), WAIT))

@@ -104,6 +104,12 @@ def test_a_group_across_two_nodes_works_and_survives_a_kill(two_nodes: list[str]
     name = "across"
     try:
         handle = collective.create_group(actors, name=name, config=CONFIG)
+        # The master's node holds the rendezvous actor and stamped its term.
+        master = [n for n in pmetal.nodes() if n["IsMaster"]]
+        assert len(master) == 1
+        rendezvous = pmetal.get_actor(f"pmetal-collective:{name}")
+        assert rendezvous._node_id == master[0]["NodeID"]
+        assert handle.term == pmetal.api.client().status()["cluster"]["term"] > 0
         # The ring crosses between the nodes twice, not four times: each
         # node's members side by side.
         order = handle.schedule.order
