@@ -29,12 +29,12 @@ from pmetal.actors.handles import ActorHandle
 from pmetal.collectives import rendezvous
 from pmetal.collectives.group import Schedule
 from pmetal.collectives.ops import ReduceOp
-from pmetal.collectives.rendezvous import ActorGroup
+from pmetal.collectives.rendezvous import ActorGroup, GroupStatistics
 from pmetal.config import CollectiveConfig
 from pmetal.errors import CollectiveError
 
-__all__ = ["ActorGroup", "CollectiveConfig", "CollectiveError", "GroupHandle", "ReduceOp",
-           "create_group", "destroy_group", "get_group"]
+__all__ = ["ActorGroup", "CollectiveConfig", "CollectiveError", "GroupHandle", "GroupStatistics",
+           "ReduceOp", "create_group", "destroy_group", "get_group"]
 
 
 @dataclass(frozen=True)

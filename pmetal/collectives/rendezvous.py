@@ -74,8 +74,8 @@ from pmetal.errors import (
     RemoteError,
 )
 
-__all__ = ["RENDEZVOUS_PREFIX", "ActorGroup", "Formation", "Rendezvous", "destroy", "form",
-           "join_group", "ring_order"]
+__all__ = ["RENDEZVOUS_PREFIX", "ActorGroup", "Formation", "GroupStatistics", "Rendezvous",
+           "destroy", "form", "join_group", "ring_order"]
 
 log = logging.getLogger(__name__)
 
@@ -319,10 +319,18 @@ def form(actors: Sequence[ActorHandle], name: str,
     request = Formation(name, 0, "", ids, tuple(h._node_id for h in handles),
                         Schedule.from_config(name, len(handles), config), 0, config.timeout,
                         config.connect_timeout)
-    rendezvous = _rendezvous(client, name) or _start_rendezvous(client, name)
-    formation = _ask(client, rendezvous, "form", request,
-                     timeout=client.config.transport.request_timeout)
-    return formation, rendezvous
+    timeout = client.config.transport.request_timeout
+    rendezvous = _rendezvous(client, name)
+    if rendezvous is not None:
+        try:
+            return _ask(client, rendezvous, "form", request, timeout=timeout), rendezvous
+        except ActorDiedError:
+            # Its node died (the master it started on): start over on the
+            # current master; the members' get_group finds the new one.
+            log.info("the rendezvous actor of collective group %r died; starting another",
+                     name)
+    rendezvous = _start_rendezvous(client, name)
+    return _ask(client, rendezvous, "form", request, timeout=timeout), rendezvous
 
 
 def _start_rendezvous(client: Any, name: str) -> ActorHandle:
@@ -361,6 +369,22 @@ def destroy(name: str) -> bool:
 
 # ------------------------------------------------------ member side
 
+@dataclass(frozen=True)
+class GroupStatistics:
+    """One member's view of its formation: collective operations run
+    (point-to-point messages not counted), payload bytes sent and received
+    over its connections, and why the formation is spent (None while it
+    works)."""
+    name: str
+    epoch: int
+    rank: int
+    size: int
+    operations: int
+    bytes_sent: int
+    bytes_received: int
+    spent: str | None
+
+
 class ActorGroup(Group):
     """A member actor's :class:`~pmetal.collectives.group.Group`, which
     knows its formation: a failed operation closes its connections (the
@@ -373,6 +397,11 @@ class ActorGroup(Group):
         self.epoch = formation.epoch
         self._rendezvous = rendezvous
         self._spent: str | None = None
+
+    def statistics(self) -> GroupStatistics:
+        return GroupStatistics(self.name, self.epoch, self.rank, self.size, self._op_id,
+                               getattr(self.links, "bytes_sent", 0),
+                               getattr(self.links, "bytes_received", 0), self._spent)
 
     def _execute(self, *args: Any) -> None:
         self._guard(lambda: super(ActorGroup, self)._execute(*args))

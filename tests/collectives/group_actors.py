@@ -61,6 +61,9 @@ class Member:
     def started(self) -> bool:
         return self.progress.wait(WAIT)
 
+    def statistics(self, name: str) -> Any:
+        return collective.get_group(name).statistics()
+
     def keep(self, name: str) -> int:
         self.kept = collective.get_group(name)
         return int(self.kept.epoch)

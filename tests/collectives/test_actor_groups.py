@@ -122,6 +122,10 @@ def test_all_reduce_inside_actor_methods(members: Any, group_name: str) -> None:
     for result in results:
         np.testing.assert_array_equal(result, np.maximum(ints, ints * 3))
         assert result.dtype == np.int64
+    for rank, stats in enumerate(pmetal.get([a.statistics.remote(group_name) for a in actors],
+                                            timeout=WAIT)):
+        assert (stats.rank, stats.size, stats.epoch, stats.operations) == (rank, 3, 1, 2)
+        assert stats.bytes_sent > 0 and stats.bytes_received > 0 and stats.spent is None
 
 
 def test_broadcast_from_every_root_and_all_gather(members: Any, group_name: str) -> None:
