@@ -250,6 +250,21 @@ def test_a_stalled_member_fails_the_others_at_the_timeout_then_all_reform(
         np.testing.assert_array_equal(result, value * 6)
 
 
+def test_create_group_starts_a_new_rendezvous_actor_when_the_old_one_died(
+        members: Any, group_name: str) -> None:
+    actors = members(2)
+    collective.create_group(actors, name=group_name, config=CONFIG)
+    assert pmetal.get([a.join.remote(group_name) for a in actors],
+                      timeout=WAIT) == [(0, 2, 1), (1, 2, 1)]
+    pmetal.kill(pmetal.get_actor(f"pmetal-collective:{group_name}"))
+    again = collective.create_group(actors, name=group_name, config=CONFIG)
+    assert again.epoch == 1   # a new rendezvous actor counts from 1 again
+    value = np.arange(3, dtype=np.float64)
+    for result in pmetal.get([a.all_reduce.remote(group_name, value) for a in actors],
+                             timeout=WAIT):
+        np.testing.assert_array_equal(result, value * 3)
+
+
 def test_destroy_group(members: Any, group_name: str) -> None:
     (actor,) = members(1)
     collective.create_group([actor], name=group_name, config=CONFIG)
