@@ -3,6 +3,7 @@ reference, so they live in a module of their own)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from typing import Any
@@ -70,3 +71,15 @@ class Member:
 
     def use_kept(self) -> np.ndarray:
         return self.kept.all_reduce(np.ones(4))
+
+
+@pmetal.remote
+class AsyncMember:
+    """An async actor: get_group and the operations block, so they run in a
+    thread and the actor's event loop stays free."""
+
+    async def all_reduce(self, name: str, value: np.ndarray, op: str = "sum") -> np.ndarray:
+        group = await asyncio.to_thread(collective.get_group, name)
+        x = np.array(value) * (group.rank + 1)
+        await asyncio.to_thread(group.all_reduce, x, op)
+        return x

@@ -31,7 +31,7 @@ from pmetal.collectives.group import Schedule
 from pmetal.collectives.rendezvous import Formation, Rendezvous, ring_order
 from pmetal.config import CollectiveConfig, load_config
 
-from .group_actors import Member
+from .group_actors import AsyncMember, Member
 
 WAIT = 20.0
 """Deadline for results that come at once on a quiet machine (the suite
@@ -126,6 +126,21 @@ def test_all_reduce_inside_actor_methods(members: Any, group_name: str) -> None:
                                             timeout=WAIT)):
         assert (stats.rank, stats.size, stats.epoch, stats.operations) == (rank, 3, 1, 2)
         assert stats.bytes_sent > 0 and stats.bytes_received > 0 and stats.spent is None
+
+
+def test_async_actors_join_a_group_with_plain_ones(members: Any, group_name: str) -> None:
+    (plain,) = members(1)
+    asynchronous = [AsyncMember.remote() for _ in range(2)]
+    try:
+        actors = [asynchronous[0], plain, asynchronous[1]]
+        collective.create_group(actors, name=group_name, config=CONFIG)
+        value = np.arange(4, dtype=np.int64)
+        for result in pmetal.get([a.all_reduce.remote(group_name, value) for a in actors],
+                                 timeout=WAIT):
+            np.testing.assert_array_equal(result, value * 6)
+    finally:
+        for actor in asynchronous:
+            pmetal.kill(actor)
 
 
 def test_broadcast_from_every_root_and_all_gather(members: Any, group_name: str) -> None:
