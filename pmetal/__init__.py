@@ -41,10 +41,12 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> object:
+    import importlib
+    if name == "collective":   # the actor groups' namespace: pmetal.collective.create_group
+        return importlib.import_module("pmetal.collective")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pmetal' has no attribute {name!r}")
-    import importlib
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value

@@ -26,8 +26,8 @@ from pmetal.errors import NotInitializedError
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
 
-__all__ = ["auto_init", "current", "current_or_none", "in_worker", "lock", "set_auto_init",
-           "set_current", "set_worker_factory", "take"]
+__all__ = ["auto_init", "current", "current_actor_id", "current_or_none", "in_worker", "lock",
+           "set_actor_id", "set_auto_init", "set_current", "set_worker_factory", "take"]
 
 Factory = Callable[[], "CoreClient"]
 
@@ -39,6 +39,7 @@ _lock = lock
 _current: CoreClient | None = None
 _worker_factory: Factory | None = None
 _auto_init: Factory | None = None
+_actor_id = ""
 
 
 def current() -> CoreClient:
@@ -75,6 +76,18 @@ def current_or_none() -> CoreClient | None:
 def in_worker() -> bool:
     """Whether this process is a pmetal worker (its client reaches its node)."""
     return _worker_factory is not None
+
+
+def current_actor_id() -> str:
+    """The id of the actor this process hosts: set by its worker before the
+    constructor runs; "" in a driver or a task worker. Collective groups
+    find the caller's rank from it."""
+    return _actor_id
+
+
+def set_actor_id(actor_id: str) -> None:
+    global _actor_id
+    _actor_id = actor_id
 
 
 def set_current(client: CoreClient | None) -> None:

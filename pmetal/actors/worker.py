@@ -206,6 +206,8 @@ class Worker:
         try:
             cls = load_code(body.cls_ref)
             self.actor_id = body.actor_id
+            # Before the constructor: it may join a collective group.
+            context.set_actor_id(body.actor_id)
             self.max_concurrency = int(body.options.get("max_concurrency") or 1)
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})
@@ -214,6 +216,7 @@ class Worker:
             # not leave its actor id behind for the next one to inherit.
             self.instance = None
             self.actor_id = ""
+            context.set_actor_id("")
             return failure_from(_user_traceback(exc))
         # Decided once here, not per call: inspecting the class costs more
         # than a whole call of a small method.

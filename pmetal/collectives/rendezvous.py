@@ -1,0 +1,569 @@
+"""How the actors of a collective group find each other: the machinery
+behind :mod:`pmetal.collective`.
+
+A group is a list of actors in rank order and a :class:`Formation`: the
+schedule (strategy, ring order, chunk size), the master's term and the
+membership epoch at the time the group formed, and the group's own epoch,
+which grows each time the group forms anew under the same name. The
+formation lives in a **rendezvous actor** (:class:`Rendezvous`, an async,
+detached pmetal actor named ``pmetal-collective:<name>``, like Ray's
+collective "Info" actor), started by :func:`form` on the master's node.
+
+- :func:`form` (the driver's ``create_group``) sends the request (members
+  in rank order, their nodes, the :class:`~pmetal.config.CollectiveConfig`,
+  which may force the strategy and chunk size) to the rendezvous actor.
+  There, on the master's node, :meth:`Rendezvous.form` reads the cluster
+  as that node knows it (term, membership epoch, the topology's link
+  figures), orders the ring by
+  :meth:`~pmetal.cluster.topology.ClusterTopology.best_ring` over the
+  members' nodes (members of one node side by side; rank order when the
+  members share one node or the topology lacks one of them) and stamps
+  the formation. The same request again returns the formation there is,
+  unless an operation failed in it; anything else makes a new one
+  (epoch + 1, a fresh formation id).
+- :func:`join_group` (``get_group`` inside a member's method) fetches the
+  formation, finds the caller's rank from its actor id, listens on its
+  worker's host (port 0), registers the address with the rendezvous actor
+  and waits there (bounded by ``connect_timeout``) for every member, then
+  connects the full mesh (:func:`~pmetal.collectives.tcplinks.connect_mesh`)
+  with the namespace's PSK, bound to a tag of the name, formation id,
+  term and both epochs. Members then exchange data directly.
+- The :class:`ActorGroup` it returns is a :class:`~pmetal.collectives.group.Group`
+  cached per process and name. An operation that fails (a member died or
+  stalled) closes this rank's connections, so every other member's
+  operation fails at once instead of at its timeout, and tells the
+  rendezvous actor: the formation is spent, and the driver forms the group
+  again over the live members (the same members too, when the one that
+  failed was only stalled).
+  A member that holds a formation older than the rendezvous actor's (or a
+  group since destroyed) is refused with a :class:`CollectiveError` that
+  says so.
+
+The rendezvous actor stays on the node that was master when the group
+first formed: after an election it goes on scheduling the group from that
+node's view, which follows the new master's term. If that node dies, the
+members keep their connections but ``get_group`` and ``create_group``
+start over with a new rendezvous actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pmetal.actors import context
+from pmetal.actors.handles import ActorClass, ActorHandle
+from pmetal.collectives import tcplinks
+from pmetal.collectives.group import Group, Schedule
+from pmetal.config import CollectiveConfig
+from pmetal.errors import (
+    ActorDiedError,
+    CollectiveError,
+    PMetalError,
+    PMetalTimeoutError,
+    PMetalTypeError,
+    PMetalValueError,
+    RemoteError,
+)
+
+__all__ = ["RENDEZVOUS_PREFIX", "ActorGroup", "Formation", "GroupStatistics", "Rendezvous",
+           "destroy", "form", "join_group", "ring_order"]
+
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_PREFIX = "pmetal-collective:"
+"""The rendezvous actor of group ``name`` is named ``RENDEZVOUS_PREFIX + name``."""
+
+_ASK_MARGIN = 5.0  # s a request to the rendezvous actor may take beyond its own wait
+_EXPLAIN_WAIT = 2.0  # s to ask why an operation failed before raising what we have
+
+
+@dataclass(frozen=True)
+class Formation:
+    """One formation of a group, as the rendezvous actor records it.
+    ``members`` are actor ids in rank order, ``nodes`` each member's node;
+    ``schedule.term`` is the master's term and ``cluster_epoch`` the
+    membership epoch when it formed; ``epoch`` counts the formations of
+    this name (``schedule.epoch`` too)."""
+    name: str
+    epoch: int
+    formation_id: str
+    members: tuple[str, ...]
+    nodes: tuple[str, ...]
+    schedule: Schedule
+    cluster_epoch: int
+    timeout: float
+    connect_timeout: float
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    @property
+    def tag(self) -> bytes:
+        """What both sides of every connection must agree on: another
+        group, formation or master term is refused at the handshake."""
+        return tcplinks.group_tag(f"{self.name}|{self.formation_id}|{self.cluster_epoch}",
+                                  self.schedule.term, self.epoch)
+
+    def rank_of(self, actor_id: str) -> int | None:
+        try:
+            return self.members.index(actor_id)
+        except ValueError:
+            return None
+
+
+
+# ----------------------------------------------------------- the actor
+
+class Rendezvous:
+    """The rendezvous actor of one group (see the module docstring). Its
+    methods are coroutines, so the members' ``join`` calls wait side by
+    side."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.formation: Formation | None = None
+        self._request: Formation | None = None  # what the caller asked for it
+        self._forming = asyncio.Lock()
+        self._epochs = 0
+        self._joined: dict[int, tuple[str, int]] = {}
+        self._complete = False
+        self._failed = False
+        self._changed = asyncio.Condition()
+
+    def cluster_view(self) -> dict[str, Any]:
+        """The cluster as this actor's node knows it: the master's term,
+        the membership epoch, the topology (blocking: run in a thread).
+        The one piece of I/O of the schedule; tests override it."""
+        cluster: dict[str, Any] = context.current().status().get("cluster") or {}
+        return cluster
+
+    async def form(self, request: Formation) -> Formation:
+        """Form the group ``request`` asks for (members, nodes, settings;
+        its term, order and epochs are decided here), or return the
+        formation there is when the request is the same and nothing failed
+        in it."""
+        async with self._forming:
+            current = self.formation
+            if current is not None and request == self._request and not self._failed:
+                return current
+            cluster = await asyncio.to_thread(self.cluster_view)
+            if cluster.get("role") not in (None, "master"):
+                log.info("collective group %r is scheduled on a node that is not the master "
+                         "(it was when the group first formed); term %s", self.name,
+                         cluster.get("term"))
+            self._epochs += 1
+            schedule = dataclasses.replace(
+                request.schedule, epoch=self._epochs, term=int(cluster.get("term") or 0),
+                order=ring_order(request.nodes, cluster.get("topology")))
+            formation = dataclasses.replace(
+                request, epoch=self._epochs, schedule=schedule,
+                cluster_epoch=int(cluster.get("epoch") or 0), formation_id=secrets.token_hex(8))
+            async with self._changed:
+                self.formation, self._request = formation, request
+                self._joined = {}
+                self._complete = False
+                self._failed = False
+                self._changed.notify_all()
+        log.info("collective group %r formed: epoch %d, %d members, term %d, ring %s",
+                 self.name, formation.epoch, formation.size, schedule.term, schedule.order)
+        return formation
+
+    async def current(self) -> Formation | None:
+        return self.formation
+
+    async def failed(self, formation_id: str) -> Formation | None:
+        """A member's operation failed in formation ``formation_id``: it is
+        spent, so forming the group again, even over the same members (a
+        member that stalled and came back), makes a new formation. Returns
+        the current formation."""
+        if self.formation is not None and self.formation.formation_id == formation_id:
+            if not self._failed:
+                log.info("collective group %r: an operation failed in epoch %d", self.name,
+                         self.formation.epoch)
+            self._failed = True
+        return self.formation
+
+    async def join(self, formation_id: str, rank: int, address: tuple[str, int],
+                   timeout: float) -> list[tuple[str, int]]:
+        """Register ``rank``'s listening address; return every member's,
+        in rank order, once all have registered (or raise)."""
+        formation = self._check(formation_id, rank)
+        if self._complete:
+            raise CollectiveError(
+                f"rank {rank} of collective group {self.name!r} joins epoch "
+                f"{formation.epoch} again after every member connected (its process "
+                "restarted, or its get_group failed): form the group again from the "
+                "driver with create_group")
+        address = (str(address[0]), int(address[1]))
+        async with self._changed:
+            self._joined[rank] = address
+            self._changed.notify_all()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait_for(
+                        lambda: self.formation is not formation
+                        or len(self._joined) == formation.size)
+            except TimeoutError:
+                missing = [r for r in range(formation.size) if r not in self._joined]
+                if self._joined.get(rank) == address:
+                    del self._joined[rank]  # its listener closes with the failure
+                raise CollectiveError(
+                    f"collective group {self.name!r} (epoch {formation.epoch}): rank "
+                    f"{rank} waited {timeout:g} s for rank(s) {missing} to call "
+                    f"get_group({self.name!r}); those actors ("
+                    f"{', '.join(formation.members[r] for r in missing)}) did not call it "
+                    "in time, or died") from None
+            self._check(formation_id, rank)
+            self._complete = True
+            return [self._joined[r] for r in range(formation.size)]
+
+    def _check(self, formation_id: str, rank: int) -> Formation:
+        formation = self.formation
+        if formation is None or formation.formation_id != formation_id:
+            epoch = formation.epoch if formation is not None else "none"
+            raise CollectiveError(
+                f"collective group {self.name!r} formed again (now epoch {epoch}) while "
+                f"rank {rank} joined an older formation: a stale epoch is refused; call "
+                f"get_group({self.name!r}) again")
+        if not 0 <= rank < formation.size:
+            raise PMetalValueError(f"rank {rank} is not in collective group {self.name!r} "
+                                   f"of {formation.size}")
+        return formation
+
+
+# ----------------------------------------------------- driver side
+
+def ring_order(nodes: Sequence[str], topology: dict[str, Any] | None) -> tuple[int, ...]:
+    """The ring order of ranks whose actors live on ``nodes``: the nodes
+    in the order of the topology's best ring, the ranks of one node side
+    by side (in rank order); rank order when the ranks share one node or
+    the topology does not know every node."""
+    distinct = sorted(set(nodes))
+    if len(distinct) < 2 or not topology:
+        return tuple(range(len(nodes)))
+    from pmetal.cluster.topology import ClusterTopology, NodeProfile
+    graph = ClusterTopology()
+    for profile in topology.get("nodes") or []:
+        graph.add_node(NodeProfile.from_dict(profile))
+    if any(n not in graph for n in distinct):
+        log.debug("ring order: the topology lacks some of %s; using rank order", distinct)
+        return tuple(range(len(nodes)))
+    for link in topology.get("links") or []:
+        graph.update_link(link["a"], link["b"], link.get("latency"), link.get("bandwidth"),
+                          now=float(link.get("measured_at") or 0.0))
+    position = {node: i for i, node in enumerate(graph.best_ring(distinct))}
+    return tuple(sorted(range(len(nodes)), key=lambda r: (position[nodes[r]], r)))
+
+
+def _check_name(name: Any) -> str:
+    if type(name) is not str:
+        raise PMetalTypeError(f"a collective group's name is a str, not {type(name).__name__}")
+    if not name:
+        raise PMetalValueError("a collective group needs a non-empty name")
+    return name
+
+
+def _ask(client: Any, handle: ActorHandle, method: str, *args: Any, timeout: float) -> Any:
+    """``handle.method(*args)``'s result; a CollectiveError raised there is
+    raised here as itself (not wrapped in its remote traceback)."""
+    ref = client.call(handle, method, list(args), {})
+    try:
+        return client.get_one(ref, timeout)
+    except CollectiveError as exc:
+        if isinstance(exc, RemoteError):
+            raise CollectiveError(exc.remote_message) from exc
+        raise
+
+
+def _rendezvous(client: Any, name: str) -> ActorHandle | None:
+    """The group's rendezvous actor, or None when there is none."""
+    try:
+        loc = client.lookup(name=RENDEZVOUS_PREFIX + name)
+    except PMetalValueError:
+        return None
+    if loc.state == "dead":
+        return None
+    return ActorHandle(loc)
+
+
+def form(actors: Sequence[ActorHandle], name: str,
+         config: CollectiveConfig | None = None) -> tuple[Formation, ActorHandle]:
+    """Form (or find) group ``name`` over ``actors`` in rank order; see
+    :func:`pmetal.collective.create_group`."""
+    _check_name(name)
+    handles = list(actors) if isinstance(actors, (list, tuple)) else None
+    if not handles or not all(isinstance(h, ActorHandle) for h in handles):
+        raise PMetalTypeError("create_group takes a non-empty list of actor handles, one per "
+                              f"rank, not {actors!r:.80}")
+    ids = tuple(h._actor_id for h in handles)
+    if len(set(ids)) != len(ids):
+        raise PMetalValueError(f"create_group({name!r}): an actor is listed twice; each rank "
+                               "is a different actor")
+    if config is not None and not isinstance(config, CollectiveConfig):
+        raise PMetalTypeError(f"config must be a CollectiveConfig, not {type(config).__name__}")
+    client = context.current()
+    if config is None:
+        config = client.config.collectives
+    # What the caller decides: members and settings. Term, epochs and ring
+    # order are the rendezvous actor's, on the master's node.
+    request = Formation(name, 0, "", ids, tuple(h._node_id for h in handles),
+                        Schedule.from_config(name, len(handles), config), 0, config.timeout,
+                        config.connect_timeout)
+    timeout = client.config.transport.request_timeout
+    rendezvous = _rendezvous(client, name)
+    if rendezvous is not None:
+        try:
+            return _ask(client, rendezvous, "form", request, timeout=timeout), rendezvous
+        except ActorDiedError:
+            # Its node died (the master it started on): start over on the
+            # current master; the members' get_group finds the new one.
+            log.info("the rendezvous actor of collective group %r died; starting another",
+                     name)
+    rendezvous = _start_rendezvous(client, name)
+    return _ask(client, rendezvous, "form", request, timeout=timeout), rendezvous
+
+
+def _start_rendezvous(client: Any, name: str) -> ActorHandle:
+    """Start group ``name``'s rendezvous actor on the master's node, so that
+    the master schedules the group."""
+    master = (client.status().get("cluster") or {}).get("master") or ""
+    options = {"name": RENDEZVOUS_PREFIX + name, "lifetime": "detached", "node": master}
+    try:
+        return ActorClass(Rendezvous, options).remote(name)
+    except PMetalError as exc:
+        # Another process may have made it meanwhile: use that one.
+        rendezvous = _rendezvous(client, name)
+        if rendezvous is None:
+            raise CollectiveError(f"cannot start the rendezvous actor of collective group "
+                                  f"{name!r} on the master's node {master[:8]}: {exc}") from exc
+        return rendezvous
+
+
+def destroy(name: str) -> bool:
+    """Kill group ``name``'s rendezvous actor and close this process's
+    membership of it; False when there was no such group."""
+    _check_name(name)
+    _local.drop(name, "the group was destroyed")
+    client = context.current()
+    rendezvous = _rendezvous(client, name)
+    if rendezvous is None:
+        return False
+    client.kill(rendezvous._actor_id, True, rendezvous._node_id)
+    # A kill takes effect when the process is gone: wait for that (no
+    # incarnation ever reaches this one), so that a create_group right
+    # after this finds no rendezvous actor and makes a new one.
+    client.lookup(actor_id=rendezvous._actor_id, min_incarnation=1 << 62,
+                  wait=client.config.transport.request_timeout)
+    return True
+
+
+# ------------------------------------------------------ member side
+
+@dataclass(frozen=True)
+class GroupStatistics:
+    """One member's view of its formation: collective operations run
+    (point-to-point messages not counted), payload bytes sent and received
+    over its connections, and why the formation is spent (None while it
+    works)."""
+    name: str
+    epoch: int
+    rank: int
+    size: int
+    operations: int
+    bytes_sent: int
+    bytes_received: int
+    spent: str | None
+
+
+class ActorGroup(Group):
+    """A member actor's :class:`~pmetal.collectives.group.Group`, which
+    knows its formation: a failed operation closes its connections (the
+    formation is spent) and says whether the group has formed again."""
+
+    def __init__(self, formation: Formation, rank: int, links: Any,
+                 rendezvous: ActorHandle) -> None:
+        super().__init__(formation.schedule, rank, links, timeout=formation.timeout)
+        self.formation = formation
+        self.epoch = formation.epoch
+        self._rendezvous = rendezvous
+        self._spent: str | None = None
+
+    def statistics(self) -> GroupStatistics:
+        return GroupStatistics(self.name, self.epoch, self.rank, self.size, self._op_id,
+                               getattr(self.links, "bytes_sent", 0),
+                               getattr(self.links, "bytes_received", 0), self._spent)
+
+    def _execute(self, *args: Any) -> None:
+        self._guard(lambda: super(ActorGroup, self)._execute(*args))
+
+    def send(self, *args: Any, **kwargs: Any) -> None:
+        self._guard(lambda: super(ActorGroup, self).send(*args, **kwargs))
+
+    def recv(self, *args: Any, **kwargs: Any) -> Any:
+        return self._guard(lambda: super(ActorGroup, self).recv(*args, **kwargs))
+
+    def _guard(self, run: Callable[[], Any]) -> Any:
+        if self._spent is not None:
+            raise CollectiveError(self._spent)
+        try:
+            return run()
+        except CollectiveError as exc:
+            # The peers cannot tell how far this rank got: end the
+            # formation for all of them now rather than at their timeout.
+            self._abort()
+            self._spent = self._explain(str(exc))
+            raise CollectiveError(self._spent) from exc
+
+    def supersede(self, why: str) -> None:
+        """This formation is over (the group formed again, or was
+        destroyed): close its connections and refuse its operations."""
+        self._spent = (f"collective group {self.name!r}, epoch {self.epoch}: {why}; a stale "
+                       f"epoch is refused: call pmetal.collective.get_group({self.name!r}) "
+                       "again")
+        self._abort()
+
+    def _abort(self) -> None:
+        """Close at once, without flushing (no peer will read the rest);
+        not through close(), whose second links.close would flush."""
+        if not self.closed:
+            self.closed = True
+            atexit.unregister(self.close)
+            self.links.close(timeout=0.0)
+
+    def _explain(self, failure: str) -> str:
+        """``failure``, plus what the rendezvous actor says now: whether
+        the group formed again without waiting for us, or was destroyed."""
+        client = context.current()
+        try:
+            now = _ask(client, self._rendezvous, "failed", self.formation.formation_id,
+                       timeout=_EXPLAIN_WAIT)
+        except PMetalError:
+            return (f"{failure} (the group's rendezvous actor is gone: the group was "
+                    "destroyed or its node died; create it again)")
+        if now is None or now.formation_id == self.formation.formation_id:
+            return f"{failure}; form the group again with create_group over the live members"
+        member = now.rank_of(context.current_actor_id())
+        where = ("this actor is not a member any more" if member is None
+                 else f"call pmetal.collective.get_group({self.name!r}) again")
+        return (f"{failure}; this rank holds epoch {self.epoch} but the group formed again "
+                f"as epoch {now.epoch}: a stale epoch is refused; {where}")
+
+
+class _LocalGroups:
+    """This process's memberships, by group name (one per name: a process
+    hosts one actor). One lock per name: joining a group waits for the
+    other members, and a threaded actor joining two groups at once must
+    not make one wait behind the other (their members may join them in
+    the other order)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.groups: dict[str, ActorGroup] = {}
+        self._joining: dict[str, threading.Lock] = {}
+
+    def lock_for(self, name: str) -> threading.Lock:
+        with self.lock:
+            return self._joining.setdefault(name, threading.Lock())
+
+    def drop(self, name: str, why: str) -> None:
+        with self.lock:
+            group = self.groups.pop(name, None)
+        if group is not None:
+            group.supersede(why)
+
+
+_local = _LocalGroups()
+
+
+def join_group(name: str) -> ActorGroup:
+    """See :func:`pmetal.collective.get_group`."""
+    _check_name(name)
+    actor_id = context.current_actor_id()
+    if not actor_id:
+        raise PMetalValueError(
+            f"get_group({name!r}) runs inside a method of one of the group's actors; the "
+            "driver holds the handle create_group returned")
+    client = context.current()
+    rendezvous = _rendezvous(client, name)
+    if rendezvous is None:
+        _local.drop(name, "the group was destroyed")
+        raise PMetalValueError(
+            f"there is no collective group named {name!r}: create it from the driver with "
+            f"pmetal.collective.create_group(actors, name={name!r}) first")
+    timeout = client.config.transport.request_timeout
+    with _local.lock_for(name):
+        formation: Formation | None = _ask(client, rendezvous, "current", timeout=timeout)
+        if formation is None:
+            raise PMetalValueError(f"collective group {name!r} is not formed yet")
+        cached = _local.groups.get(name)
+        if cached is not None:
+            if cached.formation.formation_id == formation.formation_id and not cached.closed:
+                return cached
+            _local.drop(name, f"the group formed again as epoch {formation.epoch}")
+        rank = formation.rank_of(actor_id)
+        if rank is None:
+            raise PMetalValueError(
+                f"this actor ({actor_id}) is not a member of collective group {name!r} "
+                f"(epoch {formation.epoch}, members {list(formation.members)}); add it with "
+                "create_group from the driver")
+        group = _connect(client, formation, rank, rendezvous)
+        with _local.lock:
+            _local.groups[name] = group
+        return group
+
+
+def _connect(client: Any, formation: Formation, rank: int,
+             rendezvous: ActorHandle) -> ActorGroup:
+    host = _host(client)
+    listener = tcplinks.listen(host, 0)
+    try:
+        address = (host, listener.getsockname()[1])
+        wait = formation.connect_timeout
+        try:
+            addresses = _ask(client, rendezvous, "join", formation.formation_id, rank,
+                             address, wait, timeout=wait + _ASK_MARGIN)
+        except (ActorDiedError, PMetalTimeoutError) as exc:
+            raise CollectiveError(
+                f"collective group {formation.name!r}: its rendezvous actor did not answer "
+                f"rank {rank}'s get_group ({exc}); the group was destroyed or the node that "
+                "held it died: create it again from the driver") from exc
+        links = tcplinks.connect_mesh(
+            rank, addresses, listener, key=tcplinks.collective_key(client.namespace.psk),
+            tag=formation.tag, epoch=formation.epoch,
+            deadline=time.monotonic() + formation.connect_timeout,
+            is_dead=_death_watch(client, formation.nodes))
+    finally:
+        listener.close()
+    log.info("joined collective group %r as rank %d of %d (epoch %d)", formation.name, rank,
+             formation.size, formation.epoch)
+    return ActorGroup(formation, rank, links, rendezvous)
+
+
+def _host(client: Any) -> str:
+    """The address this worker's peers reach it on: its own listener's."""
+    for address in (client.self_address, client.node_address):
+        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if host and host not in ("*", "0.0.0.0", "::"):
+            return host
+    return "127.0.0.1"
+
+
+def _death_watch(client: Any, nodes: Sequence[str]) -> Callable[[int], bool] | None:
+    """A rank counts as dead once the cluster declares its node dead (a
+    host that vanished closes no connection); None when every member
+    shares this node."""
+    own = client.node_id
+    if all(n == own for n in nodes):
+        return None
+    watch = client.watch
+    return lambda rank: nodes[rank] in watch.dead
