@@ -141,6 +141,7 @@ class _Peer:
         self.lent = 0                        # end of the piece a returned view shows
         self.stash: dict[int, deque[tuple[int, np.ndarray]]] = {}   # later op_ids'
         self.lost = ""                       # why the link broke ("" while it works)
+        self.drained = False                 # nothing more to read (after ``lost``)
         self.pid_checked = 0.0
 
 
@@ -361,7 +362,7 @@ class ShmLinks:
             self._service(peer)
             if peer.inbox:
                 continue
-            if peer.lost:
+            if peer.drained:
                 raise PeerError(f"rank {peer.rank} is gone: {peer.lost}")
             now = time.monotonic()
             if now >= deadline:
@@ -373,24 +374,27 @@ class ShmLinks:
                 if peer.pid and now - peer.pid_checked > _PID_CHECK:
                     peer.pid_checked = now
                     if not shm.pid_alive(peer.pid):
-                        self._lose(peer, f"its process {peer.pid} died")
+                        self._lose(peer, f"its process {peer.pid} died", drained=True)
                         continue
                 self._sleep([peer], min(deadline, now + _PID_CHECK))
 
     # --------------------------------------------------- socket servicing
 
     def _service(self, peer: _Peer) -> None:
-        """Read what ``peer`` sent (records, acks); push backlog into room."""
-        while not peer.lost:
+        """Read what ``peer`` sent (records, acks); push backlog into room.
+        Reading goes on after a write failed: the records a peer sent
+        before it closed are still to be read (then ECONNRESET or EOF)."""
+        while not peer.drained:
             try:
                 got = peer.sock.recv(1 << 16)
             except BlockingIOError:
                 break
             except OSError as exc:
-                self._lose(peer, f"its socket failed: {exc}")
+                self._lose(peer, f"its socket failed: {exc}", drained=True)
                 break
             if not got:
-                self._lose(peer, "it closed its link (the process exited or was killed)")
+                self._lose(peer, "it closed its link (the process exited or was killed)",
+                           drained=True)
                 break
             peer.rbuf += got
             if len(got) < 1 << 16:
@@ -418,7 +422,7 @@ class ShmLinks:
                 self._ack(p)   # a sender may be waiting for room we already made
             flags = (select.POLLIN if p in waiting or p.backlog else 0) | (
                 select.POLLOUT if p.wbuf else 0)
-            if flags and not p.lost:
+            if flags and not p.drained:
                 poller.register(p.sock, flags)
                 fds[p.sock.fileno()] = p
         timeout = max(0.0, until - time.monotonic())
@@ -441,11 +445,12 @@ class ShmLinks:
                 self._sleep(busy, time.monotonic() + _PID_CHECK)
             self._flushing = False
 
-    def _lose(self, peer: _Peer, why: str) -> None:
+    def _lose(self, peer: _Peer, why: str, *, drained: bool = False) -> None:
         if not peer.lost:
             log.info("shared-memory link from rank %s to rank %s lost: %s", self.rank,
                      peer.rank, why)
             peer.lost = why
+        peer.drained = peer.drained or drained
         peer.backlog.clear()
         peer.wbuf.clear()
 
@@ -476,7 +481,7 @@ class ShmLinks:
                 p.ring_in = p.ring_out = np.empty(0, np.uint8)
                 _close_map(p.in_map)
                 p.in_map = None
-                p.lost = p.lost or "closed"
+                p.lost, p.drained = p.lost or "closed", True
             _close_map(self._own)
             self._own = None
 

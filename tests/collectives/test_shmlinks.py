@@ -78,6 +78,11 @@ elif scenario == "relay":              # say what arrived, then echo it
 elif scenario == "bye":                # send three rings' worth and close at once
     links.send(0, 1, 0, np.arange(3 * ring, dtype=np.int64))
     links.release(1)
+elif scenario == "exit":               # one message; when told, 100 more, then exit
+    links.send(0, 1, 0, np.ones(ring // 4, np.uint8))
+    sys.stdin.readline()
+    for i in range(100):
+        links.send(0, 1, 1 + i, np.zeros(0, np.float32))
 elif scenario in ("kill", "stop"):     # one message, then wait to be killed or stopped
     links.send(0, 1, 0, np.arange(10, dtype=np.float64))
     sys.stdin.read()
@@ -213,6 +218,24 @@ def test_close_delivers_what_is_still_queued(token: str) -> None:
         _, data = links.recv(1, 1, time.monotonic() + WAIT)
         np.testing.assert_array_equal(data, np.arange(3 * RING))
         finished(proc)
+
+
+def test_a_peer_that_exited_is_read_to_the_end(token: str) -> None:
+    """Everything a peer sent before it exited is delivered, although the
+    ack for its first message fails (EPIPE), then PeerError."""
+    links, proc = pair("exit", token)
+    with links:
+        deadline = time.monotonic() + WAIT
+        # a view: the ack waits for the next receive, after the peer exited
+        assert links.recv(1, 1, deadline)[1].size == RING // 4
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        finished(proc)
+        for i in range(100):
+            assert links.recv(1, 1, deadline)[0] == 1 + i
+        with pytest.raises(PeerError):
+            links.recv(1, 1, deadline)
 
 
 def test_both_ranks_send_64_mib_before_receiving(token: str) -> None:
