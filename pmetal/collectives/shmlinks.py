@@ -72,13 +72,14 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
 
 from pmetal import shm
-from pmetal.collectives.shmrendezvous import join
+from pmetal.collectives.shmrendezvous import join, slot
 from pmetal.errors import (
     ClosedError,
     PeerError,
@@ -166,26 +167,30 @@ class ShmLinks:
 
     @classmethod
     def connect(cls, token: str, rank: int, world: int, *, deadline: float,
-                ring_bytes: int = 8 << 20) -> ShmLinks:
+                ring_bytes: int = 8 << 20, ranks: Sequence[int] | None = None) -> ShmLinks:
         """Join the world of ``world`` ranks sharing ``token`` (a secret the
         group layer gave every rank) as ``rank``; returns once every rank
-        has joined. ``deadline`` (``time.monotonic()``) bounds the wait for
-        the others: past it, :class:`~pmetal.errors.PMetalTimeoutError`."""
-        if not 0 <= rank < world:
-            raise PMetalValueError(f"rank {rank} is not in a world of {world}")
+        has joined. ``ranks``: the ranks on this machine, when not all of
+        them (the others are left to other links; every one of ``ranks``
+        must pass the same). ``deadline`` (``time.monotonic()``) bounds the
+        wait for the others: past it, :class:`~pmetal.errors.PMetalTimeoutError`."""
+        local = tuple(sorted(set(range(world) if ranks is None else ranks)))
+        if not 0 <= rank < world or rank not in local or not set(local) <= set(range(world)):
+            raise PMetalValueError(f"rank {rank} and the ranks on this machine {list(local)} "
+                                   f"must be ranks of a world of {world}")
         if not token:
             raise PMetalValueError("the shared-memory links need the group's token")
         page = mmap.ALLOCATIONGRANULARITY
         ring_bytes = max(64 << 10, -(-ring_bytes // page) * page)
-        if world == 1:
+        if len(local) == 1:
             return cls(rank, world, {}, None, ring_bytes)
-        own, members = join(token, rank, world, ring_bytes, deadline)
+        own, members = join(token, rank, local, ring_bytes, deadline)
         peers = {}
         for m in members:
             peer = peers[m.rank] = _Peer(m.rank, m.pid, m.sock)
             m.sock.setblocking(False)
             peer.in_map, peer.ring_in = m.ring, np.frombuffer(m.ring, np.uint8)
-            index = m.rank if m.rank < rank else m.rank - 1
+            index = slot(m.rank, rank, local)
             peer.ring_out = np.frombuffer(own, np.uint8, ring_bytes, index * ring_bytes)
         return cls(rank, world, peers, own, ring_bytes)
 
@@ -498,8 +503,9 @@ class ShmLinks:
     def _peer(self, rank: int) -> _Peer:
         peer = self._peers.get(rank)
         if peer is None:
-            raise PMetalValueError(f"rank {self.rank} has no link to rank {rank} in a world "
-                                   f"of {self.world}")
+            raise PMetalValueError(f"rank {self.rank} has no shared-memory link to rank "
+                                   f"{rank} (a world of {self.world}, {len(self._peers) + 1} "
+                                   "of them on this machine)")
         return peer
 
     def _check_open(self) -> None:

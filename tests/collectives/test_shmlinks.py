@@ -21,7 +21,7 @@ import pytest
 from pmetal import shm
 from pmetal.collectives import shmrendezvous
 from pmetal.collectives.shmlinks import ShmLinks
-from pmetal.errors import HandshakeError, PeerError
+from pmetal.errors import HandshakeError, PeerError, PMetalValueError
 from tests.actors.conftest import read_line, wait_until
 
 pytestmark = pytest.mark.skipif(not shm.available() or not os.path.isdir("/dev/shm"),
@@ -36,9 +36,11 @@ import sys, time
 import numpy as np
 from pmetal.collectives.shmlinks import ShmLinks
 
-scenario, token, rank, world, ring = sys.argv[1:6]
+scenario, token, rank, world, ring, local = sys.argv[1:7]
 rank, world, ring = int(rank), int(world), int(ring)
-links = ShmLinks.connect(token, rank, world, deadline=time.monotonic() + 30, ring_bytes=ring)
+ranks = [int(r) for r in local.split(",")] if local else None
+links = ShmLinks.connect(token, rank, world, deadline=time.monotonic() + 30, ring_bytes=ring,
+                         ranks=ranks)
 deadline = time.monotonic() + 30
 if scenario == "echo":                 # send back every message of op 1 until a 0-chunk -1
     while True:
@@ -90,11 +92,11 @@ links.close()
 """
 
 
-def child(scenario: str, token: str, rank: int, world: int,
-          ring: int = RING) -> subprocess.Popen[bytes]:
+def child(scenario: str, token: str, rank: int, world: int, ring: int = RING,
+          ranks: str = "") -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, scenario, token, str(rank), str(world), str(ring)],
+        [sys.executable, "-c", CHILD, scenario, token, str(rank), str(world), str(ring), ranks],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -268,6 +270,32 @@ def test_three_ranks_exchange_with_each_other(token: str) -> None:
         for proc in procs:
             finished(proc)
     assert leftovers(token, (os.getpid(), *(p.pid for p in procs))) == []
+
+
+def test_only_the_ranks_of_this_machine_are_linked(token: str) -> None:
+    """A world of 3 whose ranks 0 and 2 share this machine (rank 1 is
+    elsewhere, for other links): 0 and 2 meet without waiting for 1."""
+    proc = child("echo", token, 2, 3, ranks="0,2")
+    with ShmLinks.connect(token, 0, 3, deadline=time.monotonic() + WAIT, ring_bytes=RING,
+                          ranks=[2, 0]) as links:
+        links.send(2, 1, 4, np.arange(3 * RING, dtype=np.int32))
+        chunk, data = links.recv(2, 1, time.monotonic() + WAIT)
+        assert chunk == 4 and (data == np.arange(3 * RING)).all()
+        with pytest.raises(PMetalValueError, match="no shared-memory link to rank 1"):
+            links.send(1, 1, 0, np.zeros(1, np.int8))
+        links.send(2, 1, 999, np.zeros(0, np.int8))
+        finished(proc)
+    assert leftovers(token, (os.getpid(), proc.pid)) == []
+
+
+def test_ranks_that_disagree_on_who_is_local_refuse_each_other(token: str) -> None:
+    proc = child("echo", token, 2, 3, ranks="0,2")
+    with pytest.raises(HandshakeError, match="same ranks"):
+        ShmLinks.connect(token, 0, 3, deadline=time.monotonic() + WAIT, ring_bytes=RING,
+                         ranks=[0, 1])
+    proc.communicate(timeout=WAIT)
+    assert proc.returncode != 0
+    assert leftovers(token, (os.getpid(), proc.pid)) == []
 
 
 def test_a_killed_peer_fails_the_receive_at_once(token: str) -> None:
