@@ -1,8 +1,8 @@
 """Same-machine links for collectives: payload through shared-memory rings,
 control through a UNIX socket per pair of ranks.
 
-:class:`ShmLinks` is a :class:`~pmetal.collectives.executor.RankLinks` for a
-world whose ranks share one machine (one boot, one ``/dev/shm``), as MPI's
+:class:`ShmLinks` is a :class:`~pmetal.collectives.executor.RankLinks` for the
+ranks of a world that share one machine (one boot, one ``/dev/shm``), as MPI's
 shared-memory transport: a message is copied once into the sender's ring
 (that is where ``send`` copies) and once out of it, into ``out``, or read in
 place by the caller through a read-only view.
@@ -88,7 +88,7 @@ from pmetal.errors import (
     ProtocolError,
 )
 
-__all__ = ["ShmLinks"]
+__all__ = ["ShmLinks", "ShmLinksStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,20 @@ _PID_CHECK = 0.5       # how often a sleeper checks the peer's pid
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class ShmLinksStatistics:
+    """What one rank's links moved so far (:meth:`ShmLinks.statistics`)."""
+
+    sent_bytes: int
+    """Payload copied into rings."""
+    received_bytes: int
+    """Payload read from rings (copied out, or returned as a view)."""
+    backlog_bytes: int
+    """Payload sent but not in a ring yet (the peer has not made room)."""
+    sleeps: int
+    """Receives that found nothing while spinning and slept in poll()."""
 
 
 @dataclass(eq=False)
@@ -164,6 +178,7 @@ class ShmLinks:
         self._lock = threading.Lock()
         self._flusher: threading.Thread | None = None
         self._flushing = self._closed = False
+        self._sent = self._received = self._sleeps = 0
 
     @classmethod
     def connect(cls, token: str, rank: int, world: int, *, deadline: float,
@@ -259,6 +274,7 @@ class ShmLinks:
             if n:
                 at, src = start % self._ring, item.sent - item.base
                 peer.ring_out[at:at + n] = item.data[src:src + n]
+                self._sent += n
             peer.wbuf += _REC.pack(_DATA, item.op_id, item.chunk, item.code, item.nbytes,
                                    start, n)
             self._flush(peer)
@@ -328,6 +344,7 @@ class ShmLinks:
         if lend and length == nbytes and not _fits(out, dtype, count):
             at = self._region(peer, start, length)
             peer.lent = start + _aligned(length)
+            self._received += length
             return peer.ring_in[at:at + length].view(dtype)
         dest = out if _fits(out, dtype, count) else np.empty(count if keep else 0, dtype)
         raw = dest.reshape(-1).view(np.uint8)
@@ -336,6 +353,7 @@ class ShmLinks:
             at = self._region(peer, start, length)
             if keep:
                 raw[done:done + length] = peer.ring_in[at:at + length]
+                self._received += length
             done += length
             self._consume(peer, start + _aligned(length))
             if done >= nbytes:
@@ -385,6 +403,7 @@ class ShmLinks:
                     if not shm.pid_alive(peer.pid):
                         self._lose(peer, f"its process {peer.pid} died", drained=True)
                         continue
+                self._sleeps += 1
                 self._sleep([peer], min(deadline, now + _PID_CHECK))
 
     # --------------------------------------------------- socket servicing
@@ -464,6 +483,11 @@ class ShmLinks:
         peer.wbuf.clear()
 
     # ------------------------------------------------------------- others
+
+    def statistics(self) -> ShmLinksStatistics:
+        with self._lock:
+            backlog = sum(i.nbytes - i.sent for p in self._peers.values() for i in p.backlog)
+            return ShmLinksStatistics(self._sent, self._received, backlog, self._sleeps)
 
     def dead(self) -> set[int]:
         with self._lock:

@@ -249,6 +249,8 @@ def test_both_ranks_send_64_mib_before_receiving(token: str) -> None:
         chunk, got = links.recv(1, 1, time.monotonic() + WAIT, out)
         assert got is out and chunk == 1 and (out == 2).all()
         links.release(1)
+        stats = links.statistics()   # the end of our send may still be queued
+        assert stats.received_bytes == stats.sent_bytes + stats.backlog_bytes == x.nbytes
         links.send(1, 2, 0, np.zeros(1, np.int8))
         finished(proc)
 
