@@ -229,8 +229,14 @@ def _create_rings(size: int) -> tuple[str, mmap.mmap]:
     """A new 0600 object of ``size`` bytes, mapped read-write, its pages
     touched now rather than on the first pass of each ring."""
     assert shm._posixshmem is not None
-    name = shm._new_name(0)
-    fd = shm._posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    for attempt in range(3):
+        name = shm._new_name(0)
+        try:
+            fd = shm._posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            break
+        except FileExistsError:   # taken (by chance, or by someone who guessed it)
+            if attempt == 2:
+                raise
     try:
         os.ftruncate(fd, size)
         return name, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
