@@ -8,9 +8,11 @@ reduction, each piece of the reduced half sent on as soon as it is reduced.
 Prints busbw (nccl-tests' definition: algbw x 2(n-1)/n, so algbw for two
 ranks), median of 5 after 2 warm-up runs, and the median 4 KiB round trip.
 ``--scratch`` receives reductions into a scratch buffer first, as the
-executor does, instead of reducing from the ring in place.
+executor does, instead of reducing from the ring in place; ``--executor``
+runs the ring plan through :func:`pmetal.collectives.execute` instead (the
+synchronous executor; ``--piece`` then sets the plan's sub-chunks).
 
-    python -m benchmarks.shm_links [--mib 64] [--piece 2] [--ring 8] [--scratch]
+    python -m benchmarks.shm_links [--mib 64] [--piece 2] [--ring 8] [--scratch | --executor]
 
 Not part of the test suite; runs for a few seconds.
 """
@@ -45,6 +47,10 @@ def _rank(token: str, rank: int, args: dict[str, Any], results: Any) -> None:
     op = 0
     times = []
     wrong = 0
+    plan = None
+    if args["executor"]:
+        from pmetal.collectives import ReduceOp, execute, make_plan
+        plan = make_plan("all_reduce", "ring", 2, 0, n, pipeline_parts=max(1, half // piece))
     for it in range(7):
         x[:] = rank + 1 + it
         op += 1
@@ -55,6 +61,12 @@ def _rank(token: str, rank: int, args: dict[str, Any], results: Any) -> None:
         op += 1
         t0 = time.perf_counter()
         deadline = time.monotonic() + 30
+        if plan is not None:
+            execute(plan, rank, x, links, op=ReduceOp.SUM, op_id=op, timeout=30)
+            if it >= 2:
+                times.append(time.perf_counter() - t0)
+            wrong += int(np.count_nonzero(x != 3 + 2 * it))
+            continue
         # reduce-scatter: send the peer's half, reduce ours; then pass each
         # reduced piece on at once (all-gather), receive the peer's into place
         for i, start in enumerate(range(theirs[0], theirs[1], piece)):
@@ -100,7 +112,14 @@ def main() -> None:
     parser.add_argument("--piece", type=int, default=2)
     parser.add_argument("--ring", type=int, default=8)
     parser.add_argument("--scratch", action="store_true")
+    parser.add_argument("--executor", action="store_true")
     args = vars(parser.parse_args())
+    if args["executor"]:
+        import inspect
+
+        from pmetal.collectives import execute
+        if inspect.iscoroutinefunction(execute):
+            raise SystemExit("--executor needs the synchronous executor (issue 9, main 722cbc4)")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     token = os.urandom(16).hex()
@@ -116,7 +135,8 @@ def main() -> None:
     size = args["mib"] * MiB
     rtt = sorted(got[0][3])[len(got[0][3]) // 2]
     print(f"all_reduce {args['mib']} MiB float32 sum, 2 ranks, piece {args['piece']} MiB, "
-          f"ring {args['ring']} MiB{', scratch' if args['scratch'] else ''}: "
+          f"ring {args['ring']} MiB{', scratch' if args['scratch'] else ''}"
+          f"{', executor' if args['executor'] else ''}: "
           f"median {t * 1e3:.1f} ms, busbw {size / t / 1e9:.2f} GB/s "
           f"(runs {', '.join(f'{x * 1e3:.1f}' for x in times)} ms), "
           f"wrong {got[0][2] + got[1][2]}")

@@ -1,8 +1,8 @@
 """Same-machine links for collectives: payload through shared-memory rings,
 control through a UNIX socket per pair of ranks.
 
-:class:`ShmLinks` is a :class:`~pmetal.collectives.executor.RankLinks` for a
-world whose ranks share one machine (one boot, one ``/dev/shm``), as MPI's
+:class:`ShmLinks` is a :class:`~pmetal.collectives.executor.RankLinks` for the
+ranks of a world that share one machine (one boot, one ``/dev/shm``), as MPI's
 shared-memory transport: a message is copied once into the sender's ring
 (that is where ``send`` copies) and once out of it, into ``out``, or read in
 place by the caller through a read-only view.
@@ -21,7 +21,7 @@ that carries 48-byte records (:data:`_REC`: kind, op_id, chunk, dtype code,
 message bytes, ring position, piece bytes): ``PMD1`` "a piece is in the
 ring at this position", ``PMA1`` "I am done with your ring up to this
 position" (sent every eighth of a ring, and before the receiver blocks or an
-operation ends), ``PMR1`` "attached to your ring" (once, while connecting).
+operation ends).
 Shared memory carries payload bytes only, never a counter, because Python
 has no atomics or fences: the sender's stores into the ring come before its
 ``send()`` on the socket, the receiver's loads after its ``recv()``, and the
@@ -55,6 +55,10 @@ in their hellos; once every peer has mapped a rank's rings, the rank unlinks
 every name it made, so a SIGKILL after :meth:`ShmLinks.connect` leaves
 nothing behind in ``/dev/shm`` (during it: a socket file in the private
 folder, and the ring object, which :func:`pmetal.shm.sweep` unlinks).
+
+Platforms: POSIX shared memory and ``AF_UNIX`` sockets (Linux, macOS; on
+Windows :meth:`ShmLinks.connect` raises
+:class:`~pmetal.errors.TransportError`). Tested on Linux x86-64.
 """
 
 from __future__ import annotations
@@ -68,13 +72,14 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
 
 from pmetal import shm
-from pmetal.collectives.shmrendezvous import join
+from pmetal.collectives.shmrendezvous import join, slot
 from pmetal.collectives.tcplinks import P2P_BASE
 from pmetal.errors import (
     ClosedError,
@@ -84,7 +89,7 @@ from pmetal.errors import (
     ProtocolError,
 )
 
-__all__ = ["ShmLinks"]
+__all__ = ["ShmLinks", "ShmLinksStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +109,20 @@ _PID_CHECK = 0.5       # how often a sleeper checks the peer's pid
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class ShmLinksStatistics:
+    """What one rank's links moved so far (:meth:`ShmLinks.statistics`)."""
+
+    sent_bytes: int
+    """Payload copied into rings."""
+    received_bytes: int
+    """Payload read from rings (copied out, or returned as a view)."""
+    backlog_bytes: int
+    """Payload sent but not in a ring yet (the peer has not made room)."""
+    sleeps: int
+    """Receives that found nothing while spinning and slept in poll()."""
 
 
 @dataclass(eq=False)
@@ -142,7 +161,7 @@ class _Peer:
         self.lent = 0                        # end of the piece a returned view shows
         self.stash: dict[int, deque[tuple[int, np.ndarray]]] = {}   # later op_ids'
         self.lost = ""                       # why the link broke ("" while it works)
-        self.hung_up = False                 # it stopped reading (its records may remain)
+        self.drained = False                 # nothing more to read (after ``lost``)
         self.pid_checked = 0.0
 
 
@@ -160,33 +179,45 @@ class ShmLinks:
         self._lock = threading.Lock()
         self._flusher: threading.Thread | None = None
         self._flushing = self._closed = False
+        self._sent = self._received = self._sleeps = 0
         self._retired = 0  # collective operations up to this op_id are over here
-        self.bytes_sent = self.bytes_received = 0
 
     @classmethod
     def connect(cls, token: str, rank: int, world: int, *, deadline: float,
-                ring_bytes: int = 8 << 20) -> ShmLinks:
+                ring_bytes: int = 8 << 20, ranks: Sequence[int] | None = None) -> ShmLinks:
         """Join the world of ``world`` ranks sharing ``token`` (a secret the
         group layer gave every rank) as ``rank``; returns once every rank
-        has joined. ``deadline`` (``time.monotonic()``) bounds the wait for
-        the others: past it, :class:`~pmetal.errors.PMetalTimeoutError`."""
-        if not 0 <= rank < world:
-            raise PMetalValueError(f"rank {rank} is not in a world of {world}")
+        has joined. ``ranks``: the ranks on this machine, when not all of
+        them (the others are left to other links; every one of ``ranks``
+        must pass the same). ``deadline`` (``time.monotonic()``) bounds the
+        wait for the others: past it, :class:`~pmetal.errors.PMetalTimeoutError`."""
+        local = tuple(sorted(set(range(world) if ranks is None else ranks)))
+        if not 0 <= rank < world or rank not in local or not set(local) <= set(range(world)):
+            raise PMetalValueError(f"rank {rank} and the ranks on this machine {list(local)} "
+                                   f"must be ranks of a world of {world}")
         if not token:
             raise PMetalValueError("the shared-memory links need the group's token")
         page = mmap.ALLOCATIONGRANULARITY
         ring_bytes = max(64 << 10, -(-ring_bytes // page) * page)
-        if world == 1:
+        if len(local) == 1:
             return cls(rank, world, {}, None, ring_bytes)
-        own, members = join(token, rank, world, ring_bytes, deadline)
+        own, members = join(token, rank, local, ring_bytes, deadline)
         peers = {}
         for m in members:
             peer = peers[m.rank] = _Peer(m.rank, m.pid, m.sock)
             m.sock.setblocking(False)
             peer.in_map, peer.ring_in = m.ring, np.frombuffer(m.ring, np.uint8)
-            index = m.rank if m.rank < rank else m.rank - 1
+            index = slot(m.rank, rank, local)
             peer.ring_out = np.frombuffer(own, np.uint8, ring_bytes, index * ring_bytes)
         return cls(rank, world, peers, own, ring_bytes)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self._sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self._received
 
     # ------------------------------------------------------------ sending
 
@@ -200,11 +231,9 @@ class ShmLinks:
         raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         with self._lock:
             self._check_open()
-            if peer.lost or peer.hung_up:
-                raise PeerError(f"rank {to_rank} is unreachable: "
-                                f"{peer.lost or 'it closed its link'}")
+            if peer.lost:
+                raise PeerError(f"rank {to_rank} is unreachable: {peer.lost}")
             peer.backlog.append(_Pending(op_id, chunk, code, raw.nbytes, raw))
-            self.bytes_sent += raw.nbytes
             self._push(peer)
             if peer.backlog:
                 self._service(peer)   # read the acks that may have made room
@@ -257,29 +286,22 @@ class ShmLinks:
             if n:
                 at, src = start % self._ring, item.sent - item.base
                 peer.ring_out[at:at + n] = item.data[src:src + n]
+                self._sent += n
             peer.wbuf += _REC.pack(_DATA, item.op_id, item.chunk, item.code, item.nbytes,
                                    start, n)
             self._flush(peer)
-            if peer.lost or peer.hung_up:
+            if peer.lost:
                 return   # the backlog went with the link
             item.sent += n
             if item.sent == item.nbytes:
                 peer.backlog.popleft()
 
     def _flush(self, peer: _Peer) -> None:
-        while peer.wbuf and not peer.lost and not peer.hung_up:
+        while peer.wbuf and not peer.lost:
             try:
                 sent = peer.sock.send(peer.wbuf)
             except BlockingIOError:
                 return   # the peer reads its socket later; poll() waits for room
-            except BrokenPipeError:
-                # The peer closed its end (it is done, or dead). What it sent
-                # before is still readable, such as the rest of its last
-                # operation: reading, not this write, decides when it is gone.
-                peer.hung_up = True
-                peer.wbuf.clear()
-                peer.backlog.clear()
-                return
             except OSError as exc:
                 self._lose(peer, f"its socket failed: {exc}")
                 return
@@ -314,9 +336,8 @@ class ShmLinks:
             while True:
                 record = self._next(peer, deadline)
                 if record[1] == op_id:
-                    data = self._take(peer, record, deadline, out, keep=True, lend=True)
-                    self.bytes_received += data.nbytes
-                    return record[2], data
+                    return record[2], self._take(peer, record, deadline, out, keep=True,
+                                                 lend=True)
                 if record[1] < P2P_BASE and record[1] <= self._retired:
                     # An operation already over here (it failed): dropped.
                     self._take(peer, record, deadline, None, keep=False)
@@ -338,6 +359,7 @@ class ShmLinks:
         if lend and length == nbytes and not _fits(out, dtype, count):
             at = self._region(peer, start, length)
             peer.lent = start + _aligned(length)
+            self._received += length
             return peer.ring_in[at:at + length].view(dtype)
         dest = out if _fits(out, dtype, count) else np.empty(count if keep else 0, dtype)
         raw = dest.reshape(-1).view(np.uint8)
@@ -346,6 +368,7 @@ class ShmLinks:
             at = self._region(peer, start, length)
             if keep:
                 raw[done:done + length] = peer.ring_in[at:at + length]
+                self._received += length
             done += length
             self._consume(peer, start + _aligned(length))
             if done >= nbytes:
@@ -381,7 +404,7 @@ class ShmLinks:
             self._service(peer)
             if peer.inbox:
                 continue
-            if peer.lost:
+            if peer.drained:
                 raise PeerError(f"rank {peer.rank} is gone: {peer.lost}")
             now = time.monotonic()
             if now >= deadline:
@@ -393,24 +416,28 @@ class ShmLinks:
                 if peer.pid and now - peer.pid_checked > _PID_CHECK:
                     peer.pid_checked = now
                     if not shm.pid_alive(peer.pid):
-                        self._lose(peer, f"its process {peer.pid} died")
+                        self._lose(peer, f"its process {peer.pid} died", drained=True)
                         continue
+                self._sleeps += 1
                 self._sleep([peer], min(deadline, now + _PID_CHECK))
 
     # --------------------------------------------------- socket servicing
 
     def _service(self, peer: _Peer) -> None:
-        """Read what ``peer`` sent (records, acks); push backlog into room."""
-        while not peer.lost:
+        """Read what ``peer`` sent (records, acks); push backlog into room.
+        Reading goes on after a write failed: the records a peer sent
+        before it closed are still to be read (then ECONNRESET or EOF)."""
+        while not peer.drained:
             try:
                 got = peer.sock.recv(1 << 16)
             except BlockingIOError:
                 break
             except OSError as exc:
-                self._lose(peer, f"its socket failed: {exc}")
+                self._lose(peer, f"its socket failed: {exc}", drained=True)
                 break
             if not got:
-                self._lose(peer, "it closed its link (the process exited or was killed)")
+                self._lose(peer, "it closed its link (the process exited or was killed)",
+                           drained=True)
                 break
             peer.rbuf += got
             if len(got) < 1 << 16:
@@ -438,7 +465,7 @@ class ShmLinks:
                 self._ack(p)   # a sender may be waiting for room we already made
             flags = (select.POLLIN if p in waiting or p.backlog else 0) | (
                 select.POLLOUT if p.wbuf else 0)
-            if flags and not p.lost:
+            if flags and not p.drained:
                 poller.register(p.sock, flags)
                 fds[p.sock.fileno()] = p
         timeout = max(0.0, until - time.monotonic())
@@ -461,15 +488,21 @@ class ShmLinks:
                 self._sleep(busy, time.monotonic() + _PID_CHECK)
             self._flushing = False
 
-    def _lose(self, peer: _Peer, why: str) -> None:
+    def _lose(self, peer: _Peer, why: str, *, drained: bool = False) -> None:
         if not peer.lost:
             log.info("shared-memory link from rank %s to rank %s lost: %s", self.rank,
                      peer.rank, why)
             peer.lost = why
+        peer.drained = peer.drained or drained
         peer.backlog.clear()
         peer.wbuf.clear()
 
     # ------------------------------------------------------------- others
+
+    def statistics(self) -> ShmLinksStatistics:
+        with self._lock:
+            backlog = sum(i.nbytes - i.sent for p in self._peers.values() for i in p.backlog)
+            return ShmLinksStatistics(self._sent, self._received, backlog, self._sleeps)
 
     def dead(self) -> set[int]:
         with self._lock:
@@ -496,7 +529,7 @@ class ShmLinks:
                 p.ring_in = p.ring_out = np.empty(0, np.uint8)
                 _close_map(p.in_map)
                 p.in_map = None
-                p.lost = p.lost or "closed"
+                p.lost, p.drained = p.lost or "closed", True
             _close_map(self._own)
             self._own = None
 
@@ -509,8 +542,9 @@ class ShmLinks:
     def _peer(self, rank: int) -> _Peer:
         peer = self._peers.get(rank)
         if peer is None:
-            raise PMetalValueError(f"rank {self.rank} has no link to rank {rank} in a world "
-                                   f"of {self.world}")
+            raise PMetalValueError(f"rank {self.rank} has no shared-memory link to rank "
+                                   f"{rank} (a world of {self.world}, {len(self._peers) + 1} "
+                                   "of them on this machine)")
         return peer
 
     def _check_open(self) -> None:

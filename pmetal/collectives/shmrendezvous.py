@@ -11,8 +11,10 @@ and refused unless it is a folder of this user that nobody else may enter.
 Each rank binds ``<rank>.sock`` in it, dials the lower ranks (waiting for
 them to bind, with growing pauses up to 50 ms) and accepts the higher ones.
 
-Hello (both ways on every socket, :data:`_HELLO`): magic ``PMH1``, rank,
-world, ring size, pid, pid namespace, the ring object's name, and a 16-byte BLAKE2b MAC
+Only the ranks of the group on this machine meet (``ranks``; a world spread
+over machines links the others by TCP). Hello (both ways on every socket,
+:data:`_HELLO`): magic ``PMH1``, rank, the set of ranks (count and digest),
+ring size, pid, pid namespace, the ring object's name, and a 16-byte BLAKE2b MAC
 keyed by the token, so that a stale or foreign process in the folder is
 refused. Each side then maps the ring the other keeps for it (read-only,
 after checking the object is this user's and large enough) and answers
@@ -48,8 +50,9 @@ from pmetal.errors import (
 
 __all__ = ["Member", "join"]
 
-# magic, rank, world, ring bytes, pid, pid namespace, ring object name, MAC
-_HELLO = struct.Struct("<4sIIQQQ32s16s")
+# magic, rank, ranks of this machine (count, digest), ring bytes, pid, pid namespace,
+# ring object name, MAC
+_HELLO = struct.Struct("<4sII8sQQQ32s16s")
 _HELLO_MAGIC, _READY = b"PMH1", b"PMR1"
 
 
@@ -66,11 +69,17 @@ class Member:
     """Its ring for this rank, mapped read-only."""
 
 
-def join(token: str, rank: int, world: int, ring_bytes: int,
+def slot(reader: int, writer: int, ranks: tuple[int, ...]) -> int:
+    """Which of ``writer``'s rings is ``reader``'s (rank order, ``writer``
+    left out)."""
+    return [r for r in ranks if r != writer].index(reader)
+
+
+def join(token: str, rank: int, ranks: tuple[int, ...], ring_bytes: int,
          deadline: float) -> tuple[mmap.mmap, list[Member]]:
-    """Meet the other ``world - 1`` ranks of the group of ``token``: this
-    rank's rings (``ring_bytes`` per peer, in rank order, mapped
-    read-write) and the members. Past ``deadline``:
+    """Meet the other ranks of ``ranks`` (sorted, this machine's ranks of
+    the group of ``token``): this rank's rings (``ring_bytes`` per peer, at
+    :func:`slot`, mapped read-write) and the members. Past ``deadline``:
     :class:`~pmetal.errors.PMetalTimeoutError`; nothing is left behind on
     any failure."""
     if shm._posixshmem is None:
@@ -78,31 +87,34 @@ def join(token: str, rank: int, world: int, ring_bytes: int,
                              "platform lacks: use the TCP links")
     key, folder = _rendezvous(token)
     me = os.path.join(folder, f"{rank}.sock")
-    name, own = _create_rings(ring_bytes * (world - 1))
+    lower = [r for r in ranks if r < rank]
+    name, own = _create_rings(ring_bytes * (len(ranks) - 1))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     members: dict[int, Member] = {}
     socks: list[socket.socket] = []
     try:
         listener.bind(me)
-        listener.listen(world)
+        listener.listen(len(ranks))
         # Dial the lower ranks, accept the higher ones; then every hello.
-        socks = [_dial(os.path.join(folder, f"{p}.sock"), deadline) for p in range(rank)]
-        for _ in range(world - 1 - rank):
+        socks = [_dial(os.path.join(folder, f"{p}.sock"), deadline) for p in lower]
+        for _ in range(len(ranks) - 1 - len(lower)):
             listener.settimeout(max(1e-3, deadline - time.monotonic()))
             try:
                 socks.append(listener.accept()[0])
             except TimeoutError as exc:
                 raise PMetalTimeoutError(f"rank {rank}: not every higher rank dialed in "
                                          "before the deadline") from exc
-        hello = _hello(key, rank, world, ring_bytes, name)
+        hello = _hello(key, rank, ranks, ring_bytes, name)
         for sock in socks:
             sock.sendall(hello)
         for i, sock in enumerate(socks):
-            peer, pid, peer_name = _check_hello(key, world, ring_bytes, _read(sock, _HELLO.size, deadline))
-            if peer == rank or peer in members or (i < rank and peer != i):
-                raise HandshakeError(f"rank {rank} met a second rank {peer} (or rank {i} "
-                                     f"answered as {peer}): two groups share a token")
-            members[peer] = Member(peer, pid, sock, _attach(peer, peer_name, rank, ring_bytes))
+            blob = _read(sock, _HELLO.size, deadline)
+            peer, pid, peer_name = _check_hello(key, ranks, ring_bytes, blob)
+            if peer == rank or peer in members or (i < len(lower) and peer != lower[i]):
+                raise HandshakeError(f"rank {rank} met rank {peer} twice, or where it dialed "
+                                     "another: two groups share a token")
+            ring = _attach(peer, peer_name, slot(rank, peer, ranks), ring_bytes)
+            members[peer] = Member(peer, pid, sock, ring)
         for sock in socks:
             sock.sendall(_READY)
         for m in members.values():
@@ -186,20 +198,26 @@ def _mac(key: bytes, body: bytes) -> bytes:
     return hashlib.blake2b(body, key=key, digest_size=16, person=b"pm-shml-hello").digest()
 
 
-def _hello(key: bytes, rank: int, world: int, ring_bytes: int, name: str) -> bytes:
-    body = _HELLO.pack(_HELLO_MAGIC, rank, world, ring_bytes, os.getpid(),
-                       shm._pid_namespace(), name.encode(), b"")[:-16]
+def _digest(ranks: tuple[int, ...]) -> bytes:
+    return hashlib.blake2b(repr(ranks).encode(), digest_size=8).digest()
+
+
+def _hello(key: bytes, rank: int, ranks: tuple[int, ...], ring_bytes: int, name: str) -> bytes:
+    body = _HELLO.pack(_HELLO_MAGIC, rank, len(ranks), _digest(ranks), ring_bytes,
+                       os.getpid(), shm._pid_namespace(), name.encode(), b"")[:-16]
     return body + _mac(key, body)
 
 
-def _check_hello(key: bytes, world: int, ring_bytes: int, blob: bytes) -> tuple[int, int, str]:
-    magic, rank, their_world, their_ring, pid, pid_ns, name, mac = _HELLO.unpack(blob)
+def _check_hello(key: bytes, ranks: tuple[int, ...], ring_bytes: int,
+                 blob: bytes) -> tuple[int, int, str]:
+    magic, rank, count, digest, their_ring, pid, pid_ns, name, mac = _HELLO.unpack(blob)
     if magic != _HELLO_MAGIC or not hmac.compare_digest(mac, _mac(key, blob[:-16])):
         raise HandshakeError("a process in the rendezvous folder does not hold the group's "
                              "token: stale or foreign; use a fresh group token")
-    if their_world != world or not 0 <= rank < world:
-        raise HandshakeError(f"a peer joined as rank {rank} of {their_world}, this rank "
-                             f"expects a world of {world}")
+    if (count, digest) != (len(ranks), _digest(ranks)) or rank not in ranks:
+        raise HandshakeError(f"rank {rank} joined with another set of ranks on this machine "
+                             f"than {list(ranks)} ({count} ranks): every rank must pass the "
+                             "same ranks")
     if their_ring != ring_bytes:
         raise HandshakeError(f"rank {rank} has rings of {their_ring} bytes, this rank of "
                              f"{ring_bytes}: every rank must pass the same ring_bytes")
@@ -211,8 +229,14 @@ def _create_rings(size: int) -> tuple[str, mmap.mmap]:
     """A new 0600 object of ``size`` bytes, mapped read-write, its pages
     touched now rather than on the first pass of each ring."""
     assert shm._posixshmem is not None
-    name = shm._new_name(0)
-    fd = shm._posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    for attempt in range(3):
+        name = shm._new_name(0)
+        try:
+            fd = shm._posixshmem.shm_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            break
+        except FileExistsError:   # taken (by chance, or by someone who guessed it)
+            if attempt == 2:
+                raise
     try:
         os.ftruncate(fd, size)
         return name, mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -223,15 +247,14 @@ def _create_rings(size: int) -> tuple[str, mmap.mmap]:
         os.close(fd)
 
 
-def _attach(peer: int, name: str, rank: int, ring_bytes: int) -> mmap.mmap:
-    """Map, read-only, the ring rank ``peer`` keeps for ``rank`` in its object."""
+def _attach(peer: int, name: str, index: int, ring_bytes: int) -> mmap.mmap:
+    """Map, read-only, ring ``index`` of rank ``peer``'s object."""
     assert shm._posixshmem is not None
     if not shm._valid_name(name):
         raise HandshakeError(f"rank {peer} named a bad shared-memory object {name!r}")
     fd = shm._posixshmem.shm_open(name, os.O_RDONLY, 0o600)
     try:
         info = os.fstat(fd)
-        index = rank if rank < peer else rank - 1
         if info.st_uid != os.getuid() or info.st_size < (index + 1) * ring_bytes:
             raise HandshakeError(f"the rings of rank {peer} ({name}) are not this user's "
                                  "or smaller than it said")

@@ -21,7 +21,7 @@ import pytest
 from pmetal import shm
 from pmetal.collectives import shmrendezvous
 from pmetal.collectives.shmlinks import ShmLinks
-from pmetal.errors import HandshakeError, PeerError
+from pmetal.errors import HandshakeError, PeerError, PMetalValueError
 from tests.actors.conftest import read_line, wait_until
 
 pytestmark = pytest.mark.skipif(not shm.available() or not os.path.isdir("/dev/shm"),
@@ -36,9 +36,11 @@ import sys, time
 import numpy as np
 from pmetal.collectives.shmlinks import ShmLinks
 
-scenario, token, rank, world, ring = sys.argv[1:6]
+scenario, token, rank, world, ring, local = sys.argv[1:7]
 rank, world, ring = int(rank), int(world), int(ring)
-links = ShmLinks.connect(token, rank, world, deadline=time.monotonic() + 30, ring_bytes=ring)
+ranks = [int(r) for r in local.split(",")] if local else None
+links = ShmLinks.connect(token, rank, world, deadline=time.monotonic() + 30, ring_bytes=ring,
+                         ranks=ranks)
 deadline = time.monotonic() + 30
 if scenario == "echo":                 # send back every message of op 1 until a 0-chunk -1
     while True:
@@ -78,6 +80,11 @@ elif scenario == "relay":              # say what arrived, then echo it
 elif scenario == "bye":                # send three rings' worth and close at once
     links.send(0, 1, 0, np.arange(3 * ring, dtype=np.int64))
     links.release(1)
+elif scenario == "exit":               # one message; when told, 100 more, then exit
+    links.send(0, 1, 0, np.ones(ring // 4, np.uint8))
+    sys.stdin.readline()
+    for i in range(100):
+        links.send(0, 1, 1 + i, np.zeros(0, np.float32))
 elif scenario in ("kill", "stop"):     # one message, then wait to be killed or stopped
     links.send(0, 1, 0, np.arange(10, dtype=np.float64))
     sys.stdin.read()
@@ -85,11 +92,11 @@ links.close()
 """
 
 
-def child(scenario: str, token: str, rank: int, world: int,
-          ring: int = RING) -> subprocess.Popen[bytes]:
+def child(scenario: str, token: str, rank: int, world: int, ring: int = RING,
+          ranks: str = "") -> subprocess.Popen[bytes]:
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.Popen(
-        [sys.executable, "-c", CHILD, scenario, token, str(rank), str(world), str(ring)],
+        [sys.executable, "-c", CHILD, scenario, token, str(rank), str(world), str(ring), ranks],
         env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
@@ -215,6 +222,24 @@ def test_close_delivers_what_is_still_queued(token: str) -> None:
         finished(proc)
 
 
+def test_a_peer_that_exited_is_read_to_the_end(token: str) -> None:
+    """Everything a peer sent before it exited is delivered, although the
+    ack for its first message fails (EPIPE), then PeerError."""
+    links, proc = pair("exit", token)
+    with links:
+        deadline = time.monotonic() + WAIT
+        # a view: the ack waits for the next receive, after the peer exited
+        assert links.recv(1, 1, deadline)[1].size == RING // 4
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+        finished(proc)
+        for i in range(100):
+            assert links.recv(1, 1, deadline)[0] == 1 + i
+        with pytest.raises(PeerError):
+            links.recv(1, 1, deadline)
+
+
 def test_both_ranks_send_64_mib_before_receiving(token: str) -> None:
     proc = child("swap", token, 1, 2, ring=8 << 20)   # the default ring, 8 times smaller
     with ShmLinks.connect(token, 0, 2, deadline=time.monotonic() + WAIT) as links:
@@ -224,6 +249,8 @@ def test_both_ranks_send_64_mib_before_receiving(token: str) -> None:
         chunk, got = links.recv(1, 1, time.monotonic() + WAIT, out)
         assert got is out and chunk == 1 and (out == 2).all()
         links.release(1)
+        stats = links.statistics()   # the end of our send may still be queued
+        assert stats.received_bytes == stats.sent_bytes + stats.backlog_bytes == x.nbytes
         links.send(1, 2, 0, np.zeros(1, np.int8))
         finished(proc)
 
@@ -245,6 +272,32 @@ def test_three_ranks_exchange_with_each_other(token: str) -> None:
         for proc in procs:
             finished(proc)
     assert leftovers(token, (os.getpid(), *(p.pid for p in procs))) == []
+
+
+def test_only_the_ranks_of_this_machine_are_linked(token: str) -> None:
+    """A world of 3 whose ranks 0 and 2 share this machine (rank 1 is
+    elsewhere, for other links): 0 and 2 meet without waiting for 1."""
+    proc = child("echo", token, 2, 3, ranks="0,2")
+    with ShmLinks.connect(token, 0, 3, deadline=time.monotonic() + WAIT, ring_bytes=RING,
+                          ranks=[2, 0]) as links:
+        links.send(2, 1, 4, np.arange(3 * RING, dtype=np.int32))
+        chunk, data = links.recv(2, 1, time.monotonic() + WAIT)
+        assert chunk == 4 and (data == np.arange(3 * RING)).all()
+        with pytest.raises(PMetalValueError, match="no shared-memory link to rank 1"):
+            links.send(1, 1, 0, np.zeros(1, np.int8))
+        links.send(2, 1, 999, np.zeros(0, np.int8))
+        finished(proc)
+    assert leftovers(token, (os.getpid(), proc.pid)) == []
+
+
+def test_ranks_that_disagree_on_who_is_local_refuse_each_other(token: str) -> None:
+    proc = child("echo", token, 2, 3, ranks="0,2")
+    with pytest.raises(HandshakeError, match="same ranks"):
+        ShmLinks.connect(token, 0, 3, deadline=time.monotonic() + WAIT, ring_bytes=RING,
+                         ranks=[0, 1])
+    proc.communicate(timeout=WAIT)
+    assert proc.returncode != 0
+    assert leftovers(token, (os.getpid(), proc.pid)) == []
 
 
 def test_a_killed_peer_fails_the_receive_at_once(token: str) -> None:
