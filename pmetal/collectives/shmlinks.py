@@ -66,6 +66,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import mmap
+import os
 import select
 import socket
 import struct
@@ -181,6 +182,9 @@ class ShmLinks:
         self._flushing = self._closed = False
         self._sent = self._received = self._sleeps = 0
         self._retired = 0  # collective operations up to this op_id are over here
+        # Spinning pays only while every rank has a core of its own: with
+        # more ranks than cores it takes the core the sender needs.
+        self._spin = _SPIN if len(peers) + 1 <= (os.cpu_count() or 1) else 0.0
 
     @classmethod
     def connect(cls, token: str, rank: int, world: int, *, deadline: float,
@@ -411,7 +415,7 @@ class ShmLinks:
                 raise PMetalTimeoutError(f"rank {self.rank} got no message from rank "
                                          f"{peer.rank} before the deadline")
             if not spin_until:
-                spin_until = now + _SPIN
+                spin_until = now + self._spin
             elif now >= spin_until:
                 if peer.pid and now - peer.pid_checked > _PID_CHECK:
                     peer.pid_checked = now
