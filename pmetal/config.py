@@ -239,8 +239,9 @@ class CollectiveConfig:
 
     The master (or rank 0 of a static world) fixes these for a group when
     it forms; each operation's plan follows from them and the buffer's
-    size, the same on every rank. ``strategy``: "auto" (the tree up to
-    ``tree_max_bytes``, the ring above), or "ring", "tree", "naive" for
+    size, the same on every rank. ``strategy``: "auto" (with three ranks
+    or more the tree up to ``tree_max_bytes``, the ring above; with two
+    the ring), or "ring", "tree", "naive" for
     every operation. ``chunk_bytes``: the largest message of a pipelined
     ring (smaller pipelines deeper, larger costs fewer headers).
     ``timeout``: seconds one operation may take before every survivor
@@ -250,7 +251,7 @@ class CollectiveConfig:
     """
 
     strategy: str = "auto"
-    tree_max_bytes: int = 64 * 1024
+    tree_max_bytes: int = 256 * 1024
     chunk_bytes: int = 1 * _MiB
     timeout: float = 30.0
     connect_timeout: float = 30.0

@@ -45,14 +45,14 @@ class Schedule:
     """The master's decisions for one formation of a group (see the module
     docstring). ``order`` is the ring order of the ranks (from the
     topology's link figures); ``strategy`` "auto" means the tree up to
-    ``tree_max_bytes`` and the ring above."""
+    ``tree_max_bytes`` and the ring above (two ranks: always the ring)."""
     name: str
     world: int
     term: int = 0
     epoch: int = 0
     order: tuple[int, ...] = ()
     strategy: str = "auto"
-    tree_max_bytes: int = 64 * 1024
+    tree_max_bytes: int = 256 * 1024
     chunk_bytes: int = 1 << 20
 
     @classmethod
@@ -65,7 +65,11 @@ class Schedule:
     def strategy_for(self, op: str, nbytes: int) -> str:
         if self.strategy != "auto":
             return self.strategy
-        if op == "barrier" or nbytes <= self.tree_max_bytes:
+        # Measured on loopback (docs/performance.md, "auto"): with two ranks
+        # the ring's two exchanges run both ways at once and beat the
+        # tree at every size (4 KiB: 55 against 114 us); with more, the
+        # tree's log2 hops beat the ring's 2(n-1) up to about 256 KiB.
+        if op == "barrier" or (nbytes <= self.tree_max_bytes and self.world > 2):
             return "tree"
         return "ring"
 
