@@ -27,6 +27,7 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 # Imported on first use: collectives need numpy, which a script that only
 # uses actors should not pay for at import.
 _LAZY = {
+    "AutoDiscoveryBackend": "pmetal.collectives.autodiscovery",
     "CollectiveConfig": "pmetal.config",
     "CompressionConfig": "pmetal.collectives.compression",
     "CompressionStrategy": "pmetal.collectives.compression",
@@ -57,6 +58,7 @@ __all__ = [
     "ActorError",
     "ActorHandle",
     "AuthenticationError",
+    "AutoDiscoveryBackend",
     "BackpressureError",
     "ClosedError",
     "CollectiveConfig",

@@ -139,6 +139,8 @@ class Rendezvous:
         self._complete = False
         self._failed = False
         self._changed = asyncio.Condition()
+        self._enrolled: dict[str, str] = {}  # SPMD processes waiting: key -> node
+        self._enrolment_world = 0
 
     def cluster_view(self) -> dict[str, Any]:
         """The cluster as this actor's node knows it: the master's term,
@@ -177,6 +179,44 @@ class Rendezvous:
         log.info("collective group %r formed: epoch %d, %d members, term %d, ring %s",
                  self.name, formation.epoch, formation.size, schedule.term, schedule.order)
         return formation
+
+    async def enroll(self, key: str, node: str, request: Formation,
+                     timeout: float) -> Formation:
+        """An SPMD process (:mod:`pmetal.collectives.autodiscovery`) asks to
+        be one of ``request.schedule.world`` ranks. The last to enroll
+        forms the group over all of them, ranks ordered by node id then
+        key; every enrolled process gets that formation."""
+        world = request.schedule.world
+        async with self._changed:
+            if self._enrolled and world != self._enrolment_world:
+                raise CollectiveError(
+                    f"group {self.name!r}: this process expects a world of {world}, the "
+                    f"processes enrolled before it {self._enrolment_world}; every process "
+                    "must wait for the same number of peers")
+            self._enrolment_world = world
+            self._enrolled[key] = node
+            self._changed.notify_all()
+            complete = len(self._enrolled) >= world
+            members = sorted(self._enrolled, key=lambda k: (self._enrolled[k], k))
+            if complete:
+                self._enrolled = {}
+        if complete:
+            nodes = tuple(key.split(":", 1)[0] for key in members)
+            return await self.form(dataclasses.replace(request, members=tuple(members),
+                                                       nodes=nodes))
+        async with self._changed:
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait_for(
+                        lambda: self.formation is not None and key in self.formation.members)
+            except TimeoutError:
+                self._enrolled.pop(key, None)
+                raise CollectiveError(
+                    f"group {self.name!r}: {len(self._enrolled) + 1} of {world} processes "
+                    f"enrolled within {timeout:g} s; the others did not start, or wait for "
+                    "another number of peers") from None
+            assert self.formation is not None
+            return self.formation
 
     async def current(self) -> Formation | None:
         return self.formation
@@ -285,13 +325,15 @@ def _ask(client: Any, handle: ActorHandle, method: str, *args: Any, timeout: flo
         raise
 
 
-def _rendezvous(client: Any, name: str) -> ActorHandle | None:
-    """The group's rendezvous actor, or None when there is none."""
+def _rendezvous(client: Any, name: str, *, alive: bool = False) -> ActorHandle | None:
+    """The group's rendezvous actor, or None when there is none (or, with
+    ``alive``, none running yet: a handle found while another process is
+    still creating the actor knows neither its methods nor its address)."""
     try:
         loc = client.lookup(name=RENDEZVOUS_PREFIX + name)
     except PMetalValueError:
         return None
-    if loc.state == "dead":
+    if loc.state == "dead" or (alive and loc.state != "alive"):
         return None
     return ActorHandle(loc)
 
@@ -340,13 +382,18 @@ def _start_rendezvous(client: Any, name: str) -> ActorHandle:
     options = {"name": RENDEZVOUS_PREFIX + name, "lifetime": "detached", "node": master}
     try:
         return ActorClass(Rendezvous, options).remote(name)
-    except PMetalError as exc:
-        # Another process may have made it meanwhile: use that one.
-        rendezvous = _rendezvous(client, name)
-        if rendezvous is None:
-            raise CollectiveError(f"cannot start the rendezvous actor of collective group "
-                                  f"{name!r} on the master's node {master[:8]}: {exc}") from exc
-        return rendezvous
+    except (PMetalError, ValueError) as exc:
+        # Another process may be making it at the same moment (the SPMD
+        # processes of an AutoDiscoveryBackend all try): use that one once
+        # it exists.
+        deadline = time.monotonic() + client.config.transport.request_timeout
+        while time.monotonic() < deadline:
+            rendezvous = _rendezvous(client, name, alive=True)
+            if rendezvous is not None:
+                return rendezvous
+            time.sleep(0.05)  # bounded by the deadline; the creation is elsewhere
+        raise CollectiveError(f"cannot start the rendezvous actor of collective group "
+                              f"{name!r} on the master's node {master[:8]}: {exc}") from exc
 
 
 def destroy(name: str) -> bool:
@@ -452,8 +499,8 @@ class ActorGroup(Group):
                     "destroyed or its node died; create it again)")
         if now is None or now.formation_id == self.formation.formation_id:
             return f"{failure}; form the group again with create_group over the live members"
-        member = now.rank_of(context.current_actor_id())
-        where = ("this actor is not a member any more" if member is None
+        member = now.rank_of(self.formation.members[self.rank])
+        where = ("this member is not in the new formation" if member is None
                  else f"call pmetal.collective.get_group({self.name!r}) again")
         return (f"{failure}; this rank holds epoch {self.epoch} but the group formed again "
                 f"as epoch {now.epoch}: a stale epoch is refused; {where}")
