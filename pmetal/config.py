@@ -25,9 +25,9 @@ from typing import Any
 from pmetal.errors import ConfigError
 
 __all__ = [
+    "DEFAULT_PORT",
     "ActorsConfig",
     "CollectiveConfig",
-    "DEFAULT_PORT",
     "DiscoveryConfig",
     "ElectionConfig",
     "HealthConfig",
@@ -233,6 +233,11 @@ class DiscoveryConfig:
                                   ) from exc
 
 
+# CompressionStrategy's values (pmetal.collectives.compression), and "auto".
+_COMPRESSIONS = ("none", "auto", "topk", "random_k", "fp16", "bf16", "int8", "one_bit",
+                 "powersgd")
+
+
 @dataclass(frozen=True)
 class CollectiveConfig:
     """Collective operations (pmetal.collectives).
@@ -247,7 +252,16 @@ class CollectiveConfig:
     ``timeout``: seconds one operation may take before every survivor
     raises CollectiveError. ``connect_timeout``: seconds to form the
     group's connections. ``shared_memory``: ranks on one machine exchange
-    through shared memory instead of TCP.
+    through shared memory instead of TCP. ``compression``: what a SUM or
+    MEAN all_reduce of floats of at least ``compression_min_bytes`` sends:
+    "none", a strategy of
+    :class:`~pmetal.collectives.compression.CompressionStrategy` ("topk",
+    "one_bit", ...; always with error feedback, keeping
+    ``compression_ratio`` of the elements for topk and random_k), or
+    "auto": the master turns TopK on for a group whose slowest ring link
+    it measured below ``compress_below_bandwidth`` bytes/s (Wi-Fi), and
+    off otherwise. Lossy compression is for gradients: leave it "none" for
+    anything else.
     """
 
     strategy: str = "auto"
@@ -256,6 +270,10 @@ class CollectiveConfig:
     timeout: float = 30.0
     connect_timeout: float = 30.0
     shared_memory: bool = True
+    compression: str = "none"
+    compression_ratio: float = 0.01
+    compression_min_bytes: int = 256 * 1024
+    compress_below_bandwidth: float = 25e6
 
     def __post_init__(self) -> None:
         s = "collectives"
@@ -266,6 +284,14 @@ class CollectiveConfig:
         _require(self.timeout > 0, s, "timeout", "must be a positive number of seconds")
         _require(self.connect_timeout > 0, s, "connect_timeout",
                  "must be a positive number of seconds")
+        _require(self.compression in _COMPRESSIONS, s, "compression",
+                 f"is {self.compression!r}; use {', '.join(_COMPRESSIONS)}")
+        _require(0 < self.compression_ratio <= 1, s, "compression_ratio",
+                 "must be a fraction in (0, 1] (0.01 keeps 1% of the elements)")
+        _require(self.compression_min_bytes >= 0, s, "compression_min_bytes",
+                 "must be 0 or more")
+        _require(self.compress_below_bandwidth >= 0, s, "compress_below_bandwidth",
+                 "must be a number of bytes per second, 0 or more")
 
 
 @dataclass(frozen=True)

@@ -54,13 +54,42 @@ class Schedule:
     strategy: str = "auto"
     tree_max_bytes: int = 256 * 1024
     chunk_bytes: int = 1 << 20
+    compression: str = "none"  # a CompressionStrategy value, "none", or "auto" (undecided)
+    compression_ratio: float = 0.01
+    compression_min_bytes: int = 256 * 1024
+    compress_below_bandwidth: float = 25e6
 
     @classmethod
     def from_config(cls, name: str, world: int, config: CollectiveConfig, *, term: int = 0,
                     epoch: int = 0, order: tuple[int, ...] = ()) -> Schedule:
+        """The schedule ``config`` asks for. "auto" compression stays
+        undecided (no compression) until the master decides it from its
+        link figures (:meth:`with_links`)."""
         return cls(name=name, world=world, term=term, epoch=epoch,
                    order=order or tuple(range(world)), strategy=config.strategy,
-                   tree_max_bytes=config.tree_max_bytes, chunk_bytes=config.chunk_bytes)
+                   tree_max_bytes=config.tree_max_bytes, chunk_bytes=config.chunk_bytes,
+                   compression=config.compression, compression_ratio=config.compression_ratio,
+                   compression_min_bytes=config.compression_min_bytes,
+                   compress_below_bandwidth=config.compress_below_bandwidth)
+
+    def with_links(self, slowest: float | None) -> Schedule:
+        """The master's choice of compression for "auto": TopK (with error
+        feedback) when the slowest link of the ring carries less than
+        ``compress_below_bandwidth`` bytes/s, none when it is faster or not
+        measured."""
+        if self.compression != "auto":
+            return self
+        slow = slowest is not None and slowest < self.compress_below_bandwidth
+        return dataclasses.replace(self, compression="topk" if slow else "none")
+
+    def compression_for(self, op: ReduceOp, dtype: np.dtype, nbytes: int) -> str:
+        """What an all_reduce of ``nbytes`` of ``dtype`` under ``op`` sends:
+        the schedule's compression for large SUM or MEAN reductions of
+        floats, "none" for anything else (integers, MAX, small buffers)."""
+        if (self.compression in ("none", "auto") or op not in (ReduceOp.SUM, ReduceOp.MEAN)
+                or dtype.kind != "f" or nbytes < self.compression_min_bytes):
+            return "none"
+        return self.compression
 
     def strategy_for(self, op: str, nbytes: int) -> str:
         if self.strategy != "auto":
@@ -115,6 +144,7 @@ class Group:
         self._on_close = on_close
         self.closed = False
         self.failed = False  # an operation raised CollectiveError
+        self._compressor: Any = None  # made on the first compressed all_reduce
         # A script that ends without close() must still let its last
         # operation's queued bytes reach the peers.
         atexit.register(self.close)
@@ -127,22 +157,58 @@ class Group:
 
     def all_reduce(self, x: Any, op: ReduceOp | str = ReduceOp.SUM, *,
                    timeout: float | None = None, strategy: str | None = None,
-                   compression: Any = None, name: str = "gradient") -> Any:
+                   compression: Any = None, name: str | None = None) -> Any:
         """Reduce ``x`` over every rank; every rank gets the same result.
         ``compression``: a :class:`~pmetal.collectives.compression.GradientCompressor`
         (SUM or MEAN only), whose error feedback keeps the residual of
-        ``name`` from one call to the next (see docs/compression.md)."""
+        ``name`` from one call to the next (see docs/compression.md). When
+        the group's schedule compresses (``CollectiveConfig.compression``),
+        large float SUM/MEAN all_reduces use the group's own compressor,
+        its residuals kept per ``name`` (default: per shape and dtype; name
+        each tensor when several of one shape are reduced every step)."""
+        implicit = compression is None
+        if implicit:
+            compression = self._scheduled_compressor(x, _op(op))
         if compression is not None:
             from pmetal.collectives.compressed import all_reduce_compressed
+            if name is None:
+                array, _ = _as_array(x)
+                name = f"all_reduce{list(array.shape)}:{array.dtype}" if implicit \
+                    else "gradient"
             return all_reduce_compressed(self, x, compression, _op(op), name=name,
                                          timeout=timeout)
         return self._run("all_reduce", x, op, 0, timeout, strategy)
 
+    def _scheduled_compressor(self, x: Any, op: ReduceOp) -> Any:
+        """The group's compressor when its schedule compresses this
+        all_reduce (see :meth:`Schedule.compression_for`), else None."""
+        if self.schedule.compression == "none":
+            return None
+        array, _ = _as_array(x)
+        kind = self.schedule.compression_for(op, array.dtype, array.nbytes)
+        if kind == "none":
+            return None
+        if self._compressor is None:
+            from pmetal.collectives.compression import (
+                CompressionConfig,
+                CompressionStrategy,
+                GradientCompressor,
+            )
+            self._compressor = GradientCompressor(CompressionConfig(
+                strategy=CompressionStrategy(kind), ratio=self.schedule.compression_ratio))
+        return self._compressor
+
     def statistics(self) -> dict[str, Any]:
         """Operations run and bytes this rank's links sent and received."""
-        return {"operations": self._op_id,
-                "bytes_sent": getattr(self.links, "bytes_sent", 0),
-                "bytes_received": getattr(self.links, "bytes_received", 0)}
+        stats: dict[str, Any] = {"operations": self._op_id,
+                                 "bytes_sent": getattr(self.links, "bytes_sent", 0),
+                                 "bytes_received": getattr(self.links, "bytes_received", 0)}
+        if self._compressor is not None:
+            compressed = self._compressor.statistics()
+            stats["compression"] = {"strategy": self.schedule.compression,
+                                    "bytes_in": compressed.bytes_in,
+                                    "bytes_out": compressed.bytes_out}
+        return stats
 
     def reduce(self, x: Any, root: int = 0, op: ReduceOp | str = ReduceOp.SUM, *,
                timeout: float | None = None, strategy: str | None = None) -> Any:

@@ -75,7 +75,7 @@ from pmetal.errors import (
 )
 
 __all__ = ["RENDEZVOUS_PREFIX", "ActorGroup", "Formation", "GroupStatistics", "Rendezvous",
-           "destroy", "form", "join_group", "ring_order"]
+           "destroy", "form", "join_group", "ring_order", "slowest_link"]
 
 log = logging.getLogger(__name__)
 
@@ -164,9 +164,11 @@ class Rendezvous:
                          "(it was when the group first formed); term %s", self.name,
                          cluster.get("term"))
             self._epochs += 1
+            order = ring_order(request.nodes, cluster.get("topology"))
             schedule = dataclasses.replace(
                 request.schedule, epoch=self._epochs, term=int(cluster.get("term") or 0),
-                order=ring_order(request.nodes, cluster.get("topology")))
+                order=order).with_links(
+                    slowest_link([request.nodes[r] for r in order], cluster.get("topology")))
             formation = dataclasses.replace(
                 request, epoch=self._epochs, schedule=schedule,
                 cluster_epoch=int(cluster.get("epoch") or 0), formation_id=secrets.token_hex(8))
@@ -303,6 +305,22 @@ def ring_order(nodes: Sequence[str], topology: dict[str, Any] | None) -> tuple[i
                           now=float(link.get("measured_at") or 0.0))
     position = {node: i for i, node in enumerate(graph.best_ring(distinct))}
     return tuple(sorted(range(len(nodes)), key=lambda r: (position[nodes[r]], r)))
+
+
+def slowest_link(ring: Sequence[str], topology: dict[str, Any] | None) -> float | None:
+    """The smallest measured bandwidth (bytes/s) between consecutive
+    distinct nodes of ``ring`` (cyclic), or None when no such link has a
+    figure (one node, or nothing probed yet)."""
+    nodes = [n for i, n in enumerate(ring) if i == 0 or n != ring[i - 1]]
+    if len(nodes) > 1 and nodes[0] == nodes[-1]:
+        nodes.pop()
+    if len(nodes) < 2 or not topology:
+        return None
+    figures = {frozenset((link["a"], link["b"])): link.get("bandwidth")
+               for link in topology.get("links") or []}
+    pairs = {frozenset((a, b)) for a, b in zip(nodes, nodes[1:] + nodes[:1]) if a != b}
+    known = [figures[p] for p in pairs if figures.get(p)]
+    return min(known) if known else None
 
 
 def _check_name(name: Any) -> str:

@@ -92,3 +92,69 @@ def test_a_read_only_array_gets_a_new_result() -> None:
         x.flags.writeable = False
         out = ctx.all_reduce_blocking(x)
         assert out is not x and np.array_equal(out, x)
+
+
+# ----------------------------------------------------- scheduled compression
+
+def test_the_schedule_compresses_only_large_float_sums() -> None:
+    from pmetal.collectives.group import Schedule
+    from pmetal.collectives.ops import ReduceOp
+    schedule = Schedule.from_config("g", 2, pmetal.CollectiveConfig(
+        compression="topk", compression_min_bytes=1024))
+    f32, i64 = np.dtype("float32"), np.dtype("int64")
+    assert schedule.compression_for(ReduceOp.SUM, f32, 4096) == "topk"
+    assert schedule.compression_for(ReduceOp.MEAN, f32, 4096) == "topk"
+    assert schedule.compression_for(ReduceOp.MAX, f32, 4096) == "none"
+    assert schedule.compression_for(ReduceOp.SUM, i64, 4096) == "none"
+    assert schedule.compression_for(ReduceOp.SUM, f32, 1000) == "none"
+
+
+def test_auto_compression_is_the_masters_choice_from_the_slowest_link() -> None:
+    from pmetal.collectives.group import Schedule
+    from pmetal.collectives.ops import ReduceOp
+    from pmetal.collectives.rendezvous import slowest_link
+    auto = Schedule.from_config("g", 3, pmetal.CollectiveConfig(compression="auto"))
+    f32 = np.dtype("float32")
+    assert auto.compression_for(ReduceOp.SUM, f32, 1 << 30) == "none"  # not decided yet
+    topology = {"links": [{"a": "A", "b": "B", "bandwidth": 100e6},
+                          {"a": "B", "b": "C", "bandwidth": 5e6},
+                          {"a": "C", "b": "A", "bandwidth": None}]}
+    assert slowest_link(["A", "B", "C"], topology) == 5e6
+    assert slowest_link(["A", "A", "A"], topology) is None
+    assert slowest_link(["A", "C"], topology) is None  # not probed
+    assert auto.with_links(5e6).compression == "topk"   # Wi-Fi-like
+    assert auto.with_links(100e6).compression == "none"
+    assert auto.with_links(None).compression == "none"
+
+
+def test_a_group_configured_to_compress_sends_fewer_bytes_and_stays_identical() -> None:
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    nodes = [f"127.0.0.1:{p}" for p in ports]
+    config = pmetal.CollectiveConfig(compression="topk", compression_ratio=0.01,
+                                     compression_min_bytes=4096, shared_memory=False,
+                                     connect_timeout=20.0, timeout=20.0)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(100_000).astype(np.float32) for _ in range(2)]
+
+    def rank(r: int) -> tuple[np.ndarray, np.ndarray, dict]:
+        ctx = pmetal.DistributedContext(pmetal.RingBackend(
+            pmetal.DistributedConfig(nodes=nodes, rank=r, collectives=config)))
+        with ctx:
+            g = ctx.all_reduce_blocking(grads[r].copy(), "sum")
+            exact = ctx.all_reduce_blocking(np.arange(10_000, dtype=np.int64) * (r + 1))
+            return g, exact, ctx.group.statistics()
+
+    with ThreadPoolExecutor(2) as pool:
+        (g0, e0, s0), (g1, e1, s1) = pool.map(rank, [0, 1], timeout=60)
+    assert s1["compression"] == s0["compression"]
+    assert g0.tobytes() == g1.tobytes(), "every rank gets the same bytes"
+    assert np.count_nonzero(g0) <= 2 * 1000, "TopK 1% of each rank's gradient"
+    assert np.array_equal(e0, np.arange(10_000) * 3) and np.array_equal(e1, e0)
+    assert s0["compression"]["strategy"] == "topk"
+    assert s0["compression"]["bytes_in"] >= 30 * s0["compression"]["bytes_out"]
