@@ -4,7 +4,7 @@
     python -m benchmarks transport      # one suite
     python -m benchmarks --quick        # fewer repetitions (smoke run)
     python -m benchmarks instructions   # opt-in: instruction counts (valgrind)
-    python -m benchmarks allreduce      # opt-in: collectives, = pmetal bench allreduce
+    python -m benchmarks allreduce      # collectives only, = pmetal bench allreduce
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -16,10 +16,10 @@ import sys
 
 from benchmarks import actors, allreduce, cluster, instructions, transport
 
-SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main}
-# Run only when named: instructions needs valgrind; allreduce takes a
-# minute or two by itself (its figures: docs/performance.md, Collectives).
-OPT_IN = {"instructions": instructions.main, "allreduce": allreduce.main}
+SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
+          "allreduce": allreduce.main}
+# Run only when named: instructions needs valgrind.
+OPT_IN = {"instructions": instructions.main}
 
 
 def main(argv: list[str] | None = None) -> int:
