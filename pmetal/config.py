@@ -25,9 +25,9 @@ from typing import Any
 from pmetal.errors import ConfigError
 
 __all__ = [
-    "DEFAULT_PORT",
     "ActorsConfig",
     "CollectiveConfig",
+    "DEFAULT_PORT",
     "DiscoveryConfig",
     "ElectionConfig",
     "HealthConfig",
