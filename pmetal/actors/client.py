@@ -322,9 +322,13 @@ class CoreClient:
         if link is None and handle._state == "alive" and not (
                 self._watch is not None and handle._node_id in self._watch.dead):
             return self._on(self._own(self.link(handle._address), handle._actor_id), handle)
-        # The worker we knew died: ask the node for the actor's new home.
+        # The worker we knew died: ask the node for the actor's new home. A
+        # handle that never saw its actor alive (found by name while its
+        # creator was still making it) waits for that same incarnation: the
+        # next one would come only with a restart, after the whole wait.
+        incarnation = handle._incarnation + (0 if handle._state == "pending" else 1)
         try:
-            loc = self.lookup(handle._actor_id, min_incarnation=handle._incarnation + 1,
+            loc = self.lookup(handle._actor_id, min_incarnation=incarnation,
                               wait=self.config.transport.connect_timeout)
         except PMetalError as exc:
             return ActorDiedError(f"actor {handle._actor_id} is unreachable: {exc}")
