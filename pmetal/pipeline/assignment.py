@@ -97,6 +97,25 @@ class ModelProfile:
         if min(self.bytes_per_layer) < 0 or min(self.cost_per_layer) < 0:
             raise PMetalValueError("layer_bytes and layer_cost must be >= 0")
 
+    @classmethod
+    def llama(cls, *, n_layers: int, hidden_size: int, intermediate_size: int, n_heads: int,
+              n_kv_heads: int, vocab_size: int, tied_embeddings: bool,
+              weight_bytes: float = 4, dtype_bytes: int = 4,
+              codec_factor: float = 1.0) -> ModelProfile:
+        """The profile of a Llama-architecture decoder from its config:
+        ``weight_bytes`` per parameter as held in memory (4 for float32), cost
+        in FLOPs per token (two per weight; attention over the context is left
+        out, small at the lengths a home cluster serves)."""
+        head_dim = hidden_size // n_heads
+        attention = 2 * hidden_size * hidden_size + 2 * hidden_size * n_kv_heads * head_dim
+        per_layer = attention + 3 * hidden_size * intermediate_size + 2 * hidden_size
+        embedding = vocab_size * hidden_size
+        return cls(n_layers, int(per_layer * weight_bytes), hidden_size,
+                   embedding_bytes=int(embedding * weight_bytes),
+                   head_bytes=int((embedding + hidden_size) * weight_bytes),
+                   tied_embeddings=tied_embeddings, layer_cost=2.0 * per_layer,
+                   head_cost=2.0 * embedding, dtype_bytes=dtype_bytes, codec_factor=codec_factor)
+
     @property
     def bytes_per_layer(self) -> tuple[int, ...]:
         if isinstance(self.layer_bytes, (int, float)):
@@ -312,7 +331,8 @@ def assign_layers_bandwidth_aware(model: ModelProfile, nodes: Sequence[StageNode
     each with an exact dynamic programme over the cut points (O(layers^2) per
     stage, vectorised), so the result is optimal. Ties, bottlenecks within a
     relative 1e-9, go to the fewest stages, then the chain first in node-id
-    order, then the earliest cuts: every master computes the same answer.
+    order, then each cut as early as it can be, from the last one back: every
+    master computes the same answer.
     Above the limit, a heuristic: chains grown greedily (from the fastest
     node, each next the one with the quickest link to the last; and by free
     memory, largest first), every prefix of each solved exactly for its cuts.
@@ -413,8 +433,9 @@ class _Costs:
         return matrix
 
     def solve(self, chain: Sequence[StageNode]) -> tuple[float, list[int]]:
-        """The least bottleneck over the cuts of ``chain`` and the earliest cuts
-        that reach it (inf and [] when none fits)."""
+        """The least bottleneck over the cuts of ``chain`` and cuts that reach
+        it, each as early as it can be from the last back (inf and [] when
+        none fits)."""
         count = self.model.n_layers
         if len(chain) > count:
             return math.inf, []

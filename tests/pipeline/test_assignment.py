@@ -281,6 +281,24 @@ def test_bad_inputs_are_refused_clearly() -> None:
         assign_layers_proportional(model, [StageNode("a", 9), StageNode("a", 9)])
 
 
+def test_describe_prints_a_line_per_stage_and_the_bottleneck() -> None:
+    model = ModelProfile(4, 1 << 20, hidden_size=1000, layer_cost=1.0, head_cost=1.0,
+                         token_bytes=0)
+    nodes = [StageNode("a", 3 << 20, 1000.0), StageNode("b", 3 << 20, 1000.0)]
+    got = assign_layers_bandwidth_aware(model, nodes, {("a", "b"): Link(4e6, 0.001)})
+    assert got.describe() == (
+        "2 stages (bandwidth-aware, exact):\n"
+        "  stage 1  a  layers 0-1 (2)  2.00 MiB of 3.00 MiB free"
+        "  compute 2.000 ms + send 2.000 ms = 4.000 ms/token\n"
+        "  stage 2  b  layers 2-3 (2)  2.00 MiB of 3.00 MiB free"
+        "  compute 3.000 ms + send 1.000 ms = 4.000 ms/token\n"
+        "  bottleneck: stage 1 (a), 4.000 ms/token, at most 250.0 tokens/s with the pipeline"
+        " full; one sequence alone 8.000 ms/token")
+    untimed = assign_layers_proportional(model, nodes)
+    assert untimed.describe().splitlines()[1] == (
+        "  stage 1  a  layers 0-1 (2)  2.00 MiB of 3.00 MiB free")
+
+
 def test_links_may_be_a_function() -> None:
     model = ModelProfile(4, 1, hidden_size=100, layer_cost=1.0)
     nodes = [StageNode("a", 3, 1.0), StageNode("b", 3, 1.0)]
@@ -292,14 +310,21 @@ def test_links_may_be_a_function() -> None:
 # ---------------------------------------------------- the default model's size
 
 def smollm2(codec_factor: float = 1.0) -> ModelProfile:
-    """SmolLM2-135M in float32: 30 layers of 3.54M parameters, a tied
-    embedding of 49,152 x 576; FLOPs per token as the cost."""
-    embedding = 49_152 * 576
-    per_layer = (134_515_008 - embedding - 576) // 30
-    return ModelProfile(30, per_layer * 4, hidden_size=576, embedding_bytes=embedding * 4,
-                        head_bytes=embedding * 4 + 576 * 4, tied_embeddings=True,
-                        layer_cost=2 * per_layer, head_cost=2 * embedding,
-                        codec_factor=codec_factor)
+    """SmolLM2-135M in float32 (its config.json), FLOPs per token as the cost."""
+    return ModelProfile.llama(n_layers=30, hidden_size=576, intermediate_size=1536, n_heads=9,
+                              n_kv_heads=3, vocab_size=49_152, tied_embeddings=True,
+                              codec_factor=codec_factor)
+
+
+def test_the_llama_profile_counts_the_default_models_parameters() -> None:
+    model = smollm2()
+    # 134,515,008 parameters: 30 layers of 3,540,096, the tied embedding and the final norm.
+    assert model.bytes_per_layer == (3_540_096 * 4,) * 30
+    assert model.total_bytes == 134_515_008 * 4
+    assert model.cost_per_layer[0] == 2 * 3_540_096
+    assert model.head_cost == 2 * 49_152 * 576
+    assert model.activation_bytes == 576 * 4
+    assert smollm2(0.5).activation_bytes == 576 * 2
 
 
 def test_the_default_model_on_two_to_four_machines() -> None:
