@@ -12,14 +12,16 @@ codec      tag           bytes per row   error of decode(encode(x)), per element
 ``none``   float32       4 * hidden      exact (and zero-copy both ways)
 ``fp16``   float16       2 * hidden      <= 2**-11 * |x| + 2**-25 (round to nearest
                                          even); finite values beyond 65504 saturate
-``bf16``   bfloat16      2 * hidden      <= 2**-8 * |x| (round to nearest even)
+``bf16``   bfloat16      2 * hidden      <= 2**-8 * |x| + 2**-134 (round to nearest
+                                         even); beyond 3.39e38 rounds to infinity
 ``int8``   int8 + scale  hidden + 4      <= max|row| / 254 (half a step of the
-                                         row's scale max|row| / 127)
+                                         row's scale max|row| / 127); a row whose
+                                         max|row| < 2**-100 decodes to zeros
 =========  ============  ==============  ===========================================
 
 For the default model (hidden 576) a token costs 2304, 1152, 1152 or 580
 bytes. NaN and infinity pass through ``none``, ``fp16`` and ``bf16``
-unchanged; ``int8`` refuses them (no scale represents them).
+unchanged; ``int8`` refuses them, and rows beyond 2**100 (the model diverged).
 
 Frames (:meth:`ActivationMessage.to_frames`)::
 
@@ -59,8 +61,11 @@ DEFAULT_MAX_BYTES = 1 << 30
 _MAX_HEADER = 128          # the header is ~20 bytes; anything longer is not ours
 _MAX_DIM = 1 << 31
 _FP16_MAX = np.float32(65504.0)
-# The largest scale whose int8 step of 127 still decodes to a finite float32.
-_MAX_SCALE = np.finfo(np.float32).max / np.float32(127)
+# int8 rows: below 2**-100 a row is zero for any model, beyond 2**100 it has
+# diverged; inside, 127 / peak and 127 * scale stay finite in float32.
+_INT8_FLUSH = np.float32(2.0**-100)
+_INT8_LIMIT = np.float32(2.0**100)
+_MAX_SCALE = _INT8_LIMIT / np.float32(127)
 
 
 class DtypeTag(enum.IntEnum):
@@ -284,10 +289,11 @@ class ActivationCodec(enum.Enum):
             data = _bf16_bits(x)
         else:
             peak = np.abs(x).max(axis=1)
-            if not np.isfinite(peak).all():
-                raise PMetalValueError("int8 activation codec: the hidden state holds NaN or "
-                                       "infinity (the model diverged); use codec none to "
-                                       "carry it as it is")
+            if not (peak <= _INT8_LIMIT).all():   # NaN fails too
+                raise PMetalValueError("int8 activation codec: the hidden state holds NaN, "
+                                       "infinity or values beyond 2**100 (the model "
+                                       "diverged); use codec none to carry it as it is")
+            peak[peak < _INT8_FLUSH] = 0
             scales = (peak / np.float32(127)).astype(_SCALE_DTYPE)
             inverse = np.divide(np.float32(127), peak, out=np.zeros_like(peak),
                                 where=peak > 0)

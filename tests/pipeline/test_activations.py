@@ -3,9 +3,12 @@ refusal of malformed frames, zero copy, bfloat16 rounding."""
 
 from __future__ import annotations
 
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
 
 from pmetal.errors import PMetalValueError, ProtocolError
 from pmetal.pipeline.activations import (FRAME_FORMAT, ActivationCodec, ActivationMessage,
@@ -77,8 +80,10 @@ def test_fp16_saturates_instead_of_overflowing() -> None:
 def test_int8_refuses_a_diverged_hidden_state() -> None:
     x = hidden_state(2)
     x[1, 3] = np.nan
-    with pytest.raises(PMetalValueError, match="NaN or infinity"):
+    with pytest.raises(PMetalValueError, match="NaN, infinity"):
         ActivationCodec.INT8.encode(x)
+    with pytest.raises(PMetalValueError, match="diverged"):
+        ActivationCodec.INT8.encode(np.array([[1e31, 0.0]], np.float32))
 
 
 @pytest.mark.parametrize(("codec", "per_token"), [(ActivationCodec.NONE, 2304),
@@ -248,3 +253,43 @@ def test_random_garbage_never_raises_anything_but_protocol_error() -> None:
             continue
         y = ActivationCodec.decode(msg)   # whatever passed decodes to the right shape
         assert y.shape == msg.shape and y.dtype == np.float32
+
+
+FINITE = st.floats(width=32, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def hidden_states(draw: st.DrawFn, elements: st.SearchStrategy[float] = FINITE) -> np.ndarray:
+    shape = draw(st.tuples(st.integers(1, 6), st.integers(1, 40)))
+    return draw(hnp.arrays(np.float32, shape, elements=elements))
+
+
+@settings(max_examples=300, deadline=None)
+@given(x=hidden_states(), seq=st.integers(0, (1 << 63) - 1), pos=st.integers(0, 1 << 40),
+       prefill=st.booleans())
+def test_property_every_codec_meets_its_bound_on_any_finite_input(
+        x: np.ndarray, seq: int, pos: int, prefill: bool) -> None:
+    for codec in ActivationCodec:
+        if codec is ActivationCodec.INT8 and np.abs(x).max() > 2.0**100:
+            with pytest.raises(PMetalValueError, match="diverged"):
+                codec.encode(x)
+            continue
+        msg = transport(codec.encode(x, sequence_id=seq, position=pos, prefill=prefill))
+        assert (msg.sequence_id, msg.position, msg.prefill) == (seq, pos, prefill)
+        y = ActivationCodec.decode(msg).astype(np.float64)
+        v = x.astype(np.float64)
+        err = np.abs(y - v)
+        if codec is ActivationCodec.NONE:
+            assert np.array_equal(y, v)
+        elif codec is ActivationCodec.FP16:
+            inside = np.abs(v) <= 65504
+            assert (err[inside] <= 2.0**-11 * np.abs(v[inside]) + 2.0**-25).all()
+            assert (y[~inside] == np.sign(v[~inside]) * 65504).all()
+        elif codec is ActivationCodec.BF16:
+            inside = np.abs(v) < 3.3895e38
+            assert (err[inside] <= 2.0**-8 * np.abs(v[inside]) + 2.0**-134).all()
+            assert np.isinf(y[~inside]).all() or not (~inside).any()
+        else:
+            peak = np.abs(v).max(axis=1, keepdims=True)
+            bound = np.where(peak < 2.0**-100, peak, peak / 254 * (1 + 1e-5))
+            assert (err <= bound).all()
