@@ -200,9 +200,10 @@ def _problem(msg: ActivationMessage) -> str:
     if not (isinstance(msg.shape, tuple) and len(msg.shape) == 2
             and all(type(d) is int and d >= 1 for d in msg.shape)):
         return f"shape {msg.shape!r} is not (rows >= 1, hidden >= 1)"
-    if type(msg.sequence_id) is not int or type(msg.position) is not int \
-            or msg.sequence_id < 0 or msg.position < 0:
-        return "sequence_id and position must be non-negative ints"
+    if not all(type(v) is int and 0 <= v < 1 << 63 for v in (msg.sequence_id, msg.position)):
+        return "sequence_id and position must be ints in [0, 2**63)"
+    if type(msg.prefill) is not bool:
+        return f"prefill {msg.prefill!r} is not a bool"
     data = msg.data
     if not isinstance(data, np.ndarray) or data.dtype != msg.dtype.wire_dtype \
             or data.shape != msg.shape or not data.flags.c_contiguous:

@@ -182,6 +182,10 @@ def test_bad_input_is_refused() -> None:
     assert ActivationCodec.parse("BF16") is ActivationCodec.BF16
     with pytest.raises(PMetalValueError, match="inconsistent"):
         ActivationMessage(0, 0, (1, 4), DtypeTag.INT8, np.zeros((1, 4), np.int8))
+    with pytest.raises(PMetalValueError, match="2..63"):
+        ActivationCodec.NONE.encode(np.zeros((1, 4), np.float32), sequence_id=1 << 64)
+    with pytest.raises(PMetalValueError, match="bool"):
+        ActivationCodec.NONE.encode(np.zeros((1, 4), np.float32), prefill=1)  # type: ignore[arg-type]
 
 
 def frames_with_header(header: list, data: bytes, *extra: bytes) -> list[bytes]:
