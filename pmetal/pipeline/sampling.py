@@ -195,7 +195,7 @@ def _first_reaching(weights: np.ndarray, fraction: float, *, strict: bool) -> in
     side = "right" if strict else "left"
     n = weights.size
     full = n // _BLOCK * _BLOCK
-    if full == 0 or n <= 4 * _BLOCK:
+    if n <= 4 * _BLOCK:
         base, start, block = 0.0, 0, weights
         target = fraction * float(weights.sum(dtype=np.float64))
     else:

@@ -163,7 +163,8 @@ def test_mlx_input_is_accepted() -> None:
     mx = pytest.importorskip("mlx.core")
     x = hidden_state(2)
     for codec in ActivationCodec:
-        assert np.array_equal(codec.decode(codec.encode(mx.array(x))), codec.decode(codec.encode(x)))
+        from_mlx = codec.decode(codec.encode(mx.array(x)))
+        assert np.array_equal(from_mlx, codec.decode(codec.encode(x)))
     y = ActivationCodec.decode(ActivationCodec.BF16.encode(mx.array(x).astype(mx.bfloat16)))
     assert np.array_equal(y, ActivationCodec.decode(ActivationCodec.BF16.encode(x)))
 
@@ -185,7 +186,8 @@ def test_bad_input_is_refused() -> None:
     with pytest.raises(PMetalValueError, match="2..63"):
         ActivationCodec.NONE.encode(np.zeros((1, 4), np.float32), sequence_id=1 << 64)
     with pytest.raises(PMetalValueError, match="bool"):
-        ActivationCodec.NONE.encode(np.zeros((1, 4), np.float32), prefill=1)  # type: ignore[arg-type]
+        ActivationCodec.NONE.encode(np.zeros((1, 4), np.float32),
+                                    prefill=1)  # type: ignore[arg-type]
 
 
 def frames_with_header(header: list, data: bytes, *extra: bytes) -> list[bytes]:
