@@ -325,6 +325,24 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return x * (F32(1.0) / np.sqrt(variance + eps)) * weight
 
 
+# Below this many rows, one GEMV per row beats one GEMM: OpenBLAS packs the
+# whole weight matrix on every GEMM call, which for a few rows costs more than
+# the arithmetic, while per-row GEMVs find the matrix still in cache after the
+# first row (measured: 4 sequences' decode 20% faster per layer).
+GEMV_ROWS = 8
+
+
+def _project(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """``x @ weight`` for (rows, in) @ (in, out)."""
+    rows = x.shape[0]
+    if rows == 1 or rows > GEMV_ROWS:
+        return x @ weight
+    out = np.empty((rows, weight.shape[1]), dtype=F32)
+    for row in range(rows):
+        np.matmul(x[row], weight, out=out[row])
+    return out
+
+
 def _silu(x: np.ndarray) -> np.ndarray:
     # sigmoid via tanh: no overflow warning for very negative inputs, unlike exp(-x)
     return x * (F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x))
@@ -412,7 +430,7 @@ class LlamaStage:
     def _qkv(self, layer: int, x: np.ndarray, positions: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        qkv = _rms_norm(x, self._attn_norm[layer], self._eps) @ self._wqkv[layer]
+        qkv = _project(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer])
         t = x.shape[0]
         q = self._rotate(qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim), positions)
         k = self._rotate(qkv[:, c.q_size:c.q_size + c.kv_size]
@@ -421,9 +439,9 @@ class LlamaStage:
         return q, k, v
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        gu = _rms_norm(x, self._mlp_norm[layer], self._eps) @ self._wgu[layer]
+        gu = _project(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer])
         inter = self.config.intermediate_size
-        return x + (_silu(gu[:, :inter]) * gu[:, inter:]) @ self._wdown[layer]
+        return x + _project(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer])
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 first: int) -> np.ndarray:
@@ -462,7 +480,7 @@ class LlamaStage:
             cache.values[layer, :, first:first + t] = v.transpose(1, 0, 2)
             attn = self._attend(q, cache.keys[layer, :, :first + t],
                                 cache.values[layer, :, :first + t], first)
-            x = x + attn @ self._wo[layer]
+            x = x + _project(attn, self._wo[layer])
             x = self._mlp(layer, x)
         cache.length = first + t
         return x
@@ -491,7 +509,7 @@ class LlamaStage:
                 cache.values[layer, :, pos] = v[row]
                 attn[row] = self._attend(q[row:row + 1], cache.keys[layer, :, :pos + 1],
                                          cache.values[layer, :, :pos + 1], pos)[0]
-            x = x + attn @ self._wo[layer]
+            x = x + _project(attn, self._wo[layer])
             x = self._mlp(layer, x)
         for cache in caches:
             cache.length += 1
