@@ -177,6 +177,18 @@ def test_batched_decode_equals_one_sequence_at_a_time(weights: LlamaWeights) -> 
     assert [c.length for c in together] == [c.length for c in alone] == [11, 6, 9, 5]
 
 
+def test_logits_of_a_few_rows_equal_logits_row_by_row() -> None:
+    """A few rows take the sliced-vocabulary path; 2,500 words make two full
+    slices and a partial one."""
+    config = LlamaConfig(**{**TINY.__dict__, "vocab_size": 2500, "num_hidden_layers": 1})
+    stage = LlamaStage(LlamaWeights.random(config, seed=5))
+    hidden = np.random.default_rng(1).standard_normal((5, config.hidden_size), dtype=np.float32)
+    together = stage.logits(hidden)
+    alone = np.concatenate([stage.logits(hidden[i:i + 1]) for i in range(5)])
+    assert together.shape == (5, 2500)
+    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+
+
 def test_everything_stays_float32(weights: LlamaWeights) -> None:
     stage = LlamaStage(weights)
     assert stage._cos.dtype == stage._sin.dtype == np.float32
