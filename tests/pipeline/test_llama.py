@@ -55,9 +55,9 @@ def reference_logits(w: LlamaWeights, tokens: list[int]) -> np.ndarray:
     mask = np.triu(np.full((t, t), -np.inf), k=1)
     for layer in w.layers:
         h = rms(x, layer.attn_norm)
-        q = (h @ d(layer.wq)).reshape(t, nh, hd)
-        k = (h @ d(layer.wk)).reshape(t, nkv, hd)
-        v = (h @ d(layer.wv)).reshape(t, nkv, hd)
+        q = (h @ d(layer.wq).T).reshape(t, nh, hd)
+        k = (h @ d(layer.wk).T).reshape(t, nkv, hd)
+        v = (h @ d(layer.wv).T).reshape(t, nkv, hd)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = np.repeat(k, nh // nkv, axis=1)  # repeat_kv: head i uses kv head i // group
@@ -68,10 +68,10 @@ def reference_logits(w: LlamaWeights, tokens: list[int]) -> np.ndarray:
             p = np.exp(s - s.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             out[:, head] = p @ v[:, head]
-        x = x + out.reshape(t, nh * hd) @ d(layer.wo)
+        x = x + out.reshape(t, nh * hd) @ d(layer.wo).T
         h = rms(x, layer.mlp_norm)
-        g, u = h @ d(layer.w_gate), h @ d(layer.w_up)
-        x = x + (g / (1 + np.exp(-g)) * u) @ d(layer.w_down)
+        g, u = h @ d(layer.w_gate).T, h @ d(layer.w_up).T
+        x = x + (g / (1 + np.exp(-g)) * u) @ d(layer.w_down).T
     return rms(x, w.norm) @ d(w.lm_head).T
 
 
@@ -178,14 +178,15 @@ def test_batched_decode_equals_one_sequence_at_a_time(weights: LlamaWeights) -> 
 
 
 def test_logits_of_a_few_rows_equal_logits_row_by_row() -> None:
-    """A few rows take the sliced-vocabulary path; 2,500 words make two full
-    slices and a partial one."""
-    config = LlamaConfig(**{**TINY.__dict__, "vocab_size": 2500, "num_hidden_layers": 1})
+    """A few rows take the sliced path (``_project``, shared by every matrix):
+    2 MB slices of a 64-wide table hold 8,192 words, so 20,000 words make two
+    full slices and a partial one."""
+    config = LlamaConfig(**{**TINY.__dict__, "vocab_size": 20000, "num_hidden_layers": 1})
     stage = LlamaStage(LlamaWeights.random(config, seed=5))
     hidden = np.random.default_rng(1).standard_normal((5, config.hidden_size), dtype=np.float32)
     together = stage.logits(hidden)
     alone = np.concatenate([stage.logits(hidden[i:i + 1]) for i in range(5)])
-    assert together.shape == (5, 2500)
+    assert together.shape == (5, 20000)
     np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
 
 
