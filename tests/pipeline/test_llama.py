@@ -253,6 +253,17 @@ def test_from_hf_dict_reads_a_config_json() -> None:
     assert listed.eos_token_id == 2
 
 
+def test_the_default_config_has_the_published_parameter_count() -> None:
+    """134.5M parameters, the figure the issue measured by dequantizing the
+    GGUF file: 30 layers, the tied embedding counted once, the final norm."""
+    c = SMOLLM2_135M
+    total = c.num_hidden_layers * c.layer_parameters() + c.vocab_size * c.hidden_size + c.hidden_size
+    assert total == 134_515_008
+    tiny = LlamaWeights.random(TINY)
+    counted = sum(a.size for layer in tiny.layers for a in layer.__dict__.values())
+    assert counted == TINY.num_hidden_layers * TINY.layer_parameters()
+
+
 @pytest.mark.parametrize(("changes", "message"), [
     ({"model_type": "mistral"}, "only Llama"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
@@ -276,6 +287,7 @@ def test_weights_of_the_wrong_shape_or_dtype_are_refused(weights: LlamaWeights) 
     assert isinstance(LlamaStage(weights).new_cache(4), KVCache)
 
 
+@pytest.mark.slow
 def test_decode_speed_of_the_default_shape(capsys: pytest.CaptureFixture[str]) -> None:
     """Prints single-token decode speed of the SmolLM2-135M shape with random
     weights; no assertion (a shared machine's timing is not a test)."""
