@@ -364,7 +364,10 @@ class LlamaStage:
     from :meth:`new_cache`. :meth:`forward` runs a prefill (many tokens) or
     one decode token of one sequence; :meth:`forward_batch` runs one decode
     token of each of several sequences at once, so every weight matrix is
-    read once for all of them."""
+    read once for all of them.
+
+    The stage copies q, k, v and gate, up into fused matrices: drop the
+    :class:`LlamaWeights` once the stage is built to free the originals."""
 
     def __init__(self, weights: LlamaWeights) -> None:
         if not weights.layers:
@@ -383,7 +386,7 @@ class LlamaStage:
         self._wdown = [np.ascontiguousarray(w.w_down) for w in weights.layers]
         self._embed = weights.embed_tokens
         self._norm = weights.norm
-        self._head = weights.lm_head
+        self._head = None if weights.lm_head is None else np.ascontiguousarray(weights.lm_head)
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
                                            / c.head_dim))
         angles = np.outer(np.arange(c.max_position_embeddings, dtype=np.float64), inv_freq)
