@@ -1,6 +1,7 @@
-"""Pipeline-parallel inference: layer assignment, the activation codec,
-sampling (so far; the stages, the model and the generation loop come with
-the rest of the pipeline issue). See docs/pipeline.md."""
+"""Pipeline-parallel inference: the numpy Llama decoder a stage runs,
+layer assignment, the activation codec and sampling (so far; the model
+loaders, the stage actors and the generation loop come with the rest of
+the pipeline issue). See docs/pipeline.md."""
 
 from pmetal.pipeline.activations import ActivationCodec, ActivationMessage, DtypeTag
 from pmetal.pipeline.assignment import (
@@ -12,15 +13,29 @@ from pmetal.pipeline.assignment import (
     assign_layers_bandwidth_aware,
     assign_layers_proportional,
 )
+from pmetal.pipeline.llama import (
+    SMOLLM2_135M,
+    KVCache,
+    LayerWeights,
+    LlamaConfig,
+    LlamaStage,
+    LlamaWeights,
+)
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - plain sorted order, as test_public_api wants
     "ActivationCodec",
     "ActivationMessage",
     "Assignment",
     "DtypeTag",
+    "KVCache",
+    "LayerWeights",
     "Link",
+    "LlamaConfig",
+    "LlamaStage",
+    "LlamaWeights",
     "ModelProfile",
+    "SMOLLM2_135M",
     "Sampler",
     "SamplingConfig",
     "Stage",
