@@ -113,7 +113,7 @@ class AutoDiscoveryBackend(DistributedBackend):
         started = time.monotonic()
         deadline = started + timeout
         while True:
-            handle = (rendezvous._rendezvous(client, self.name, alive=True)
+            handle = (rendezvous._rendezvous(client, self.name)
                       or rendezvous._start_rendezvous(client, self.name))
             left = deadline - time.monotonic()
             try:

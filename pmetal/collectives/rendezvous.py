@@ -343,15 +343,15 @@ def _ask(client: Any, handle: ActorHandle, method: str, *args: Any, timeout: flo
         raise
 
 
-def _rendezvous(client: Any, name: str, *, alive: bool = False) -> ActorHandle | None:
-    """The group's rendezvous actor, or None when there is none (or, with
-    ``alive``, none running yet: a handle found while another process is
-    still creating the actor knows neither its methods nor its address)."""
+def _rendezvous(client: Any, name: str) -> ActorHandle | None:
+    """The group's rendezvous actor, or None when there is none. A handle
+    found while another process still creates it is fine: its first call
+    waits for that construction."""
     try:
         loc = client.lookup(name=RENDEZVOUS_PREFIX + name)
     except PMetalValueError:
         return None
-    if loc.state == "dead" or (alive and loc.state != "alive"):
+    if loc.state == "dead":
         return None
     return ActorHandle(loc)
 
@@ -406,7 +406,7 @@ def _start_rendezvous(client: Any, name: str) -> ActorHandle:
         # it exists.
         deadline = time.monotonic() + client.config.transport.request_timeout
         while time.monotonic() < deadline:
-            rendezvous = _rendezvous(client, name, alive=True)
+            rendezvous = _rendezvous(client, name)
             if rendezvous is not None:
                 return rendezvous
             time.sleep(0.05)  # bounded by the deadline; the creation is elsewhere
