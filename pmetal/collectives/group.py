@@ -96,7 +96,7 @@ class Schedule:
             return self.strategy
         # Measured on loopback (docs/performance.md, "auto"): with two ranks
         # the ring's two exchanges run both ways at once and beat the
-        # tree at every size (4 KiB: 55 against 114 us); with more, the
+        # tree at every size (4 KiB: 64 against 120 us); with more, the
         # tree's log2 hops beat the ring's 2(n-1) up to about 256 KiB.
         if op == "barrier" or (nbytes <= self.tree_max_bytes and self.world > 2):
             return "tree"
