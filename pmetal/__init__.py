@@ -15,7 +15,7 @@ from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_co
 from pmetal.errors import (ActorDiedError, ActorError, AuthenticationError, BackpressureError,
                            ClosedError, CollectiveError, ConfigError, GetTimeoutError,
                            HandshakeError, IdentityError, NotInitializedError, PeerError,
-                           PlacementError,
+                           PipelineError, PlacementError,
                            PMetalError, PMetalTimeoutError, PMetalTypeError,
                            PMetalValueError, ProtocolError, RemoteError,
                            ReplayError, RequestTimeoutError, SecurityError, TransportError)
@@ -83,6 +83,7 @@ __all__ = [
     "PMetalTypeError",
     "PMetalValueError",
     "PeerError",
+    "PipelineError",
     "PlacementError",
     "ProtocolError",
     "QuantizationType",

@@ -30,6 +30,8 @@ code written for Ray's builtin exceptions keeps working::
     ├── PlacementError                       no node can host it (resources, node)
     ├── CollectiveError                      a collective operation failed: a member
     │                                        died, stalled or sent the wrong chunk
+    ├── PipelineError                        pipeline inference failed: a stage died
+    │                                        or stalled, or a sequence failed
     └── NotInitializedError                  pmetal.init() has not been called
 
 The split between :class:`ClosedError` and :class:`PeerError` follows trio's
@@ -56,6 +58,7 @@ __all__ = [
     "PMetalTypeError",
     "PMetalValueError",
     "PeerError",
+    "PipelineError",
     "PlacementError",
     "ProtocolError",
     "RemoteError",
@@ -193,6 +196,13 @@ class CollectiveError(PMetalError):
     on this rank: a member died, stalled past the deadline or sent a chunk
     the plan does not expect. The buffer holds partial results; re-form the
     group over the live members and run the operation again."""
+
+
+class PipelineError(PMetalError):
+    """Pipeline-parallel inference failed: a stage died or stalled (every
+    sequence in flight fails with it; build the pipeline again), or one
+    sequence failed at a stage (its prompt does not fit its KV cache, a
+    token id outside the vocabulary): that one only."""
 
 
 class NotInitializedError(PMetalError):

@@ -11,8 +11,12 @@ import pytest
 from hypothesis import given, settings
 
 from pmetal.errors import PMetalValueError, ProtocolError
-from pmetal.pipeline.activations import (FRAME_FORMAT, ActivationCodec, ActivationMessage,
-                                         DtypeTag)
+from pmetal.pipeline.activations import (
+    FRAME_FORMAT,
+    ActivationCodec,
+    ActivationMessage,
+    DtypeTag,
+)
 
 HIDDEN = 576   # the default model, SmolLM2-135M
 

@@ -1,0 +1,397 @@
+"""The driver's side of pipeline generation: the multiplexer and the loop.
+
+:class:`StreamMultiplexer` decides what the next hop into stage 0 carries.
+Sequences are spread over ``lanes`` micro-batches (one per stage by
+default): while stage 1 works on lane A, stage 0 works on lane B, so with
+as many lanes as stages every stage stays busy. A lane's hop carries one
+decode step of each of its sequences (run by every stage as one batch),
+the prompts of sequences admitted into it (prefill) and end-only entries
+that free the stages' state of sequences that finished or were cancelled.
+
+:class:`PipelineGenerationLoop` runs the lanes round the ring in the
+caller's thread: it sends every lane that has work, then receives the
+lanes back in the order they went (each stage is first in, first out),
+hands each sampled token to the sequence's callback, stops a sequence at a
+stop token or ``max_tokens`` and sends the lane straight back out. A
+sequence's prefill is its first step (its first token comes back from
+it), so time to first token is one trip round the ring.
+
+Failures: a hop that does not come back within ``step_timeout`` (a stage
+stalled), or a broken link (a stage died: its neighbours close their
+links, so the break reaches the driver in milliseconds), fails every
+sequence in flight and not yet started with
+:class:`~pmetal.errors.PipelineError`; the loop's links are then unusable.
+A sequence that failed at a stage fails alone, the others go on.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pmetal.errors import (
+    CollectiveError,
+    PeerError,
+    PipelineError,
+    PMetalValueError,
+    ProtocolError,
+)
+from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
+
+__all__ = ["GenerationResult", "PipelineGenerationLoop", "StreamMultiplexer",
+           "generate_single_process"]
+
+FINISH_STOP = "stop"            # a stop token (it is the last token of the output)
+FINISH_LENGTH = "length"        # max_tokens, or the model's context
+FINISH_CANCELLED = "cancelled"
+FINISH_ERROR = "error"
+
+TokenCallback = Callable[[int, int], None]   # (sequence id, token)
+
+
+@dataclass
+class GenerationResult:
+    """One sequence's outcome. ``tokens`` are the new tokens (a stop token
+    included); ``logits`` (when asked for) the float32 logits each token was
+    sampled from."""
+
+    sequence_id: int
+    prompt: list[int]
+    tokens: list[int]
+    finish_reason: str
+    error: str | None = None
+    time_to_first_token: float | None = None
+    seconds: float = 0.0
+    logits: list[np.ndarray] | None = None
+    text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.finish_reason != FINISH_ERROR
+
+
+@dataclass
+class _Sequence:
+    id: int
+    prompt: list[int]
+    sampling: SamplingConfig
+    max_len: int
+    want_logits: bool
+    on_token: TokenCallback | None
+    lane: int = -1
+    position: int = 0
+    started: float = 0.0
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+    first_token: float | None = None
+    finished: float | None = None
+    finish: str | None = None
+    error: str | None = None
+    cancel: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+    def result(self) -> GenerationResult:
+        ttft = None if self.first_token is None else self.first_token - self.started
+        end = self.finished if self.finished is not None else time.perf_counter()
+        return GenerationResult(self.id, self.prompt, list(self.tokens), self.finish or "",
+                                self.error, ttft, end - self.started,
+                                self.logits if self.want_logits else None)
+
+
+class StreamMultiplexer:
+    """Which sequences ride in which lane (see the module docstring).
+    Thread-safe for :meth:`cancel`; everything else runs in the loop's thread."""
+
+    def __init__(self, lanes: int, max_in_flight: int) -> None:
+        if lanes < 1 or max_in_flight < 1:
+            raise PMetalValueError(f"lanes {lanes} and max_in_flight {max_in_flight} must "
+                                   "be >= 1")
+        self.lanes = lanes
+        self.max_in_flight = max_in_flight
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.members: list[list[_Sequence]] = [[] for _ in range(lanes)]
+        self.drops: list[list[int]] = [[] for _ in range(lanes)]  # ids the stages still hold
+        self.sequences: dict[int, _Sequence] = {}
+        self._lock = threading.Lock()
+
+    def submit(self, seq: _Sequence) -> None:
+        if seq.id in self.sequences:
+            raise PMetalValueError(f"sequence {seq.id} is already in this pipeline")
+        self.sequences[seq.id] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, sequence_id: int) -> bool:
+        """Stop one sequence; the others go on undisturbed. False when it is
+        unknown or already finished."""
+        with self._lock:
+            seq = self.sequences.get(sequence_id)
+            if seq is None or seq.done:
+                return False
+            seq.cancel = True
+            return True
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(m) for m in self.members)
+
+    def pending(self) -> bool:
+        """Whether any sequence is still waiting or running."""
+        return bool(self.waiting) or self.in_flight > 0
+
+    def next_hop(self, lane: int, now: float) -> Hop | None:
+        """The hop lane ``lane`` sends next, or None when it has nothing to do."""
+        entries = [Entry(sid, end=True) for sid in self.drops[lane]]
+        self.drops[lane].clear()
+        members = self.members[lane]
+        with self._lock:
+            for seq in [s for s in members if s.cancel]:
+                members.remove(seq)
+                self._finish(seq, FINISH_CANCELLED, None, now)
+                entries.append(Entry(seq.id, end=True))
+            while self.waiting and self.waiting[0].cancel:
+                self._finish(self.waiting.popleft(), FINISH_CANCELLED, None, now)
+        for seq in members:
+            last = len(seq.tokens) + 1 >= seq.sampling.max_tokens \
+                or seq.position + 1 >= seq.max_len
+            entries.append(Entry(seq.id, seq.position, tokens=(seq.tokens[-1],), end=last))
+        # Admit waiting sequences while there is room, up to this lane's
+        # share of everything there is to run, so the lanes stay even.
+        share = -(-min(self.in_flight + len(self.waiting), self.max_in_flight) // self.lanes)
+        while self.waiting and self.in_flight < self.max_in_flight and len(members) < share:
+            seq = self.waiting.popleft()
+            seq.lane, seq.started = lane, now
+            members.append(seq)
+            setup = {"max_len": seq.max_len, "sampling": _sampling_dict(seq.sampling),
+                     "stream": seq.id, "logits": seq.want_logits}
+            last = seq.sampling.max_tokens == 1 or len(seq.prompt) + 1 >= seq.max_len
+            entries.append(Entry(seq.id, 0, tokens=tuple(seq.prompt), prefill=True,
+                                 end=last, setup=setup))
+        return Hop(entries) if entries else None
+
+    def on_hop(self, lane: int, hop: Hop, now: float) -> None:
+        """Take the tokens of a lane that came back round the ring."""
+        members = {s.id: s for s in self.members[lane]}
+        for entry in hop.entries:
+            seq = members.get(entry.sequence_id)
+            if seq is None:
+                continue            # an end-only entry, or one cancelled meanwhile
+            if entry.error is not None:
+                self._leave(seq, FINISH_ERROR, entry.error, now, held=False)
+                continue
+            if len(entry.tokens) != 1:
+                self._leave(seq, FINISH_ERROR, f"the last stage sent {len(entry.tokens)} "
+                            "tokens for one step", now, held=True)
+                continue
+            token = entry.tokens[0]
+            seq.position = entry.position
+            seq.tokens.append(token)
+            if entry.logits is not None and seq.want_logits:
+                seq.logits.append(entry.logits)
+            if seq.first_token is None:
+                seq.first_token = now
+            if seq.on_token is not None:
+                seq.on_token(seq.id, token)
+            if token in seq.sampling.stop_token_ids:
+                self._leave(seq, FINISH_STOP, None, now, held=not entry.end)
+            elif len(seq.tokens) >= seq.sampling.max_tokens or seq.position >= seq.max_len:
+                self._leave(seq, FINISH_LENGTH, None, now, held=not entry.end)
+
+    def _leave(self, seq: _Sequence, reason: str, error: str | None, now: float, *,
+               held: bool) -> None:
+        self.members[seq.lane].remove(seq)
+        if held:
+            self.drops[seq.lane].append(seq.id)   # free its caches with the next hop
+        self._finish(seq, reason, error, now)
+
+    def fail_all(self, error: str, now: float) -> None:
+        for lane in self.members:
+            for seq in lane:
+                self._finish(seq, FINISH_ERROR, error, now)
+            lane.clear()
+        while self.waiting:
+            self._finish(self.waiting.popleft(), FINISH_ERROR, error, now)
+
+    @staticmethod
+    def _finish(seq: _Sequence, reason: str, error: str | None, now: float) -> None:
+        if seq.started == 0.0:
+            seq.started = now
+        seq.finish, seq.error, seq.finished = reason, error, now
+
+
+class PipelineGenerationLoop:
+    """Generation round a connected ring (rank 0: this driver; ranks
+    ``1..stages``: the stages, see :mod:`pmetal.pipeline.transport`)."""
+
+    def __init__(self, links: Any, stages: int, *, lanes: int | None = None,
+                 max_in_flight: int = 64, step_timeout: float = 60.0,
+                 describe_failure: Callable[[str], str] | None = None) -> None:
+        self.links = links
+        self.stages = stages
+        self.lanes = lanes or stages
+        self.max_in_flight = max_in_flight
+        self.step_timeout = step_timeout
+        self.sender = HopSender(links, 1)
+        self.receiver = HopReceiver(links, stages)
+        self.broken: str | None = None
+        self._describe = describe_failure or (lambda why: why)
+        self._mux: StreamMultiplexer | None = None
+        self._ids = 0
+        self.hops = 0
+
+    def cancel(self, sequence_id: int) -> bool:
+        """Cancel one sequence of the running :meth:`run` (any thread)."""
+        mux = self._mux
+        return mux.cancel(sequence_id) if mux is not None else False
+
+    def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[
+            SamplingConfig], *, max_len: int, on_token: TokenCallback | None = None,
+            want_logits: bool = False, started: Callable[[list[int]], None] | None = None,
+            ) -> list[GenerationResult]:
+        """Generate for every prompt (token ids); returns one result per
+        prompt, in order. ``on_token(sequence_id, token)`` sees every token
+        as it arrives; ``started(ids)`` the sequence ids, before the first
+        hop (for :meth:`cancel`)."""
+        if self.broken is not None:
+            raise PipelineError(f"this pipeline is broken ({self.broken}); build it again")
+        settings = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) \
+            else list(sampling)
+        if len(settings) != len(prompts):
+            raise PMetalValueError(f"{len(settings)} sampling settings for {len(prompts)} "
+                                   "prompts")
+        mux = StreamMultiplexer(self.lanes, self.max_in_flight)
+        seqs = []
+        for prompt, config in zip(prompts, settings, strict=True):
+            tokens = [int(t) for t in prompt]
+            if not tokens:
+                raise PMetalValueError("a prompt must have at least one token")
+            if len(tokens) >= max_len:
+                raise PMetalValueError(f"a prompt of {len(tokens)} tokens leaves no room in a "
+                                       f"context of {max_len}")
+            self._ids += 1
+            seq = _Sequence(self._ids, tokens, config, max_len, want_logits, on_token)
+            mux.submit(seq)
+            seqs.append(seq)
+        self._mux = mux
+        if started is not None:
+            started([s.id for s in seqs])
+        try:
+            self._loop(mux)
+        finally:
+            self._mux = None
+        return [s.result() for s in seqs]
+
+    def _loop(self, mux: StreamMultiplexer) -> None:
+        in_flight: collections.deque[int] = collections.deque()
+        idle = list(range(self.lanes))
+        while True:
+            now = time.perf_counter()
+            for lane in list(idle):
+                hop = mux.next_hop(lane, now)
+                if hop is not None:
+                    self._send(hop, mux)
+                    idle.remove(lane)
+                    in_flight.append(lane)
+            if not in_flight:
+                return
+            lane = in_flight.popleft()
+            hop = self._recv(mux)
+            mux.on_hop(lane, hop, time.perf_counter())
+            idle.append(lane)
+
+    def _send(self, hop: Hop, mux: StreamMultiplexer) -> None:
+        try:
+            self.sender.send(hop)
+            self.hops += 1
+        except (PeerError, CollectiveError, OSError) as exc:
+            self._break(mux, f"sending to stage 0 failed: {exc}")
+
+    def _recv(self, mux: StreamMultiplexer) -> Hop:
+        try:
+            return self.receiver.recv(time.monotonic() + self.step_timeout,
+                                      rest=self.step_timeout)
+        except TimeoutError as exc:
+            self._break(mux, f"no step came back from the last stage within "
+                        f"{self.step_timeout:g} s (a stage stalled: {exc})")
+        except (PeerError, CollectiveError, ProtocolError, OSError) as exc:
+            self._break(mux, f"the ring broke: {exc}")
+        raise AssertionError("unreachable")
+
+    def _break(self, mux: StreamMultiplexer, why: str) -> None:
+        why = self._describe(why)
+        self.broken = why
+        mux.fail_all(why, time.perf_counter())
+        self.links.close(timeout=1.0)   # the stages see it and stop serving
+        raise PipelineError(f"pipeline failed: {why}; every sequence in flight failed "
+                            "with it")
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the stages: an empty hop goes round the ring (each stage
+        passes it on and stops serving); then the links close. A broken
+        ring just closes."""
+        if self.broken is None:
+            try:
+                self.sender.send(Hop([]))
+                self.receiver.recv(time.monotonic() + timeout, rest=timeout)
+            except (PeerError, CollectiveError, ProtocolError, TimeoutError, OSError) as exc:
+                # Already gone: closing the links is all that is left.
+                self.broken = f"closed ({exc})"
+        self.links.close(timeout=1.0)
+
+    def statistics(self) -> dict[str, Any]:
+        return {"hops": self.hops, "bytes_sent": self.sender.bytes,
+                "bytes_received": self.receiver.bytes}
+
+
+def _sampling_dict(config: SamplingConfig) -> dict[str, Any]:
+    return {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p,
+            "seed": config.seed, "max_tokens": config.max_tokens,
+            "stop_token_ids": list(config.stop_token_ids)}
+
+
+def generate_single_process(stage: Any, prompts: Sequence[Sequence[int]],
+                            sampling: SamplingConfig, *, max_len: int,
+                            want_logits: bool = False) -> list[GenerationResult]:
+    """The reference a pipeline must equal: every prompt generated alone in
+    this process by ``stage`` (a stage over all of the model's layers),
+    with the same steps as the pipeline (the prompt in one forward pass,
+    then one decode step at a time) and the same sampling streams."""
+    from pmetal.pipeline.sampling import Sampler
+
+    results = []
+    for number, prompt in enumerate(prompts, 1):
+        started = time.perf_counter()
+        tokens = [int(t) for t in prompt]
+        cache = stage.new_cache(max_len)
+        sampler = Sampler(sampling, stream=number)
+        hidden = stage.forward(stage.embed(tokens), cache)
+        out: list[int] = []
+        logits_seen: list[np.ndarray] = []
+        first = None
+        finish = FINISH_LENGTH
+        while True:
+            logits = stage.logits(hidden[-1:])[0]
+            if want_logits:
+                logits_seen.append(logits)
+            token = sampler.sample(logits)
+            out.append(token)
+            first = first if first is not None else time.perf_counter()
+            if token in sampling.stop_token_ids:
+                finish = FINISH_STOP
+                break
+            if len(out) >= sampling.max_tokens or cache.length >= max_len:
+                break
+            hidden = stage.forward_batch(stage.embed([token]), [cache])
+        results.append(GenerationResult(number, tokens, out, finish, None, first - started,
+                                        time.perf_counter() - started,
+                                        logits_seen if want_logits else None))
+    return results

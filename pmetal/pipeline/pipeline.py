@@ -1,0 +1,397 @@
+"""The user's handle on pipeline-parallel inference.
+
+::
+
+    pipe = Pipeline.from_pretrained(stages=2)          # the default model
+    for result in pipe.generate(["What is the capital of France?"], max_tokens=32):
+        print(result.text)
+    pipe.close()
+
+:meth:`Pipeline.from_pretrained` connects to the cluster (or, with none,
+starts an embedded local node with a worker per stage, as ``pmetal.init``
+does), splits the model's layers over the stages (:func:`place_stages`),
+creates one :class:`~pmetal.pipeline.stage.PipelineStage` actor per stage
+on its node (each loads only its own layers, all at once), joins them and
+this driver into a ring of PSK-authenticated TCP links, and loads the
+tokenizer here. :meth:`Pipeline.generate` runs a
+:class:`~pmetal.pipeline.generation.PipelineGenerationLoop` over the ring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Self
+
+from pmetal.actors import context
+from pmetal.actors.handles import ActorClass, ActorHandle
+from pmetal.collectives import tcplinks
+from pmetal.errors import (
+    ActorDiedError,
+    PipelineError,
+    PlacementError,
+    PMetalError,
+    PMetalValueError,
+)
+from pmetal.pipeline.activations import ActivationCodec
+from pmetal.pipeline.assignment import (
+    ModelProfile,
+    StageNode,
+    assign_layers_proportional,
+)
+from pmetal.pipeline.generation import GenerationResult, PipelineGenerationLoop
+from pmetal.pipeline.llama import LlamaConfig
+from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.stage import PipelineStage, PipelineStageConfig
+
+__all__ = ["Pipeline", "StagePlacement", "place_stages"]
+
+log = logging.getLogger(__name__)
+
+_CALL_MARGIN = 30.0     # seconds on top of a stage's own deadline for the call carrying it
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """Where one stage runs and which layers it holds."""
+
+    index: int
+    node_id: str
+    start: int
+    end: int
+
+
+def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any]],
+                 *, memory_fraction: float = 0.8) -> list[StagePlacement]:
+    """Split ``config``'s layers over ``stages`` stages on the live ``nodes``
+    (as :func:`pmetal.nodes` lists them): the stages go round the nodes
+    with the most memory first, and each stage gets layers in proportion to
+    the memory it has (its node's ``memory`` resource over the stages
+    there, times ``memory_fraction``), with
+    :func:`~pmetal.pipeline.assignment.assign_layers_proportional`'s fit
+    check. One node: even ranges."""
+    if type(stages) is not int or stages < 1:
+        raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
+    if stages > config.num_hidden_layers:
+        raise PlacementError(f"{stages} stages for a model of {config.num_hidden_layers} "
+                             "layers: every stage needs at least one layer")
+    live = [n for n in nodes if n.get("Alive", True)]
+    if not live:
+        raise PlacementError("no live node to place the pipeline's stages on")
+    live.sort(key=lambda n: -float((n.get("Resources") or {}).get("memory", 0.0)))
+    owners = [live[i % len(live)] for i in range(stages)]
+    per_node = {n["NodeID"]: owners.count(n) for n in live}
+    slots = []
+    for i, node in enumerate(owners):
+        memory = float((node.get("Resources") or {}).get("memory", 0.0))
+        share = memory * memory_fraction / per_node[node["NodeID"]] if memory else 2.0**62
+        slots.append(StageNode(f"{i}:{node['NodeID']}", int(share)))
+    profile = ModelProfile.llama(
+        n_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, n_heads=config.num_attention_heads,
+        n_kv_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
+        tied_embeddings=config.tie_word_embeddings)
+    assignment = assign_layers_proportional(profile, slots)
+    placements = []
+    for i, stage in enumerate(assignment.stages):
+        placements.append(StagePlacement(i, stage.node_id.partition(":")[2], stage.start,
+                                         stage.end))
+    if len(placements) != stages:
+        raise PlacementError(f"the layers fit on {len(placements)} of {stages} stages only")
+    return placements
+
+
+class Pipeline:
+    """A model split over stage actors, and the ring that joins them to
+    this process (see the module docstring). Use as a context manager or
+    call :meth:`close`."""
+
+    def __init__(self, *, config: LlamaConfig, handles: list[ActorHandle],
+                 placements: list[StagePlacement], loop: PipelineGenerationLoop,
+                 tokenizer: Any, codec: ActivationCodec, max_len: int, model: str) -> None:
+        self.config = config
+        self.handles = handles
+        self.placements = placements
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.codec = codec
+        self.max_len = max_len
+        self.model = model
+        self._closed = False
+        self._running: list[int] = []
+
+    # ---------------------------------------------------------------- making
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike[str] | None = None, *, stages: int = 2,
+                        codec: str = "none",
+                        max_len: int = 2048, threads: int | None = None,
+                        step_timeout: float = 60.0, connect_timeout: float = 60.0,
+                        lanes: int | None = None, random_model: LlamaConfig | None = None,
+                        seed: int = 0, progress: Any = None,
+                        placement: Sequence[str] | None = None) -> Pipeline:
+        """Build a pipeline of ``stages`` stages for ``model`` (a GGUF file, a
+        Hugging Face folder, or a known model's name; None: the default
+        model, fetched on first use with a progress line on ``progress``).
+
+        The stages go on the cluster this process is connected to (after
+        ``pmetal.init``; without it a local node starts, as for any
+        ``.remote()``). ``codec`` encodes the
+        activations between stages (none, fp16, bf16, int8). ``max_len``
+        caps a sequence's context (prompt and output). ``threads``: BLAS
+        threads per stage (default: the cores shared out among the stages of
+        a machine). ``placement``: the node id of each stage, instead of
+        :func:`place_stages`. ``random_model``: random weights of that
+        config instead of a model file (tests and benchmarks; no tokenizer).
+        """
+        codec_ = ActivationCodec.parse(codec)
+        if type(stages) is not int or stages < 1:
+            raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
+        path, tokenizer = "", None
+        if random_model is None:
+            from pmetal.pipeline import loader, models  # gguf/tokenizers only when used
+
+            path = str(models.resolve_model(model, progress=progress))
+            config = loader.load_config(path)
+            tokenizer = loader.load_tokenizer(path)
+        else:
+            config = random_model
+        if not 2 <= max_len:
+            raise PMetalValueError(f"max_len {max_len!r} must be >= 2")
+        max_len = min(max_len, config.max_position_embeddings)
+        return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
+                          step_timeout, connect_timeout, lanes, random_model, seed, placement)
+
+    @classmethod
+    def _build(cls, config: LlamaConfig, path: str, tokenizer: Any, stages: int,
+               codec: ActivationCodec, max_len: int, threads: int | None,
+               step_timeout: float, connect_timeout: float, lanes: int | None,
+               random_model: LlamaConfig | None, seed: int,
+               placement: Sequence[str] | None) -> Pipeline:
+        client = context.current()      # connects, or starts a local node as .remote() does
+        nodes = _nodes(client)
+        if placement is not None:
+            known = {n["NodeID"] for n in nodes if n.get("Alive", True)}
+            if len(placement) != stages or not set(placement) <= known:
+                raise PlacementError(f"placement must name {stages} live node ids (from "
+                                     f"pmetal.nodes()), got {list(placement)}")
+            even = place_stages(config, stages, [{"NodeID": "x", "Alive": True}])
+            placements = [StagePlacement(p.index, node, p.start, p.end)
+                          for p, node in zip(even, placement, strict=True)]
+        else:
+            placements = place_stages(config, stages, nodes)
+        cores = os.cpu_count() or 1
+        handles: list[ActorHandle] = []
+        try:
+            for p in placements:
+                sharing = sum(1 for q in placements if q.node_id == p.node_id)
+                stage_config = PipelineStageConfig(
+                    start=p.start, end=p.end, index=p.index, num_stages=stages, model=path,
+                    random_model=None if random_model is None else dict(random_model.__dict__),
+                    seed=seed, codec=codec.value,
+                    threads=threads if threads is not None else max(1, cores // sharing))
+                handles.append(ActorClass(PipelineStage, {"node": p.node_id}).remote(
+                    stage_config, step_timeout))
+            # Every stage loads its layers at once.
+            infos = _get(client, [h.load.remote() for h in handles],
+                         connect_timeout + _CALL_MARGIN + 600)
+            log.info("pipeline stages loaded: %s", infos)
+            addresses = _get(client, [h.open.remote() for h in handles],
+                             connect_timeout + _CALL_MARGIN)
+            host = _driver_host(addresses)
+            listener = tcplinks.listen(host, 0)
+            ring = [(host, listener.getsockname()[1]), *[tuple(a) for a in addresses]]
+            tag = tcplinks.group_tag(f"pipeline/{secrets.token_hex(8)}", 0, 1)
+            joined = [h.connect.remote(ring, rank, tag, connect_timeout)
+                      for rank, h in enumerate(handles, 1)]
+            try:
+                links = tcplinks.connect_mesh(
+                    0, ring, listener, key=tcplinks.collective_key(client.namespace.psk),
+                    tag=tag, epoch=1, deadline=time.monotonic() + connect_timeout)
+            finally:
+                listener.close()
+            _get(client, joined, connect_timeout + _CALL_MARGIN)
+        except BaseException:
+            _kill(client, handles)
+            raise
+        pipe_ref: list[Pipeline] = []
+        loop = PipelineGenerationLoop(
+            links, stages, lanes=lanes, step_timeout=step_timeout,
+            describe_failure=lambda why: pipe_ref[0]._describe(why) if pipe_ref else why)
+        pipe = cls(config=config, handles=handles, placements=placements, loop=loop,
+                   tokenizer=tokenizer, codec=codec, max_len=max_len,
+                   model=path or "random")
+        pipe_ref.append(pipe)
+        return pipe
+
+    # ------------------------------------------------------------ generating
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], *,
+                 max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = 0, stop_token_ids: Sequence[int] = (),
+                 chat: bool | None = None, stream: Callable[[int, str], None] | None = None,
+                 on_token: Callable[[int, int], None] | None = None,
+                 logits: bool = False) -> list[GenerationResult]:
+        """Generate for each prompt; returns a result per prompt (with its
+        ``text`` when the model has a tokenizer). Prompts are strings (the
+        chat template applied when the model has one, unless
+        ``chat=False``) or lists of token ids. ``stream(i, text)`` gets the
+        text of prompt ``i`` as it comes; ``on_token(i, token)`` the ids.
+        All prompts are in flight at once (see the multiplexer)."""
+        if self._closed:
+            raise PipelineError("this pipeline is closed")
+        single = isinstance(prompts, str)
+        items = [prompts] if single else list(prompts)
+        token_prompts = [self._encode(p, chat) for p in items]
+        stops = tuple(stop_token_ids)
+        if self.tokenizer is not None:
+            stops += tuple(t for t in self.tokenizer.stop_token_ids if t not in stops)
+        config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                                max_tokens=max_tokens, stop_token_ids=stops)
+        index: dict[int, int] = {}
+        decoders: dict[int, Any] = {}
+
+        def started(ids: list[int]) -> None:
+            self._running = list(ids)
+            for i, sid in enumerate(ids):
+                index[sid] = i
+                if stream is not None and self.tokenizer is not None:
+                    decoders[sid] = self.tokenizer.stream_decoder()
+
+        def token_arrived(sid: int, token: int) -> None:
+            if on_token is not None:
+                on_token(index[sid], token)
+            if sid in decoders:
+                piece = decoders[sid].push(token)
+                if piece:
+                    stream(index[sid], piece)  # type: ignore[misc]
+
+        try:
+            results = self.loop.run(token_prompts, config, max_len=self.max_len,
+                                    on_token=token_arrived, want_logits=logits,
+                                    started=started)
+        finally:
+            self._running = []
+        for sid, decoder in decoders.items():
+            rest = decoder.flush()
+            if rest:
+                stream(index[sid], rest)  # type: ignore[misc]
+        if self.tokenizer is not None:
+            for result in results:
+                shown = [t for t in result.tokens if t not in stops]
+                result.text = self.tokenizer.decode(shown)
+        return results
+
+    def cancel(self, index: int) -> bool:
+        """Cancel prompt ``index`` of the :meth:`generate` running now (from
+        another thread, or from its ``stream``/``on_token`` callback); the
+        other prompts go on. False when it is not running."""
+        running = self._running
+        if not 0 <= index < len(running):
+            return False
+        return self.loop.cancel(running[index])
+
+    def _encode(self, prompt: Any, chat: bool | None) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise PMetalValueError("this pipeline has no tokenizer (random weights): "
+                                       "give prompts as lists of token ids")
+            return list(self.tokenizer.encode_prompt(prompt, chat=chat))
+        tokens = [int(t) for t in prompt]
+        bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise PMetalValueError(f"token ids {bad[:5]} are outside the vocabulary "
+                                   f"(0..{self.config.vocab_size - 1})")
+        return tokens
+
+    # ------------------------------------------------------------- reporting
+
+    def statistics(self) -> dict[str, Any]:
+        """The driver's hop counts and bytes, and each stage's counters."""
+        client = context.current()
+        stages = []
+        for placement, handle in zip(self.placements, self.handles, strict=True):
+            try:
+                stats = client.get_one(handle.statistics.remote(), 10.0)
+            except PMetalError as exc:
+                stats = {"failure": str(exc)}
+            stages.append({"index": placement.index, "node": placement.node_id,
+                           "layers": (placement.start, placement.end), **stats})
+        return {"driver": self.loop.statistics(), "stages": stages}
+
+    def _describe(self, why: str) -> str:
+        """``why`` plus which stages are dead, found by asking each."""
+        client = context.current()
+        refs = [h.statistics.remote() for h in self.handles]
+        dead = []
+        for placement, ref in zip(self.placements, refs, strict=True):
+            try:
+                client.get_one(ref, 2.0)
+            except ActorDiedError:
+                dead.append(f"stage {placement.index} (layers {placement.start}-"
+                            f"{placement.end - 1} on node {placement.node_id[:8]}) died")
+            except PMetalError:
+                dead.append(f"stage {placement.index} (layers {placement.start}-"
+                            f"{placement.end - 1} on node {placement.node_id[:8]}) does "
+                            "not answer")
+        return f"{'; '.join(dead)} ({why})" if dead else why
+
+    # --------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Close the ring and end the stage actors."""
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.close()
+        client = context.current_or_none()
+        if client is not None:
+            _kill(client, self.handles)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _nodes(client: Any) -> list[dict[str, Any]]:
+    """The cluster's members (as :func:`pmetal.nodes` lists them, the
+    fields placement needs)."""
+    info = client.status()
+    members = (info.get("cluster") or {}).get("members") or []
+    out = [{"NodeID": m["node_id"], "Resources": m.get("resources") or {},
+            "Alive": m.get("state") != "dead" and m.get("health") != "dead"} for m in members]
+    return out or [{"NodeID": info["node_id"], "Resources": info["resources"], "Alive": True}]
+
+
+def _get(client: Any, refs: Sequence[Any], timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    return [client.get_one(ref, max(0.0, deadline - time.monotonic())) for ref in refs]
+
+
+def _kill(client: Any, handles: Sequence[ActorHandle]) -> None:
+    for handle in handles:
+        with contextlib.suppress(PMetalError):
+            client.kill(handle._actor_id, True, handle._node_id)
+
+
+def _driver_host(addresses: Sequence[Any]) -> str:
+    """The host the stages reach this driver on: its client's own address
+    host, or loopback when every stage is on loopback."""
+    client = context.current()
+    for address in (client.self_address, client.node_address):
+        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if host and host not in ("*", "0.0.0.0", "::"):
+            return host
+    hosts = {a[0] for a in addresses}
+    if all(h.startswith("127.") for h in hosts):
+        return "127.0.0.1"
+    raise PipelineError(f"cannot tell which address the stages ({sorted(hosts)}) reach this "
+                        "driver on: pass address= of a node on this machine")
+
