@@ -9,7 +9,7 @@ This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
 ``daemon`` (``start``, ``stop``, the node.json record), ``status``
 (``status``, ``kill``), ``discover``, ``launch`` (with ``_rank``, the
-keeper each launched rank runs under) and ``bench``.
+keeper each launched rank runs under), ``generate`` and ``bench``.
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
 traceback), 2 a usage or configuration error, 130 interrupted.
@@ -30,6 +30,7 @@ from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_ar
 from pmetal.cli.bench import _bench_arguments, _run_bench
 from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
 from pmetal.cli.discover import _discover_arguments, _run_discover
+from pmetal.cli.generate import _generate_arguments, _run_generate
 from pmetal.cli.launch import _launch_arguments, _run_launch
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
 from pmetal.errors import ConfigError, PMetalError
@@ -69,6 +70,9 @@ COMMANDS: dict[str, Command] = {
                         _run_discover, _discover_arguments),
     "launch": Command("run a script as N ranks (SPMD), here or on --hosts, with the rank "
                       "environment set", _run_launch, _launch_arguments),
+    "generate": Command("run a model as a pipeline over the cluster's machines and stream "
+                        "its answer (default: SmolLM2-135M-Instruct)", _run_generate,
+                        _generate_arguments),
     "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
                      "nccl-tests)", _run_bench, _bench_arguments),
 }

@@ -42,7 +42,7 @@ from pmetal.errors import (
     PMetalValueError,
     ProtocolError,
 )
-from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
 
 __all__ = ["GenerationResult", "PipelineGenerationLoop", "StreamMultiplexer",
@@ -365,8 +365,6 @@ def generate_single_process(stage: Any, prompts: Sequence[Sequence[int]],
     this process by ``stage`` (a stage over all of the model's layers),
     with the same steps as the pipeline (the prompt in one forward pass,
     then one decode step at a time) and the same sampling streams."""
-    from pmetal.pipeline.sampling import Sampler
-
     results = []
     for number, prompt in enumerate(prompts, 1):
         started = time.perf_counter()
