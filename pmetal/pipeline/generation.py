@@ -183,8 +183,8 @@ class StreamMultiplexer:
         members = {s.id: s for s in self.members[lane]}
         for entry in hop.entries:
             seq = members.get(entry.sequence_id)
-            if seq is None:
-                continue            # an end-only entry, or one cancelled meanwhile
+            if seq is None or seq.cancel:
+                continue            # an end-only entry, or cancelled: no more tokens
             if entry.error is not None:
                 self._leave(seq, FINISH_ERROR, entry.error, now, held=False)
                 continue
