@@ -24,7 +24,7 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -185,7 +185,7 @@ class GGUFFile:
             # map closes when that array is collected.
             pass
 
-    def __enter__(self) -> GGUFFile:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

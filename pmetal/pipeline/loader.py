@@ -272,11 +272,13 @@ class _SafetensorsFile:
         try:
             (length,) = struct.unpack("<Q", self._map[:8])
             header = json.loads(self._map[8:8 + length])
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
         except (struct.error, ValueError) as exc:  # JSONDecodeError is a ValueError
             self._map.close()
             raise ModelFormatError(f"{path} is not a safetensors file: {exc}") from exc
+        if not isinstance(header, dict):
+            self._map.close()
+            raise ModelFormatError(f"{path} is not a safetensors file: its header is not a "
+                                   "JSON object")
         header.pop("__metadata__", None)
         self.header: dict[str, Any] = header
         self._data = 8 + length

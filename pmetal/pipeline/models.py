@@ -217,8 +217,8 @@ class ModelStore:
                 f"{path} is neither a .gguf file nor a Hugging Face model folder (a folder "
                 "with config.json and *.safetensors)")
         raise UnknownModelError(
-            f"no model {text!r}: not a known name ({', '.join(sorted(self.registry))}) and "
-            "no such file or folder")
+            f"no model {text!r}: no such file or folder, and not a name pmetal knows "
+            f"(pmetal knows {', '.join(sorted(self.registry))})")
 
     def fetch(self, name: str, *, progress: TextIO | None = None) -> Path:
         """Download model ``name`` (again, if it is there already it is kept)."""

@@ -13,7 +13,12 @@ import pytest
 from pmetal.errors import PMetalError
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
-from pmetal.pipeline.loader import load_config, load_weights, permute_rotary, unpermute_rotary
+from pmetal.pipeline.loader import (
+    load_config,
+    load_weights,
+    permute_rotary,
+    unpermute_rotary,
+)
 from pmetal.pipeline.models import ModelFormatError, UnknownModelError
 from tests.pipeline.tinymodel import (
     llama_cpp_permute,
