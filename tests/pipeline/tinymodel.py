@@ -50,12 +50,18 @@ def _bytes_to_unicode() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def tiny_vocab() -> list[str]:
-    """Token strings by id: special tokens, the 256 byte symbols, merges."""
-    return [*SPECIAL_TOKENS, *_bytes_to_unicode(), *(m.replace(" ", "") for m in MERGES)]
+def tiny_vocab(size: int | None = None) -> list[str]:
+    """Token strings by id: special tokens, the 256 byte symbols, merges;
+    padded with unreachable ``<|pad_N|>`` tokens up to ``size``."""
+    tokens = [*SPECIAL_TOKENS, *_bytes_to_unicode(), *(m.replace(" ", "") for m in MERGES)]
+    if size is not None and size < len(tokens):
+        raise ValueError(f"the tiny tokenizer needs a vocabulary of at least {len(tokens)} "
+                         f"tokens, the config has {size}: use tiny_config()")
+    return tokens + [f"<|pad_{i}|>" for i in range(len(tokens), size or 0)]
 
 
 def tiny_config(*, tied: bool = True, layers: int = 4) -> LlamaConfig:
+    """A 4-layer model whose vocabulary is exactly the tiny tokenizer's."""
     return LlamaConfig(vocab_size=len(tiny_vocab()), hidden_size=64, intermediate_size=96,
                        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                        rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128,
@@ -94,7 +100,7 @@ def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_dimension_count(c.head_dim)
     writer.add_vocab_size(c.vocab_size)
-    tokens = tiny_vocab()
+    tokens = tiny_vocab(c.vocab_size)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
     writer.add_token_list(tokens)
@@ -195,12 +201,12 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], dtype: str = "
             f.write(blob)
 
 
-def tiny_tokenizer_json() -> str:
+def tiny_tokenizer_json(size: int | None = None) -> str:
     """The tiny vocabulary as a Hugging Face tokenizer.json (built the way
     SmolLM2's is: digits split, then GPT-2 byte level)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    tokens = tiny_vocab()
+    tokens = tiny_vocab(size)
     backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
                                    merges=[tuple(m.split(" ")) for m in MERGES]))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
@@ -244,7 +250,7 @@ def write_tiny_hf(folder: str | Path, config: LlamaConfig, seed: int = 0, *,
             weight_map.update(dict.fromkeys(part, filename))
         (folder / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (folder / "tokenizer.json").write_text(tiny_tokenizer_json())
+    (folder / "tokenizer.json").write_text(tiny_tokenizer_json(c.vocab_size))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
         "chat_template": CHAT_TEMPLATE}))
