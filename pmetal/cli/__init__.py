@@ -8,7 +8,7 @@ returns the exit status. A later subcommand (``bench``, ``generate``,
 This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
 ``daemon`` (``start``, ``stop``, the node.json record), ``status``
-(``status``, ``kill``), ``discover``, ``launch`` (with ``_rank``, the
+(``status``, ``kill``), ``discover``, ``models``, ``launch`` (with ``_rank``, the
 keeper each launched rank runs under), ``generate`` and ``bench``.
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
@@ -32,6 +32,7 @@ from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
 from pmetal.cli.discover import _discover_arguments, _run_discover
 from pmetal.cli.generate import _generate_arguments, _run_generate
 from pmetal.cli.launch import _launch_arguments, _run_launch
+from pmetal.cli.models import _models_arguments, _run_models
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
 from pmetal.errors import ConfigError, PMetalError
 
@@ -75,6 +76,8 @@ COMMANDS: dict[str, Command] = {
                         _generate_arguments),
     "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
                      "nccl-tests)", _run_bench, _bench_arguments),
+    "models": Command("list, fetch or remove the models pipelines run ($PMETAL_HOME/models)",
+                      _run_models, _models_arguments),
 }
 
 

@@ -1,0 +1,372 @@
+"""Loading a Llama model's shape and the weights of a range of its layers
+from a GGUF file or a Hugging Face folder.
+
+What it owns: :func:`load_config` (a :class:`LlamaConfig` from GGUF
+``llama.*`` metadata or ``config.json``) and :func:`load_weights`, which
+reads and converts ONLY the tensors a stage running layers ``[start, end)``
+needs: those layers, the token embedding when ``start == 0`` (or when the
+range ends at the last layer and the embeddings are tied: the LM head is the
+embedding then), the final norm and LM head when ``end`` is the last layer.
+Both formats are memory-mapped, so a stage touches only its own pages.
+Every array is float32, C-contiguous, shaped ``(out, in)`` as
+:class:`LayerWeights` expects.
+
+GGUF: dequantized with the ``gguf`` package. llama.cpp's converter
+(``convert_hf_to_gguf.py``, ``LlamaModel.permute``) reorders the rows of
+``attn_q`` and ``attn_k`` of each head from Hugging Face's "rotate half"
+layout to the interleaved pairs its rotary kernel uses; this loader applies
+the inverse, so the decoder (which follows Hugging Face) computes the same
+logits from either format.
+
+Hugging Face: ``config.json`` plus ``model.safetensors`` or the shards named
+by ``model.safetensors.index.json``, parsed here with numpy (an 8-byte
+little-endian header length, a JSON header of ``dtype``, ``shape``,
+``data_offsets``, then the raw tensors); F32, F16 and BF16.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from pmetal.errors import ConfigError
+from pmetal.pipeline.gguf_file import GGUFFile
+from pmetal.pipeline.llama import LayerWeights, LlamaConfig, LlamaWeights
+from pmetal.pipeline.models import ModelFormatError, UnknownModelError
+
+__all__ = ["load_config", "load_weights"]
+
+F32 = np.float32
+
+# LayerWeights field -> (GGUF name in block i, Hugging Face name in layer i)
+_LAYER_TENSORS = {
+    "attn_norm": ("attn_norm", "input_layernorm"),
+    "wq": ("attn_q", "self_attn.q_proj"),
+    "wk": ("attn_k", "self_attn.k_proj"),
+    "wv": ("attn_v", "self_attn.v_proj"),
+    "wo": ("attn_output", "self_attn.o_proj"),
+    "mlp_norm": ("ffn_norm", "post_attention_layernorm"),
+    "w_gate": ("ffn_gate", "mlp.gate_proj"),
+    "w_up": ("ffn_up", "mlp.up_proj"),
+    "w_down": ("ffn_down", "mlp.down_proj"),
+}
+# (GGUF, Hugging Face) names of the embedding, final norm and untied LM head
+_EMBED = ("token_embd.weight", "model.embed_tokens.weight")
+_NORM = ("output_norm.weight", "model.norm.weight")
+_HEAD = ("output.weight", "lm_head.weight")
+
+
+class _Source(Protocol):
+    config: LlamaConfig
+
+    def layer_tensor(self, layer: int, field: str) -> np.ndarray: ...
+    def tensor(self, names: tuple[str, str]) -> np.ndarray: ...
+    def close(self) -> None: ...
+
+
+def _is_gguf(path: Path) -> bool:
+    if path.is_file():
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    return False
+
+
+def _open(path: str | Path) -> _Source:
+    path = Path(path)
+    if _is_gguf(path):
+        return _GGUFSource(path)
+    if path.is_dir():
+        return _HFSource(path)
+    if not path.exists():
+        raise UnknownModelError(f"no model at {path}: no such file or folder")
+    raise ModelFormatError(f"{path} is neither a GGUF file nor a Hugging Face model folder")
+
+
+def load_config(path: str | Path) -> LlamaConfig:
+    """The shape of the model at ``path`` (a ``.gguf`` file or a Hugging Face
+    folder). Raises :class:`ModelFormatError` for a model the decoder does not
+    compute."""
+    source = _open(path)
+    try:
+        return source.config
+    finally:
+        source.close()
+
+
+def load_weights(path: str | Path, start: int = 0, end: int | None = None) -> LlamaWeights:
+    """The weights of layers ``[start, end)`` (default: all) of the model at
+    ``path``, plus the embedding, final norm and LM head the range needs."""
+    source = _open(path)
+    try:
+        config = source.config
+        end = config.num_hidden_layers if end is None else end
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ConfigError(f"layer range [{start}, {end}) is not a non-empty range of the "
+                              f"model's {config.num_hidden_layers} layers")
+        layers = tuple(
+            LayerWeights(**{field: source.layer_tensor(i, field) for field in _LAYER_TENSORS})
+            for i in range(start, end))
+        is_last = end == config.num_hidden_layers
+        embed = norm = head = None
+        if start == 0 or (is_last and config.tie_word_embeddings):
+            embed = source.tensor(_EMBED)
+        if is_last:
+            norm = source.tensor(_NORM)
+            head = embed if config.tie_word_embeddings else source.tensor(_HEAD)
+        try:
+            return LlamaWeights(config=config, start=start, layers=layers,
+                                embed_tokens=embed if start == 0 else None,
+                                norm=norm, lm_head=head)
+        except ConfigError:
+            raise
+        except ValueError as exc:  # a tensor of the wrong shape
+            raise ModelFormatError(f"{path}: {exc}") from exc
+    finally:
+        source.close()
+
+
+def _expect(path: Path, name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if array.shape != shape:
+        raise ModelFormatError(f"{path}: tensor {name} has shape {array.shape}, the model's "
+                               f"config needs {shape}")
+    return array
+
+
+def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    h, i = config.hidden_size, config.intermediate_size
+    return {"attn_norm": (h,), "wq": (config.q_size, h), "wk": (config.kv_size, h),
+            "wv": (config.kv_size, h), "wo": (h, config.q_size), "mlp_norm": (h,),
+            "w_gate": (i, h), "w_up": (i, h), "w_down": (h, i)}
+
+
+# ------------------------------------------------------------------- GGUF
+
+def _short_float(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from
+    (9.999999747378752e-06 -> 1e-05), so configs compare equal."""
+    return float(str(np.float32(value)))
+
+
+def gguf_config(metadata: dict[str, Any], path: Path,
+                tensor_names: set[str] | None = None) -> LlamaConfig:
+    """A :class:`LlamaConfig` from GGUF metadata; ``tensor_names`` tells
+    whether the file has its own LM head (no ``output.weight``: tied)."""
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise ModelFormatError(f"{path} holds a {arch!r} model; pmetal's decoder computes only "
+                               "Llama-architecture models")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = metadata.get(f"llama.{key}", default)
+        if value is None:
+            raise ModelFormatError(f"{path}: GGUF metadata lacks llama.{key}")
+        return value
+
+    if get("expert_count", 0):
+        raise ModelFormatError(f"{path} is a mixture-of-experts model (llama.expert_count="
+                               f"{get('expert_count')}); pmetal's decoder is dense only")
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling not in ("none", "") and _short_float(get("rope.scaling.factor", 1.0)) != 1.0:
+        raise ModelFormatError(f"{path} asks for rope scaling {scaling!r}, which pmetal's "
+                               "decoder does not implement")
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(metadata.get("llama.attention.key_length", hidden // heads))
+    rotary = int(metadata.get("llama.rope.dimension_count", head_dim))
+    if rotary != head_dim:
+        raise ModelFormatError(f"{path} rotates {rotary} of {head_dim} head dimensions; "
+                               "pmetal's decoder rotates them all")
+    vocab = metadata.get("llama.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    if not vocab:
+        raise ModelFormatError(f"{path}: GGUF metadata gives no vocabulary size")
+    try:
+        return LlamaConfig(
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_hidden_layers=int(get("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=head_dim,
+            rms_norm_eps=_short_float(get("attention.layer_norm_rms_epsilon")),
+            rope_theta=_short_float(get("rope.freq_base", 10000.0)),
+            max_position_embeddings=int(get("context_length")),
+            tie_word_embeddings=tensor_names is not None and _HEAD[0] not in tensor_names,
+            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        )
+    except ConfigError as exc:
+        raise ModelFormatError(f"{path}: {exc}") from exc
+
+
+def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute(weights, n_head)`` of q/k rows: per head it
+    stored rows (pair, half) interleaved where Hugging Face has (half, pair)."""
+    rows, cols = weight.shape
+    return np.ascontiguousarray(
+        weight.reshape(heads, rows // heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols))
+
+
+def permute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.permute``: Hugging Face q/k rows to GGUF's."""
+    rows, cols = weight.shape
+    return np.ascontiguousarray(
+        weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols))
+
+
+class _GGUFSource:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = GGUFFile(path)
+        try:
+            self.config = gguf_config(self.file.metadata, path, set(self.file.tensors))
+        except BaseException:
+            self.file.close()
+            raise
+        self._shapes = _shapes(self.config)
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.file.tensors:
+            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete or "
+                                   "non-Llama GGUF file")
+        return _expect(self.path, name, self.file.tensor(name), shape)
+
+    def layer_tensor(self, layer: int, field: str) -> np.ndarray:
+        name = f"blk.{layer}.{_LAYER_TENSORS[field][0]}.weight"
+        array = self._get(name, self._shapes[field])
+        if field == "wq":
+            return unpermute_rotary(array, self.config.num_attention_heads)
+        if field == "wk":
+            return unpermute_rotary(array, self.config.num_key_value_heads)
+        return array
+
+    def tensor(self, names: tuple[str, str]) -> np.ndarray:
+        c = self.config
+        shape = (c.hidden_size,) if names is _NORM else (c.vocab_size, c.hidden_size)
+        return self._get(names[0], shape)
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# ------------------------------------------------------- Hugging Face folder
+
+_SAFETENSOR_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+
+
+class _SafetensorsFile:
+    """One ``.safetensors`` file, memory-mapped; tensors converted on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise ModelFormatError(f"cannot read {path}: {exc}") from exc
+        try:
+            (length,) = struct.unpack("<Q", self._map[:8])
+            header = json.loads(self._map[8:8 + length])
+        except (struct.error, ValueError) as exc:  # JSONDecodeError is a ValueError
+            self._map.close()
+            raise ModelFormatError(f"{path} is not a safetensors file: {exc}") from exc
+        if not isinstance(header, dict):
+            self._map.close()
+            raise ModelFormatError(f"{path} is not a safetensors file: its header is not a "
+                                   "JSON object")
+        header.pop("__metadata__", None)
+        self.header: dict[str, Any] = header
+        self._data = 8 + length
+
+    def tensor(self, name: str) -> np.ndarray:
+        entry = self.header[name]
+        dtype = _SAFETENSOR_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise ModelFormatError(f"{self.path}: tensor {name} is {entry.get('dtype')}; pmetal "
+                                   "reads F32, F16 and BF16 safetensors")
+        first, last = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if last - first != count * dtype.itemsize or self._data + last > len(self._map):
+            raise ModelFormatError(f"{self.path}: tensor {name}'s offsets do not match its "
+                                   "shape or run past the end of the file")
+        raw = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._data + first)
+        if entry["dtype"] == "BF16":  # bfloat16 is the top half of a float32
+            out = (raw.astype(np.uint32) << 16).view(F32)
+        else:
+            out = raw.astype(F32)  # a copy: the result must outlive the map
+        return out.reshape(shape)
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:
+            # An array still views the map (a traceback holding a frame); the
+            # map closes when that array is collected.
+            pass
+
+
+class _HFSource:
+    def __init__(self, folder: Path) -> None:
+        self.path = folder
+        config_file = folder / "config.json"
+        try:
+            data = json.loads(config_file.read_text())
+        except FileNotFoundError as exc:
+            raise ModelFormatError(f"{folder} has no config.json: not a Hugging Face model "
+                                   "folder") from exc
+        except ValueError as exc:
+            raise ModelFormatError(f"{config_file} is not valid JSON: {exc}") from exc
+        try:
+            self.config = LlamaConfig.from_hf_dict(data)
+        except ConfigError as exc:
+            raise ModelFormatError(f"{folder}: {exc}") from exc
+        self._shapes = _shapes(self.config)
+        self._where = self._weight_map(folder)
+        self._files: dict[str, _SafetensorsFile] = {}
+
+    @staticmethod
+    def _weight_map(folder: Path) -> dict[str, str]:
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                return dict(json.loads(index.read_text())["weight_map"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ModelFormatError(f"{index} has no valid weight_map: {exc}") from exc
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ModelFormatError(f"{folder} has no *.safetensors weights (pytorch .bin "
+                                   "checkpoints are not read: convert them to safetensors)")
+        where: dict[str, str] = {}
+        for file in files:
+            st = _SafetensorsFile(file)
+            where.update(dict.fromkeys(st.header, file.name))
+            st.close()
+        return where
+
+    def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        filename = self._where.get(name)
+        if filename is None:
+            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete or "
+                                   "non-Llama checkpoint")
+        if filename not in self._files:
+            self._files[filename] = _SafetensorsFile(self.path / filename)
+        return _expect(self.path, name, self._files[filename].tensor(name), shape)
+
+    def layer_tensor(self, layer: int, field: str) -> np.ndarray:
+        return self._get(f"model.layers.{layer}.{_LAYER_TENSORS[field][1]}.weight",
+                         self._shapes[field])
+
+    def tensor(self, names: tuple[str, str]) -> np.ndarray:
+        c = self.config
+        shape = (c.hidden_size,) if names is _NORM else (c.vocab_size, c.hidden_size)
+        return self._get(names[1], shape)
+
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()

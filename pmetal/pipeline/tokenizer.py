@@ -1,0 +1,291 @@
+"""Text to token ids and back, and chat prompts, for the model a pipeline runs.
+
+What it owns: a :class:`Tokenizer` built with the ``tokenizers`` package
+either from a GGUF file's vocabulary (``tokenizer.ggml.*``: a byte-level BPE,
+``tokenizer.ggml.model == "gpt2"``, built as Hugging Face's own GGUF
+converter builds it) or from a Hugging Face folder's ``tokenizer.json`` (and
+``tokenizer_config.json`` for the chat template and special tokens); the
+chat template, rendered in a sandboxed Jinja2 environment set up as
+``transformers`` sets it up; and :class:`StreamDecoder`, which turns
+generated ids into text as they come without ever emitting half a UTF-8
+character (byte-level BPE tokens often split a multi-byte character).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pmetal.errors import PMetalValueError
+from pmetal.pipeline.gguf_file import GGUFFile
+from pmetal.pipeline.models import ModelFormatError
+
+__all__ = ["StreamDecoder", "Tokenizer"]
+
+# Tokens that end a turn in common chat formats; those present in a model's
+# vocabulary as special tokens stop generation along with its eos token.
+_END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>",
+                "</s>")
+
+# GGUF token types (llama.cpp's llama_token_type)
+_CONTROL, _USER_DEFINED = 3, 4
+
+# GGUF tokenizer.ggml.pre -> pre-tokenizer (llama.cpp llama-vocab.cpp's regexes):
+# "digits" splits every digit on its own before the GPT-2 byte-level split.
+_PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "smollm": "digits",
+                   "starcoder": "digits", "refact": "digits"}
+
+
+@dataclass(frozen=True)
+class _Special:
+    bos: str | None
+    eos: str | None
+    add_bos: bool
+
+
+class Tokenizer:
+    """A model's tokenizer: :meth:`from_gguf`, :meth:`from_hf_folder`, or
+    :meth:`from_model` for either. ``chat_template`` is None when the model
+    has none (a base model)."""
+
+    def __init__(self, backend: Any, *, chat_template: str | None, bos_token: str | None,
+                 eos_token: str | None, extra_stop_ids: Iterable[int] = ()) -> None:
+        self._backend = backend
+        self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
+        self.eos_token_id = None if eos_token is None else backend.token_to_id(eos_token)
+        specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        stops = {self.eos_token_id, *extra_stop_ids,
+                 *(backend.token_to_id(t) for t in _END_MARKERS if t in specials)}
+        self.stop_token_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
+        self._template: Any = None
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def from_model(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer of the model at ``path`` (a GGUF file or a folder)."""
+        path = Path(path)
+        return cls.from_hf_folder(path) if path.is_dir() else cls.from_gguf(path)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer stored in a GGUF file's metadata."""
+        with GGUFFile(path) as file:
+            meta = file.metadata
+        return cls.from_gguf_metadata(meta, Path(path))
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any], path: Path) -> Tokenizer:
+        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import Tokenizer as Backend
+
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelFormatError(
+                f"{path}: tokenizer.ggml.model is {kind!r}; pmetal builds only byte-level BPE "
+                "('gpt2') tokenizers from GGUF. Use the model's Hugging Face folder "
+                "(with tokenizer.json) instead")
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise ModelFormatError(
+                f"{path}: GGUF pre-tokenizer {pre!r} is not one pmetal knows "
+                f"({', '.join(sorted(_PRE_TOKENIZERS))}); use the model's Hugging Face folder "
+                "(with tokenizer.json) instead")
+        tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or ())
+        merges = meta.get("tokenizer.ggml.merges") or ()
+        if not tokens:
+            raise ModelFormatError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
+        vocab = {token: index for index, token in enumerate(tokens)}
+        pairs = []
+        for merge in merges:
+            left, sep, right = merge.partition(" ")
+            if not sep:
+                raise ModelFormatError(f"{path}: malformed BPE merge {merge!r}")
+            pairs.append((left, right))
+        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                     byte_fallback=False))
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if _PRE_TOKENIZERS[pre] == "digits":
+            backend.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            backend.pre_tokenizer = byte_level
+        backend.decoder = decoders.ByteLevel()
+        types = list(meta.get("tokenizer.ggml.token_type") or ())
+        special = [AddedToken(tokens[i], special=True, normalized=False)
+                   for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)]
+        backend.add_special_tokens(special)
+
+        def token(key: str) -> str | None:
+            index = meta.get(f"tokenizer.ggml.{key}_token_id")
+            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+        bos, eos = token("bos"), token("eos")
+        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, vocab[bos])])
+        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                 if k in meta]
+        return cls(backend, chat_template=meta.get("tokenizer.chat_template"),
+                   bos_token=bos, eos_token=eos, extra_stop_ids=extra)
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
+        """The tokenizer of a Hugging Face folder: ``tokenizer.json``, with
+        ``tokenizer_config.json`` (chat template, bos/eos) when present."""
+        from tokenizers import Tokenizer as Backend
+
+        folder = Path(folder)
+        try:
+            backend = Backend.from_file(str(folder / "tokenizer.json"))
+        except Exception as exc:  # tokenizers raises plain Exception for any bad file
+            raise ModelFormatError(f"cannot read {folder / 'tokenizer.json'}: {exc}") from exc
+        settings = _read_json(folder / "tokenizer_config.json")
+        config = _read_json(folder / "config.json")
+
+        def name(key: str) -> str | None:
+            value = settings.get(key)
+            if isinstance(value, dict):  # {"content": "<s>", ...} in older files
+                value = value.get("content")
+            if value is None and isinstance(config.get(f"{key}_id"), int):
+                value = backend.id_to_token(config[f"{key}_id"])
+            return value
+
+        template = settings.get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        eos_ids = config.get("eos_token_id")
+        extra = eos_ids if isinstance(eos_ids, list) else []
+        return cls(backend, chat_template=template, bos_token=name("bos_token"),
+                   eos_token=name("eos_token"), extra_stop_ids=extra)
+
+    # ------------------------------------------------------------ using
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds what the model
+        puts around a text (a BOS token for some, nothing for SmolLM2)."""
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True) -> str:
+        """The prompt text of a conversation (``[{"role": ..., "content": ...}]``)."""
+        if self.chat_template is None:
+            raise PMetalValueError("this model has no chat template (a base model?): "
+                                   "give the prompt text as it is (chat=False)")
+        from jinja2 import TemplateError
+
+        try:
+            if self._template is None:
+                self._template = _jinja_environment().from_string(self.chat_template)
+            return str(self._template.render(
+                messages=list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
+        except _TemplateRaised as exc:
+            raise PMetalValueError(f"the model's chat template refused the messages: "
+                                   f"{exc}") from exc
+        except TemplateError as exc:
+            raise ModelFormatError(f"the model's chat template is broken: {exc}") from exc
+
+    def encode_prompt(self, prompt: str, *, chat: bool | None = None) -> list[int]:
+        """Token ids to feed the model for a user prompt: wrapped in the chat
+        template as one user turn when ``chat`` (default: when the model has
+        a template), else the text itself with the model's special tokens."""
+        if chat is None:
+            chat = self.chat_template is not None
+        if not chat:
+            return self.encode(prompt, add_special_tokens=True)
+        text = self.apply_chat_template([{"role": "user", "content": prompt}],
+                                        add_generation_prompt=True)
+        # As transformers does: the template writes the special tokens itself.
+        return self.encode(text, add_special_tokens=False)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+
+class _TemplateRaised(Exception):
+    """raise_exception() called by a chat template: the messages are wrong."""
+
+
+def _jinja_environment() -> Any:
+    """The environment transformers renders chat templates in: sandboxed,
+    immutable, trim_blocks and lstrip_blocks, with raise_exception, tojson
+    (no ASCII escaping) and strftime_now."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise _TemplateRaised(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                          separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as exc:
+        raise ModelFormatError(f"{path} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+class StreamDecoder:
+    """Text of generated ids as they come. :meth:`push` returns the new text
+    (possibly empty: a token that ends in the middle of a UTF-8 character
+    waits for the next one); :meth:`flush` returns whatever is left at the
+    end. Decoding a window of recent tokens rather than each token alone
+    keeps the spaces and merged bytes byte-level BPE encodes across tokens."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0   # start of the window decoded for context
+        self._read = 0     # tokens whose text was already returned
+
+    def push(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        now = self._tokenizer.decode(self._ids[self._prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self._ids)
+            return now[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """The text not returned yet (a dangling partial character comes out
+        as U+FFFD, as a whole decode would give it)."""
+        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        now = self._tokenizer.decode(self._ids[self._prefix:])
+        self._prefix = self._read = len(self._ids)
+        return now[len(before):]

@@ -1,0 +1,147 @@
+"""The tokenizer built from a GGUF vocabulary against the same vocabulary as
+a Hugging Face tokenizer.json; chat templates as transformers renders them;
+streaming decode that never splits a UTF-8 character."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pmetal.errors import PMetalValueError
+from pmetal.pipeline.models import ModelFormatError
+from pmetal.pipeline.tokenizer import Tokenizer
+from tests.pipeline.tinymodel import (
+    tiny_config,
+    write_tiny_gguf,
+    write_tiny_hf,
+)
+
+TEXTS = ["What is the capital of France?", "  two  spaces\n\nand tabs\t!", "digits 12345 and 3.14",
+         "héllo wörld, 日本語 🤖", "<|im_start|>user\nhi<|im_end|>", "", "Whatever theWhat"]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("tok")
+    write_tiny_gguf(folder / "t.gguf", tiny_config())
+    write_tiny_hf(folder / "hf", tiny_config())
+    return folder / "t.gguf", folder / "hf"
+
+
+@pytest.fixture(scope="module", params=["gguf", "hf"])
+def tok(request: pytest.FixtureRequest, files: tuple[Path, Path]) -> Tokenizer:
+    return Tokenizer.from_model(files[0] if request.param == "gguf" else files[1])
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_gguf_tokenizer_matches_tokenizer_json(files: tuple[Path, Path], text: str) -> None:
+    gguf, hf = Tokenizer.from_gguf(files[0]), Tokenizer.from_hf_folder(files[1])
+    assert gguf.encode(text) == hf.encode(text)
+    assert gguf.decode(gguf.encode(text), skip_special_tokens=False) == text
+
+
+def test_merges_digits_and_specials(tok: Tokenizer) -> None:
+    vocab = {name: tok.token_to_id(name) for name in ("Ġthe", "What", "Ġcapital", "<|im_end|>")}
+    assert None not in vocab.values()
+    assert tok.encode(" the")[0] == vocab["Ġthe"]
+    assert tok.encode("What")[0] == vocab["What"]
+    assert tok.encode(" capital") == [vocab["Ġcapital"]]
+    # SmolLM2's pre-tokenizer puts every digit in its own token
+    assert len(tok.encode("12345")) == 5
+    # a special token in the text is one id, not its characters
+    assert tok.encode("a<|im_end|>b") == [tok.encode("a")[0], 2, tok.encode("b")[0]]
+    assert tok.decode([2]) == "" and tok.decode([2], skip_special_tokens=False) == "<|im_end|>"
+    assert tok.stop_token_ids == {0, 2}
+    assert tok.bos_token_id == 1 and tok.eos_token_id == 2
+    assert tok.vocab_size == tiny_config().vocab_size
+
+
+def test_chat_template_renders_as_transformers_does(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    expected = ("<|im_start|>system\nYou are tiny.<|im_end|>\n"
+                "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(messages) == expected
+    assert tok.apply_chat_template(messages, add_generation_prompt=False) == \
+        expected.removesuffix("<|im_start|>assistant\n")
+    ids = tok.encode_prompt("What is 2+2?")
+    assert ids == tok.encode(expected, add_special_tokens=False)
+    assert ids[0] == 1 and ids.count(2) == 2  # <|im_start|> ... two <|im_end|> as single ids
+    assert tok.encode_prompt("plain", chat=False) == tok.encode("plain")
+    with pytest.raises(PMetalValueError, match="unknown role robot"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_template_features_transformers_provides(tmp_path: Path) -> None:
+    """trim_blocks/lstrip_blocks, tojson without ASCII escapes, loop controls,
+    bos/eos variables, and a sandbox that refuses attribute tricks."""
+    template = ("{% for m in messages %}\n  {% if loop.index > 1 %}{% break %}{% endif %}"
+                "{{ bos_token }}{{ m | tojson }}{{ eos_token }}\n{% endfor %}")
+    write_tiny_hf(tmp_path, tiny_config())
+    settings = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                "chat_template": template}))
+    tok = Tokenizer.from_hf_folder(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "é"}, {"role": "x"}])
+    assert text == '<|im_start|>{"role": "user", "content": "é"}<|im_end|>\n'
+    evil = "{{ messages.__class__.__mro__ }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**settings,
+                                                                "chat_template": evil}))
+    with pytest.raises(ModelFormatError, match="chat template is broken"):
+        Tokenizer.from_hf_folder(tmp_path).apply_chat_template([])
+
+
+def test_no_template_means_plain_prompts(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "base.gguf", tiny_config(), chat_template=None)
+    tok = Tokenizer.from_gguf(tmp_path / "base.gguf")
+    assert tok.chat_template is None
+    assert tok.encode_prompt("What") == tok.encode("What")
+    with pytest.raises(PMetalValueError, match="no chat template"):
+        tok.encode_prompt("What", chat=True)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_stream_decoder_never_emits_half_a_character(tok: Tokenizer, text: str) -> None:
+    stream = tok.stream_decoder()
+    pieces = [stream.push(i) for i in tok.encode(text, add_special_tokens=False)]
+    pieces.append(stream.flush())
+    assert all("\ufffd" not in piece for piece in pieces)
+    assert "".join(pieces) == tok.decode(tok.encode(text))
+    assert "".join(pieces) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    if "日本語" in text:  # multi-byte characters spread over byte tokens: some pushes wait
+        assert "" in pieces[:-1]
+
+
+def test_stream_decoder_flushes_a_dangling_byte(tok: Tokenizer) -> None:
+    stream = tok.stream_decoder()
+    first_byte_of_e_acute = tok.token_to_id("Ã")
+    assert first_byte_of_e_acute is not None
+    assert stream.push(tok.encode("a")[0]) == "a"
+    assert stream.push(first_byte_of_e_acute) == ""
+    assert stream.flush() == "\ufffd"
+
+
+def test_unsupported_gguf_tokenizers_are_refused(tmp_path: Path) -> None:
+    from pmetal.pipeline.gguf_file import GGUFFile
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, tiny_config())
+    with GGUFFile(path) as file:
+        meta = dict(file.metadata)
+    with pytest.raises(ModelFormatError, match="'llama'"):
+        Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.model": "llama"}, path)
+    with pytest.raises(ModelFormatError, match="pre-tokenizer 'qwen9'"):
+        Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, path)
+
+
+def test_gguf_add_bos_token_is_honoured(tmp_path: Path) -> None:
+    from pmetal.pipeline.gguf_file import GGUFFile
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, tiny_config())
+    with GGUFFile(path) as file:
+        meta = {**file.metadata, "tokenizer.ggml.add_bos_token": True}
+    tok = Tokenizer.from_gguf_metadata(meta, path)
+    assert tok.encode("What") == [1, tok.token_to_id("What")]
+    assert tok.encode("What", add_special_tokens=False) == [tok.token_to_id("What")]

