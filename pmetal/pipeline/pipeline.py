@@ -155,10 +155,11 @@ class Pipeline:
         path, tokenizer = "", None
         if random_model is None:
             from pmetal.pipeline import loader, models  # gguf/tokenizers only when used
+            from pmetal.pipeline.tokenizer import Tokenizer
 
             path = str(models.resolve_model(model, progress=progress))
             config = loader.load_config(path)
-            tokenizer = loader.load_tokenizer(path)
+            tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
         if not 2 <= max_len:
