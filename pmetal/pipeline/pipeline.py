@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
+import numpy as np
+
 from pmetal.actors import context
 from pmetal.actors.handles import ActorClass, ActorHandle
 from pmetal.collectives import tcplinks
@@ -241,13 +243,15 @@ class Pipeline:
         """Generate for each prompt; returns a result per prompt (with its
         ``text`` when the model has a tokenizer). Prompts are strings (the
         chat template applied when the model has one, unless
-        ``chat=False``) or lists of token ids. ``stream(i, text)`` gets the
+        ``chat=False``) or lists of token ids; one string or one list of
+        ids is one prompt. ``stream(i, text)`` gets the
         text of prompt ``i`` as it comes; ``on_token(i, token)`` the ids.
         All prompts are in flight at once (see the multiplexer)."""
         if self._closed:
             raise PipelineError("this pipeline is closed")
-        single = isinstance(prompts, str)
-        items = [prompts] if single else list(prompts)
+        items = list(prompts) if not isinstance(prompts, str) else [prompts]
+        if items and all(isinstance(t, (int, np.integer)) for t in items):
+            items = [items]         # one prompt given as its token ids
         token_prompts = [self._encode(p, chat) for p in items]
         stops = tuple(stop_token_ids)
         if self.tokenizer is not None:

@@ -7,14 +7,11 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-import pmetal
-from pmetal.config import load_config
 from pmetal.errors import PipelineError, PlacementError, PMetalValueError
 from pmetal.pipeline.generation import (
     FINISH_CANCELLED,
@@ -30,17 +27,6 @@ TINY = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hid
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 12, [42, 43], [100], [7, 7, 8, 9, 10, 11]]
 MAX_LEN = 96
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[dict[str, Any]]:
-    if pmetal.is_initialized():
-        pmetal.shutdown(timeout=3.0)
-    try:
-        yield pmetal.init(num_workers=4, config=load_config(
-            transport={"handshake_timeout": 2.0, "request_timeout": 10.0}))
-    finally:
-        pmetal.shutdown(timeout=3.0)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,47 @@
+"""The default model (SmolLM2-135M-Instruct, fetched once) as pipelines of
+2, 3 and 4 real stage actors: greedy output token for token equal to the
+same model generated in one process (slow: about 30 s)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pmetal.pipeline.generation import generate_single_process
+from pmetal.pipeline.llama import LlamaStage
+from pmetal.pipeline.loader import load_weights
+from pmetal.pipeline.pipeline import Pipeline
+from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Name three colours.",
+             "Write a haiku about the sea."]
+MAX_TOKENS = 24
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def expected(default_model: Path) -> tuple[Tokenizer, list[list[int]], list[list[int]]]:
+    tok = Tokenizer.from_model(default_model)
+    prompts = [tok.encode_prompt(q) for q in QUESTIONS]
+    sampling = SamplingConfig(max_tokens=MAX_TOKENS, stop_token_ids=tuple(tok.stop_token_ids))
+    whole = LlamaStage(load_weights(default_model))
+    results = generate_single_process(whole, prompts, sampling, max_len=MAX_LEN)
+    return tok, prompts, [r.tokens for r in results]
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_default_model_pipeline_equals_one_process(cluster: Any, default_model: Path,
+                                                   expected: Any, stages: int) -> None:
+    _, prompts, tokens = expected
+    with Pipeline.from_pretrained(default_model, stages=stages, max_len=MAX_LEN,
+                                  threads=1) as pipe:
+        together = pipe.generate(QUESTIONS, max_tokens=MAX_TOKENS)
+        alone = pipe.generate(prompts[0], max_tokens=MAX_TOKENS)   # token ids, one prompt
+    assert [r.tokens for r in together] == tokens
+    assert alone[0].tokens == tokens[0]
+    assert "Paris" in together[0].text
