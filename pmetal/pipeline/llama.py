@@ -30,9 +30,7 @@ the interleaved convention; a GGUF loader must undo that permutation.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -331,8 +329,8 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return x * (F32(1.0) / np.sqrt(variance + eps)) * weight
 
 
-# How a projection ``x @ W.T`` is computed, and why (measured with OpenBLAS
-# 0.3.31 on a 2-core Xeon, SmolLM2-135M shapes):
+# How a projection ``x @ W.T`` is computed, and why (measured with numpy
+# 2.4's OpenBLAS 0.3.31 on a 2-core Xeon, SmolLM2-135M shapes):
 #
 # * Decode rows (up to GEMV_ROWS of them) each run one GEMV per fixed slice of
 #   W's output rows. A row's result is then the same sequence of BLAS calls on
@@ -342,76 +340,39 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
 #   of 2+ rows differs in the last bits from its GEMV of one row, and a
 #   padded GEMM costs 2-4x a GEMV for one row.) For a few rows it is also
 #   faster than one GEMM, which packs the whole matrix on every call.
-# * A slice holds at most SLICE_ELEMENTS weights (1 MB): it stays in the
-#   L2 cache for every row of the batch, and OpenBLAS runs a GEMV that small
-#   on one thread whatever its thread count (it splits GEMVs above 460,800
-#   elements, and a split GEMV gives different bits on 1 and 2 threads), so
-#   the result does not depend on the BLAS thread count either. Parallelism
-#   is ours: the slices of a large projection are shared out to worker
-#   threads, each slice computed the same way whichever thread takes it.
+# * A slice is about SLICE_BYTES (2 MB): on two BLAS threads each thread's
+#   half stays in its core's L2 cache for every row of the batch. Its row
+#   count is a multiple of 64, so that OpenBLAS's split of a GEMV between 2
+#   (or 4) threads falls on its kernels' block boundaries: the bits are
+#   those of one thread, and a pipeline's stage processes (one BLAS thread
+#   each on a shared machine) agree with a 2-thread single process. A split
+#   elsewhere (910 rows; or 3 threads) changes the last bits of a few
+#   outputs; tests/pipeline/test_llama.py checks 1 against 2 threads.
 # * More rows (a prefill) are one GEMM: fast, and deterministic run to run;
 #   a prefill's rows may differ in the last bits from the same tokens
 #   decoded one by one, which nothing compares.
 GEMV_ROWS = 8
-SLICE_ELEMENTS = 1 << 18
-# Work (rows x weights) below which a projection runs on the calling thread
-# only: handing slices to a worker costs tens of microseconds.
-PARALLEL_MIN_WORK = 1 << 21
+SLICE_BYTES = 2 << 20
+_SLICE_ALIGN = 64
 
 
 def _slices(weight: np.ndarray) -> list[tuple[int, int]]:
     out_rows, width = weight.shape
-    step = max(1, SLICE_ELEMENTS // width)
+    step = max(_SLICE_ALIGN, SLICE_BYTES // (4 * width) // _SLICE_ALIGN * _SLICE_ALIGN)
     return [(first, min(first + step, out_rows)) for first in range(0, out_rows, step)]
 
 
-class _Projector:
-    """Computes ``x @ weight.T`` as described above, on ``threads`` threads
-    (the caller's and ``threads - 1`` workers)."""
-
-    def __init__(self, threads: int) -> None:
-        self.threads = threads
-        self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="pmetal-llama") \
-            if threads > 1 else None
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-
-    def __call__(self, x: np.ndarray, weight: np.ndarray,
-                 slices: list[tuple[int, int]]) -> np.ndarray:
-        rows = x.shape[0]
-        if rows > GEMV_ROWS:
-            return x @ weight.T
-        out = np.empty((rows, weight.shape[0]), dtype=F32)
-        pool = self._pool
-        if pool is None or rows * weight.size < PARALLEL_MIN_WORK or len(slices) < 2:
-            _gemv_slices(x, weight, out, slices)
-            return out
-        parts = min(self.threads, len(slices))
-        bounds = [len(slices) * i // parts for i in range(parts + 1)]
-        futures = [pool.submit(_gemv_slices, x, weight, out, slices[bounds[i]:bounds[i + 1]])
-                   for i in range(1, parts)]
-        _gemv_slices(x, weight, out, slices[:bounds[1]])
-        for future in futures:
-            future.result()
-        return out
-
-
-def _gemv_slices(x: np.ndarray, weight: np.ndarray, out: np.ndarray,
-                 slices: list[tuple[int, int]]) -> None:
+def _project(x: np.ndarray, weight: np.ndarray, slices: list[tuple[int, int]]) -> np.ndarray:
+    """``x @ weight.T`` for x (rows, in) and weight (out, in) C-contiguous."""
+    rows = x.shape[0]
+    if rows > GEMV_ROWS:
+        return x @ weight.T
+    out = np.empty((rows, weight.shape[0]), dtype=F32)
     for first, last in slices:
         block = weight[first:last].T
-        for row in range(x.shape[0]):
-            np.matmul(x[row], block, out=out[row, first:last])
-
-
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
+        for row in range(rows):
+            np.dot(x[row], block, out=out[row, first:last])
+    return out
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
@@ -432,19 +393,14 @@ class LlamaStage:
     The stage copies q, k, v and gate, up into fused matrices: drop the
     :class:`LlamaWeights` once the stage is built to free the originals.
 
-    ``threads``: how many threads compute the projections (default: the
-    CPUs this process may use, at most 4); a pipeline stage sharing a
-    machine with other stages passes fewer. The results do not depend on it
-    (see ``SLICE_ELEMENTS``). A stage with more than one thread keeps idle
-    worker threads; :meth:`close` ends them."""
+    The stage computes with numpy's BLAS threads
+    (:func:`pmetal.pipeline.threads.set_compute_threads`: a pipeline stage
+    sharing a machine with other stages sets fewer); 1 and 2 threads give
+    the same bits (see ``SLICE_BYTES``)."""
 
-    def __init__(self, weights: LlamaWeights, threads: int | None = None) -> None:
+    def __init__(self, weights: LlamaWeights) -> None:
         if not weights.layers:
             raise PMetalValueError("a stage needs at least one layer")
-        if threads is None:
-            threads = min(4, _usable_cpus())
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise PMetalValueError(f"threads must be a positive integer, got {threads!r}")
         c = self.config = weights.config
         self.start, self.end = weights.start, weights.end
         self._eps = F32(c.rms_norm_eps)
@@ -466,20 +422,11 @@ class LlamaStage:
         self._gu_slices = _slices(self._wgu[0])
         self._down_slices = _slices(self._wdown[0])
         self._head_slices = None if self._head is None else _slices(self._head)
-        self._project = _Projector(threads)
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
                                            / c.head_dim))
         angles = np.outer(np.arange(c.max_position_embeddings, dtype=np.float64), inv_freq)
         self._cos = np.cos(angles).astype(F32)  # (max_pos, head_dim / 2)
         self._sin = np.sin(angles).astype(F32)
-
-    @property
-    def threads(self) -> int:
-        return self._project.threads
-
-    def close(self) -> None:
-        """End the worker threads (the stage still computes, on one thread)."""
-        self._project.close()
 
     @property
     def num_layers(self) -> int:
@@ -507,7 +454,7 @@ class LlamaStage:
         if self._head is None or self._norm is None:
             raise PMetalValueError(
                 f"stage [{self.start}, {self.end}) is not the last stage: it has no LM head")
-        return self._project(_rms_norm(self._as_hidden(hidden), self._norm, self._eps),
+        return _project(_rms_norm(self._as_hidden(hidden), self._norm, self._eps),
                              self._head, self._head_slices)
 
     def _as_hidden(self, hidden: np.ndarray) -> np.ndarray:
@@ -528,7 +475,7 @@ class LlamaStage:
     def _qkv(self, layer: int, x: np.ndarray, positions: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        qkv = self._project(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
+        qkv = _project(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
                             self._qkv_slices)
         t = x.shape[0]
         q = self._rotate(qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim), positions)
@@ -538,10 +485,10 @@ class LlamaStage:
         return q, k, v
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        gu = self._project(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
+        gu = _project(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
                            self._gu_slices)
         inter = self.config.intermediate_size
-        return x + self._project(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
+        return x + _project(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
                                  self._down_slices)
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
@@ -581,7 +528,7 @@ class LlamaStage:
             cache.values[layer, :, first:first + t] = v.transpose(1, 0, 2)
             attn = self._attend(q, cache.keys[layer, :, :first + t],
                                 cache.values[layer, :, :first + t], first)
-            x = x + self._project(attn, self._wo[layer], self._wo_slices)
+            x = x + _project(attn, self._wo[layer], self._wo_slices)
             x = self._mlp(layer, x)
         cache.length = first + t
         return x
@@ -610,7 +557,7 @@ class LlamaStage:
                 cache.values[layer, :, pos] = v[row]
                 attn[row] = self._attend(q[row:row + 1], cache.keys[layer, :, :pos + 1],
                                          cache.values[layer, :, :pos + 1], pos)[0]
-            x = x + self._project(attn, self._wo[layer], self._wo_slices)
+            x = x + _project(attn, self._wo[layer], self._wo_slices)
             x = self._mlp(layer, x)
         for cache in caches:
             cache.length += 1
