@@ -5,6 +5,7 @@
     python -m benchmarks --quick        # fewer repetitions (smoke run)
     python -m benchmarks instructions   # opt-in: instruction counts (valgrind)
     python -m benchmarks allreduce      # collectives only, = pmetal bench allreduce
+    python -m benchmarks pipeline       # opt-in: Llama decoding, = pmetal bench pipeline
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -14,12 +15,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, allreduce, cluster, instructions, transport
+from benchmarks import actors, allreduce, cluster, instructions, pipeline, transport
 
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
           "allreduce": allreduce.main}
-# Run only when named: instructions needs valgrind.
-OPT_IN = {"instructions": instructions.main}
+# Run only when named: instructions needs valgrind; pipeline loads a model.
+OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,9 @@
   like nccl-tests (:mod:`pmetal.bench.allreduce`), then the issue's
   targets against torch.distributed gloo (run too when torch is
   installed) and the anchors' MPI figures.
+- ``pmetal bench pipeline``: the Llama decoder's prefill, time to first
+  token, decode tokens/s alone and batched, against llama.cpp on the same
+  GGUF when llama-cpp-python is installed (:mod:`pmetal.bench.pipeline`).
 
 Exit status: 0 when every result was right, 1 when some all_reduce gave a
 wrong element (the tables say where) or a rank failed, 2 for a usage error.
@@ -20,6 +23,8 @@ from pmetal.errors import ConfigError
 
 _STRATEGIES = ("ring", "tree", "naive", "auto")
 _DEFAULTS: dict[str, object] = {}  # allreduce's option defaults, for the header
+_PIPELINE_DEFAULTS: dict[str, object] = {}
+_QUICK = {"tokens": 8, "repeats": 1, "prompts": 2}
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,12 +67,46 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     allreduce.add_argument("--markdown", action="store_true",
                            help="print markdown tables (for docs/performance.md)")
     _DEFAULTS.update({a.dest: a.default for a in allreduce._actions if a.dest != "help"})
+    pipeline = sub.add_parser(
+        "pipeline", help="Llama decoding speed: prefill, first token, tokens/s alone and "
+                         "batched, against llama.cpp",
+        description="Greedy decoding with pmetal's float32 numpy Llama decoder in one "
+                    "process (BLAS threads 1 and 2), against llama.cpp on the same GGUF "
+                    "file when llama-cpp-python is installed.")
+    pipeline.add_argument("--model", default=None, metavar="PATH",
+                          help="the model (a GGUF file; default: the default model)")
+    pipeline.add_argument("--tokens", type=int, default=32, metavar="N",
+                          help="timed decode steps per sequence (default 32)")
+    pipeline.add_argument("--repeats", type=int, default=3, metavar="R",
+                          help="repetitions, each over every prompt (default 3; medians "
+                               "shown)")
+    pipeline.add_argument("--batch", type=int, default=4, metavar="B",
+                          help="sequences decoded together for the aggregate rate "
+                               "(default 4)")
+    pipeline.add_argument("--prompts", type=int, default=4, metavar="P",
+                          help="how many of the built-in chat prompts (default 4)")
+    pipeline.add_argument("--threads", default="1,2", metavar="N,M",
+                          help="numpy BLAS thread counts to measure (default 1,2)")
+    pipeline.add_argument("--anchors", choices=("auto", "off"), default="auto",
+                          help="also run llama.cpp when llama-cpp-python is installed "
+                               "(default auto)")
+    pipeline.add_argument("--random-weights", choices=("smollm2-135m", "tiny"), default=None,
+                          help="measure random weights of this shape instead of the "
+                               "model's (tiny: for tests)")
+    pipeline.add_argument("--quick", action="store_true",
+                          help=f"a short run: {_QUICK['tokens']} tokens, "
+                               f"{_QUICK['repeats']} repetition, {_QUICK['prompts']} prompts")
+    pipeline.add_argument("--markdown", action="store_true",
+                          help="print markdown tables (for docs/performance.md)")
+    _PIPELINE_DEFAULTS.update(
+        {a.dest: a.default for a in pipeline._actions if a.dest != "help"})
 
 
-def _command(args: argparse.Namespace, parser_defaults: dict[str, object]) -> str:
+def _command(args: argparse.Namespace, parser_defaults: dict[str, object],
+             benchmark: str = "allreduce") -> str:
     """The command line that repeats this run (options that differ from
     the defaults), for the header."""
-    parts = ["pmetal bench allreduce"]
+    parts = [f"pmetal bench {benchmark}"]
     for name, default in parser_defaults.items():
         value = getattr(args, name, default)
         if value != default:
@@ -79,6 +118,8 @@ def _command(args: argparse.Namespace, parser_defaults: dict[str, object]) -> st
 def _run_bench(args: argparse.Namespace) -> int:
     if args.benchmark == "allreduce":
         return _run_allreduce(args)
+    if args.benchmark == "pipeline":
+        return _run_pipeline(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
 
 
@@ -114,4 +155,36 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         print(f"pmetal bench allreduce: {wrong} wrong element(s); see #wrong in the tables",
               file=sys.stderr)
         return 1
+    return 0
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    from pmetal.bench.pipeline import (
+        PROMPTS,
+        Options,
+        default_model,
+        default_weights,
+        random_weights,
+        run,
+    )
+
+    try:
+        threads = tuple(int(t) for t in args.threads.split(",") if t.strip())
+    except ValueError:
+        raise ConfigError(f"--threads {args.threads!r}: write thread counts such as 1,2") \
+            from None
+    tokens, repeats, prompts = args.tokens, args.repeats, args.prompts
+    if args.quick:
+        tokens, repeats = min(tokens, _QUICK["tokens"]), min(repeats, _QUICK["repeats"])
+        prompts = min(prompts, _QUICK["prompts"])
+    if not 1 <= prompts <= len(PROMPTS):
+        raise ConfigError(f"--prompts {prompts}: choose 1 to {len(PROMPTS)}")
+    options = Options(
+        model=args.model if args.model is not None else default_model(),
+        prompts=PROMPTS[:prompts], decode_tokens=tokens, repeats=repeats,
+        batch=args.batch, threads=threads, anchors=args.anchors == "auto",
+        markdown=args.markdown, command=_command(args, _PIPELINE_DEFAULTS, "pipeline"),
+        weights=(default_weights if args.random_weights is None
+                 else random_weights(args.random_weights)))
+    run(options)
     return 0

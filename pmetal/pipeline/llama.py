@@ -329,25 +329,49 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return x * (F32(1.0) / np.sqrt(variance + eps)) * weight
 
 
-# Below this many rows, one GEMV per row beats one GEMM: OpenBLAS packs the
-# whole weight matrix on every GEMM call, which for a few rows costs more than
-# the arithmetic. The GEMVs run over slices of the weight's output rows small
-# enough (about 2 MB) to stay in cache for every row of the batch.
+# How a projection ``x @ W.T`` is computed, and why (measured with numpy
+# 2.4's OpenBLAS 0.3.31 on a 2-core Xeon, SmolLM2-135M shapes):
+#
+# * Decode rows (up to GEMV_ROWS of them) each run one GEMV per fixed slice of
+#   W's output rows. A row's result is then the same sequence of BLAS calls on
+#   the same data whether the row is decoded alone or in a batch of any size
+#   or composition: a pipeline, which groups sequences differently from a
+#   single process, produces the same logits bit for bit. (OpenBLAS's GEMM
+#   of 2+ rows differs in the last bits from its GEMV of one row, and a
+#   padded GEMM costs 2-4x a GEMV for one row.) For a few rows it is also
+#   faster than one GEMM, which packs the whole matrix on every call.
+# * A slice is about SLICE_BYTES (2 MB): on two BLAS threads each thread's
+#   half stays in its core's L2 cache for every row of the batch. Its row
+#   count is a multiple of 64, so that OpenBLAS's split of a GEMV between 2
+#   (or 4) threads falls on its kernels' block boundaries: the bits are
+#   those of one thread, and a pipeline's stage processes (one BLAS thread
+#   each on a shared machine) agree with a 2-thread single process. A split
+#   elsewhere (910 rows; or 3 threads) changes the last bits of a few
+#   outputs; tests/pipeline/test_llama.py checks 1 against 2 threads.
+# * More rows (a prefill) are one GEMM: fast, and deterministic run to run;
+#   a prefill's rows may differ in the last bits from the same tokens
+#   decoded one by one, which nothing compares.
 GEMV_ROWS = 8
 SLICE_BYTES = 2 << 20
+_SLICE_ALIGN = 64
 
 
-def _project(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+def _slices(weight: np.ndarray) -> list[tuple[int, int]]:
+    out_rows, width = weight.shape
+    step = max(_SLICE_ALIGN, SLICE_BYTES // (4 * width) // _SLICE_ALIGN * _SLICE_ALIGN)
+    return [(first, min(first + step, out_rows)) for first in range(0, out_rows, step)]
+
+
+def _project(x: np.ndarray, weight: np.ndarray, slices: list[tuple[int, int]]) -> np.ndarray:
     """``x @ weight.T`` for x (rows, in) and weight (out, in) C-contiguous."""
     rows = x.shape[0]
-    if rows == 1 or rows > GEMV_ROWS:
+    if rows > GEMV_ROWS:
         return x @ weight.T
     out = np.empty((rows, weight.shape[0]), dtype=F32)
-    step = max(1, SLICE_BYTES // (4 * weight.shape[1]))
-    for first in range(0, weight.shape[0], step):
-        block = weight[first:first + step].T
+    for first, last in slices:
+        block = weight[first:last].T
         for row in range(rows):
-            np.matmul(x[row], block, out=out[row, first:first + step])
+            np.dot(x[row], block, out=out[row, first:last])
     return out
 
 
@@ -367,7 +391,12 @@ class LlamaStage:
     read once for all of them.
 
     The stage copies q, k, v and gate, up into fused matrices: drop the
-    :class:`LlamaWeights` once the stage is built to free the originals."""
+    :class:`LlamaWeights` once the stage is built to free the originals.
+
+    The stage computes with numpy's BLAS threads
+    (:func:`pmetal.pipeline.threads.set_compute_threads`: a pipeline stage
+    sharing a machine with other stages sets fewer); 1 and 2 threads give
+    the same bits (see ``SLICE_BYTES``)."""
 
     def __init__(self, weights: LlamaWeights) -> None:
         if not weights.layers:
@@ -387,6 +416,12 @@ class LlamaStage:
         self._embed = weights.embed_tokens
         self._norm = weights.norm
         self._head = None if weights.lm_head is None else np.ascontiguousarray(weights.lm_head)
+        # Slice boundaries depend on a matrix's shape only: every layer's alike.
+        self._qkv_slices = _slices(self._wqkv[0])
+        self._wo_slices = _slices(self._wo[0])
+        self._gu_slices = _slices(self._wgu[0])
+        self._down_slices = _slices(self._wdown[0])
+        self._head_slices = None if self._head is None else _slices(self._head)
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
                                            / c.head_dim))
         angles = np.outer(np.arange(c.max_position_embeddings, dtype=np.float64), inv_freq)
@@ -419,7 +454,8 @@ class LlamaStage:
         if self._head is None or self._norm is None:
             raise PMetalValueError(
                 f"stage [{self.start}, {self.end}) is not the last stage: it has no LM head")
-        return _project(_rms_norm(self._as_hidden(hidden), self._norm, self._eps), self._head)
+        return _project(_rms_norm(self._as_hidden(hidden), self._norm, self._eps),
+                             self._head, self._head_slices)
 
     def _as_hidden(self, hidden: np.ndarray) -> np.ndarray:
         if hidden.dtype != F32 or hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
@@ -439,7 +475,8 @@ class LlamaStage:
     def _qkv(self, layer: int, x: np.ndarray, positions: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        qkv = _project(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer])
+        qkv = _project(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
+                            self._qkv_slices)
         t = x.shape[0]
         q = self._rotate(qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim), positions)
         k = self._rotate(qkv[:, c.q_size:c.q_size + c.kv_size]
@@ -448,9 +485,11 @@ class LlamaStage:
         return q, k, v
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        gu = _project(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer])
+        gu = _project(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
+                           self._gu_slices)
         inter = self.config.intermediate_size
-        return x + _project(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer])
+        return x + _project(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
+                                 self._down_slices)
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 first: int) -> np.ndarray:
@@ -489,7 +528,7 @@ class LlamaStage:
             cache.values[layer, :, first:first + t] = v.transpose(1, 0, 2)
             attn = self._attend(q, cache.keys[layer, :, :first + t],
                                 cache.values[layer, :, :first + t], first)
-            x = x + _project(attn, self._wo[layer])
+            x = x + _project(attn, self._wo[layer], self._wo_slices)
             x = self._mlp(layer, x)
         cache.length = first + t
         return x
@@ -518,7 +557,7 @@ class LlamaStage:
                 cache.values[layer, :, pos] = v[row]
                 attn[row] = self._attend(q[row:row + 1], cache.keys[layer, :, :pos + 1],
                                          cache.values[layer, :, :pos + 1], pos)[0]
-            x = x + _project(attn, self._wo[layer])
+            x = x + _project(attn, self._wo[layer], self._wo_slices)
             x = self._mlp(layer, x)
         for cache in caches:
             cache.length += 1

@@ -178,16 +178,102 @@ def test_batched_decode_equals_one_sequence_at_a_time(weights: LlamaWeights) -> 
 
 
 def test_logits_of_a_few_rows_equal_logits_row_by_row() -> None:
-    """A few rows take the sliced path (``_project``, shared by every matrix):
-    2 MB slices of a 64-wide table hold 8,192 words, so 20,000 words make two
-    full slices and a partial one."""
+    """A few rows take the sliced path (shared by every matrix): 2 MB slices
+    of a 64-wide table hold 8,192 words, so 20,000 words make two full
+    slices and a partial one; each row's logits are bitwise those it gets
+    alone."""
     config = LlamaConfig(**{**TINY.__dict__, "vocab_size": 20000, "num_hidden_layers": 1})
     stage = LlamaStage(LlamaWeights.random(config, seed=5))
     hidden = np.random.default_rng(1).standard_normal((5, config.hidden_size), dtype=np.float32)
     together = stage.logits(hidden)
-    alone = np.concatenate([stage.logits(hidden[i:i + 1]) for i in range(5)])
     assert together.shape == (5, 20000)
-    np.testing.assert_allclose(together, alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    alone = np.concatenate([stage.logits(hidden[i:i + 1]) for i in range(5)])
+    np.testing.assert_array_equal(together, alone)
+
+
+def _prefilled(stage: LlamaStage, prompts: list[list[int]]) -> list[KVCache]:
+    caches = []
+    for prompt in prompts:
+        cache = stage.new_cache(40)
+        stage.forward(stage.embed(prompt), cache)
+        caches.append(cache)
+    return caches
+
+
+def test_a_decode_row_is_bitwise_independent_of_its_batch(weights: LlamaWeights) -> None:
+    """A pipeline groups sequences differently from one process; greedy
+    output stays identical only if a sequence's decode step gives the same
+    bits alone (forward of one row), in a batch of four, and in any other
+    grouping, at whatever positions the others are."""
+    rng = np.random.default_rng(7)
+    prompts = [[int(t) for t in rng.integers(TINY.vocab_size, size=n)] for n in (7, 2, 11, 4)]
+    stage = LlamaStage(weights)
+    alone, quad, pairs = (_prefilled(stage, prompts) for _ in range(3))
+    tokens = [3, 14, 15, 92]
+    for step in range(5):
+        ones = [stage.forward(stage.embed([t]), c) for t, c in zip(tokens, alone)]
+        four = stage.forward_batch(stage.embed(tokens), quad)
+        order = [(2, 0), (3, 1)] if step % 2 else [(1, 3), (0, 2)]
+        two = {}
+        for pair in order:
+            rows = stage.forward_batch(stage.embed([tokens[i] for i in pair]),
+                                       [pairs[i] for i in pair])
+            two.update({i: rows[k:k + 1] for k, i in enumerate(pair)})
+        for i in range(4):
+            np.testing.assert_array_equal(four[i:i + 1], ones[i])
+            np.testing.assert_array_equal(two[i], ones[i])
+        logits = [stage.logits(h) for h in ones]
+        np.testing.assert_array_equal(stage.logits(four), np.concatenate(logits))
+        tokens = [int(x[0].argmax()) for x in logits]
+
+
+def test_one_or_two_blas_threads_give_the_same_bits() -> None:
+    """A pipeline's stage processes run numpy's BLAS on one thread each
+    while a single process uses two: a decode step must not see the
+    difference. The SmolLM2 widths, so that OpenBLAS does split the GEMVs
+    between its threads (it keeps small ones on one)."""
+    from pmetal.pipeline.threads import compute_threads, set_compute_threads
+    before = compute_threads()
+    if before is None:
+        pytest.skip("numpy's BLAS is not an OpenBLAS whose thread count pmetal can set")
+    config = LlamaConfig(**{**SMOLLM2_135M.__dict__, "vocab_size": 4096,
+                            "num_hidden_layers": 2, "head_dim": 0})
+    stage = LlamaStage(LlamaWeights.random(config, seed=2))
+    results = []
+    try:
+        for threads in (1, 2):
+            assert set_compute_threads(threads) == threads
+            caches = _prefilled(stage, [PROMPT, PROMPT[:3]])
+            results.append([stage.logits(stage.forward_batch(stage.embed([5, 6]), caches)),
+                            stage.logits(stage.forward(stage.embed([7]), caches[0]))])
+    finally:
+        set_compute_threads(before)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_thirty_layers_split_twelve_and_eighteen_equal_one_stage_bitwise() -> None:
+    """The default model's depth, split where a 2-stage pipeline might cut
+    it: prefill, decode and batched decode give the same bits as one stage
+    holding all 30 layers."""
+    config = LlamaConfig(**{**TINY.__dict__, "num_hidden_layers": 30})
+    weights = LlamaWeights.random(config, seed=11)
+    whole = LlamaStage(weights)
+    first, second = LlamaStage(weights.slice(0, 12)), LlamaStage(weights.slice(12, 30))
+    one_caches = [whole.new_cache(32) for _ in range(2)]
+    two_caches = [(first.new_cache(32), second.new_cache(32)) for _ in range(2)]
+    for c1, (a, b), prompt in zip(one_caches, two_caches, (PROMPT, PROMPT[2:])):
+        one = whole.forward(whole.embed(prompt), c1)
+        two = second.forward(first.forward(first.embed(prompt), a), b)
+        np.testing.assert_array_equal(one, two)
+    tokens = [9, 10]
+    for _ in range(3):
+        one = whole.forward_batch(whole.embed(tokens), one_caches)
+        hidden = first.forward_batch(first.embed(tokens), [a for a, _ in two_caches])
+        two = second.forward_batch(hidden, [b for _, b in two_caches])
+        np.testing.assert_array_equal(one, two)
+        np.testing.assert_array_equal(whole.logits(one), second.logits(two))
+        tokens = [int(t) for t in whole.logits(one).argmax(-1)]
 
 
 def test_everything_stays_float32(weights: LlamaWeights) -> None:
