@@ -136,7 +136,8 @@ class Pipeline:
                         step_timeout: float = 60.0, connect_timeout: float = 60.0,
                         lanes: int | None = None, random_model: LlamaConfig | None = None,
                         seed: int = 0, progress: Any = None,
-                        placement: Sequence[str] | None = None) -> Pipeline:
+                        placement: Sequence[str] | None = None,
+                        backend: str = "numpy") -> Pipeline:
         """Build a pipeline of ``stages`` stages for ``model`` (a GGUF file, a
         Hugging Face folder, or a known model's name; None: the default
         model, fetched on first use with a progress line on ``progress``).
@@ -150,6 +151,8 @@ class Pipeline:
         a machine). ``placement``: the node id of each stage, instead of
         :func:`place_stages`. ``random_model``: random weights of that
         config instead of a model file (tests and benchmarks; no tokenizer).
+        ``backend``: ``numpy`` (default; bit-identical to the single-process
+        reference), ``mlx`` or ``auto`` (MLX on Apple silicon when installed).
         """
         codec_ = ActivationCodec.parse(codec)
         if type(stages) is not int or stages < 1:
@@ -168,14 +171,15 @@ class Pipeline:
             raise PMetalValueError(f"max_len {max_len!r} must be >= 2")
         max_len = min(max_len, config.max_position_embeddings)
         return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
-                          step_timeout, connect_timeout, lanes, random_model, seed, placement)
+                          step_timeout, connect_timeout, lanes, random_model, seed, placement,
+                          backend)
 
     @classmethod
     def _build(cls, config: LlamaConfig, path: str, tokenizer: Any, stages: int,
                codec: ActivationCodec, max_len: int, threads: int | None,
                step_timeout: float, connect_timeout: float, lanes: int | None,
                random_model: LlamaConfig | None, seed: int,
-               placement: Sequence[str] | None) -> Pipeline:
+               placement: Sequence[str] | None, backend: str) -> Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
         nodes = _nodes(client)
         if placement is not None:
@@ -196,7 +200,7 @@ class Pipeline:
                 stage_config = PipelineStageConfig(
                     start=p.start, end=p.end, index=p.index, num_stages=stages, model=path,
                     random_model=None if random_model is None else dict(random_model.__dict__),
-                    seed=seed, codec=codec.value,
+                    seed=seed, codec=codec.value, backend=backend,
                     threads=threads if threads is not None else max(1, cores // sharing))
                 handles.append(ActorClass(PipelineStage, {"node": p.node_id}).remote(
                     stage_config, step_timeout))

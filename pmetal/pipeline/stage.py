@@ -46,8 +46,10 @@ from pmetal.errors import (
     ProtocolError,
 )
 from pmetal.pipeline.activations import ActivationCodec
-from pmetal.pipeline.llama import KVCache, LlamaConfig, LlamaStage, LlamaWeights
+from pmetal.pipeline.llama import KVCache, LlamaConfig, LlamaWeights
+from pmetal.pipeline.llama_mlx import BACKENDS, make_stage
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
+from pmetal.pipeline.threads import set_compute_threads
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
 
 __all__ = ["PipelineStage", "PipelineStageConfig", "PipelineStageRuntime"]
@@ -66,7 +68,9 @@ class PipelineStageConfig:
     benchmarks, ``random_model``: a :class:`LlamaConfig` as a dict whose
     random weights (seeded by ``seed``) every stage draws alike.
     ``codec`` encodes the activations this stage sends; ``threads`` caps
-    the BLAS threads of the stage's process (0: leave as it is).
+    the BLAS threads of the stage's process (0: leave as it is);
+    ``backend`` is ``numpy``, ``mlx`` or ``auto`` (MLX on Apple silicon when
+    installed), see :func:`~pmetal.pipeline.llama_mlx.make_stage`.
     """
 
     start: int
@@ -78,6 +82,7 @@ class PipelineStageConfig:
     seed: int = 0
     codec: str = "none"
     threads: int = 0
+    backend: str = "numpy"
 
     def __post_init__(self) -> None:
         if not (type(self.num_stages) is int and self.num_stages >= 1):
@@ -93,6 +98,8 @@ class PipelineStageConfig:
         ActivationCodec.parse(self.codec)
         if type(self.threads) is not int or self.threads < 0:
             raise ConfigError(f"threads {self.threads!r} must be an int >= 0 (0: as it is)")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
 
     @property
     def is_first(self) -> bool:
@@ -160,7 +167,8 @@ class PipelineStageRuntime:
         self.codec = ActivationCodec.parse(config.codec)
         started = time.perf_counter()
         if stage is None:
-            stage = LlamaStage(weights if weights is not None else load_stage_weights(config))
+            stage = make_stage(weights if weights is not None else load_stage_weights(config),
+                               config.backend)
         self.stage = stage
         self.model: LlamaConfig = stage.config
         self.stats = StageStatistics(load_seconds=time.perf_counter() - started)
@@ -324,15 +332,9 @@ class PipelineStageRuntime:
 
 
 def set_threads(threads: int) -> None:
-    """Cap this process's BLAS threads (best effort; see pmetal.pipeline.threads)."""
-    if threads <= 0:
-        return
-    try:
-        from pmetal.pipeline import threads as threads_mod
-    except ImportError:
-        os.environ.setdefault("OPENBLAS_NUM_THREADS", str(threads))
-        return
-    threads_mod.set_compute_threads(threads)
+    """Cap this process's BLAS threads (0: leave them as they are)."""
+    if threads > 0:
+        set_compute_threads(threads)
 
 
 class PipelineStage:

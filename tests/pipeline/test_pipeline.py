@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pmetal.errors import PipelineError, PlacementError, PMetalValueError
+from pmetal.errors import ConfigError, PipelineError, PlacementError, PMetalValueError
 from pmetal.pipeline.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -198,3 +198,19 @@ def test_placement_spreads_layers_and_refuses_what_cannot_fit() -> None:
     tiny_memory = [{"NodeID": "a" * 32, "Alive": True, "Resources": {"memory": 1e3}}]
     with pytest.raises(PlacementError):
         place_stages(TINY, 2, tiny_memory)
+
+
+def test_mlx_stages_run_the_same_model(cluster: Any, reference: LlamaStage) -> None:
+    pytest.importorskip("mlx.core", reason="MLX is not installed (pip install 'mlx[cpu]' on "
+                                           "Linux)")
+    expected = generate_single_process(reference, PROMPTS[:2], SamplingConfig(max_tokens=6),
+                                       max_len=MAX_LEN, want_logits=True)
+    with build(2, backend="mlx") as pipe:
+        got = pipe.generate(PROMPTS[:2], max_tokens=6, logits=True)
+    # MLX agrees with numpy to float32 rounding, not bit for bit: compare the
+    # logits of the first token (the prompt's alone decides them).
+    for r, e in zip(got, expected, strict=True):
+        assert r.logits is not None and e.logits is not None
+        np.testing.assert_allclose(r.logits[0], e.logits[0], atol=1e-3)
+    with pytest.raises(ConfigError, match="backend 'gpu'"):
+        build(2, backend="gpu")
