@@ -8,6 +8,7 @@ import io
 
 import pytest
 
+import pmetal
 from pmetal.bench.pipeline import (
     Options,
     PipelineRow,
@@ -45,11 +46,33 @@ def test_quick_mode_prints_every_table(capsys: pytest.CaptureFixture[str]) -> No
     for row in rows:
         assert all(float(cell) > 0 for cell in row[1:]), row
     assert _table(out, "(b) llama.cpp") == [["llama.cpp: not run (--anchors off)"]]
-    assert "not measured (the pipeline stage runtime fills this table)" in out
+    # (c): the tiny model as 2 stage actors on a local node the command started.
+    header, *rows = _table(out, "(c) pipeline")
+    assert header[:3] == ["run", "tok/s", "vs single process"]
+    assert [r[0] for r in rows] == [
+        "2 stages, codec none, 1 sequence",
+        "2 stages, codec none, 4 sequences (aggregate, prefill included)",
+        *(f"2 stages, codec {c}, 2 sequences (logits returned)" for c in ("fp16", "bf16",
+                                                                          "int8"))]
+    assert all(float(r[1]) > 0 for r in rows)
+    assert rows[0][3] != "-" and rows[0][4] != "-"          # hop overhead, bytes per token
+    for row in rows[2:]:                                     # agreement and logit difference
+        assert row[5].endswith("%") and float(row[6]) >= 0.0
     targets = _table(out, "Targets")
     assert targets[0] == ["measure", "pmetal", "target", "met"]
     assert targets[2][-1] == "not measured (no anchor)"
+    assert [t[0] for t in targets[3:]] == [f"pipeline: {r[0]} (x single process)"
+                                           for r in rows[:2]]
     assert "--quick" in out and "random float32 weights of the tiny shape" in out
+    assert not pmetal.is_initialized()       # the local node it started is gone
+
+
+def test_stages_0_skips_the_pipeline_table(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["bench", "pipeline", "--quick", "--random-weights", "tiny",
+                   "--anchors", "off", "--threads", "1", "--stages", "0"])
+    assert status == 0
+    assert "not measured (the pipeline stage runtime fills this table; --stages 0 skips it)" in \
+        capsys.readouterr().out
 
 
 def test_the_pipeline_hook_fills_table_c() -> None:

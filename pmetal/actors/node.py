@@ -504,6 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--embedded", action="store_true",
                         help="started by pmetal.init(): exit when stdin closes")
     args = parser.parse_args(argv)
+    # Workers share the machine's cores: OpenBLAS threads that busy-wait
+    # ~0.1 s after every call (its default) steal the core another worker
+    # (a pipeline's next stage, another actor) is computing on. Idle BLAS
+    # threads sleep at once instead; this must be in the environment before
+    # any worker (or the fork server) imports numpy.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     # First, while this process has one thread and no ZeroMQ context, and
     # before it loads its key pair (workers run user code): the fork server
     # that starts workers in milliseconds (pmetal.actors.zygote).

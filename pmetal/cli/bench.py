@@ -72,7 +72,9 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                          "batched, against llama.cpp",
         description="Greedy decoding with pmetal's float32 numpy Llama decoder in one "
                     "process (BLAS threads 1 and 2), against llama.cpp on the same GGUF "
-                    "file when llama-cpp-python is installed.")
+                    "file when llama-cpp-python is installed; then the model as a "
+                    "pipeline of --stages stage actors on this machine (1 sequence, "
+                    "several, and the lossy activation codecs against none).")
     pipeline.add_argument("--model", default=None, metavar="PATH",
                           help="the model (a GGUF file; default: the default model)")
     pipeline.add_argument("--tokens", type=int, default=32, metavar="N",
@@ -93,6 +95,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument("--random-weights", choices=("smollm2-135m", "tiny"), default=None,
                           help="measure random weights of this shape instead of the "
                                "model's (tiny: for tests)")
+    pipeline.add_argument("--stages", type=int, default=2, metavar="K",
+                          help="stages of the pipeline table (c) (default 2; 0: skip it)")
     pipeline.add_argument("--quick", action="store_true",
                           help=f"a short run: {_QUICK['tokens']} tokens, "
                                f"{_QUICK['repeats']} repetition, {_QUICK['prompts']} prompts")
@@ -167,6 +171,7 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         random_weights,
         run,
     )
+    from pmetal.bench.pipeline_stages import measure_pipeline
 
     try:
         threads = tuple(int(t) for t in args.threads.split(",") if t.strip())
@@ -179,12 +184,31 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         prompts = min(prompts, _QUICK["prompts"])
     if not 1 <= prompts <= len(PROMPTS):
         raise ConfigError(f"--prompts {prompts}: choose 1 to {len(PROMPTS)}")
+    if args.stages < 0:
+        raise ConfigError(f"--stages {args.stages}: 0 (skip the pipeline table) or more")
+    random_model = None
+    if args.random_weights is not None:
+        random_model = random_weights(args.random_weights)(None)[0].config
     options = Options(
         model=args.model if args.model is not None else default_model(),
         prompts=PROMPTS[:prompts], decode_tokens=tokens, repeats=repeats,
         batch=args.batch, threads=threads, anchors=args.anchors == "auto",
         markdown=args.markdown, command=_command(args, _PIPELINE_DEFAULTS, "pipeline"),
         weights=(default_weights if args.random_weights is None
-                 else random_weights(args.random_weights)))
-    run(options)
+                 else random_weights(args.random_weights)),
+        pipeline=measure_pipeline if args.stages else None,
+        extra={"stages": args.stages, "random_model": random_model})
+    if not args.stages:
+        run(options)
+        return 0
+    import pmetal  # the pipeline table needs a cluster: a local node, as pmetal generate
+
+    started = not pmetal.is_initialized()
+    if started:
+        pmetal.init(num_workers=max(args.stages, 2))
+    try:
+        run(options)
+    finally:
+        if started:
+            pmetal.shutdown()
     return 0

@@ -295,12 +295,13 @@ class PipelineGenerationLoop:
         idle = list(range(self.lanes))
         while True:
             now = time.perf_counter()
-            for lane in list(idle):
-                hop = mux.next_hop(lane, now)
-                if hop is not None:
-                    self._send(hop, mux)
-                    idle.remove(lane)
-                    in_flight.append(lane)
+            ready = [(lane, mux.next_hop(lane, now)) for lane in list(idle)]
+            sending = [(lane, hop) for lane, hop in ready if hop is not None]
+            for lane, hop in sending:
+                hop.busy = len(in_flight) + len(sending)   # the stages' thread hint
+                self._send(hop, mux)
+                idle.remove(lane)
+                in_flight.append(lane)
             if not in_flight:
                 return
             lane = in_flight.popleft()

@@ -144,12 +144,13 @@ class Pipeline:
 
         The stages go on the cluster this process is connected to (after
         ``pmetal.init``; without it a local node starts, as for any
-        ``.remote()``). ``codec`` encodes the
-        activations between stages (none, fp16, bf16, int8). ``max_len``
-        caps a sequence's context (prompt and output). ``threads``: BLAS
-        threads per stage (default: the cores shared out among the stages of
-        a machine). ``placement``: the node id of each stage, instead of
-        :func:`place_stages`. ``random_model``: random weights of that
+        ``.remote()``). ``codec`` encodes the activations between stages
+        (none, fp16, bf16, int8). ``max_len`` caps a sequence's context
+        (prompt and output). ``threads``: BLAS threads per stage (default:
+        every core of its machine while it computes alone, one hop in
+        flight; the cores shared out among the stages of the machine while
+        several hops keep them busy at once). ``placement``: the node id of
+        each stage, instead of :func:`place_stages`. ``random_model``: random weights of that
         config instead of a model file (tests and benchmarks; no tokenizer).
         ``backend``: ``numpy`` (default; bit-identical to the single-process
         reference), ``mlx`` or ``auto`` (MLX on Apple silicon when installed).
@@ -201,7 +202,8 @@ class Pipeline:
                     start=p.start, end=p.end, index=p.index, num_stages=stages, model=path,
                     random_model=None if random_model is None else dict(random_model.__dict__),
                     seed=seed, codec=codec.value, backend=backend,
-                    threads=threads if threads is not None else max(1, cores // sharing))
+                    threads=threads if threads is not None else max(1, cores // sharing),
+                    threads_alone=threads or 0)
                 handles.append(ActorClass(PipelineStage, {"node": p.node_id}).remote(
                     stage_config, step_timeout))
             # Every stage loads its layers at once.
@@ -243,14 +245,16 @@ class Pipeline:
                  top_p: float = 1.0, seed: int | None = 0, stop_token_ids: Sequence[int] = (),
                  chat: bool | None = None, stream: Callable[[int, str], None] | None = None,
                  on_token: Callable[[int, int], None] | None = None,
-                 logits: bool = False) -> list[GenerationResult]:
+                 logits: bool = False, ignore_eos: bool = False) -> list[GenerationResult]:
         """Generate for each prompt; returns a result per prompt (with its
         ``text`` when the model has a tokenizer). Prompts are strings (the
         chat template applied when the model has one, unless
         ``chat=False``) or lists of token ids; one string or one list of
         ids is one prompt. ``stream(i, text)`` gets the
         text of prompt ``i`` as it comes; ``on_token(i, token)`` the ids.
-        All prompts are in flight at once (see the multiplexer)."""
+        All prompts are in flight at once (see the multiplexer).
+        ``ignore_eos``: do not stop at the tokenizer's end tokens (only at
+        ``stop_token_ids`` and ``max_tokens``; for benchmarks)."""
         if self._closed:
             raise PipelineError("this pipeline is closed")
         items = list(prompts) if not isinstance(prompts, str) else [prompts]
@@ -258,7 +262,7 @@ class Pipeline:
             items = [items]         # one prompt given as its token ids
         token_prompts = [self._encode(p, chat) for p in items]
         stops = tuple(stop_token_ids)
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and not ignore_eos:
             stops += tuple(t for t in self.tokenizer.stop_token_ids if t not in stops)
         config = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                                 max_tokens=max_tokens, stop_token_ids=stops)

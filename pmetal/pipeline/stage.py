@@ -68,7 +68,9 @@ class PipelineStageConfig:
     benchmarks, ``random_model``: a :class:`LlamaConfig` as a dict whose
     random weights (seeded by ``seed``) every stage draws alike.
     ``codec`` encodes the activations this stage sends; ``threads`` caps
-    the BLAS threads of the stage's process (0: leave as it is);
+    the BLAS threads of the stage's process while other stages compute
+    too (0: leave as it is), ``threads_alone`` while it computes alone
+    (the driver has one hop in flight; 0: every core of its machine);
     ``backend`` is ``numpy``, ``mlx`` or ``auto`` (MLX on Apple silicon when
     installed), see :func:`~pmetal.pipeline.llama_mlx.make_stage`.
     """
@@ -82,6 +84,7 @@ class PipelineStageConfig:
     seed: int = 0
     codec: str = "none"
     threads: int = 0
+    threads_alone: int = 0
     backend: str = "numpy"
 
     def __post_init__(self) -> None:
@@ -96,8 +99,10 @@ class PipelineStageConfig:
             raise ConfigError("give a stage either model= (a GGUF file or a Hugging Face "
                               "folder) or random_model= (a LlamaConfig as a dict), not both")
         ActivationCodec.parse(self.codec)
-        if type(self.threads) is not int or self.threads < 0:
-            raise ConfigError(f"threads {self.threads!r} must be an int >= 0 (0: as it is)")
+        for name in ("threads", "threads_alone"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ConfigError(f"{name} {value!r} must be an int >= 0")
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend {self.backend!r}: choose from {', '.join(BACKENDS)}")
 
@@ -175,6 +180,7 @@ class PipelineStageRuntime:
         self._caches: dict[int, KVCache] = {}
         self._samplers: dict[int, Sampler] = {}
         self._want_logits: set[int] = set()
+        self._threads = 0
 
     @property
     def sequences(self) -> int:
@@ -306,6 +312,18 @@ class PipelineStageRuntime:
         return (f"stage {self.config.index} (layers {self.config.start}-"
                 f"{self.config.end - 1}): {exc}")
 
+    def _threads_for(self, busy: int) -> None:
+        """BLAS threads for a step: every core when this stage computes
+        alone (one hop in flight: the other stages wait), its share when
+        hops keep several stages busy at once."""
+        c = self.config
+        if not c.threads:
+            return
+        want = (c.threads_alone or os.cpu_count() or 1) if busy <= 1 else c.threads
+        if want != self._threads:
+            set_compute_threads(want)
+            self._threads = want
+
     def serve(self, links: Any, rank: int, world: int, *, stop: threading.Event,
               step_timeout: float) -> None:
         """Receive, step and send until ``stop`` is set or the ring breaks
@@ -321,6 +339,7 @@ class PipelineStageRuntime:
             except TimeoutError:
                 continue        # idle (no sequence in flight): look at ``stop`` again
             self.stats.wait_seconds += time.perf_counter() - waited
+            self._threads_for(hop.busy)
             if not hop.entries:
                 # The driver's goodbye: pass it on and stop.
                 sender.send(hop)

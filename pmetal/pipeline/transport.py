@@ -15,9 +15,11 @@ directed hop are numbered from ``P2P_BASE`` and read strictly in order.
 One hop carries a :class:`Hop` (a list of :class:`Entry`, one per sequence
 with work at this step) as link messages of the same number:
 
-    chunk 0   uint8: msgpack [HOP_FORMAT, [entry, ...]], each entry
+    chunk 0   uint8: msgpack [HOP_FORMAT, [entry, ...], busy], each entry
               [sequence_id, position, tokens, activation header, prefill,
-               end, setup, has_logits, error]
+               end, setup, has_logits, error]; ``busy`` is how many hops
+              the driver had in flight when it sent this one (the stages'
+              BLAS thread hint: alone, a stage may use every core)
     chunk 1.. the entries' arrays in order: an activation's data (and its
               int8 scales), then logits when the entry carries them
 
@@ -76,9 +78,11 @@ class Entry:
 
 @dataclass
 class Hop:
-    """What moves along one link at one step."""
+    """What moves along one link at one step. ``busy``: hops in flight
+    round the ring when the driver sent it (1: this stage computes alone)."""
 
     entries: list[Entry] = field(default_factory=list)
+    busy: int = 1
 
     @property
     def payload_bytes(self) -> int:
@@ -117,7 +121,7 @@ class HopSender:
                 arrays.append(np.ascontiguousarray(e.logits, dtype=np.float32).reshape(-1))
             rows.append([e.sequence_id, e.position, list(e.tokens), head, e.prefill, e.end,
                          e.setup, e.logits is not None, e.error])
-        header = msgpack.packb([HOP_FORMAT, rows])
+        header = msgpack.packb([HOP_FORMAT, rows, hop.busy])
         self.links.send(self.to_rank, op, 0, np.frombuffer(header, np.uint8))
         for i, array in enumerate(arrays, 1):
             self.links.send(self.to_rank, op, i, array)
@@ -152,7 +156,7 @@ class HopReceiver:
                                 f"of at most {_MAX_HEADER} bytes, got chunk {chunk} "
                                 f"({raw.dtype}, {raw.nbytes} bytes)")
         self.bytes += raw.nbytes
-        rows = _parse_header(raw.tobytes(), self.from_rank)
+        rows, busy = _parse_header(raw.tobytes(), self.from_rank)
         entries: list[Entry] = []
         part = 0
 
@@ -187,7 +191,7 @@ class HopReceiver:
                                         f"must be float32, got {logits.dtype}")
             entries.append(Entry(seq, pos, tuple(tokens), activation, prefill, end, setup,
                                  logits, error))
-        return Hop(entries)
+        return Hop(entries, busy)
 
 
 def _is_int8(head: bytes) -> bool:
@@ -197,15 +201,15 @@ def _is_int8(head: bytes) -> bool:
         return False
 
 
-def _parse_header(data: bytes, sender: int) -> list[list[Any]]:
+def _parse_header(data: bytes, sender: int) -> tuple[list[list[Any]], int]:
     where = f"pipeline hop from rank {sender}"
     try:
         head = msgpack.unpackb(data, raw=False, strict_map_key=True,
                                max_array_len=_MAX_TOKENS)
     except Exception as exc:  # msgpack raises a dozen unrelated types on garbage
         raise ProtocolError(f"{where}: unreadable header: {exc}") from exc
-    if not (isinstance(head, list) and len(head) == 2 and head[0] == HOP_FORMAT
-            and isinstance(head[1], list)):
+    if not (isinstance(head, list) and len(head) == 3 and head[0] == HOP_FORMAT
+            and isinstance(head[1], list) and _is_count(head[2]) and head[2] <= _MAX_ENTRIES):
         raise ProtocolError(f"{where}: not a hop of format {HOP_FORMAT}")
     rows = head[1]
     if len(rows) > _MAX_ENTRIES:
@@ -226,7 +230,7 @@ def _parse_header(data: bytes, sender: int) -> list[list[Any]]:
             raise ProtocolError(f"{where}: setup of sequence {seq} is not a map")
         if error is not None and not isinstance(error, str):
             raise ProtocolError(f"{where}: error of sequence {seq} is not a string")
-    return rows
+    return rows, head[2]
 
 
 def _is_count(value: Any) -> bool:

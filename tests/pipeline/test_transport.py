@@ -92,14 +92,16 @@ def test_an_idle_link_times_out_and_stays_usable(pair: tuple[tcplinks.TcpLinks, 
 
 @pytest.mark.parametrize("header", [
     b"\xc1garbage",
-    msgpack.packb([99, []]),
-    msgpack.packb([1, [[1, 2, 3]]]),
-    msgpack.packb([1, [[-1, 0, [], None, False, False, None, False, None]]]),
-    msgpack.packb([1, [[1, 0, [-5], None, False, False, None, False, None]]]),
-    msgpack.packb([1, [[1, 0, [], "not bytes", False, False, None, False, None]]]),
-    msgpack.packb([1, [[1, 0, [], None, 1, False, None, False, None]]]),
-    msgpack.packb([1, [[1, 0, [], None, False, False, [1], False, None]]]),
-    msgpack.packb([1, [[1, 0, [], None, False, False, None, False, 5]]]),
+    msgpack.packb([99, [], 1]),
+    msgpack.packb([1, []]),
+    msgpack.packb([1, [], -1]),
+    msgpack.packb([1, [[1, 2, 3]], 1]),
+    msgpack.packb([1, [[-1, 0, [], None, False, False, None, False, None]], 1]),
+    msgpack.packb([1, [[1, 0, [-5], None, False, False, None, False, None]], 1]),
+    msgpack.packb([1, [[1, 0, [], "not bytes", False, False, None, False, None]], 1]),
+    msgpack.packb([1, [[1, 0, [], None, 1, False, None, False, None]], 1]),
+    msgpack.packb([1, [[1, 0, [], None, False, False, [1], False, None]], 1]),
+    msgpack.packb([1, [[1, 0, [], None, False, False, None, False, 5]], 1]),
 ])
 def test_malformed_hops_are_refused(pair: tuple[tcplinks.TcpLinks, ...],
                                     header: bytes) -> None:
@@ -114,7 +116,7 @@ def test_an_activation_that_lies_about_its_size_is_refused(
     a, b = pair
     message = ActivationCodec.NONE.encode(np.ones((2, 8), np.float32), sequence_id=3)
     head = bytes(message.to_frames()[0])
-    header = msgpack.packb([1, [[3, 0, [], head, False, False, None, False, None]]])
+    header = msgpack.packb([1, [[3, 0, [], head, False, False, None, False, None]], 1])
     a.send(1, P2P_BASE + 1, 0, np.frombuffer(header, np.uint8))
     a.send(1, P2P_BASE + 1, 1, np.ones(5, np.float32))     # 2x8 promised
     with pytest.raises(ProtocolError, match="data frame"):
@@ -128,7 +130,7 @@ def test_a_sender_that_stops_mid_hop_times_out_after_rest(
     a, b = pair
     message = ActivationCodec.NONE.encode(np.ones((1, 8), np.float32), sequence_id=3)
     header = msgpack.packb([1, [[3, 0, [], bytes(message.to_frames()[0]), False, False,
-                                 None, False, None]]])
+                                 None, False, None]], 1])
     a.send(1, P2P_BASE + 1, 0, np.frombuffer(header, np.uint8))     # no data part
     started = time.monotonic()
     with pytest.raises(TimeoutError):

@@ -1,0 +1,122 @@
+"""Table (c) of ``pmetal bench pipeline``: the model as a pipeline of
+stage actors on this machine, over 127.0.0.1.
+
+- **1 sequence**: each prompt alone, greedy, ``decode_tokens`` steps after
+  the first token; tokens/s = steps / (time after the first token), median
+  over prompts and repetitions.
+- **N sequences**: ``batch`` prompts in flight at once (the multiplexer's
+  lanes keep both stages busy); aggregate tokens/s = every token generated
+  / the call's whole time, prefill included (conservative).
+- **per-hop overhead**: the time per token the stages did not spend
+  computing (their own clocks), over the ring's hops per token (stages +
+  1): sockets, encoding, the driver's bookkeeping.
+- **bytes/token**: what stage 0 sent per token (header and activation).
+- **codecs**: the same prompts with fp16, bf16 and int8 activations
+  against codec none: the fraction of greedy tokens equal position by
+  position, and the largest logit difference while both runs still agreed
+  on every earlier token (after a divergence the two continue different
+  texts, so their logits are no longer comparable).
+
+It needs a connected cluster (``pmetal.init``; the command line starts a
+local one).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from pmetal.bench.pipeline import Options, PipelineRow
+
+__all__ = ["measure_pipeline"]
+
+CODECS = ("fp16", "bf16", "int8")
+
+
+def _build(options: Options, stages: int, codec: str, max_len: int) -> Any:
+    from pmetal.pipeline.pipeline import Pipeline
+
+    random_model = options.extra.get("random_model")
+    if random_model is not None:
+        return Pipeline.from_pretrained(random_model=random_model, stages=stages, codec=codec,
+                                        max_len=max_len)
+    return Pipeline.from_pretrained(options.model, stages=stages, codec=codec,
+                                    max_len=max_len)
+
+
+def _stage_totals(pipe: Any) -> list[dict[str, Any]]:
+    return pipe.statistics()["stages"]
+
+
+def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[PipelineRow]:
+    """Table (c)'s rows (see the module docstring)."""
+    stages = int(options.extra.get("stages", 2))
+    steps = options.decode_tokens
+    max_len = max(len(p) for p in prompts) + steps + 4
+    say = lambda text: print(f"pmetal bench pipeline: {text} ...", file=sys.stderr, flush=True)
+    rows: list[PipelineRow] = []
+    say(f"{stages} stages, codec none")
+    with _build(options, stages, "none", max_len) as pipe:
+        pipe.generate([prompts[0]], max_tokens=4, ignore_eos=True)       # warm: page in
+        before = _stage_totals(pipe)
+        rates = []
+        for _ in range(options.repeats):
+            for prompt in prompts:
+                r = pipe.generate([prompt], max_tokens=steps + 1, ignore_eos=True)[0]
+                rates.append(steps / (r.seconds - (r.time_to_first_token or 0.0)))
+        after = _stage_totals(pipe)
+        single = statistics.median(rates)
+        compute = sum((a["compute_seconds"] - b["compute_seconds"])
+                      / max(a["steps"] - b["steps"], 1) for a, b in zip(after, before,
+                                                                         strict=True))
+        overhead = max(1.0 / single - compute, 0.0) / (stages + 1)
+        rows_out = after[0]["bytes_out"] - before[0]["bytes_out"]
+        tokens_in = sum(len(p) + steps for p in prompts) * options.repeats
+        rows.append(PipelineRow(f"{stages} stages, codec none, 1 sequence", single,
+                                hop_overhead_ms=overhead * 1e3,
+                                bytes_per_token=round(rows_out / tokens_in)))
+        batch = [prompts[i % len(prompts)] for i in range(options.batch)]
+        totals = []
+        for _ in range(options.repeats):
+            began = time.perf_counter()
+            results = pipe.generate(batch, max_tokens=steps + 1, ignore_eos=True)
+            totals.append(sum(len(r.tokens) for r in results)
+                          / (time.perf_counter() - began))
+        rows.append(PipelineRow(f"{stages} stages, codec none, {options.batch} sequences "
+                                "(aggregate, prefill included)", statistics.median(totals)))
+        reference = pipe.generate(prompts, max_tokens=steps, ignore_eos=True, logits=True)
+    for codec in CODECS:
+        say(f"{stages} stages, codec {codec}")
+        with _build(options, stages, codec, max_len) as pipe:
+            began = time.perf_counter()
+            got = pipe.generate(prompts, max_tokens=steps, ignore_eos=True, logits=True)
+            elapsed = time.perf_counter() - began
+            stats = _stage_totals(pipe)
+        equal, total, worst = _agreement(reference, got)
+        rows.append(PipelineRow(
+            f"{stages} stages, codec {codec}, {len(prompts)} sequences (logits returned)",
+            sum(len(r.tokens) for r in got) / elapsed,
+            bytes_per_token=round(stats[0]["bytes_out"] / sum(len(p) + steps - 1
+                                                              for p in prompts)),
+            agreement=equal / total, max_logit_diff=worst))
+    return rows
+
+
+def _agreement(reference: Sequence[Any], got: Sequence[Any]) -> tuple[int, int, float]:
+    import numpy as np
+
+    equal = total = 0
+    worst = 0.0
+    for ref, run in zip(reference, got, strict=True):
+        same_prefix = True
+        for i, (a, b) in enumerate(zip(ref.tokens, run.tokens, strict=False)):
+            total += 1
+            equal += a == b
+            if same_prefix:
+                worst = max(worst, float(np.max(np.abs(ref.logits[i] - run.logits[i]))))
+                same_prefix = a == b
+        total += abs(len(ref.tokens) - len(run.tokens))
+    return equal, max(total, 1), worst
