@@ -1,7 +1,9 @@
-"""Pipeline-parallel inference: the numpy Llama decoder a stage runs,
-layer assignment, the activation codec and sampling (so far; the model
-loaders, the stage actors and the generation loop come with the rest of
-the pipeline issue). See docs/pipeline.md."""
+"""Pipeline-parallel inference: a model's layers split over stage actors
+on the cluster's machines, joined in a ring of TCP links, generating
+several sequences at once. ``Pipeline.from_pretrained(...).generate(...)``
+is the entry point; below it the model store and loaders, the tokenizer,
+the numpy (and MLX) Llama decoder, layer assignment, the activation codec,
+sampling, the stages and the generation loop. See docs/pipeline.md."""
 
 from pmetal.pipeline.activations import ActivationCodec, ActivationMessage, DtypeTag
 from pmetal.pipeline.assignment import (
@@ -13,6 +15,12 @@ from pmetal.pipeline.assignment import (
     assign_layers_bandwidth_aware,
     assign_layers_proportional,
 )
+from pmetal.pipeline.generation import (
+    GenerationResult,
+    PipelineGenerationLoop,
+    StreamMultiplexer,
+    generate_single_process,
+)
 from pmetal.pipeline.llama import (
     SMOLLM2_135M,
     KVCache,
@@ -21,25 +29,55 @@ from pmetal.pipeline.llama import (
     LlamaStage,
     LlamaWeights,
 )
+from pmetal.pipeline.llama_mlx import MlxLlamaStage, make_stage
+from pmetal.pipeline.loader import load_config, load_weights
+from pmetal.pipeline.models import ModelStore, list_models, remove_model, resolve_model
+from pmetal.pipeline.pipeline import Pipeline, StagePlacement, place_stages
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
+from pmetal.pipeline.stage import (
+    PipelineStage,
+    PipelineStageConfig,
+    PipelineStageRuntime,
+)
+from pmetal.pipeline.tokenizer import StreamDecoder, Tokenizer
 
 __all__ = [  # noqa: RUF022 - plain sorted order, as test_public_api wants
     "ActivationCodec",
     "ActivationMessage",
     "Assignment",
     "DtypeTag",
+    "GenerationResult",
     "KVCache",
     "LayerWeights",
     "Link",
     "LlamaConfig",
     "LlamaStage",
     "LlamaWeights",
+    "MlxLlamaStage",
     "ModelProfile",
+    "ModelStore",
+    "Pipeline",
+    "PipelineGenerationLoop",
+    "PipelineStage",
+    "PipelineStageConfig",
+    "PipelineStageRuntime",
     "SMOLLM2_135M",
     "Sampler",
     "SamplingConfig",
     "Stage",
     "StageNode",
+    "StagePlacement",
+    "StreamDecoder",
+    "StreamMultiplexer",
+    "Tokenizer",
     "assign_layers_bandwidth_aware",
     "assign_layers_proportional",
+    "generate_single_process",
+    "list_models",
+    "load_config",
+    "load_weights",
+    "make_stage",
+    "place_stages",
+    "remove_model",
+    "resolve_model",
 ]
