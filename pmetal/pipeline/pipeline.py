@@ -42,8 +42,10 @@ from pmetal.errors import (
 )
 from pmetal.pipeline.activations import ActivationCodec
 from pmetal.pipeline.assignment import (
+    Link,
     ModelProfile,
     StageNode,
+    assign_layers_bandwidth_aware,
     assign_layers_proportional,
 )
 from pmetal.pipeline.generation import GenerationResult, PipelineGenerationLoop
@@ -71,12 +73,16 @@ class StagePlacement:
 def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any]],
                  *, memory_fraction: float = 0.8) -> list[StagePlacement]:
     """Split ``config``'s layers over ``stages`` stages on the live ``nodes``
-    (as :func:`pmetal.nodes` lists them): the stages go round the nodes
-    with the most memory first, and each stage gets layers in proportion to
-    the memory it has (its node's ``memory`` resource over the stages
-    there, times ``memory_fraction``), with
-    :func:`~pmetal.pipeline.assignment.assign_layers_proportional`'s fit
-    check. One node: even ranges."""
+    (as :func:`pmetal.nodes` lists them). The stages go round the nodes
+    with the most memory first; each stage may use its node's ``memory``
+    resource over the stages there, times ``memory_fraction``, and
+    computes at its node's ``CPU`` count over the stages there. The cuts
+    make the slowest stage as fast as they can
+    (:func:`~pmetal.pipeline.assignment.assign_layers_bandwidth_aware` over
+    this chain: the last stage's LM head counts, about 8 layers of
+    SmolLM2-135M, so on one machine the first stage gets more layers);
+    :func:`~pmetal.pipeline.assignment.assign_layers_proportional` (by
+    memory) when that leaves a stage out."""
     if type(stages) is not int or stages < 1:
         raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
     if stages > config.num_hidden_layers:
@@ -90,15 +96,22 @@ def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any
     per_node = {n["NodeID"]: owners.count(n) for n in live}
     slots = []
     for i, node in enumerate(owners):
-        memory = float((node.get("Resources") or {}).get("memory", 0.0))
+        resources = node.get("Resources") or {}
+        memory = float(resources.get("memory", 0.0))
         share = memory * memory_fraction / per_node[node["NodeID"]] if memory else 2.0**62
-        slots.append(StageNode(f"{i}:{node['NodeID']}", int(share)))
+        speed = max(float(resources.get("CPU", 1.0)), 1.0) / per_node[node["NodeID"]]
+        # Zero-padded, so that the solver's node-id order is the chain's.
+        slots.append(StageNode(f"{i:04d}:{node['NodeID']}", int(share), speed))
     profile = ModelProfile.llama(
         n_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, n_heads=config.num_attention_heads,
         n_kv_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
         tied_embeddings=config.tie_word_embeddings)
-    assignment = assign_layers_proportional(profile, slots)
+    fast = Link(bandwidth=1e12)     # links are not measured here: compute decides
+    assignment = assign_layers_bandwidth_aware(profile, slots, lambda _a, _b: fast,
+                                               exact_limit=0)
+    if len(assignment.stages) != stages:
+        assignment = assign_layers_proportional(profile, slots)
     placements = []
     for i, stage in enumerate(assignment.stages):
         placements.append(StagePlacement(i, stage.node_id.partition(":")[2], stage.start,

@@ -187,12 +187,21 @@ def test_a_stalled_stage_fails_at_the_step_timeout(cluster: Any) -> None:
 def test_placement_spreads_layers_and_refuses_what_cannot_fit() -> None:
     one = [{"NodeID": "a" * 32, "Alive": True, "Resources": {"memory": 8e9}}]
     assert [(p.start, p.end) for p in place_stages(TINY, 3, one)] == [(0, 2), (2, 4), (4, 6)]
-    two = [{"NodeID": "a" * 32, "Alive": True, "Resources": {"memory": 3e9}},
-           {"NodeID": "b" * 32, "Alive": True, "Resources": {"memory": 1e9}},
-           {"NodeID": "c" * 32, "Alive": False, "Resources": {"memory": 9e9}}]
+    # The faster node (more CPUs) gets more layers; a dead node none.
+    two = [{"NodeID": "a" * 32, "Alive": True, "Resources": {"memory": 3e9, "CPU": 4}},
+           {"NodeID": "b" * 32, "Alive": True, "Resources": {"memory": 1e9, "CPU": 1}},
+           {"NodeID": "c" * 32, "Alive": False, "Resources": {"memory": 9e9, "CPU": 16}}]
     placed = place_stages(TINY, 2, two)
     assert [p.node_id[0] for p in placed] == ["a", "b"]
     assert placed[0].end - placed[0].start > placed[1].end - placed[1].start
+    # Memory still bounds a stage: b holds room for one layer and the head only.
+    layer = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 96 + 2 * 64)
+    head = 4 * (TINY.vocab_size * 64 + 64)
+    cramped = [{"NodeID": "a" * 32, "Alive": True, "Resources": {"memory": 1e9, "CPU": 1}},
+               {"NodeID": "b" * 32, "Alive": True,
+                "Resources": {"memory": (layer + head) / 0.8 + 1, "CPU": 64}}]
+    placed = place_stages(TINY, 2, cramped)
+    assert [(p.node_id[0], p.end - p.start) for p in placed] == [("a", 5), ("b", 1)]
     with pytest.raises(PlacementError, match="at least one layer"):
         place_stages(TINY, 7, one)
     tiny_memory = [{"NodeID": "a" * 32, "Alive": True, "Resources": {"memory": 1e3}}]
