@@ -1,0 +1,237 @@
+"""The pipeline used carelessly, and its processes dying at bad moments.
+
+Every mistake a user can make with :class:`Pipeline` raises a specific
+:class:`~pmetal.errors.PMetalError` saying what to do, before any stage
+actor is created where the mistake is visible that early; a stage killed
+while the pipeline is being built fails ``from_pretrained`` within a
+bounded time and takes the other stages with it; two pipelines in one
+driver keep their rings apart. Real stage actors on an embedded node,
+real TCP links on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+
+from pmetal.actors import context
+from pmetal.errors import (
+    ActorDiedError,
+    ConfigError,
+    PipelineError,
+    PlacementError,
+    PMetalError,
+    PMetalValueError,
+)
+from pmetal.pipeline import pipeline as pipeline_module
+from pmetal.pipeline.generation import generate_single_process
+from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
+from pmetal.pipeline.models import ModelFormatError, UnknownModelError
+from pmetal.pipeline.pipeline import Pipeline
+from pmetal.pipeline.sampling import SamplingConfig
+
+TINY = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 12]
+MAX_LEN = 96
+WAIT = 20.0          # deadline of any wait on the cluster (actors ending, a failure arriving)
+
+
+@pytest.fixture(scope="module")
+def expected() -> list[list[int]]:
+    whole = LlamaStage(LlamaWeights.random(TINY, seed=3))
+    return [r.tokens for r in generate_single_process(whole, PROMPTS,
+                                                      SamplingConfig(max_tokens=16),
+                                                      max_len=MAX_LEN)]
+
+
+def build(stages: int = 2, **options: Any) -> Pipeline:
+    settings: dict[str, Any] = {"random_model": TINY, "seed": 3, "stages": stages,
+                                "max_len": MAX_LEN, "threads": 1}
+    settings.update(options)
+    return Pipeline.from_pretrained(**settings)
+
+
+def live_stages() -> list[dict[str, Any]]:
+    """The stage actors the node holds that are not dead."""
+    return [a for a in context.current().status()["actors"]
+            if a["class_name"] == "PipelineStage" and a["state"] != "dead"]
+
+
+def wait_no_stages(timeout: float = WAIT) -> None:
+    """Kills are asynchronous: wait (with a deadline) until no stage actor lives."""
+    deadline = time.monotonic() + timeout
+    while live_stages():
+        assert time.monotonic() < deadline, f"stage actors left behind: {live_stages()}"
+        time.sleep(0.05)
+
+
+def stage_worker_pids() -> dict[str, int]:
+    """actor id -> worker pid, of the node's stage actors."""
+    status = context.current().status()
+    stages = {a["actor_id"] for a in status["actors"] if a["class_name"] == "PipelineStage"}
+    return {w["actor_id"]: w["pid"] for w in status["workers"] if w["actor_id"] in stages}
+
+
+# ----------------------------------------------------------- building it wrong
+
+@pytest.mark.parametrize(("options", "error", "message"), [
+    ({"stages": 0}, PMetalValueError, r"stages 0 must be an int >= 1"),
+    ({"stages": True}, PMetalValueError, r"stages True must be an int >= 1"),
+    ({"stages": 7}, PlacementError, r"7 stages for a model of 6 layers: every stage needs"),
+    ({"codec": "fp61"}, PMetalValueError, r"unknown activation codec 'fp61'; choose one of"),
+    ({"backend": "gpu"}, ConfigError, r"backend 'gpu': choose from"),
+    ({"placement": ["no-such-node", "nor-this"]}, PlacementError,
+     r"placement must name 2 live node ids \(from pmetal.nodes\(\)\)"),
+    ({"max_len": 1}, PMetalValueError, r"max_len 1 must be"),
+    ({"threads": -1}, ConfigError, r"threads -1 must be an int >= 0"),
+])
+def test_bad_settings_fail_before_any_actor_exists(cluster: Any, options: dict[str, Any],
+                                                   error: type[PMetalError],
+                                                   message: str) -> None:
+    wait_no_stages()
+    with pytest.raises(error, match=message):
+        build(**options)
+    assert live_stages() == []
+
+
+def test_a_placement_of_the_wrong_length_is_refused(cluster: Any) -> None:
+    node = context.current().status()["node_id"]
+    with pytest.raises(PlacementError, match="must name 2 live node ids"):
+        build(placement=[node])
+    assert live_stages() == []
+
+
+def test_a_model_that_is_not_a_llama_model_is_refused_before_any_actor(
+        cluster: Any, tmp_path: Path) -> None:
+    wait_no_stages()
+    with pytest.raises(UnknownModelError, match="no such file or folder"):
+        Pipeline.from_pretrained(tmp_path / "missing.gguf")
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model\n")
+    with pytest.raises(UnknownModelError,
+                       match=r"neither a .gguf file nor a Hugging Face model folder"):
+        Pipeline.from_pretrained(text)
+    with pytest.raises(UnknownModelError, match="neither a .gguf file"):
+        Pipeline.from_pretrained(tmp_path)          # a folder without config.json
+    # A real GGUF file of another architecture.
+    other = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(other), "gpt2")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFormatError, match="holds a 'gpt2' model; pmetal's decoder "
+                                               "computes only Llama-architecture models"):
+        Pipeline.from_pretrained(other, stages=2)
+    assert live_stages() == []
+
+
+# ------------------------------------------------------------ using it wrong
+
+def test_bad_generation_settings_fail_before_anything_is_sent(cluster: Any,
+                                                              expected: list[list[int]]) -> None:
+    with build() as pipe:
+        with pytest.raises(ConfigError, match=r"max_tokens: 0 must be an int >= 1"):
+            pipe.generate(PROMPTS, max_tokens=0)
+        with pytest.raises(ConfigError, match=r"max_tokens: -3 must be an int >= 1"):
+            pipe.generate(PROMPTS, max_tokens=-3)
+        with pytest.raises(ConfigError, match=r"temperature: -1 must be a finite number >= 0"):
+            pipe.generate(PROMPTS, temperature=-1)
+        with pytest.raises(ConfigError, match=r"top_p: 2 must be in \(0, 1\]"):
+            pipe.generate(PROMPTS, top_p=2)
+        with pytest.raises(ConfigError, match=r"stop_token_ids: .* must be a sequence of token"):
+            pipe.generate(PROMPTS, stop_token_ids="ab")
+        with pytest.raises(PMetalValueError, match=r"a prompt of 200 tokens leaves no room in "
+                                                   r"a context of 96"):
+            pipe.generate([[1] * 200])
+        with pytest.raises(PMetalValueError, match="at least one token"):
+            pipe.generate([[]])
+        with pytest.raises(PMetalValueError, match="outside the vocabulary"):
+            pipe.generate([[-1, 2]])
+        assert pipe.generate([]) == []
+        assert pipe.cancel(3) is False              # nothing is running
+        # None of it disturbed the ring.
+        assert [r.tokens for r in pipe.generate(PROMPTS, max_tokens=16)] == expected
+        assert all(s["in_flight"] == 0 for s in pipe.statistics()["stages"])
+
+
+def test_generate_after_close_and_close_twice(cluster: Any) -> None:
+    pipe = build()
+    assert pipe.generate([[1, 2]], max_tokens=2)[0].ok
+    pipe.close()
+    pipe.close()                                   # a second close does nothing
+    with pytest.raises(PipelineError, match="this pipeline is closed"):
+        pipe.generate([[1, 2]])
+    with pipe:                                     # leaving a closed pipeline's block is fine
+        pass
+    wait_no_stages()
+
+
+# ------------------------------------------------------- processes that die
+
+def test_a_stage_killed_while_the_pipeline_is_built_fails_it_and_leaves_no_actor(
+        cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kill one stage's worker as soon as the stages were asked to load (a
+    model big enough that loading takes a while): ``from_pretrained``
+    raises within a bounded time and the other stages end with it."""
+    wait_no_stages()
+    big = LlamaConfig(vocab_size=4000, hidden_size=512, intermediate_size=1536,
+                      num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4,
+                      max_position_embeddings=256)
+    real_get = pipeline_module._get
+    killed: list[int] = []
+
+    def get_after_killing(client: Any, refs: Any, timeout: float) -> list[Any]:
+        if not killed:                             # the first wait is the one for load()
+            pids = stage_worker_pids()
+            assert len(pids) == 3, pids
+            victim = sorted(pids.values())[1]
+            os.kill(victim, signal.SIGKILL)
+            killed.append(victim)
+        return real_get(client, refs, timeout)
+
+    monkeypatch.setattr(pipeline_module, "_get", get_after_killing)
+    started = time.monotonic()
+    with pytest.raises(ActorDiedError, match="PipelineStage") as info:
+        build(3, random_model=big)
+    took = time.monotonic() - started
+    print(f"\n[kill during load] failed after {took:.2f} s: {info.value}")
+    assert killed and took < WAIT, f"from_pretrained took {took:.1f} s to fail"
+    assert "SIGKILL" in str(info.value) or "died" in str(info.value), str(info.value)
+    wait_no_stages()
+
+
+def test_two_pipelines_in_one_driver_generate_at_once(cluster: Any,
+                                                      expected: list[list[int]]) -> None:
+    """A 2-stage and a 3-stage pipeline, each generating from its own
+    thread: separate rings (their tags differ), each gives the
+    single-process tokens every time."""
+    results: dict[str, Any] = {}
+    with build(2) as two, build(3) as three:
+        def run(name: str, pipe: Pipeline) -> None:
+            try:
+                results[name] = [[r.tokens for r in pipe.generate(PROMPTS, max_tokens=16)]
+                                 for _ in range(3)]
+            except PMetalError as exc:
+                results[name] = exc
+
+        threads = [threading.Thread(target=run, args=(name, pipe))
+                   for name, pipe in (("two", two), ("three", three))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT * 3)
+        assert not any(t.is_alive() for t in threads)
+        assert len({s["pid"] for p in (two, three) for s in p.statistics()["stages"]}) == 5
+    assert results == {"two": [expected] * 3, "three": [expected] * 3}
