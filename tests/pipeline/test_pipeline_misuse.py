@@ -235,3 +235,87 @@ def test_two_pipelines_in_one_driver_generate_at_once(cluster: Any,
         assert not any(t.is_alive() for t in threads)
         assert len({s["pid"] for p in (two, three) for s in p.statistics()["stages"]}) == 5
     assert results == {"two": [expected] * 3, "three": [expected] * 3}
+
+
+# ---------------------------------------------------- callbacks and threads
+
+class Interrupted(Exception):
+    """What the user's callback raises."""
+
+
+@pytest.mark.parametrize("raised", [Interrupted, KeyboardInterrupt])
+def test_a_callback_that_raises_leaves_the_pipeline_clean(cluster: Any, raised: type,
+                                                          expected: list[list[int]]) -> None:
+    """An exception from ``on_token`` (or Ctrl-C in it) propagates out of
+    ``generate`` with hops still in flight; the loop collects them and the
+    stages drop every sequence, so the next ``generate`` is exact. (Before:
+    the next call read the old hops as its own and failed with IndexError.)"""
+    with build() as pipe:
+        def on_token(index: int, token: int) -> None:
+            if index == 1:
+                raise raised("the user's callback failed")
+
+        with pytest.raises(raised, match="the user's callback failed"):
+            pipe.generate(PROMPTS, max_tokens=16, on_token=on_token)
+        assert all(s["in_flight"] == 0 for s in pipe.statistics()["stages"])
+        assert [r.tokens for r in pipe.generate(PROMPTS, max_tokens=16)] == expected
+
+
+def test_generate_from_inside_its_own_callback_is_refused(cluster: Any,
+                                                          expected: list[list[int]]) -> None:
+    with build() as pipe:
+        def on_token(index: int, token: int) -> None:
+            pipe.generate([[1, 2]], max_tokens=2)
+
+        with pytest.raises(PipelineError, match="called from inside a callback"):
+            pipe.generate(PROMPTS, max_tokens=16, on_token=on_token)
+        assert [r.tokens for r in pipe.generate(PROMPTS, max_tokens=16)] == expected
+
+
+def test_one_pipeline_used_from_two_threads_runs_them_in_turn(cluster: Any,
+                                                             expected: list[list[int]]) -> None:
+    """Two threads calling ``generate`` on one pipeline at once. (Before: the
+    two runs interleaved their hops on one ring, one of them failed with
+    RuntimeError "concurrent poll() invocation" and the other got wrong
+    tokens.)"""
+    results: dict[int, Any] = {}
+    with build() as pipe:
+        def run(k: int) -> None:
+            try:
+                results[k] = [[r.tokens for r in pipe.generate(PROMPTS, max_tokens=16)]
+                              for _ in range(3)]
+            except Exception as exc:  # noqa: BLE001 - shown by the assertion below
+                results[k] = exc
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT * 3)
+        assert not any(t.is_alive() for t in threads)
+    assert results == {0: [expected] * 3, 1: [expected] * 3}
+
+
+def test_close_from_another_thread_fails_the_running_generate(cluster: Any) -> None:
+    pipe = build()
+    first = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            while True:
+                pipe.generate(PROMPTS, max_tokens=80, on_token=lambda i, t: first.set())
+        except PMetalError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert first.wait(WAIT)
+        pipe.close()
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    finally:
+        pipe.close()
+    assert isinstance(outcome[0], PipelineError), outcome
+    wait_no_stages()
