@@ -11,8 +11,11 @@ real TCP links on loopback.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
+from collectives.test_actor_groups_lab import _line as read_line
 
 from pmetal.actors import context
 from pmetal.errors import (
@@ -319,3 +323,88 @@ def test_close_from_another_thread_fails_the_running_generate(cluster: Any) -> N
         pipe.close()
     assert isinstance(outcome[0], PipelineError), outcome
     wait_no_stages()
+
+
+# -------------------------------------------------------- a driver that dies
+
+DRIVER = r"""
+import json, sys
+import pmetal
+from pmetal.pipeline.llama import LlamaConfig
+from pmetal.pipeline.pipeline import Pipeline
+
+pmetal.init(address="auto")
+tiny = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+pipe = Pipeline.from_pretrained(random_model=tiny, seed=3, stages=2, max_len=96, threads=1)
+pids = [s["pid"] for s in pipe.statistics()["stages"]]
+told = []
+
+def on_token(index, token):
+    if not told:
+        told.append(1)
+        print(json.dumps({"step": "generating", "pids": pids}), flush=True)
+
+while True:                  # until the test kills this process with SIGKILL
+    pipe.generate([[1, 2, 3], [4, 5]], max_tokens=90, on_token=on_token)
+"""
+
+
+def _pmetal(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pmetal", *args], env=_env(home),
+                          capture_output=True, text=True, timeout=60.0, check=False)
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
+    env["PMETAL_HOME"] = str(home)
+    return env
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:        # a zombie waiting for its parent to reap it has exited
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_driver_killed_mid_generation_takes_its_stages_with_it(tmp_path: Path) -> None:
+    """The driver (a process of its own, connected to a ``pmetal start``
+    node) is killed with SIGKILL while its pipeline generates: the stages'
+    links break, their actors end (their owner is gone) and their worker
+    processes exit, within a deadline."""
+    home = tmp_path / "home"
+    started = _pmetal(home, "start", "--port", "0")
+    assert started.returncode == 0, started.stderr
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], env=_env(home),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = read_line(driver, 60.0, "generating")
+        pids = line["pids"]
+        assert all(_alive(pid) for pid in pids)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(WAIT)
+        killed = time.monotonic()
+        deadline = killed + WAIT
+        while any(_alive(pid) for pid in pids):
+            assert time.monotonic() < deadline, f"stage workers {pids} outlived their driver"
+            time.sleep(0.05)
+        while True:
+            status = json.loads(_pmetal(home, "status", "--json").stdout)
+            stages = [a for a in status["actors"] if a["class_name"] == "PipelineStage"]
+            if stages and all(a["state"] == "dead" for a in stages):
+                break
+            assert time.monotonic() < deadline, stages
+            time.sleep(0.1)
+        print(f"\n[driver killed] stage workers gone and actors dead after "
+              f"{time.monotonic() - killed:.2f} s: {[a['reason'] for a in stages]}")
+        assert len(stages) == 2 and all("owner" in a["reason"] for a in stages), stages
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(WAIT)
+        _pmetal(home, "stop")
