@@ -167,8 +167,16 @@ class Pipeline:
             tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
-        if not 2 <= max_len:
-            raise PMetalValueError(f"max_len {max_len!r} must be >= 2")
+        if type(max_len) is not int or max_len < 2:
+            raise PMetalValueError(f"max_len {max_len!r} must be an int >= 2")
+        for name, value in (("step_timeout", step_timeout),
+                            ("connect_timeout", connect_timeout)):
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise PMetalValueError(f"{name} {value!r} must be a positive number of "
+                                       "seconds")
+        if lanes is not None and (type(lanes) is not int or lanes < 1):
+            raise PMetalValueError(f"lanes {lanes!r} must be an int >= 1 (None: one per "
+                                   "stage)")
         max_len = min(max_len, config.max_position_embeddings)
         return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
                           step_timeout, connect_timeout, lanes, random_model, seed, placement,
@@ -206,10 +214,10 @@ class Pipeline:
                     stage_config, step_timeout))
             # Every stage loads its layers at once.
             infos = _get(client, [h.load.remote() for h in handles],
-                         connect_timeout + _CALL_MARGIN + 600)
+                         connect_timeout + _CALL_MARGIN + 600, placements, "loading")
             log.info("pipeline stages loaded: %s", infos)
             addresses = _get(client, [h.open.remote() for h in handles],
-                             connect_timeout + _CALL_MARGIN)
+                             connect_timeout + _CALL_MARGIN, placements, "opening")
             host = _driver_host(addresses)
             listener = tcplinks.listen(host, 0)
             ring = [(host, listener.getsockname()[1]), *[tuple(a) for a in addresses]]
@@ -222,7 +230,7 @@ class Pipeline:
                     tag=tag, epoch=1, deadline=time.monotonic() + connect_timeout)
             finally:
                 listener.close()
-            _get(client, joined, connect_timeout + _CALL_MARGIN)
+            _get(client, joined, connect_timeout + _CALL_MARGIN, placements, "joining the ring")
         except BaseException:
             _kill(client, handles)
             raise
@@ -311,6 +319,11 @@ class Pipeline:
                 raise PMetalValueError("this pipeline has no tokenizer (random weights): "
                                        "give prompts as lists of token ids")
             return list(self.tokenizer.encode_prompt(prompt, chat=chat))
+        if not (isinstance(prompt, (list, tuple, np.ndarray))
+                and all(isinstance(t, (int, np.integer)) for t in prompt)):
+            # int() would make 1.5 the token 1 and "7" the token 7 without a word.
+            raise PMetalValueError(f"a prompt must be a string or a list of token ids (ints), "
+                                   f"not {prompt!r:.80}")
         tokens = [int(t) for t in prompt]
         bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -379,9 +392,19 @@ def _nodes(client: Any) -> list[dict[str, Any]]:
     return out or [{"NodeID": info["node_id"], "Resources": info["resources"], "Alive": True}]
 
 
-def _get(client: Any, refs: Sequence[Any], timeout: float) -> list[Any]:
+def _get(client: Any, refs: Sequence[Any], timeout: float,
+         placements: Sequence[StagePlacement], doing: str) -> list[Any]:
+    """Every stage's answer; a stage that died meanwhile is named."""
     deadline = time.monotonic() + timeout
-    return [client.get_one(ref, max(0.0, deadline - time.monotonic())) for ref in refs]
+    out = []
+    for ref, p in zip(refs, placements, strict=True):
+        try:
+            out.append(client.get_one(ref, max(0.0, deadline - time.monotonic())))
+        except ActorDiedError as exc:
+            raise PipelineError(f"stage {p.index} (layers {p.start}-{p.end - 1} on node "
+                                f"{p.node_id[:8]}) died while {doing} ({exc}); the other "
+                                "stages are ended: build the pipeline again") from exc
+    return out
 
 
 def _kill(client: Any, handles: Sequence[ActorHandle]) -> None:
