@@ -417,3 +417,25 @@ def test_a_driver_killed_mid_generation_takes_its_stages_with_it(tmp_path: Path)
             driver.kill()
             driver.wait(WAIT)
         _pmetal(home, "stop")
+
+
+def test_close_from_inside_a_callback_fails_that_generate(cluster: Any) -> None:
+    pipe = build()
+    with pytest.raises(PipelineError):
+        pipe.generate(PROMPTS, max_tokens=40, on_token=lambda i, t: pipe.close())
+    with pytest.raises(PipelineError, match="this pipeline is closed"):
+        pipe.generate(PROMPTS)
+    wait_no_stages()
+
+
+def test_more_prompts_than_fit_in_flight_wait_their_turn(cluster: Any) -> None:
+    """70 prompts, more than the 64 sequences a pipeline keeps in flight:
+    the rest wait and each gets its single-process tokens."""
+    prompts = [[(7 * i + j) % TINY.vocab_size for j in range(1 + i % 5)] for i in range(70)]
+    whole = LlamaStage(LlamaWeights.random(TINY, seed=3))
+    want = [r.tokens for r in generate_single_process(whole, prompts,
+                                                      SamplingConfig(max_tokens=4),
+                                                      max_len=MAX_LEN)]
+    with build() as pipe:
+        assert [r.tokens for r in pipe.generate(prompts, max_tokens=4)] == want
+        assert all(s["in_flight"] == 0 for s in pipe.statistics()["stages"])
