@@ -22,6 +22,12 @@ links, so the break reaches the driver in milliseconds), fails every
 sequence in flight and not yet started with
 :class:`~pmetal.errors.PipelineError`; the loop's links are then unusable.
 A sequence that failed at a stage fails alone, the others go on.
+
+One run at a time: runs called from several threads take turns (a ring
+carries one run's hops, numbered in order). A run interrupted by an
+exception from its caller's callback (or Ctrl-C) first collects the hops
+still in flight and has the stages drop its sequences, so the next run
+starts on a clean ring.
 """
 
 from __future__ import annotations

@@ -272,9 +272,11 @@ class Pipeline:
                                 max_tokens=max_tokens, stop_token_ids=stops)
         index: dict[int, int] = {}
         decoders: dict[int, Any] = {}
+        mine: list[int] = []
 
         def started(ids: list[int]) -> None:
-            self._running = list(ids)
+            mine.extend(ids)
+            self._running = mine
             for i, sid in enumerate(ids):
                 index[sid] = i
                 if stream is not None and self.tokenizer is not None:
@@ -293,7 +295,8 @@ class Pipeline:
                                     on_token=token_arrived, want_logits=logits,
                                     started=started)
         finally:
-            self._running = []
+            if self._running is mine:   # another thread's generate may run by now
+                self._running = []
         for sid, decoder in decoders.items():
             rest = decoder.flush()
             if rest:
