@@ -35,6 +35,8 @@ from pmetal.actors.handles import ActorClass, ActorHandle
 from pmetal.collectives import tcplinks
 from pmetal.errors import (
     ActorDiedError,
+    AuthenticationError,
+    CollectiveError,
     PipelineError,
     PlacementError,
     PMetalError,
@@ -228,6 +230,14 @@ class Pipeline:
                 links = tcplinks.connect_mesh(
                     0, ring, listener, key=tcplinks.collective_key(client.namespace.psk),
                     tag=tag, epoch=1, deadline=time.monotonic() + connect_timeout)
+            except (CollectiveError, AuthenticationError) as exc:
+                # The mesh speaks of ranks; the user knows stages.
+                ranks = "; ".join(f"rank {p.index + 1} is stage {p.index} (layers {p.start}-"
+                                  f"{p.end - 1} on node {p.node_id[:8]})" for p in placements)
+                raise PipelineError(
+                    f"the pipeline's ring did not form within {connect_timeout:g} s: {exc} "
+                    f"(rank 0 is this driver; {ranks}); a stage stalled or cannot reach this "
+                    "driver: build the pipeline again, or raise connect_timeout") from exc
             finally:
                 listener.close()
             _get(client, joined, connect_timeout + _CALL_MARGIN, placements, "joining the ring")

@@ -11,6 +11,7 @@ real TCP links on loopback.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -439,3 +440,38 @@ def test_more_prompts_than_fit_in_flight_wait_their_turn(cluster: Any) -> None:
     with build() as pipe:
         assert [r.tokens for r in pipe.generate(prompts, max_tokens=4)] == want
         assert all(s["in_flight"] == 0 for s in pipe.statistics()["stages"])
+
+
+def test_a_stage_stalled_while_the_ring_forms_fails_at_connect_timeout(
+        cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage stopped (SIGSTOP) after it opened its port, before it joins
+    the ring: ``from_pretrained`` fails once ``connect_timeout`` has passed,
+    naming the stage, and the stage actors are ended."""
+    wait_no_stages()
+    real_get = pipeline_module._get
+    stopped: list[int] = []
+
+    def get_then_stop(client: Any, refs: Any, timeout: float, placements: Any,
+                      doing: str) -> list[Any]:
+        out = real_get(client, refs, timeout, placements, doing)
+        if doing == "opening":
+            pids = stage_worker_pids()
+            stopped.append(sorted(pids.values())[0])
+            os.kill(stopped[0], signal.SIGSTOP)
+        return out
+
+    monkeypatch.setattr(pipeline_module, "_get", get_then_stop)
+    started = time.monotonic()
+    try:
+        with pytest.raises(PipelineError, match=r"ring did not form within 2 s: .*rank\(s\) "
+                                                r"\[\d\].*rank 1 is stage 0 \(layers 0-1") as info:
+            build(3, connect_timeout=2.0)
+        took = time.monotonic() - started
+        print(f"\n[stalled at formation] failed after {took:.2f} s: "
+              f"{type(info.value).__name__}: {info.value}")
+        assert took < 15.0
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    wait_no_stages()
