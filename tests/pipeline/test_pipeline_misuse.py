@@ -43,6 +43,8 @@ from pmetal.pipeline.models import ModelFormatError, UnknownModelError
 from pmetal.pipeline.pipeline import Pipeline
 from pmetal.pipeline.sampling import SamplingConfig
 
+from .tinymodel import tiny_config, write_tiny_gguf
+
 TINY = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], [9] * 12]
@@ -143,6 +145,17 @@ def test_a_model_that_is_not_a_llama_model_is_refused_before_any_actor(
     with pytest.raises(ModelFormatError, match="holds a 'gpt2' model; pmetal's decoder "
                                                "computes only Llama-architecture models"):
         Pipeline.from_pretrained(other, stages=2)
+    # A Llama GGUF file cut short (an interrupted download), and cut in its header.
+    whole = tmp_path / "tiny.gguf"
+    write_tiny_gguf(whole, tiny_config(layers=4), seed=7)
+    data = whole.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) * 3 // 4])
+    with pytest.raises(ModelFormatError, match=r"runs past the end of the file \(truncated"):
+        Pipeline.from_pretrained(cut, stages=2)
+    cut.write_bytes(data[:200])
+    with pytest.raises(ModelFormatError, match="GGUF header is truncated or corrupt"):
+        Pipeline.from_pretrained(cut, stages=2)
     assert live_stages() == []
 
 
