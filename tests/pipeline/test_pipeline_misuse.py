@@ -469,7 +469,7 @@ def test_a_stage_stalled_while_the_ring_forms_fails_at_connect_timeout(
         out = real_get(client, refs, timeout, placements, doing)
         if doing == "opening":
             pids = stage_worker_pids()
-            stopped.append(sorted(pids.values())[0])
+            stopped.append(min(pids.values()))
             os.kill(stopped[0], signal.SIGSTOP)
         return out
 
