@@ -193,6 +193,9 @@ class Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
         nodes = _nodes(client)
         if placement is not None:
+            if isinstance(placement, str):      # len() would count its characters
+                raise PlacementError(f"placement is a list of node ids, one per stage, not "
+                                     f"the string {placement!r}")
             known = {n["NodeID"] for n in nodes if n.get("Alive", True)}
             if len(placement) != stages or not set(placement) <= known:
                 raise PlacementError(f"placement must name {stages} live node ids (from "

@@ -118,6 +118,9 @@ def test_a_placement_of_the_wrong_length_is_refused(cluster: Any) -> None:
     node = context.current().status()["node_id"]
     with pytest.raises(PlacementError, match="must name 2 live node ids"):
         build(placement=[node])
+    with pytest.raises(PlacementError, match="a list of node ids, one per stage, not the "
+                                             "string"):
+        build(placement=node[:2])
     assert live_stages() == []
 
 
