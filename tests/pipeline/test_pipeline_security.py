@@ -9,6 +9,9 @@ answered, which makes every answer deterministic). Each attack is a real
 connection from this process over loopback; each is refused (or dropped)
 by the stage's process, and the pipeline still forms and generates the
 single-process tokens. Once formed, no stage listens any more.
+
+A member's hop with settings the driver never sends fails its sequence
+only, not the stage's serving thread.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from pmetal.pipeline.generation import generate_single_process
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
 from pmetal.pipeline.pipeline import Pipeline
 from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.stage import PipelineStageConfig, PipelineStageRuntime
+from pmetal.pipeline.transport import Entry, Hop
 
 TINY = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -135,3 +140,28 @@ def test_strangers_at_a_forming_ring_are_refused_and_it_still_forms(
         assert pipe.generate(PROMPTS[:1], max_tokens=12)[0].tokens == expected[0]
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("setup", [
+    {"max_len": 8, "sampling": {"bogus": 1}},
+    {"max_len": 8, "sampling": {"stop_token_ids": 5}},
+    {"max_len": 8, "sampling": {"seed": "x"}},
+    {"max_len": 8, "stream": "x"},
+    {"max_len": True},
+    {"max_len": 8, "sampling": [1, 2]},
+])
+def test_a_members_bad_setup_fails_its_sequence_not_the_stage(setup: dict[str, Any]) -> None:
+    """A hop's setup comes from the driver, a namespace member; settings the
+    driver itself never sends (an unknown sampling key, a stop list that is
+    not a list) fail that sequence with a reason, and the stage goes on
+    serving the others. (Before: a TypeError escaped the serving thread and
+    ended the stage.)"""
+    runtime = PipelineStageRuntime(PipelineStageConfig(
+        start=0, end=TINY.num_hidden_layers, index=0, num_stages=1,
+        random_model=dict(TINY.__dict__), seed=3))
+    good = Entry(2, 0, tokens=(1, 2, 3, 4), prefill=True, setup={"max_len": 8})
+    out = runtime.step(Hop([Entry(1, 0, tokens=(1, 2), prefill=True, setup=setup), good]))
+    bad, fine = out.entries
+    assert bad.end and bad.error is not None and bad.error.startswith("stage 0 (layers 0-5)")
+    assert fine.error is None and len(fine.tokens) == 1
+    assert runtime.sequences == 1          # the good one's state only
