@@ -274,6 +274,10 @@ class Pipeline:
         All prompts are in flight at once (see the multiplexer)."""
         if self._closed:
             raise PipelineError("this pipeline is closed")
+        if stream is not None and self.tokenizer is None:
+            # Else stream would never be called, without a word.
+            raise PMetalValueError("stream= gets text, and this pipeline has no tokenizer "
+                                   "(random weights): use on_token= for the token ids")
         items = list(prompts) if not isinstance(prompts, str) else [prompts]
         if items and all(isinstance(t, (int, np.integer)) for t in items):
             items = [items]         # one prompt given as its token ids

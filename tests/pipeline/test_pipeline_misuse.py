@@ -188,6 +188,8 @@ def test_bad_generation_settings_fail_before_anything_is_sent(cluster: Any,
             pipe.generate([[1.5, 2]])
         with pytest.raises(PMetalValueError, match=r"a list of token ids \(ints\), not 1.5"):
             pipe.generate([1.5, 2])
+        with pytest.raises(PMetalValueError, match="no tokenizer .* use on_token="):
+            pipe.generate(PROMPTS, stream=lambda i, text: None)
         assert pipe.generate([]) == []
         assert pipe.cancel(3) is False              # nothing is running
         # None of it disturbed the ring.
