@@ -22,6 +22,12 @@ links, so the break reaches the driver in milliseconds), fails every
 sequence in flight and not yet started with
 :class:`~pmetal.errors.PipelineError`; the loop's links are then unusable.
 A sequence that failed at a stage fails alone, the others go on.
+
+One run at a time: runs called from several threads take turns (a ring
+carries one run's hops, numbered in order). A run interrupted by an
+exception from its caller's callback (or Ctrl-C) first collects the hops
+still in flight and has the stages drop its sequences, so the next run
+starts on a clean ring.
 """
 
 from __future__ import annotations
@@ -247,6 +253,11 @@ class PipelineGenerationLoop:
         self._mux: StreamMultiplexer | None = None
         self._ids = 0
         self.hops = 0
+        # One run() at a time: two interleaved would number their hops from
+        # the same counters and read each other's tokens.
+        self._lock = threading.Lock()
+        self._owner: int | None = None      # the thread in run()
+        self._io = False                    # a send or receive is under way
 
     def cancel(self, sequence_id: int) -> bool:
         """Cancel one sequence of the running :meth:`run` (any thread)."""
@@ -260,7 +271,25 @@ class PipelineGenerationLoop:
         """Generate for every prompt (token ids); returns one result per
         prompt, in order. ``on_token(sequence_id, token)`` sees every token
         as it arrives; ``started(ids)`` the sequence ids, before the first
-        hop (for :meth:`cancel`)."""
+        hop (for :meth:`cancel`). Calls from several threads run one after
+        the other; a call from inside a callback of the running one raises
+        :class:`PipelineError`."""
+        if self._owner == threading.get_ident():
+            raise PipelineError("generate() was called from inside a callback of the "
+                                "generate() running in this thread: put every prompt in one "
+                                "call, or call again after it returns")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                return self._run(prompts, sampling, max_len=max_len, on_token=on_token,
+                                 want_logits=want_logits, started=started)
+            finally:
+                self._owner = None
+
+    def _run(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[
+            SamplingConfig], *, max_len: int, on_token: TokenCallback | None,
+             want_logits: bool, started: Callable[[list[int]], None] | None,
+             ) -> list[GenerationResult]:
         if self.broken is not None:
             raise PipelineError(f"this pipeline is broken ({self.broken}); build it again")
         settings = [sampling] * len(prompts) if isinstance(sampling, SamplingConfig) \
@@ -292,6 +321,17 @@ class PipelineGenerationLoop:
 
     def _loop(self, mux: StreamMultiplexer) -> None:
         in_flight: collections.deque[int] = collections.deque()
+        try:
+            self._lanes(mux, in_flight)
+        except BaseException as exc:
+            # The user's callback raised, or Ctrl-C: hops are still going
+            # round the ring, and the next run would take them for its own.
+            # (A broken ring has nothing left to collect.)
+            if self.broken is None:
+                self._abandon(mux, in_flight, exc)
+            raise
+
+    def _lanes(self, mux: StreamMultiplexer, in_flight: collections.deque[int]) -> None:
         idle = list(range(self.lanes))
         while True:
             now = time.perf_counter()
@@ -309,17 +349,49 @@ class PipelineGenerationLoop:
             mux.on_hop(lane, hop, time.perf_counter())
             idle.append(lane)
 
+    def _abandon(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
+                 exc: BaseException) -> None:
+        """After an interrupted run: collect the hops still in flight and have
+        the stages drop every sequence they hold, so the ring is clean for
+        the next run. When that cannot be done (the interruption came in the
+        middle of a send or a receive, or the ring does not answer), the
+        loop is broken and later runs say so."""
+        why = f"generate() was interrupted ({type(exc).__name__}: {exc})"
+        if not self._io and self.broken is None:
+            try:
+                deadline = time.monotonic() + self.step_timeout
+                for _ in in_flight:
+                    self.receiver.recv(deadline, rest=self.step_timeout)
+                ends = [Entry(sid, end=True) for lane in mux.drops for sid in lane]
+                ends += [Entry(seq.id, end=True) for lane in mux.members for seq in lane]
+                if ends:
+                    self.sender.send(Hop(ends))
+                    self.receiver.recv(deadline, rest=self.step_timeout)
+                return
+            except BaseException as again:  # noqa: BLE001 - a second Ctrl-C included
+                why += f" and its steps in flight could not be collected ({again!r})"
+        else:
+            why += " in the middle of a hop"
+        if self.broken is None:
+            self.broken = why
+            self.links.close(timeout=1.0)
+
     def _send(self, hop: Hop, mux: StreamMultiplexer) -> None:
         try:
+            self._io = True
             self.sender.send(hop)
+            self._io = False
             self.hops += 1
         except (PeerError, CollectiveError, OSError) as exc:
             self._break(mux, f"sending to stage 0 failed: {exc}")
 
     def _recv(self, mux: StreamMultiplexer) -> Hop:
         try:
-            return self.receiver.recv(time.monotonic() + self.step_timeout,
-                                      rest=self.step_timeout)
+            self._io = True
+            hop = self.receiver.recv(time.monotonic() + self.step_timeout,
+                                     rest=self.step_timeout)
+            self._io = False
+            return hop
         except TimeoutError as exc:
             self._break(mux, f"no step came back from the last stage within "
                         f"{self.step_timeout:g} s (a stage stalled: {exc})")
@@ -338,7 +410,19 @@ class PipelineGenerationLoop:
     def close(self, timeout: float = 5.0) -> None:
         """Stop the stages: an empty hop goes round the ring (each stage
         passes it on and stops serving); then the links close. A broken
-        ring just closes."""
+        ring just closes. Called while a run is under way (from another
+        thread or a callback), it closes the links: the run fails with
+        :class:`PipelineError`."""
+        if not self._lock.acquire(blocking=False):
+            self.broken = self.broken or "closed while generate() was running"
+            self.links.close(timeout=1.0)
+            return
+        try:
+            self._close(timeout)
+        finally:
+            self._lock.release()
+
+    def _close(self, timeout: float) -> None:
         if self.broken is None:
             try:
                 self.sender.send(Hop([]))

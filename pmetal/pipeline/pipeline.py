@@ -35,6 +35,8 @@ from pmetal.actors.handles import ActorClass, ActorHandle
 from pmetal.collectives import tcplinks
 from pmetal.errors import (
     ActorDiedError,
+    AuthenticationError,
+    CollectiveError,
     PipelineError,
     PlacementError,
     PMetalError,
@@ -181,8 +183,16 @@ class Pipeline:
             tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
-        if not 2 <= max_len:
-            raise PMetalValueError(f"max_len {max_len!r} must be >= 2")
+        if type(max_len) is not int or max_len < 2:
+            raise PMetalValueError(f"max_len {max_len!r} must be an int >= 2")
+        for name, value in (("step_timeout", step_timeout),
+                            ("connect_timeout", connect_timeout)):
+            if not (isinstance(value, (int, float)) and 0 < value < float("inf")):
+                raise PMetalValueError(f"{name} {value!r} must be a positive number of "
+                                       "seconds")
+        if lanes is not None and (type(lanes) is not int or lanes < 1):
+            raise PMetalValueError(f"lanes {lanes!r} must be an int >= 1 (None: one per "
+                                   "stage)")
         max_len = min(max_len, config.max_position_embeddings)
         return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
                           step_timeout, connect_timeout, lanes, random_model, seed, placement,
@@ -197,6 +207,9 @@ class Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
         nodes = _nodes(client)
         if placement is not None:
+            if isinstance(placement, str):      # len() would count its characters
+                raise PlacementError(f"placement is a list of node ids, one per stage, not "
+                                     f"the string {placement!r}")
             known = {n["NodeID"] for n in nodes if n.get("Alive", True)}
             if len(placement) != stages or not set(placement) <= known:
                 raise PlacementError(f"placement must name {stages} live node ids (from "
@@ -221,10 +234,10 @@ class Pipeline:
                     stage_config, step_timeout))
             # Every stage loads its layers at once.
             infos = _get(client, [h.load.remote() for h in handles],
-                         connect_timeout + _CALL_MARGIN + 600)
+                         connect_timeout + _CALL_MARGIN + 600, placements, "loading")
             log.info("pipeline stages loaded: %s", infos)
             addresses = _get(client, [h.open.remote() for h in handles],
-                             connect_timeout + _CALL_MARGIN)
+                             connect_timeout + _CALL_MARGIN, placements, "opening")
             host = _driver_host(addresses)
             listener = tcplinks.listen(host, 0)
             ring = [(host, listener.getsockname()[1]), *[tuple(a) for a in addresses]]
@@ -235,9 +248,17 @@ class Pipeline:
                 links = tcplinks.connect_mesh(
                     0, ring, listener, key=tcplinks.collective_key(client.namespace.psk),
                     tag=tag, epoch=1, deadline=time.monotonic() + connect_timeout)
+            except (CollectiveError, AuthenticationError) as exc:
+                # The mesh speaks of ranks; the user knows stages.
+                ranks = "; ".join(f"rank {p.index + 1} is stage {p.index} (layers {p.start}-"
+                                  f"{p.end - 1} on node {p.node_id[:8]})" for p in placements)
+                raise PipelineError(
+                    f"the pipeline's ring did not form within {connect_timeout:g} s: {exc} "
+                    f"(rank 0 is this driver; {ranks}); a stage stalled or cannot reach this "
+                    "driver: build the pipeline again, or raise connect_timeout") from exc
             finally:
                 listener.close()
-            _get(client, joined, connect_timeout + _CALL_MARGIN)
+            _get(client, joined, connect_timeout + _CALL_MARGIN, placements, "joining the ring")
         except BaseException:
             _kill(client, handles)
             raise
@@ -270,6 +291,10 @@ class Pipeline:
         ``stop_token_ids`` and ``max_tokens``; for benchmarks)."""
         if self._closed:
             raise PipelineError("this pipeline is closed")
+        if stream is not None and self.tokenizer is None:
+            # Else stream would never be called, without a word.
+            raise PMetalValueError("stream= gets text, and this pipeline has no tokenizer "
+                                   "(random weights): use on_token= for the token ids")
         items = list(prompts) if not isinstance(prompts, str) else [prompts]
         if items and all(isinstance(t, (int, np.integer)) for t in items):
             items = [items]         # one prompt given as its token ids
@@ -281,9 +306,11 @@ class Pipeline:
                                 max_tokens=max_tokens, stop_token_ids=stops)
         index: dict[int, int] = {}
         decoders: dict[int, Any] = {}
+        mine: list[int] = []
 
         def started(ids: list[int]) -> None:
-            self._running = list(ids)
+            mine.extend(ids)
+            self._running = mine
             for i, sid in enumerate(ids):
                 index[sid] = i
                 if stream is not None and self.tokenizer is not None:
@@ -302,7 +329,8 @@ class Pipeline:
                                     on_token=token_arrived, want_logits=logits,
                                     started=started)
         finally:
-            self._running = []
+            if self._running is mine:   # another thread's generate may run by now
+                self._running = []
         for sid, decoder in decoders.items():
             rest = decoder.flush()
             if rest:
@@ -328,6 +356,11 @@ class Pipeline:
                 raise PMetalValueError("this pipeline has no tokenizer (random weights): "
                                        "give prompts as lists of token ids")
             return list(self.tokenizer.encode_prompt(prompt, chat=chat))
+        if not (isinstance(prompt, (list, tuple, np.ndarray))
+                and all(isinstance(t, (int, np.integer)) for t in prompt)):
+            # int() would make 1.5 the token 1 and "7" the token 7 without a word.
+            raise PMetalValueError(f"a prompt must be a string or a list of token ids (ints), "
+                                   f"not {prompt!r:.80}")
         tokens = [int(t) for t in prompt]
         bad = [t for t in tokens if not 0 <= t < self.config.vocab_size]
         if bad:
@@ -396,9 +429,19 @@ def _nodes(client: Any) -> list[dict[str, Any]]:
     return out or [{"NodeID": info["node_id"], "Resources": info["resources"], "Alive": True}]
 
 
-def _get(client: Any, refs: Sequence[Any], timeout: float) -> list[Any]:
+def _get(client: Any, refs: Sequence[Any], timeout: float,
+         placements: Sequence[StagePlacement], doing: str) -> list[Any]:
+    """Every stage's answer; a stage that died meanwhile is named."""
     deadline = time.monotonic() + timeout
-    return [client.get_one(ref, max(0.0, deadline - time.monotonic())) for ref in refs]
+    out = []
+    for ref, p in zip(refs, placements, strict=True):
+        try:
+            out.append(client.get_one(ref, max(0.0, deadline - time.monotonic())))
+        except ActorDiedError as exc:
+            raise PipelineError(f"stage {p.index} (layers {p.start}-{p.end - 1} on node "
+                                f"{p.node_id[:8]}) died while {doing} ({exc}); the other "
+                                "stages are ended: build the pipeline again") from exc
+    return out
 
 
 def _kill(client: Any, handles: Sequence[ActorHandle]) -> None:

@@ -256,8 +256,14 @@ class PipelineStageRuntime:
             sampling = setup.get("sampling") or {}
             if not isinstance(sampling, dict):
                 raise PMetalValueError(f"sequence {seq}: sampling settings are not a map")
-            config = SamplingConfig(**{k: tuple(v) if k == "stop_token_ids" else v
-                                       for k, v in sampling.items()})
+            try:
+                config = SamplingConfig(**{k: tuple(v) if k == "stop_token_ids" else v
+                                           for k, v in sampling.items()})
+            except TypeError as exc:
+                # An unknown setting or a stop list that is no list: this
+                # sequence fails, the serving thread must not.
+                raise PMetalValueError(f"sequence {seq}: sampling settings {sampling!r:.120} "
+                                       f"are not SamplingConfig's ({exc})") from exc
             self._samplers[seq] = Sampler(config, stream=int(setup.get("stream", seq)))
             if setup.get("logits"):
                 self._want_logits.add(seq)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from cluster.lab import ROOT, LabCluster
@@ -115,3 +116,66 @@ def test_pipeline_across_lab_hosts(cluster: LabCluster) -> None:
             driver.wait(timeout=10.0)
         log.close()
         print((c.tmp / "pipeline-driver.log").read_text(errors="replace")[-3000:])
+
+
+DEFAULT_MODEL_DRIVER = r"""
+import json, sys
+import pmetal
+from pmetal.config import load_config
+from pmetal.pipeline.generation import generate_single_process
+from pmetal.pipeline.llama import LlamaStage
+from pmetal.pipeline.loader import load_weights
+from pmetal.pipeline.pipeline import Pipeline
+from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.tokenizer import Tokenizer
+
+address, psk, ids, model = (sys.argv[1], bytes.fromhex(sys.argv[2]), sys.argv[3].split(","),
+                            sys.argv[4])
+questions = ["What is the capital of France?", "Name three colours."]
+tok = Tokenizer.from_model(model)
+sampling = SamplingConfig(max_tokens=16, stop_token_ids=tuple(tok.stop_token_ids))
+expected = [r.tokens for r in generate_single_process(
+    LlamaStage(load_weights(model)), [tok.encode_prompt(q) for q in questions], sampling,
+    max_len=256)]
+pmetal.init(address=address, psk=psk, namespace="lab",
+            config=load_config(transport={"request_timeout": 30.0}))
+with Pipeline.from_pretrained(model, stages=2, placement=ids, max_len=256,
+                              threads=1) as pipe:
+    got = pipe.generate(questions, max_tokens=16)
+    stats = pipe.statistics()
+print(json.dumps({"step": "done", "equal": [r.tokens for r in got] == expected,
+                  "got": [r.tokens for r in got], "expected": expected,
+                  "text": [r.text for r in got],
+                  "nodes": [s["node"] for s in stats["stages"]],
+                  "bytes": [s["bytes_out"] for s in stats["stages"]]}), flush=True)
+pmetal.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_default_model_across_lab_hosts(cluster: LabCluster, default_model: Path) -> None:
+    """The default model (SmolLM2-135M-Instruct) as 2 stages, one on each of
+    two namespace hosts (each reads the model file from the shared
+    filesystem), driven from host 1: the single-process greedy tokens of two
+    chat prompts in flight together."""
+    c = cluster
+    ids = [c.nodes[i].node_id for i in (1, 2)]     # host 3's node is dead by now
+    log = (c.tmp / "default-model-driver.log").open("wb")
+    driver = c.lab.run(c.lab.host(1), [sys.executable, "-c", DEFAULT_MODEL_DRIVER,
+                                       c.nodes[1].address, c.psk.hex(), ",".join(ids),
+                                       str(default_model)],
+                       stdout=subprocess.PIPE, stderr=log, env=c._env(1, c.psk), cwd=ROOT)
+    try:
+        done = read_line(driver, 240.0, "done")
+        print(f"\n[lab] default model over hosts 1 and 2: {done['text']}, stage bytes "
+              f"{done['bytes']}", flush=True)
+        assert done["equal"], done
+        assert done["nodes"] == ids and all(b > 0 for b in done["bytes"])
+        assert "Paris" in done["text"][0]
+        assert driver.wait(timeout=30.0) == 0
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait(timeout=10.0)
+        log.close()
+        print((c.tmp / "default-model-driver.log").read_text(errors="replace")[-3000:])
