@@ -19,7 +19,7 @@ from pmetal.bench.pipeline import (
 from pmetal.cli import main
 from pmetal.pipeline.llama import LlamaStage
 
-SINGLE_HEADER = ["BLAS threads", "prefill (ms)", "first token (ms)",
+SINGLE_HEADER = ["threads", "prefill (ms)", "first token (ms)",
                  "decode tok/s, 1 sequence", "aggregate tok/s, 4 batched"]
 
 

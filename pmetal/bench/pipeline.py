@@ -4,7 +4,9 @@ the same model file.
 
 Tables:
 
-(a) **single process**, per numpy BLAS thread count (1 and 2 by default):
+(a) **single process**, per compute thread count (1 and 2 by default;
+    :func:`pmetal.pipeline.threads.set_compute_threads`: numpy's BLAS
+    threads and the decoder's own workers):
     prefill time of the prompt (one forward of all its tokens), time to
     first token (prefill plus the LM head and the greedy choice), decode
     tokens/s of one sequence (greedy, one token per step), and aggregate
@@ -68,7 +70,7 @@ TARGET_PIPELINE_MANY = 1.5      # x the single-process 1-sequence rate: 2 stages
 
 @dataclass(frozen=True)
 class SingleRow:
-    """One BLAS thread count of the single-process decoder; times in
+    """One compute thread count of the single-process decoder; times in
     seconds, medians."""
     threads: int
     prefill: float
@@ -152,7 +154,7 @@ class Options:
     decode_tokens: int = 32             # timed decode steps per sequence
     repeats: int = 3
     batch: int = 4
-    threads: tuple[int, ...] = (1, 2)   # numpy BLAS threads for table (a)
+    threads: tuple[int, ...] = (1, 2)   # compute threads for table (a)
     anchor_threads: tuple[int, ...] = (1, 2)
     anchors: bool = True
     markdown: bool = False
@@ -179,14 +181,14 @@ def _median(values: Sequence[float]) -> float:
 def measure_single_process(stage: LlamaStage, prompts: Sequence[Sequence[int]], *,
                            decode_tokens: int, repeats: int, batch: int,
                            threads: int) -> SingleRow:
-    """Table (a)'s row for one BLAS thread count (set here, for this process)."""
+    """Table (a)'s row for one compute thread count (set here, for this process)."""
     import numpy as np
 
     from pmetal.pipeline.threads import set_compute_threads
     set_compute_threads(threads)
     longest = max(len(p) for p in prompts) + decode_tokens + 2
     prefills, firsts, singles, batched = [], [], [], []
-    # one untimed pass first: page in the weights, warm the BLAS threads
+    # one untimed pass first: page in the weights, start the worker threads
     warm = stage.new_cache(longest)
     stage.logits(stage.forward(stage.embed(prompts[0]), warm))
     for _ in range(repeats):
@@ -340,19 +342,20 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
     singles = []
     try:
         for threads in options.threads:
-            print(f"pmetal bench pipeline: single process, {threads} BLAS thread(s) ...",
+            print(f"pmetal bench pipeline: single process, {threads} compute thread(s) ...",
                   file=sys.stderr, flush=True)
             singles.append(measure_single_process(
                 stage, prompts, decode_tokens=options.decode_tokens, repeats=options.repeats,
                 batch=options.batch, threads=threads))
     finally:
+        stage.close()
         if before is not None:
             set_compute_threads(before)
     md = options.markdown
     heading = (lambda t: f"\n### {t}\n") if md else (lambda t: f"\n# {t}")
     p(heading(f"(a) single process, numpy: medians of {options.repeats} repetitions x "
               f"{len(prompts)} prompts, {options.decode_tokens} decode steps")
-      + "\n" + _grid(["BLAS threads", "prefill (ms)", "first token (ms)",
+      + "\n" + _grid(["threads", "prefill (ms)", "first token (ms)",
                       "decode tok/s, 1 sequence", f"aggregate tok/s, {options.batch} batched"],
                      [[str(r.threads), f"{r.prefill * 1e3:.1f}", f"{r.first_token * 1e3:.1f}",
                        f"{r.decode_tps:.1f}", f"{r.batch_tps:.1f}"] for r in singles], md))

@@ -58,10 +58,12 @@ class Options:
     command: str = "pmetal bench allreduce"
 
 
-def run(options: Options, out: TextIO = sys.stdout) -> list[WorldResult]:
-    """Measure and print; returns every world's result."""
+def run(options: Options, out: TextIO | None = None) -> list[WorldResult]:
+    """Measure and print (on ``out``, default: standard output at the time
+    of the call, not of the import); returns every world's result."""
     gloo = options.anchors and importlib.util.find_spec("torch") is not None
-    p = lambda *a: print(*a, file=out, flush=True)
+    stream = sys.stdout if out is None else out
+    p = lambda *a: print(*a, file=stream, flush=True)
     specs = {(world, same): BenchSpec(  # every spec checked before anything runs
         world=world, sizes=options.sizes, strategies=options.strategies,
         iters=options.iters, warmup=options.warmup, same_machine=same,

@@ -71,7 +71,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
         "pipeline", help="Llama decoding speed: prefill, first token, tokens/s alone and "
                          "batched, against llama.cpp",
         description="Greedy decoding with pmetal's float32 numpy Llama decoder in one "
-                    "process (BLAS threads 1 and 2), against llama.cpp on the same GGUF "
+                    "process (compute threads 1 and 2), against llama.cpp on the same GGUF "
                     "file when llama-cpp-python is installed; then the model as a "
                     "pipeline of --stages stage actors on this machine (1 sequence, "
                     "several, and the lossy activation codecs against none).")
@@ -88,7 +88,7 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
     pipeline.add_argument("--prompts", type=int, default=4, metavar="P",
                           help="how many of the built-in chat prompts (default 4)")
     pipeline.add_argument("--threads", default="1,2", metavar="N,M",
-                          help="numpy BLAS thread counts to measure (default 1,2)")
+                          help="compute thread counts to measure (default 1,2)")
     pipeline.add_argument("--anchors", choices=("auto", "off"), default="auto",
                           help="also run llama.cpp when llama-cpp-python is installed "
                                "(default auto)")

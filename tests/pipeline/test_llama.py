@@ -227,11 +227,12 @@ def test_a_decode_row_is_bitwise_independent_of_its_batch(weights: LlamaWeights)
         tokens = [int(x[0].argmax()) for x in logits]
 
 
-def test_one_or_two_blas_threads_give_the_same_bits() -> None:
-    """A pipeline's stage processes run numpy's BLAS on one thread each
-    while a single process uses two: a decode step must not see the
-    difference. The SmolLM2 widths, so that OpenBLAS does split the GEMVs
-    between its threads (it keeps small ones on one)."""
+def test_at_the_default_widths_neither_batch_nor_threads_change_the_bits() -> None:
+    """The SmolLM2 widths (hidden 576, intermediate 1536), where OpenBLAS's
+    kernel choice depends on a GEMM's size: a sequence's decode step gives
+    the same bits alone, in chunks of a batch of 6 (4 + 2) or 5 (4 + 1),
+    and on 1 or 2 compute threads (a pipeline's stage processes run one
+    each while a single process uses two)."""
     from pmetal.pipeline.threads import compute_threads, set_compute_threads
     before = compute_threads()
     if before is None:
@@ -239,17 +240,25 @@ def test_one_or_two_blas_threads_give_the_same_bits() -> None:
     config = LlamaConfig(**{**SMOLLM2_135M.__dict__, "vocab_size": 4096,
                             "num_hidden_layers": 2, "head_dim": 0})
     stage = LlamaStage(LlamaWeights.random(config, seed=2))
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(4096, size=n)] for n in (5, 9, 2, 7, 3, 6)]
+    tokens = [11, 12, 13, 14, 15, 16]
     results = []
     try:
         for threads in (1, 2):
             assert set_compute_threads(threads) == threads
-            caches = _prefilled(stage, [PROMPT, PROMPT[:3]])
-            results.append([stage.logits(stage.forward_batch(stage.embed([5, 6]), caches)),
-                            stage.logits(stage.forward(stage.embed([7]), caches[0]))])
+            alone = [stage.logits(stage.forward(stage.embed([t]), c))
+                     for t, c in zip(tokens, _prefilled(stage, prompts))]
+            six = stage.logits(stage.forward_batch(stage.embed(tokens), _prefilled(stage, prompts)))
+            five = stage.logits(stage.forward_batch(stage.embed(tokens[1:]),
+                                                    _prefilled(stage, prompts[1:])))
+            np.testing.assert_array_equal(six, np.concatenate(alone))
+            np.testing.assert_array_equal(five, six[1:])
+            results.append(six)
     finally:
         set_compute_threads(before)
-    for a, b in zip(*results):
-        np.testing.assert_array_equal(a, b)
+        stage.close()
+    np.testing.assert_array_equal(results[0], results[1])
 
 
 def test_thirty_layers_split_twelve_and_eighteen_equal_one_stage_bitwise() -> None:
