@@ -5,8 +5,10 @@ Every mistake a user can make with :class:`Pipeline` raises a specific
 actor is created where the mistake is visible that early; a stage killed
 while the pipeline is being built fails ``from_pretrained`` within a
 bounded time and takes the other stages with it; two pipelines in one
-driver keep their rings apart. Real stage actors on an embedded node,
-real TCP links on loopback.
+driver keep their rings apart; a callback that raises, two threads on one
+pipeline and close() during a generate leave no corrupted ring; a driver
+killed mid-generation takes its stages with it. Real stage actors on an
+embedded node (or a ``pmetal start`` node), real TCP links on loopback.
 """
 
 from __future__ import annotations

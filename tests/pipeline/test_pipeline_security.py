@@ -106,6 +106,9 @@ def test_strangers_at_a_forming_ring_are_refused_and_it_still_forms(
         assert rank == 0               # the driver's own formation
         ring.extend(tuple(a) for a in addresses)
         seen.update(attack(ring[1], tag, key))
+        # Garbage at the driver's own port too, queued with the stages' dials.
+        seen["driver garbage"] = socket.create_connection(ring[0], timeout=WAIT)
+        seen["driver garbage"].sendall(os.urandom(64))
         return real_connect_mesh(rank, addresses, listener, key=key, tag=tag, **options)
 
     monkeypatch.setattr(tcplinks, "connect_mesh", attacked_connect_mesh)
@@ -132,6 +135,14 @@ def test_strangers_at_a_forming_ring_are_refused_and_it_still_forms(
         # The silent connection was dropped by the stage, not held.
         assert read_until_closed(seen["silent"], WAIT) == b""
         seen["silent"].close()
+        # Refused, or (the ring formed first) dropped unanswered or reset
+        # with its unread bytes.
+        try:
+            answer = read_until_closed(seen["driver garbage"], WAIT)
+        except ConnectionResetError:
+            answer = b""
+        assert answer == b"" or answer.startswith(REFUSED), answer
+        seen["driver garbage"].close()
         assert formed < 15.0
         # Formed: no stage (nor the driver) listens any more.
         for host, port in ring:
