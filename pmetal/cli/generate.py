@@ -59,6 +59,11 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--stages {args.stages}: must be at least 1")
     if args.max_tokens < 1:
         raise ConfigError(f"--max-tokens {args.max_tokens}: must be at least 1")
+    from pmetal.pipeline.sampling import SamplingConfig
+
+    # Sampling settings are checked before a node or a stage starts.
+    SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                   seed=args.seed, max_tokens=args.max_tokens)
     err = sys.stderr
     started = time.perf_counter()
     if args.address:

@@ -61,5 +61,8 @@ def test_generate_says_what_is_wrong(tmp_path: Path) -> None:
     assert "missing.gguf" in done.stderr and "Traceback" not in done.stderr
     done = run("--stages", "0", home=tmp_path / "home")
     assert done.returncode == 2 and "--stages 0" in done.stderr
+    done = run("--temperature", "-1", home=tmp_path / "home")
+    assert done.returncode == 2 and "temperature" in done.stderr \
+        and "Traceback" not in done.stderr
     done = run("--codec", "zip", home=tmp_path / "home")
     assert done.returncode == 2 and "invalid choice" in done.stderr
