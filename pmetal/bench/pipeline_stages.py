@@ -7,9 +7,10 @@ stage actors on this machine, over 127.0.0.1.
 - **N sequences**: ``batch`` prompts in flight at once (the multiplexer's
   lanes keep both stages busy); aggregate tokens/s = every token generated
   / the call's whole time, prefill included (conservative).
-- **per-hop overhead**: the time per token the stages did not spend
-  computing (their own clocks), over the ring's hops per token (stages +
-  1): sockets, encoding, the driver's bookkeeping.
+- **per-hop overhead**: the time per decode token the stages did not
+  spend computing a decode step (their own clocks, prompts left out), over
+  the ring's hops per token (stages + 1): sockets, encoding and decoding
+  hops, the driver's bookkeeping.
 - **bytes/token**: what stage 0 sent per token (header and activation).
 - **codecs**: the same prompts with fp16, bf16 and int8 activations
   against codec none: the fraction of greedy tokens equal position by
@@ -69,9 +70,9 @@ def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[Pipelin
                 rates.append(steps / (r.seconds - (r.time_to_first_token or 0.0)))
         after = _stage_totals(pipe)
         single = statistics.median(rates)
-        compute = sum((a["compute_seconds"] - b["compute_seconds"])
-                      / max(a["steps"] - b["steps"], 1) for a, b in zip(after, before,
-                                                                         strict=True))
+        compute = sum((a["decode_seconds"] - b["decode_seconds"])
+                      / max(a["decode_steps"] - b["decode_steps"], 1)
+                      for a, b in zip(after, before, strict=True))
         overhead = max(1.0 / single - compute, 0.0) / (stages + 1)
         rows_out = after[0]["bytes_out"] - before[0]["bytes_out"]
         tokens_in = sum(len(p) + steps for p in prompts) * options.repeats

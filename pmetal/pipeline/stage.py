@@ -148,6 +148,8 @@ class StageStatistics:
     steps: int = 0
     rows: int = 0
     compute_seconds: float = 0.0
+    decode_steps: int = 0           # steps that held decode entries only (no prompt)
+    decode_seconds: float = 0.0     # their compute time
     wait_seconds: float = 0.0
     bytes_in: int = 0
     bytes_out: int = 0
@@ -157,7 +159,8 @@ class StageStatistics:
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "rows": self.rows,
-                "compute_seconds": self.compute_seconds, "wait_seconds": self.wait_seconds,
+                "compute_seconds": self.compute_seconds, "decode_steps": self.decode_steps,
+                "decode_seconds": self.decode_seconds, "wait_seconds": self.wait_seconds,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "load_seconds": self.load_seconds, "sequences": self.sequences, **self.extra}
 
@@ -222,7 +225,11 @@ class PipelineStageRuntime:
         self.stats.steps += 1
         self.stats.rows += sum(e.activation.shape[0] if e.activation is not None else 0
                                for e in out.values())
-        self.stats.compute_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.stats.compute_seconds += took
+        if decode and not any(e.prefill for e in hop.entries):
+            self.stats.decode_steps += 1
+            self.stats.decode_seconds += took
         return Hop([out[seq] for seq in order])
 
     def _admit(self, entry: Entry) -> np.ndarray:
