@@ -40,6 +40,7 @@ from pmetal.errors import (
     PipelineError,
     PlacementError,
     PMetalError,
+    PMetalTypeError,
     PMetalValueError,
 )
 from pmetal.pipeline.activations import ActivationCodec
@@ -152,7 +153,7 @@ class Pipeline:
                         lanes: int | None = None, random_model: LlamaConfig | None = None,
                         seed: int = 0, progress: Any = None,
                         placement: Sequence[str] | None = None,
-                        backend: str = "numpy") -> Pipeline:
+                        backend: str = "numpy", stage_class: Any = None) -> Pipeline:
         """Build a pipeline of ``stages`` stages for ``model`` (a GGUF file, a
         Hugging Face folder, or a known model's name; None: the default
         model, fetched on first use with a progress line on ``progress``).
@@ -169,7 +170,11 @@ class Pipeline:
         config instead of a model file (tests and benchmarks; no tokenizer).
         ``backend``: ``numpy`` (default; bit-identical to the single-process
         reference), ``mlx`` or ``auto`` (MLX on Apple silicon when installed).
+        ``stage_class``: your own stage actor, a subclass of
+        :class:`~pmetal.pipeline.stage.PipelineStage` (plain or decorated with
+        ``@pmetal.remote``, whose options it keeps; ``node`` is set per stage).
         """
+        stage_actor = _stage_actor(stage_class)
         codec_ = ActivationCodec.parse(codec)
         if type(stages) is not int or stages < 1:
             raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
@@ -196,14 +201,15 @@ class Pipeline:
         max_len = min(max_len, config.max_position_embeddings)
         return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
                           step_timeout, connect_timeout, lanes, random_model, seed, placement,
-                          backend)
+                          backend, stage_actor)
 
     @classmethod
     def _build(cls, config: LlamaConfig, path: str, tokenizer: Any, stages: int,
                codec: ActivationCodec, max_len: int, threads: int | None,
                step_timeout: float, connect_timeout: float, lanes: int | None,
                random_model: LlamaConfig | None, seed: int,
-               placement: Sequence[str] | None, backend: str) -> Pipeline:
+               placement: Sequence[str] | None, backend: str,
+               stage_actor: ActorClass) -> Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
         nodes = _nodes(client)
         if placement is not None:
@@ -230,7 +236,7 @@ class Pipeline:
                     seed=seed, codec=codec.value, backend=backend,
                     threads=threads if threads is not None else max(1, cores // sharing),
                     threads_alone=threads or 0)
-                handles.append(ActorClass(PipelineStage, {"node": p.node_id}).remote(
+                handles.append(stage_actor.options(node=p.node_id).remote(
                     stage_config, step_timeout))
             # Every stage loads its layers at once.
             infos = _get(client, [h.load.remote() for h in handles],
@@ -417,6 +423,22 @@ class Pipeline:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _stage_actor(stage_class: Any) -> ActorClass:
+    """The actor class of the stages: PipelineStage, or the user's subclass."""
+    if stage_class is None:
+        return ActorClass(PipelineStage, {})
+    if isinstance(stage_class, ActorClass):
+        cls, options = stage_class._cls, dict(stage_class._options)
+    else:
+        cls, options = stage_class, {}
+    if not (isinstance(cls, type) and issubclass(cls, PipelineStage)):
+        raise PMetalTypeError(
+            f"stage_class must be a subclass of pmetal.pipeline.PipelineStage (plain or "
+            f"under @pmetal.remote), not {cls!r}: the driver calls its load, open, "
+            "connect, statistics and close")
+    return ActorClass(cls, options)
 
 
 def _nodes(client: Any) -> list[dict[str, Any]]:

@@ -12,7 +12,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pmetal.errors import ConfigError, PipelineError, PlacementError, PMetalValueError
+import pmetal
+from pmetal.errors import (
+    ConfigError,
+    PipelineError,
+    PlacementError,
+    PMetalTypeError,
+    PMetalValueError,
+)
 from pmetal.pipeline.generation import (
     FINISH_CANCELLED,
     FINISH_LENGTH,
@@ -22,6 +29,7 @@ from pmetal.pipeline.generation import (
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
 from pmetal.pipeline.pipeline import Pipeline, place_stages
 from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.stage import PipelineStage
 
 TINY = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -223,3 +231,24 @@ def test_mlx_stages_run_the_same_model(cluster: Any, reference: LlamaStage) -> N
         np.testing.assert_allclose(r.logits[0], e.logits[0], atol=1e-3)
     with pytest.raises(ConfigError, match="backend 'gpu'"):
         build(2, backend="gpu")
+
+
+class CountingStage(PipelineStage):
+    """A user's own stage class: the pipeline's stage, plus a method."""
+
+    def hops(self) -> int:
+        assert self.runtime is not None
+        return self.runtime.stats.steps
+
+
+def test_a_users_own_stage_class(cluster: Any, reference: LlamaStage) -> None:
+    expected = generate_single_process(reference, PROMPTS[:2], SamplingConfig(max_tokens=8),
+                                       max_len=MAX_LEN)
+    for stage_class in (CountingStage, pmetal.remote(max_concurrency=2)(CountingStage)):
+        with build(2, stage_class=stage_class) as pipe:
+            got = pipe.generate(PROMPTS[:2], max_tokens=8)
+            hops = pmetal.get([h.hops.remote() for h in pipe.handles], timeout=10.0)
+        assert [r.tokens for r in got] == [r.tokens for r in expected]
+        assert all(n >= 8 for n in hops)
+    with pytest.raises(PMetalTypeError, match="subclass of pmetal.pipeline.PipelineStage"):
+        build(2, stage_class=LlamaStage)
