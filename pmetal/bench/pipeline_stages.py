@@ -48,10 +48,6 @@ def _build(options: Options, stages: int, codec: str, max_len: int) -> Any:
                                     max_len=max_len)
 
 
-def _stage_totals(pipe: Any) -> list[dict[str, Any]]:
-    return pipe.statistics()["stages"]
-
-
 def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[PipelineRow]:
     """Table (c)'s rows (see the module docstring)."""
     stages = int(options.extra.get("stages", 2))
@@ -62,13 +58,13 @@ def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[Pipelin
     say(f"{stages} stages, codec none")
     with _build(options, stages, "none", max_len) as pipe:
         pipe.generate([prompts[0]], max_tokens=4, ignore_eos=True)       # warm: page in
-        before = _stage_totals(pipe)
+        before = pipe.statistics()["stages"]
         rates = []
         for _ in range(options.repeats):
             for prompt in prompts:
                 r = pipe.generate([prompt], max_tokens=steps + 1, ignore_eos=True)[0]
                 rates.append(steps / (r.seconds - (r.time_to_first_token or 0.0)))
-        after = _stage_totals(pipe)
+        after = pipe.statistics()["stages"]
         single = statistics.median(rates)
         compute = sum((a["decode_seconds"] - b["decode_seconds"])
                       / max(a["decode_steps"] - b["decode_steps"], 1)
@@ -95,7 +91,7 @@ def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[Pipelin
             began = time.perf_counter()
             got = pipe.generate(prompts, max_tokens=steps, ignore_eos=True, logits=True)
             elapsed = time.perf_counter() - began
-            stats = _stage_totals(pipe)
+            stats = pipe.statistics()["stages"]
         equal, total, worst = _agreement(reference, got)
         rows.append(PipelineRow(
             f"{stages} stages, codec {codec}, {len(prompts)} sequences (logits returned)",

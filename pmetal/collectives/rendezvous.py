@@ -589,7 +589,7 @@ def join_group(name: str) -> ActorGroup:
 
 def _connect(client: Any, formation: Formation, rank: int,
              rendezvous: ActorHandle) -> ActorGroup:
-    host = _host(client)
+    host = tcplinks.reachable_host(client)
     listener = tcplinks.listen(host, 0)
     try:
         address = (host, listener.getsockname()[1])
@@ -612,15 +612,6 @@ def _connect(client: Any, formation: Formation, rank: int,
     log.info("joined collective group %r as rank %d of %d (epoch %d)", formation.name, rank,
              formation.size, formation.epoch)
     return ActorGroup(formation, rank, links, rendezvous)
-
-
-def _host(client: Any) -> str:
-    """The address this worker's peers reach it on: its own listener's."""
-    for address in (client.self_address, client.node_address):
-        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-        if host and host not in ("*", "0.0.0.0", "::"):
-            return host
-    return "127.0.0.1"
 
 
 def _death_watch(client: Any, nodes: Sequence[str]) -> Callable[[int], bool] | None:

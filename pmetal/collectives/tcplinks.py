@@ -54,6 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,8 @@ from pmetal.errors import (
     ProtocolError,
 )
 
-__all__ = ["DTYPE_CODES", "TcpLinks", "connect_mesh", "group_tag", "listen"]
+__all__ = ["DTYPE_CODES", "TcpLinks", "connect_mesh", "group_tag", "listen",
+           "reachable_host"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +102,17 @@ def collective_key(psk: bytes) -> bytes:
     separate key, so the handshake's MACs reveal nothing about the PSK's
     other uses)."""
     return hashlib.blake2b(b"collective-mesh-1", key=psk[:64], digest_size=32).digest()
+
+
+def reachable_host(client: Any) -> str:
+    """The address a process's peers reach it on: the host of its own
+    listener, else of its node's (a pmetal client's ``self_address`` and
+    ``node_address``); loopback when both are wildcards."""
+    for address in (client.self_address, client.node_address):
+        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        if host and host not in ("*", "0.0.0.0", "::"):
+            return host
+    return "127.0.0.1"
 
 
 def listen(host: str, port: int = 0) -> socket.socket:

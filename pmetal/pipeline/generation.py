@@ -33,6 +33,7 @@ starts on a clean ring.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -177,7 +178,7 @@ class StreamMultiplexer:
             seq = self.waiting.popleft()
             seq.lane, seq.started = lane, now
             members.append(seq)
-            setup = {"max_len": seq.max_len, "sampling": _sampling_dict(seq.sampling),
+            setup = {"max_len": seq.max_len, "sampling": dataclasses.asdict(seq.sampling),
                      "stream": seq.id, "logits": seq.want_logits}
             last = seq.sampling.max_tokens == 1 or len(seq.prompt) + 1 >= seq.max_len
             entries.append(Entry(seq.id, 0, tokens=tuple(seq.prompt), prefill=True,
@@ -249,7 +250,7 @@ class PipelineGenerationLoop:
         self.sender = HopSender(links, 1)
         self.receiver = HopReceiver(links, stages)
         self.broken: str | None = None
-        self._describe = describe_failure or (lambda why: why)
+        self.describe_failure = describe_failure or (lambda why: why)
         self._mux: StreamMultiplexer | None = None
         self._ids = 0
         self.hops = 0
@@ -400,7 +401,7 @@ class PipelineGenerationLoop:
         raise AssertionError("unreachable")
 
     def _break(self, mux: StreamMultiplexer, why: str) -> None:
-        why = self._describe(why)
+        why = self.describe_failure(why)
         self.broken = why
         mux.fail_all(why, time.perf_counter())
         self.links.close(timeout=1.0)   # the stages see it and stop serving
@@ -436,11 +437,6 @@ class PipelineGenerationLoop:
         return {"hops": self.hops, "bytes_sent": self.sender.bytes,
                 "bytes_received": self.receiver.bytes}
 
-
-def _sampling_dict(config: SamplingConfig) -> dict[str, Any]:
-    return {"temperature": config.temperature, "top_k": config.top_k, "top_p": config.top_p,
-            "seed": config.seed, "max_tokens": config.max_tokens,
-            "stop_token_ids": list(config.stop_token_ids)}
 
 
 def generate_single_process(stage: Any, prompts: Sequence[Sequence[int]],

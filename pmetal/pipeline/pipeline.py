@@ -244,7 +244,7 @@ class Pipeline:
             log.info("pipeline stages loaded: %s", infos)
             addresses = _get(client, [h.open.remote() for h in handles],
                              connect_timeout + _CALL_MARGIN, placements, "opening")
-            host = _driver_host(addresses)
+            host = _driver_host(client, addresses)
             listener = tcplinks.listen(host, 0)
             ring = [(host, listener.getsockname()[1]), *[tuple(a) for a in addresses]]
             tag = tcplinks.group_tag(f"pipeline/{secrets.token_hex(8)}", 0, 1)
@@ -268,14 +268,12 @@ class Pipeline:
         except BaseException:
             _kill(client, handles)
             raise
-        pipe_ref: list[Pipeline] = []
-        loop = PipelineGenerationLoop(
-            links, stages, lanes=lanes, step_timeout=step_timeout,
-            describe_failure=lambda why: pipe_ref[0]._describe(why) if pipe_ref else why)
+        loop = PipelineGenerationLoop(links, stages, lanes=lanes, step_timeout=step_timeout)
         pipe = cls(config=config, handles=handles, placements=placements, loop=loop,
                    tokenizer=tokenizer, codec=codec, max_len=max_len,
                    model=path or "random")
-        pipe_ref.append(pipe)
+        # A broken ring's error names the dead stage: the pipeline asks them.
+        loop.describe_failure = pipe._describe
         return pipe
 
     # ------------------------------------------------------------ generating
@@ -472,17 +470,13 @@ def _kill(client: Any, handles: Sequence[ActorHandle]) -> None:
             client.kill(handle._actor_id, True, handle._node_id)
 
 
-def _driver_host(addresses: Sequence[Any]) -> str:
-    """The host the stages reach this driver on: its client's own address
-    host, or loopback when every stage is on loopback."""
-    client = context.current()
-    for address in (client.self_address, client.node_address):
-        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-        if host and host not in ("*", "0.0.0.0", "::"):
-            return host
-    hosts = {a[0] for a in addresses}
-    if all(h.startswith("127.") for h in hosts):
-        return "127.0.0.1"
-    raise PipelineError(f"cannot tell which address the stages ({sorted(hosts)}) reach this "
-                        "driver on: pass address= of a node on this machine")
-
+def _driver_host(client: Any, addresses: Sequence[Any]) -> str:
+    """The host the stages reach this driver on; refused when that is
+    loopback but some stage is not (it could not dial back)."""
+    host = tcplinks.reachable_host(client)
+    remote = sorted({a[0] for a in addresses if not a[0].startswith("127.")})
+    if host.startswith("127.") and remote:
+        raise PipelineError(
+            f"this driver listens on {host}, which stages on {remote} cannot reach: "
+            "connect with pmetal.init(address=...) to a node whose address they can reach")
+    return host

@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -155,14 +155,13 @@ class StageStatistics:
     bytes_out: int = 0
     load_seconds: float = 0.0
     sequences: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {"steps": self.steps, "rows": self.rows,
                 "compute_seconds": self.compute_seconds, "decode_steps": self.decode_steps,
                 "decode_seconds": self.decode_seconds, "wait_seconds": self.wait_seconds,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "load_seconds": self.load_seconds, "sequences": self.sequences, **self.extra}
+                "load_seconds": self.load_seconds, "sequences": self.sequences}
 
 
 class PipelineStageRuntime:
@@ -363,12 +362,6 @@ class PipelineStageRuntime:
             self.stats.bytes_out = sender.bytes
 
 
-def set_threads(threads: int) -> None:
-    """Cap this process's BLAS threads (0: leave them as they are)."""
-    if threads > 0:
-        set_compute_threads(threads)
-
-
 class PipelineStage:
     """The stage actor. Created by :class:`~pmetal.pipeline.pipeline.Pipeline`
     through ``pmetal.remote``; its methods are called by the driver."""
@@ -387,7 +380,8 @@ class PipelineStage:
         """Load this stage's layers (apart from the constructor, so that the
         driver has every stage load at once); where and what it is."""
         if self.runtime is None:
-            set_threads(self.config.threads)
+            if self.config.threads:
+                set_compute_threads(self.config.threads)
             self.runtime = PipelineStageRuntime(self.config)
         c = self.config
         return {"index": c.index, "start": c.start, "end": c.end, "pid": os.getpid(),
@@ -395,7 +389,7 @@ class PipelineStage:
 
     def open(self) -> tuple[str, int]:
         """Listen for the ring on this worker's host; the address."""
-        host = _worker_host()
+        host = tcplinks.reachable_host(context.current())
         self._listener = tcplinks.listen(host, 0)
         return host, self._listener.getsockname()[1]
 
@@ -446,12 +440,3 @@ class PipelineStage:
         if self._thread is not None:
             self._thread.join(timeout=_IDLE_SLICE * 3)
         return True
-
-
-def _worker_host() -> str:
-    client = context.current()
-    for address in (client.self_address, client.node_address):
-        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
-        if host and host not in ("*", "0.0.0.0", "::"):
-            return host
-    return "127.0.0.1"
