@@ -15,15 +15,17 @@ lab's bridge.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,3 +236,60 @@ class LabCluster:
                     except subprocess.TimeoutExpired:
                         proc.kill()
                         proc.wait(timeout=5)
+
+    @contextlib.contextmanager
+    def driver(self, index: int, script: str, args: Sequence[str], name: str, *,
+               stdin: bool = False) -> Iterator[subprocess.Popen[bytes]]:
+        """``python -c script args...`` on host ``index`` as a client of its
+        node (the lab's PSK and namespace in its environment), stdout piped
+        for :func:`read_line`, stderr to ``tmp/<name>.log``; killed if still
+        running at the end, and the log's tail printed."""
+        path = self.tmp / f"{name}.log"
+        with path.open("wb") as log:
+            proc = self.lab.run(self.lab.host(index), [sys.executable, "-c", script, *args],
+                                stdin=subprocess.PIPE if stdin else None,
+                                stdout=subprocess.PIPE, stderr=log,
+                                env=self._env(index, self.psk), cwd=ROOT)
+            try:
+                yield proc
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10.0)
+        print(path.read_text(errors="replace")[-3000:])
+
+
+@contextlib.contextmanager
+def formed_cluster(hosts: list[int], tmp: Path) -> Iterator[LabCluster]:
+    """A lab of ``hosts`` with a node on each (static peers, no mDNS), once
+    every node agrees on the membership."""
+    with NetLab(len(hosts)) as lab:
+        c = LabCluster(lab, tmp, discovery=False)
+        try:
+            c.start_many(hosts)
+            c.wait(lambda: c.agreed(hosts, members=hosts), 30.0,
+                   f"{len(hosts)} members agreed")
+            yield c
+        finally:
+            c.close()
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:
+    """The next JSON line a driver prints, which must be step ``what``;
+    fails after ``timeout`` seconds or when the driver exits first."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    data = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ)
+        while not data.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(left):
+                raise AssertionError(f"the driver printed no {what} line within {timeout} s")
+            chunk = os.read(proc.stdout.fileno(), 1)   # one byte: leave the next line
+            if not chunk:
+                raise AssertionError(f"the driver exited with {proc.poll()} before {what}")
+            data += chunk
+    line = json.loads(data)
+    assert line.get("step") == what, line
+    return line

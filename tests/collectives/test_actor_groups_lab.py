@@ -13,19 +13,13 @@ prints a JSON line per step, the test answers on its stdin. It needs root
 
 from __future__ import annotations
 
-import json
-import os
-import selectors
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
-from cluster.lab import ROOT, LabCluster
-from netlab import NetLab, lab_available
+from cluster.lab import LabCluster, formed_cluster, read_line
+from netlab import lab_available
 
 pytestmark = pytest.mark.skipif(lab_available() is not None,
                                 reason=lab_available() or "")
@@ -105,33 +99,8 @@ pmetal.shutdown()
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabCluster]:
-    with NetLab(len(HOSTS)) as lab:
-        c = LabCluster(lab, tmp_path_factory.mktemp("lab"), discovery=False)
-        try:
-            c.start_many(HOSTS)
-            c.wait(lambda: c.agreed(HOSTS, members=HOSTS), 30.0, "three members agreed")
-            yield c
-        finally:
-            c.close()
-
-
-def _line(proc: subprocess.Popen[bytes], timeout: float, what: str) -> dict[str, Any]:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    data = b""
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout.fileno(), selectors.EVENT_READ)
-        while not data.endswith(b"\n"):
-            left = deadline - time.monotonic()
-            if left <= 0 or not sel.select(left):
-                raise AssertionError(f"the driver printed no {what} line within {timeout} s")
-            chunk = os.read(proc.stdout.fileno(), 1)   # one byte: leave the next line
-            if not chunk:
-                raise AssertionError(f"the driver exited with {proc.poll()} before {what}")
-            data += chunk
-    line = json.loads(data)
-    assert line.get("step") == what, line
-    return line
+    with formed_cluster(HOSTS, tmp_path_factory.mktemp("lab")) as c:
+        yield c
 
 
 def test_a_group_across_lab_hosts_survives_a_host_that_stops(cluster: LabCluster) -> None:
@@ -142,24 +111,20 @@ def test_a_group_across_lab_hosts_survives_a_host_that_stops(cluster: LabCluster
     # rendezvous actor lives on the master).
     victim_host = next(i for i in HOSTS[1:] if c.nodes[i].node_id != master)
     victim_rank = HOSTS.index(victim_host)
-    log = (c.tmp / "driver.log").open("wb")
-    driver = c.lab.run(c.lab.host(1), [sys.executable, "-c", DRIVER, c.nodes[1].address,
-                                       c.psk.hex(), ",".join(ids), str(TIMEOUT)],
-                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                       env=c._env(1, c.psk), cwd=ROOT)
-    assert driver.stdin is not None
-    try:
-        formed = _line(driver, 60.0, "formed")
+    with c.driver(1, DRIVER, [c.nodes[1].address, c.psk.hex(), ",".join(ids), str(TIMEOUT)],
+                  "driver", stdin=True) as driver:
+        assert driver.stdin is not None
+        formed = read_line(driver, 60.0, "formed")
         assert formed["ok"], formed
         print(f"\n[lab] group over hosts {HOSTS} formed, term {formed['term']}, ring "
               f"{formed['order']}", flush=True)
-        _line(driver, 60.0, "spinning")
+        read_line(driver, 60.0, "spinning")
 
         c.signal(victim_host, signal.SIGSTOP, keep_probe=True)
         stopped = time.monotonic()
         driver.stdin.write(f"{victim_rank}\n".encode())
         driver.stdin.flush()
-        failed = _line(driver, TIMEOUT + 60.0, "failed")
+        failed = read_line(driver, TIMEOUT + 60.0, "failed")
         elapsed = time.monotonic() - stopped
         print(f"[lab] host {victim_host} stopped: both survivors raised after "
               f"{elapsed:.3f} s (operation timeout {TIMEOUT:g} s)", flush=True)
@@ -172,12 +137,6 @@ def test_a_group_across_lab_hosts_survives_a_host_that_stops(cluster: LabCluster
                "the survivors dropped the stopped host")
         driver.stdin.write(b"reform\n")
         driver.stdin.flush()
-        reformed = _line(driver, 60.0, "reformed")
+        reformed = read_line(driver, 60.0, "reformed")
         assert reformed["ok"] and reformed["epoch"] == 2, reformed
         assert driver.wait(timeout=30.0) == 0
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=10.0)
-        log.close()
-        print((c.tmp / "driver.log").read_text(errors="replace")[-3000:])

@@ -12,16 +12,13 @@ needs root (the lab) and skips otherwise.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from cluster.lab import ROOT, LabCluster
-from collectives.test_actor_groups_lab import _line as read_line
-from netlab import NetLab, lab_available
+from cluster.lab import LabCluster, formed_cluster, read_line
+from netlab import lab_available
 
 pytestmark = pytest.mark.skipif(lab_available() is not None,
                                 reason=lab_available() or "")
@@ -74,26 +71,16 @@ pmetal.shutdown()
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabCluster]:
-    with NetLab(len(HOSTS)) as lab:
-        c = LabCluster(lab, tmp_path_factory.mktemp("lab"), discovery=False)
-        try:
-            c.start_many(HOSTS)
-            c.wait(lambda: c.agreed(HOSTS, members=HOSTS), 30.0, "three members agreed")
-            yield c
-        finally:
-            c.close()
+    with formed_cluster(HOSTS, tmp_path_factory.mktemp("lab")) as c:
+        yield c
 
 
 def test_pipeline_across_lab_hosts(cluster: LabCluster) -> None:
     c = cluster
     ids = [c.nodes[i].node_id for i in HOSTS]
-    log = (c.tmp / "pipeline-driver.log").open("wb")
-    driver = c.lab.run(c.lab.host(1), [sys.executable, "-c", DRIVER, c.nodes[1].address,
-                                       c.psk.hex(), ",".join(ids)],
-                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                       env=c._env(1, c.psk), cwd=ROOT)
-    assert driver.stdin is not None
-    try:
+    with c.driver(1, DRIVER, [c.nodes[1].address, c.psk.hex(), ",".join(ids)],
+                  "pipeline-driver", stdin=True) as driver:
+        assert driver.stdin is not None
         ready = read_line(driver, 120.0, "ready")
         print(f"\n[lab] pipeline over hosts: {json.dumps(ready)}", flush=True)
         assert ready["three"]["equal"] and ready["four"]["equal"], ready
@@ -110,12 +97,6 @@ def test_pipeline_across_lab_hosts(cluster: LabCluster) -> None:
         assert "stage 2" in failed["error"], failed
         assert time.monotonic() - killed < 30.0
         assert driver.wait(timeout=30.0) == 0
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=10.0)
-        log.close()
-        print((c.tmp / "pipeline-driver.log").read_text(errors="replace")[-3000:])
 
 
 DEFAULT_MODEL_DRIVER = r"""
@@ -160,12 +141,9 @@ def test_default_model_across_lab_hosts(cluster: LabCluster, default_model: Path
     chat prompts in flight together."""
     c = cluster
     ids = [c.nodes[i].node_id for i in (1, 2)]     # host 3's node is dead by now
-    log = (c.tmp / "default-model-driver.log").open("wb")
-    driver = c.lab.run(c.lab.host(1), [sys.executable, "-c", DEFAULT_MODEL_DRIVER,
-                                       c.nodes[1].address, c.psk.hex(), ",".join(ids),
-                                       str(default_model)],
-                       stdout=subprocess.PIPE, stderr=log, env=c._env(1, c.psk), cwd=ROOT)
-    try:
+    with c.driver(1, DEFAULT_MODEL_DRIVER, [c.nodes[1].address, c.psk.hex(), ",".join(ids),
+                                            str(default_model)],
+                  "default-model-driver") as driver:
         done = read_line(driver, 240.0, "done")
         print(f"\n[lab] default model over hosts 1 and 2: {done['text']}, stage bytes "
               f"{done['bytes']}", flush=True)
@@ -173,9 +151,3 @@ def test_default_model_across_lab_hosts(cluster: LabCluster, default_model: Path
         assert done["nodes"] == ids and all(b > 0 for b in done["bytes"])
         assert "Paris" in done["text"][0]
         assert driver.wait(timeout=30.0) == 0
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait(timeout=10.0)
-        log.close()
-        print((c.tmp / "default-model-driver.log").read_text(errors="replace")[-3000:])

@@ -27,7 +27,7 @@ from typing import Any
 import gguf
 import numpy as np
 import pytest
-from collectives.test_actor_groups_lab import _line as read_line
+from cluster.lab import read_line
 
 from pmetal.actors import context
 from pmetal.errors import (
