@@ -336,7 +336,7 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
     prompts, prompt_note = _tokenized(options.model, options.prompts,
                                       weights.config.vocab_size)
     p(_header(options, described, prompt_note, [len(x) for x in prompts]))
-    stage = LlamaStage(weights)
+    stage = LlamaStage(weights, max_threads=max(options.threads))
     del weights
     before = compute_threads()
     singles = []

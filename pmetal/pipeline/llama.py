@@ -30,8 +30,6 @@ the interleaved convention; a GGUF loader must undo that permutation.
 from __future__ import annotations
 
 import math
-import queue
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from pmetal.errors import ConfigError, PMetalValueError
+from pmetal.pipeline.compute import HELPER_KINDS, Projector, slices
 from pmetal.pipeline.threads import compute_threads
 
 # Plain sorted order, as tests/test_public_api.py asserts (not ruff's isort style).
@@ -332,149 +331,6 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
     return x * (F32(1.0) / np.sqrt(variance + eps)) * weight
 
 
-# How a projection ``x @ W.T`` is computed, and why (measured with numpy
-# 2.4's OpenBLAS 0.3.31 on a 2-core Sapphire Rapids VM, SmolLM2-135M shapes):
-#
-# * Decode rows (up to DECODE_ROWS: one token of each of a few sequences)
-#   run in chunks of up to CHUNK rows, a chunk of one row padded to two. A
-#   chunk is one GEMM per slice of W's output rows, each small enough
-#   (SMALL_GEMM_WORK, SMALL_GEMM_OUT) for OpenBLAS's small-matrix kernels: no
-#   packing of W, and a row's result does not depend on the other rows of
-#   its GEMM. So a sequence's decode step gives the same bits alone or in
-#   a batch of any size or composition: a pipeline, which groups sequences
-#   differently from a single process, produces the same greedy tokens.
-#   (A 1-row product would be a GEMV, whose last bits differ from a GEMM's;
-#   a GEMM of more rows or a longer slice switches kernels past those
-#   limits, whose bits differ too.) Speed, the whole model, one thread: a batch of 4 costs
-#   ~1.2x one row (per-row GEMVs over cached slices: ~2x); one row padded
-#   to two costs ~1.1x a GEMV.
-# * Those GEMMs never use OpenBLAS's threads (too small), so the BLAS
-#   thread count does not change a bit either. Parallelism is ours: with n
-#   compute threads (:func:`pmetal.pipeline.threads.set_compute_threads`)
-#   the slices of a projection are shared out to n - 1 worker threads and
-#   the caller; np.dot releases the GIL during its BLAS call (np.matmul
-#   does not), and each slice is computed the same way by any thread.
-# * More rows (a prefill) are one GEMM on OpenBLAS's threads: fast, and
-#   deterministic run to run; a prefill's rows may differ in the last bits
-#   from the same tokens decoded one by one, which nothing compares.
-DECODE_ROWS = 8
-CHUNK = 4
-# OpenBLAS's limits for its small-matrix sgemm kernels (the skylakex
-# sgemm_small_kernel_permit, also taken on Sapphire Rapids): M*N*K, and for
-# a transposed A (our x @ W.T) M*N, the output's size.
-SMALL_GEMM_WORK = 1_000_000
-SMALL_GEMM_OUT = 1200
-_SLICE_ALIGN = 16
-# Below this many weights, a projection runs on the calling thread alone:
-# handing slices to a worker costs tens of microseconds.
-PARALLEL_MIN_WEIGHTS = 1 << 18
-
-
-def _slices(weight: np.ndarray) -> list[tuple[int, int]]:
-    """Row ranges of W for the decode GEMMs: a chunk of CHUNK rows times a
-    slice stays within the small-kernel limits; a multiple of _SLICE_ALIGN
-    rows."""
-    out_rows, width = weight.shape
-    step = min(SMALL_GEMM_OUT // CHUNK, SMALL_GEMM_WORK // (CHUNK * width))
-    step = step // _SLICE_ALIGN * _SLICE_ALIGN
-    step = max(_SLICE_ALIGN, step)
-    return [(first, min(first + step, out_rows)) for first in range(0, out_rows, step)]
-
-
-def _gemm_slices(x: np.ndarray, weight: np.ndarray, out: np.ndarray,
-                 slices: Sequence[tuple[int, int]]) -> None:
-    rows = out.shape[0]
-    for first, last in slices:
-        out[:, first:last] = np.dot(x, weight[first:last].T)[:rows]
-
-
-class _Workers:
-    """``count`` threads that each run one task at a time, handed over in
-    C-implemented queues (a round trip costs ~5 us, a ThreadPoolExecutor's
-    ~12): a decode step hands out ~120 tasks per token."""
-
-    def __init__(self, count: int) -> None:
-        self.count = count
-        self._tasks: list[queue.SimpleQueue[Any]] = [queue.SimpleQueue() for _ in range(count)]
-        self._done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._loop, args=(q,), daemon=True,
-                                          name=f"pmetal-llama-{i}")
-                         for i, q in enumerate(self._tasks)]
-        for thread in self._threads:
-            thread.start()
-
-    def _loop(self, tasks: queue.SimpleQueue[Any]) -> None:
-        while (task := tasks.get()) is not None:
-            function, args = task
-            try:
-                function(*args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
-                self._done.put(exc)
-            else:
-                self._done.put(None)
-
-    def run(self, function: Any, own_args: tuple[Any, ...],
-            worker_args: Sequence[tuple[Any, ...]]) -> None:
-        """``function(*own_args)`` here and ``function(*args)`` on one worker
-        each for ``worker_args``, concurrently; returns when all are done."""
-        for tasks, args in zip(self._tasks, worker_args):
-            tasks.put((function, args))
-        try:
-            function(*own_args)
-        finally:
-            errors = [self._done.get() for _ in worker_args]
-        for error in errors:
-            if error is not None:
-                raise error
-
-    def close(self) -> None:
-        for tasks in self._tasks:
-            tasks.put(None)
-        for thread in self._threads:
-            thread.join()
-
-
-class _Projector:
-    """``x @ weight.T`` as described above, on the compute threads."""
-
-    def __init__(self) -> None:
-        self._workers: _Workers | None = None
-
-    def close(self) -> None:
-        if self._workers is not None:
-            self._workers.close()
-            self._workers = None
-
-    def __call__(self, x: np.ndarray, weight: np.ndarray,
-                 slices: list[tuple[int, int]]) -> np.ndarray:
-        rows = x.shape[0]
-        if rows > DECODE_ROWS:
-            return x @ weight.T
-        out = np.empty((rows, weight.shape[0]), dtype=F32)
-        threads = 1 if weight.size < PARALLEL_MIN_WEIGHTS or len(slices) < 2 \
-            else min(compute_threads() or 1, len(slices))
-        for first in range(0, rows, CHUNK):
-            chunk = x[first:first + CHUNK]
-            if chunk.shape[0] == 1:
-                chunk = np.concatenate([chunk, chunk])  # a GEMM, never a GEMV
-            target = out[first:first + CHUNK]
-            if threads == 1:
-                _gemm_slices(chunk, weight, target, slices)
-                continue
-            workers = self._workers_for(threads - 1)
-            bounds = [len(slices) * i // threads for i in range(threads + 1)]
-            workers.run(_gemm_slices, (chunk, weight, target, slices[:bounds[1]]),
-                        [(chunk, weight, target, slices[bounds[i]:bounds[i + 1]])
-                         for i in range(1, threads)])
-        return out
-
-    def _workers_for(self, count: int) -> _Workers:
-        if self._workers is None or self._workers.count < count:
-            self.close()
-            self._workers = _Workers(count)
-        return self._workers
-
-
 def _silu(x: np.ndarray) -> np.ndarray:
     # sigmoid via tanh: no overflow warning for very negative inputs, unlike exp(-x)
     return x * (F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x))
@@ -496,34 +352,54 @@ class LlamaStage:
     The stage computes on the process's compute threads
     (:func:`pmetal.pipeline.threads.set_compute_threads`: a pipeline stage
     sharing a machine with other stages sets fewer); any count gives the
-    same bits (see ``CHUNK``). With more than one, the stage keeps idle
-    worker threads; :meth:`close` ends them."""
+    same bits (see :mod:`pmetal.pipeline.compute`). Decode products are
+    shared with up to ``max_threads - 1`` helpers (default: the compute
+    threads when the stage is built): processes that map the weights from
+    shared memory on Linux (``helpers="auto"`` or ``"processes"``), threads
+    elsewhere or with ``helpers="threads"``. One thread at a time computes
+    on a stage; :meth:`rest` tells its helpers the stage will wait for input,
+    :meth:`close` ends them."""
 
-    def __init__(self, weights: LlamaWeights) -> None:
+    def __init__(self, weights: LlamaWeights, *, max_threads: int | None = None,
+                 helpers: str = "auto") -> None:
         if not weights.layers:
             raise PMetalValueError("a stage needs at least one layer")
+        if max_threads is not None and (isinstance(max_threads, bool)
+                                        or not isinstance(max_threads, int) or max_threads < 1):
+            raise PMetalValueError(f"max_threads must be a positive integer, got {max_threads!r}")
+        if helpers not in HELPER_KINDS:
+            raise PMetalValueError(
+                f"helpers={helpers!r}: choose from {', '.join(HELPER_KINDS)}")
         c = self.config = weights.config
         self.start, self.end = weights.start, weights.end
         self._eps = F32(c.rms_norm_eps)
         self._scale = F32(1.0 / math.sqrt(c.head_dim))
         self._group = c.num_attention_heads // c.num_key_value_heads
-        # Fused projections: one GEMV for q, k, v and one for gate, up.
         self._attn_norm = [w.attn_norm for w in weights.layers]
         self._mlp_norm = [w.mlp_norm for w in weights.layers]
-        self._wqkv = [np.concatenate([w.wq, w.wk, w.wv]) for w in weights.layers]
-        self._wo = [np.ascontiguousarray(w.wo) for w in weights.layers]
-        self._wgu = [np.concatenate([w.w_gate, w.w_up]) for w in weights.layers]
-        self._wdown = [np.ascontiguousarray(w.w_down) for w in weights.layers]
-        self._embed = weights.embed_tokens
         self._norm = weights.norm
-        self._head = None if weights.lm_head is None else np.ascontiguousarray(weights.lm_head)
+        # Fused projections: one product for q, k, v and one for gate, up.
+        n = len(weights.layers)
+        parts: list[tuple[np.ndarray, ...]] = []
+        for w in weights.layers:
+            parts += [(w.wq, w.wk, w.wv), (w.wo,), (w.w_gate, w.w_up), (w.w_down,)]
+        if weights.lm_head is not None:
+            parts.append((weights.lm_head,))
+        self._project = Projector(parts, max_threads or compute_threads() or 1, helpers)
+        matrices = self._project.matrices
+        self._wqkv, self._wo = matrices[0:4 * n:4], matrices[1:4 * n:4]
+        self._wgu, self._wdown = matrices[2:4 * n:4], matrices[3:4 * n:4]
+        self._head = matrices[4 * n] if weights.lm_head is not None else None
+        # A tied embedding is the head: one copy.
+        self._embed = self._head if (weights.embed_tokens is not None
+                                     and weights.embed_tokens is weights.lm_head) \
+            else weights.embed_tokens
         # Slice boundaries depend on a matrix's shape only: every layer's alike.
-        self._qkv_slices = _slices(self._wqkv[0])
-        self._wo_slices = _slices(self._wo[0])
-        self._gu_slices = _slices(self._wgu[0])
-        self._down_slices = _slices(self._wdown[0])
-        self._head_slices = None if self._head is None else _slices(self._head)
-        self._project = _Projector()
+        self._qkv_slices = slices(self._wqkv[0])
+        self._wo_slices = slices(self._wo[0])
+        self._gu_slices = slices(self._wgu[0])
+        self._down_slices = slices(self._wdown[0])
+        self._head_slices = None if self._head is None else slices(self._head)
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
                                            / c.head_dim))
         angles = np.outer(np.arange(c.max_position_embeddings, dtype=np.float64), inv_freq)
@@ -531,9 +407,29 @@ class LlamaStage:
         self._sin = np.sin(angles).astype(F32)
 
     def close(self) -> None:
-        """End the worker threads (the stage still computes, on one thread
-        until it next needs more)."""
+        """End the compute helpers (the stage still computes, on one
+        thread until it next needs more)."""
         self._project.close()
+
+    def rest(self) -> None:
+        """This stage will wait for input: its compute helpers stop
+        spinning now instead of after a few milliseconds."""
+        self._project.rest()
+
+    @property
+    def helpers(self) -> str | None:
+        """What computes beside the caller: ``processes``, ``threads`` or
+        ``None`` (nothing yet)."""
+        return self._project.kind
+
+    @property
+    def helper_pids(self) -> list[int]:
+        """Process ids of the stage's helper processes (empty without)."""
+        return self._project.helper_pids
+
+    def _proj(self, x: np.ndarray, weight: np.ndarray, ranges: list[tuple[int, int]]
+              ) -> np.ndarray:
+        return self._project(x, weight, ranges, compute_threads() or 1)
 
     @property
     def num_layers(self) -> int:
@@ -561,7 +457,7 @@ class LlamaStage:
         if self._head is None or self._norm is None:
             raise PMetalValueError(
                 f"stage [{self.start}, {self.end}) is not the last stage: it has no LM head")
-        return self._project(_rms_norm(self._as_hidden(hidden), self._norm, self._eps),
+        return self._proj(_rms_norm(self._as_hidden(hidden), self._norm, self._eps),
                              self._head, self._head_slices)
 
     def _as_hidden(self, hidden: np.ndarray) -> np.ndarray:
@@ -582,7 +478,7 @@ class LlamaStage:
     def _qkv(self, layer: int, x: np.ndarray, positions: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        qkv = self._project(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
+        qkv = self._proj(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
                             self._qkv_slices)
         t = x.shape[0]
         q = self._rotate(qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim), positions)
@@ -592,10 +488,10 @@ class LlamaStage:
         return q, k, v
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        gu = self._project(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
+        gu = self._proj(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
                            self._gu_slices)
         inter = self.config.intermediate_size
-        return x + self._project(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
+        return x + self._proj(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
                                  self._down_slices)
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
@@ -635,7 +531,7 @@ class LlamaStage:
             cache.values[layer, :, first:first + t] = v.transpose(1, 0, 2)
             attn = self._attend(q, cache.keys[layer, :, :first + t],
                                 cache.values[layer, :, :first + t], first)
-            x = x + self._project(attn, self._wo[layer], self._wo_slices)
+            x = x + self._proj(attn, self._wo[layer], self._wo_slices)
             x = self._mlp(layer, x)
         cache.length = first + t
         return x
@@ -664,7 +560,7 @@ class LlamaStage:
                 cache.values[layer, :, pos] = v[row]
                 attn[row] = self._attend(q[row:row + 1], cache.keys[layer, :, :pos + 1],
                                          cache.values[layer, :, :pos + 1], pos)[0]
-            x = x + self._project(attn, self._wo[layer], self._wo_slices)
+            x = x + self._proj(attn, self._wo[layer], self._wo_slices)
             x = self._mlp(layer, x)
         for cache in caches:
             cache.length += 1

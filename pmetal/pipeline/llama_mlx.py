@@ -44,10 +44,12 @@ def mlx_available() -> bool:
     return importlib.util.find_spec("mlx") is not None
 
 
-def make_stage(weights: LlamaWeights, backend: str = "auto") -> LlamaStage | MlxLlamaStage:
+def make_stage(weights: LlamaWeights, backend: str = "auto", *,
+               max_threads: int | None = None) -> LlamaStage | MlxLlamaStage:
     """A stage running ``weights``'s layers on ``backend``: ``numpy``,
     ``mlx``, or ``auto`` (MLX on macOS on Apple silicon when it is
-    installed, numpy elsewhere)."""
+    installed, numpy elsewhere). ``max_threads`` bounds a numpy stage's
+    compute helpers (see :class:`LlamaStage`)."""
     if backend not in BACKENDS:
         raise ConfigError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -59,7 +61,7 @@ def make_stage(weights: LlamaWeights, backend: str = "auto") -> LlamaStage | Mlx
                               "(pip install mlx; on Linux: pip install 'mlx[cpu]'), or use "
                               "backend 'numpy'")
         return MlxLlamaStage(weights)
-    return LlamaStage(weights)
+    return LlamaStage(weights, max_threads=max_threads)
 
 
 class MlxKVCache:
@@ -119,6 +121,12 @@ class MlxLlamaStage:
     @property
     def num_layers(self) -> int:
         return self.end - self.start
+
+    def rest(self) -> None:
+        """Nothing spins between steps here (see :meth:`LlamaStage.rest`)."""
+
+    def close(self) -> None:
+        """Nothing to end (see :meth:`LlamaStage.close`)."""
 
     def new_cache(self, max_len: int | None = None) -> MlxKVCache:
         return MlxKVCache(self.config, self.num_layers,

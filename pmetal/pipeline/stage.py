@@ -175,7 +175,7 @@ class PipelineStageRuntime:
         started = time.perf_counter()
         if stage is None:
             stage = make_stage(weights if weights is not None else load_stage_weights(config),
-                               config.backend)
+                               config.backend, max_threads=self._max_threads())
         self.stage = stage
         self.model: LlamaConfig = stage.config
         self.stats = StageStatistics(load_seconds=time.perf_counter() - started)
@@ -183,6 +183,18 @@ class PipelineStageRuntime:
         self._samplers: dict[int, Sampler] = {}
         self._want_logits: set[int] = set()
         self._threads = 0
+
+    def close(self) -> None:
+        """End the stage's compute helpers (a stage object without
+        ``close`` has none)."""
+        close = getattr(self.stage, "close", None)
+        if close is not None:
+            close()
+
+    def _max_threads(self) -> int | None:
+        """The most compute threads a step will use (see :meth:`_threads_for`)."""
+        c = self.config
+        return max(c.threads, c.threads_alone or os.cpu_count() or 1) if c.threads else None
 
     @property
     def sequences(self) -> int:
@@ -229,7 +241,7 @@ class PipelineStageRuntime:
         if decode and not any(e.prefill for e in hop.entries):
             self.stats.decode_steps += 1
             self.stats.decode_seconds += took
-        return Hop([out[seq] for seq in order])
+        return Hop([out[seq] for seq in order], hop.busy)  # the hint goes round the ring
 
     def _admit(self, entry: Entry) -> np.ndarray:
         """The entry's input as float32 rows, with its sequence's state
@@ -292,10 +304,14 @@ class PipelineStageRuntime:
             for item in work:
                 self._decode([item], out)
             return
+        # The last stage's head runs once for the batch: it is a fifth of
+        # the model's weights, and a row's logits do not depend on its batch.
+        logits = self.stage.logits(result) if self.config.is_last else None
         for row, (entry, _) in enumerate(work):
-            out[entry.sequence_id] = self._emit(entry, result[row:row + 1])
+            out[entry.sequence_id] = self._emit(
+                entry, result[row:row + 1], None if logits is None else logits[row])
 
-    def _emit(self, entry: Entry, result: np.ndarray) -> Entry:
+    def _emit(self, entry: Entry, result: np.ndarray, logits: np.ndarray | None = None) -> Entry:
         seq, rows = entry.sequence_id, result.shape[0]
         if not self.config.is_last:
             message = self.codec.encode(result, sequence_id=seq, position=entry.position,
@@ -303,7 +319,8 @@ class PipelineStageRuntime:
             reply = Entry(seq, entry.position, activation=message, prefill=entry.prefill,
                           end=entry.end, setup=entry.setup)
         else:
-            logits = self.stage.logits(result[rows - 1:rows])[0]
+            if logits is None:
+                logits = self.stage.logits(result[rows - 1:rows])[0]
             try:
                 token = self._samplers[seq].sample(logits)
             except PMetalError as exc:
@@ -344,6 +361,7 @@ class PipelineStageRuntime:
         arriving, the rest of it must come within ``step_timeout``."""
         receiver = HopReceiver(links, rank - 1)
         sender = HopSender(links, (rank + 1) % world)
+        rest = getattr(self.stage, "rest", None)
         while not stop.is_set():
             waited = time.perf_counter()
             try:
@@ -357,7 +375,10 @@ class PipelineStageRuntime:
                 sender.send(hop)
                 stop.set()
                 return
-            sender.send(self.step(hop))
+            reply = self.step(hop)
+            if rest is not None:
+                rest()   # compute helpers stop spinning: the next hop takes a while
+            sender.send(reply)
             self.stats.bytes_in = receiver.bytes
             self.stats.bytes_out = sender.bytes
 
@@ -439,4 +460,6 @@ class PipelineStage:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=_IDLE_SLICE * 3)
+        if self.runtime is not None and (self._thread is None or not self._thread.is_alive()):
+            self.runtime.close()
         return True
