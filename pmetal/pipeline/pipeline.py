@@ -388,13 +388,18 @@ class Pipeline:
         return {"driver": self.loop.statistics(), "stages": stages}
 
     def _describe(self, why: str) -> str:
-        """``why`` plus which stages are dead, found by asking each."""
+        """``why`` plus which stages are dead or stopped, and why, found
+        by asking each."""
         client = context.current()
         refs = [h.statistics.remote() for h in self.handles]
         dead = []
         for placement, ref in zip(self.placements, refs, strict=True):
             try:
-                client.get_one(ref, 2.0)
+                failure = client.get_one(ref, 2.0).get("failure")
+                if failure:
+                    dead.append(f"stage {placement.index} (layers {placement.start}-"
+                                f"{placement.end - 1} on node {placement.node_id[:8]}) "
+                                f"stopped: {failure}")
             except ActorDiedError:
                 dead.append(f"stage {placement.index} (layers {placement.start}-"
                             f"{placement.end - 1} on node {placement.node_id[:8]}) died")

@@ -442,6 +442,12 @@ class PipelineStage:
             self._failure = f"{type(exc).__name__}: {exc}"
             if not self._stop.is_set():
                 log.warning("pipeline stage %d stops: %s", self.runtime.config.index, exc)
+        except Exception as exc:
+            # A bug (here or in a user's stage class): say so where the
+            # driver looks (statistics), with the traceback in the log.
+            self._failure = f"unexpected {type(exc).__name__}: {exc}"
+            log.exception("pipeline stage %d stops on an unexpected error",
+                          self.runtime.config.index)
         finally:
             # Close every link at once: the failure reaches the driver
             # round the ring instead of at each rank's deadline.

@@ -241,6 +241,36 @@ class CountingStage(PipelineStage):
         return self.runtime.stats.steps
 
 
+class FaultyStage(PipelineStage):
+    """A stage whose step has a bug that shows at its fourth hop."""
+
+    def load(self) -> dict[str, Any]:
+        info = super().load()
+        runtime = self.runtime
+        assert runtime is not None
+        step = runtime.step
+
+        def faulty(hop: Any) -> Any:
+            if runtime.stats.steps >= 3:
+                raise KeyError("a bug in the stage")
+            return step(hop)
+
+        runtime.step = faulty  # type: ignore[method-assign]
+        return info
+
+
+def test_a_bug_in_a_stage_fails_the_generate_and_says_what(cluster: Any) -> None:
+    """An exception no one expected (a bug in a user's stage class, say)
+    ends the stage's serving; generate fails fast with a PipelineError that
+    carries the stage's own account, not only a broken link."""
+    with build(2, stage_class=FaultyStage) as pipe:
+        began = time.monotonic()
+        with pytest.raises(PipelineError, match=r"stopped: unexpected KeyError: 'a bug in the "
+                                                r"stage'"):
+            pipe.generate(PROMPTS[:1], max_tokens=8)
+        assert time.monotonic() - began < 10.0
+
+
 def test_a_users_own_stage_class(cluster: Any, reference: LlamaStage) -> None:
     expected = generate_single_process(reference, PROMPTS[:2], SamplingConfig(max_tokens=8),
                                        max_len=MAX_LEN)
