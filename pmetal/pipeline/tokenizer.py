@@ -14,6 +14,7 @@ character (byte-level BPE tokens often split a multi-byte character).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,6 +65,8 @@ class Tokenizer:
         stops = {self.eos_token_id, *extra_stop_ids,
                  *(backend.token_to_id(t) for t in _END_MARKERS if t in specials)}
         self.stop_token_ids: frozenset[int] = frozenset(i for i in stops if i is not None)
+        self._specials = tuple(sorted(s for s in specials if s))
+        self._plain_lock = threading.Lock()
         self._template: Any = None
 
     # ------------------------------------------------------------ building
@@ -181,7 +184,8 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``add_special_tokens`` adds what the model
         puts around a text (a BOS token for some, nothing for SmolLM2)."""
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        with self._plain_lock:  # never while _encode_plain has special tokens off
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -214,10 +218,35 @@ class Tokenizer:
             chat = self.chat_template is not None
         if not chat:
             return self.encode(prompt, add_special_tokens=True)
-        text = self.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True)
-        # As transformers does: the template writes the special tokens itself.
-        return self.encode(text, add_special_tokens=False)
+        turn = [{"role": "user", "content": prompt}]
+        if not any(special in prompt for special in self._specials):
+            # As transformers does: the template writes the special tokens itself.
+            return self.encode(self.apply_chat_template(turn, add_generation_prompt=True),
+                               add_special_tokens=False)
+        # The user's text spells a special token ("<|im_end|>..."): encoded with
+        # the rest it would end the user's turn and open one of its own (a
+        # system turn, say). The template's parts keep their special tokens,
+        # the user's text is encoded as plain text.
+        marker = "\x00pmetal-user-text\x00"
+        framed = self.apply_chat_template([{"role": "user", "content": marker}],
+                                          add_generation_prompt=True)
+        if framed.count(marker) != 1:
+            raise PMetalValueError(
+                "the prompt contains a special token's text and the model's chat template "
+                "does not show the user's text as it is, so it cannot be kept plain: remove "
+                f"{', '.join(repr(s) for s in self._specials if s in prompt)} or pass chat=False")
+        before, _, after = framed.partition(marker)
+        return (self.encode(before, add_special_tokens=False) + self._encode_plain(prompt)
+                + self.encode(after, add_special_tokens=False))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        """Token ids of ``text`` with special tokens' texts as ordinary text."""
+        with self._plain_lock:
+            self._backend.encode_special_tokens = True
+            try:
+                return list(self._backend.encode(text, add_special_tokens=False).ids)
+            finally:
+                self._backend.encode_special_tokens = False
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)
