@@ -18,7 +18,9 @@ What it owns:
   the namespace's PSK and bound to the group's tag (group name, master
   term and membership epoch) and to both ranks. A peer without the PSK,
   of another group or of another epoch of the same group is refused
-  before any data flows, and both sides say which. The data itself is not
+  before any data flows, and both sides say which
+  (:mod:`pmetal.collectives.tcphandshake`; a listener runs its handshakes
+  side by side, so strangers cannot stall a formation). The data itself is not
   authenticated or encrypted (as with NCCL, gloo or MPI): gradients move
   at memory speed, which no MAC in Python matches; docs/security.md says
   what that means on a LAN.
@@ -42,11 +44,8 @@ What it owns:
 from __future__ import annotations
 
 import collections
-import errno
 import hashlib
-import hmac
 import logging
-import os
 import select
 import socket
 import struct
@@ -58,8 +57,8 @@ from typing import Any
 
 import numpy as np
 
+from pmetal.collectives import tcphandshake
 from pmetal.errors import (
-    AuthenticationError,
     CollectiveError,
     PeerError,
     PMetalValueError,
@@ -79,9 +78,6 @@ DTYPE_CODES: dict[str, int] = {
     "int8": 7, "uint8": 8, "uint32": 9, "uint64": 10, "int16": 11, "bool": 12}
 _DTYPES = {code: np.dtype(name) for name, code in DTYPE_CODES.items()}
 
-_HELLO = struct.Struct("<8sII32s16s")  # magic, from rank, to rank, group tag, nonce
-_HELLO_MAGIC = b"PMCOLL1\x00"
-_REFUSED = b"\x00" * 32  # a proof of all zeros: "refused", followed by a reason
 # Point-to-point messages are numbered from here, apart from collective
 # operations (only two ranks see them).
 P2P_BASE = 1 << 62
@@ -436,7 +432,7 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
 
     def accept_all() -> None:
         try:
-            _accept(listener, rank, world, key, tag, deadline, peers, refusals)
+            tcphandshake.accept(listener, rank, world, key, tag, deadline, peers, refusals)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             failure.append(exc)
         finally:
@@ -447,7 +443,8 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
     acceptor.start()
     try:
         for other in range(rank):
-            peers[other] = _dial(addresses[other], rank, other, key, tag, deadline)
+            peers[other] = tcphandshake.dial(addresses[other], rank, other, key, tag,
+                                             deadline)
         accepted.wait(max(0.0, deadline - time.monotonic()) + 1.0)
         if failure:
             raise failure[0]
@@ -469,153 +466,3 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
         raise
     return TcpLinks(rank, world, epoch, {r: _Peer(r, s) for r, s in peers.items()},
                     is_dead=is_dead)
-
-
-def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def _proof(key: bytes, role: bytes, tag: bytes, low: int, high: int, nonces: bytes) -> bytes:
-    return hmac.new(key, role + tag + struct.pack("<II", low, high) + nonces,
-                    hashlib.sha256).digest()
-
-
-def _dial(address: tuple[str, int], rank: int, other: int, key: bytes, tag: bytes,
-          deadline: float) -> socket.socket:
-    """Connect to ``other`` (a lower rank), retrying until ``deadline``."""
-    delay = 0.01
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise CollectiveError(
-                f"rank {rank} could not connect to rank {other} at {address[0]}:"
-                f"{address[1]} before the deadline; is that rank running, and is the "
-                "address right?")
-        try:
-            sock = socket.create_connection(address, timeout=min(left, 2.0))
-        except OSError as exc:
-            if exc.errno not in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT,
-                                 errno.EHOSTUNREACH, errno.ENETUNREACH, None):
-                raise CollectiveError(f"rank {rank} cannot connect to rank {other} at "
-                                      f"{address[0]}:{address[1]}: {exc}") from exc
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.2)
-            continue
-        try:
-            _tune(sock)
-            sock.settimeout(max(0.05, deadline - time.monotonic()))
-            nonce = os.urandom(16)
-            sock.sendall(_HELLO.pack(_HELLO_MAGIC, rank, other, tag, nonce))
-            reply = _read(sock, 48)
-            their_nonce, proof = reply[:16], reply[16:]
-            if proof == _REFUSED:
-                reason = _read_reason(sock)
-                raise AuthenticationError(f"rank {other} refused rank {rank}: {reason}")
-            nonces = nonce + their_nonce
-            if not hmac.compare_digest(proof, _proof(key, b"A", tag, other, rank, nonces)):
-                # Tell the listener why (it logs it and names it if its
-                # formation times out), then fail here at once.
-                _send_refusal(sock, f"rank {rank} found that this rank could not prove "
-                                    "its PSK: the two ranks have different PSKs")
-                raise AuthenticationError(
-                    f"rank {other} at {address[0]}:{address[1]} could not prove the "
-                    "namespace's PSK for this group: another cluster, another PSK, or "
-                    "another formation of the group listens there")
-            sock.sendall(_proof(key, b"D", tag, other, rank, nonces))
-            sock.settimeout(None)
-            return sock
-        except (OSError, EOFError) as exc:
-            sock.close()
-            raise CollectiveError(f"rank {rank}'s handshake with rank {other} at "
-                                  f"{address[0]}:{address[1]} failed: {exc}") from exc
-        except BaseException:
-            sock.close()
-            raise
-
-
-def _accept(listener: socket.socket, rank: int, world: int, key: bytes, tag: bytes,
-            deadline: float, peers: dict[int, socket.socket],
-            refusals: dict[int, str]) -> None:
-    """Accept every rank above ``rank``; a connection that fails the
-    handshake is refused with its reason (noted in ``refusals`` by the
-    rank it claims) and does not count. The formation goes on: an
-    unauthenticated connection must not be able to end it."""
-    expected = set(range(rank + 1, world))
-    while expected:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        listener.settimeout(min(left, _POLL_SLICE * 4))
-        try:
-            sock, _addr = listener.accept()
-        except TimeoutError:
-            continue
-        try:
-            _tune(sock)
-            sock.settimeout(max(0.05, min(2.0, deadline - time.monotonic())))
-            magic, their_rank, to_rank, their_tag, their_nonce = _HELLO.unpack(
-                _read(sock, _HELLO.size))
-            reason = None
-            if magic != _HELLO_MAGIC:
-                reason = "not a pmetal collective connection"
-            elif their_tag != tag:
-                reason = ("another group, or another formation (term or epoch) of this "
-                          "group: a stale plan is refused; re-form the group")
-            elif to_rank != rank or their_rank not in expected:
-                reason = (f"it claims rank {their_rank} dialling rank {to_rank}; this is "
-                          f"rank {rank} waiting for {sorted(expected)}")
-            if reason is not None:
-                sock.sendall(bytes(16) + _REFUSED + reason.encode()[:200])
-                log.warning("refused a collective connection: %s", reason)
-                refusals[their_rank] = f"was refused: {reason}"
-                sock.close()
-                continue
-            nonce = os.urandom(16)
-            nonces = their_nonce + nonce
-            sock.sendall(nonce + _proof(key, b"A", tag, rank, their_rank, nonces))
-            proof = _read(sock, 32)
-            if proof == _REFUSED:
-                why = _read_reason(sock)
-                log.warning("a collective connection claiming rank %s refused this rank: %s",
-                            their_rank, why)
-                refusals[their_rank] = f"refused this rank ({why})"
-                sock.close()
-                continue
-            if not hmac.compare_digest(proof, _proof(key, b"D", tag, rank, their_rank,
-                                                      nonces)):
-                log.warning("refused a collective connection claiming rank %s: it could "
-                            "not prove the namespace's PSK", their_rank)
-                refusals[their_rank] = "could not prove the namespace's PSK"
-                sock.close()
-                continue
-            sock.settimeout(None)
-            peers[their_rank] = sock
-            expected.discard(their_rank)
-        except (OSError, EOFError, struct.error) as exc:
-            log.warning("a collective connection failed during its handshake: %s", exc)
-            sock.close()
-
-
-def _read(sock: socket.socket, n: int) -> bytes:
-    data = bytearray()
-    while len(data) < n:
-        part = sock.recv(n - len(data))
-        if not part:
-            raise EOFError("the peer closed the connection during the handshake")
-        data += part
-    return bytes(data)
-
-
-def _send_refusal(sock: socket.socket, reason: str) -> None:
-    """Best effort: the peer may already be gone."""
-    try:
-        sock.sendall(_REFUSED + reason.encode()[:200])
-    except OSError:
-        pass
-
-
-def _read_reason(sock: socket.socket) -> str:
-    try:
-        return sock.recv(256).decode(errors="replace") or "no reason given"
-    except OSError:
-        return "no reason given"

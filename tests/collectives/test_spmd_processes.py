@@ -42,7 +42,7 @@ import numpy as np
 import pytest
 from netlab import NetLab, lab_available
 
-from pmetal.collectives import tcplinks
+from pmetal.collectives import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError, CollectiveError, ProtocolError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -467,7 +467,7 @@ def test_malformed_bytes_do_not_crash_a_rank(ranks: Callable[..., Rank]) -> None
                 time.sleep(0.02)  # rank 0 is still starting: retry the connect
     garbage = [
         os.urandom(200),                                             # noise
-        tcplinks._HELLO.pack(tcplinks._HELLO_MAGIC, 1, 0, b"\x00" * 32, b"n" * 16),  # bad tag
+        tcphandshake.HELLO.pack(tcphandshake.HELLO_MAGIC, 1, 0, b"\x00" * 32, b"n" * 16),  # bad tag
         b"PMCOLL1\x00\x01",                                          # cut short
         b"",                                                         # connect, close
     ]

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pmetal.collectives import tcplinks
+from pmetal.collectives import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError, CollectiveError
 from pmetal.pipeline.generation import generate_single_process
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
@@ -68,7 +68,7 @@ def attack(address: tuple[str, int], tag: bytes, psk_key: bytes) -> dict[str, An
             ("psk, another pipeline's tag", psk_key, stranger_tag, 3),
             ("psk, a rank not expected", psk_key, tag, 0)):
         try:
-            sock = tcplinks._dial(address, rank, 1, key, claimed_tag, deadline)
+            sock = tcphandshake.dial(address, rank, 1, key, claimed_tag, deadline)
         except (AuthenticationError, CollectiveError) as exc:
             seen[name] = exc
         else:
