@@ -11,11 +11,10 @@ states in and out.
 Layouts, chosen for speed on a CPU:
 
 * every projection is stored ``(out, in)``, C-contiguous, as Hugging Face
-  stores it: ``x @ W.T`` is one GEMV for one token, and for a batch of a few
-  decode tokens the stage runs GEMVs over ~2 MB slices of output rows, each
-  slice still in cache for every token (OpenBLAS's GEMM would repack the
-  whole matrix on every call, which for a few rows costs more than the
-  arithmetic);
+  stores it, so a slice of output rows is contiguous; decode products run
+  as small GEMMs over such slices, shared with the stage's compute helpers
+  (:mod:`pmetal.pipeline.compute`: why, and why a row's bits never depend
+  on its batch);
 * a stage fuses q, k and v into one matrix and gate and up into another, so a
   layer costs four matrix products instead of seven;
 * everything is float32, including the rotary tables and the scalars: one
