@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 from pmetal.actors.handles import ActorHandle
 from pmetal.collectives import rendezvous
+from pmetal.collectives.actorgroup import ActorGroup, GroupStatistics, join_group
 from pmetal.collectives.group import Schedule
 from pmetal.collectives.ops import ReduceOp
-from pmetal.collectives.rendezvous import ActorGroup, GroupStatistics
 from pmetal.config import CollectiveConfig
 from pmetal.errors import CollectiveError
 
@@ -79,7 +79,7 @@ def get_group(name: str) -> ActorGroup:
     an actor, for a name no group has, or in an actor that is not a
     member; :class:`CollectiveError` when the members do not all connect in
     time."""
-    return rendezvous.join_group(name)
+    return join_group(name)
 
 
 def destroy_group(name: str) -> bool:

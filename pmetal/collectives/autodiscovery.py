@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from pmetal.actors import context
-from pmetal.collectives import rendezvous
+from pmetal.collectives import actorgroup, rendezvous
 from pmetal.collectives.group import Group, Schedule
 from pmetal.collectives.spmd import DistributedBackend
 from pmetal.config import CollectiveConfig
@@ -133,7 +133,7 @@ class AutoDiscoveryBackend(DistributedBackend):
         rank = formation.members.index(self._key)
         left = max(1.0, timeout - (time.monotonic() - started))
         formation = rendezvous.dataclasses.replace(formation, connect_timeout=left)
-        return rendezvous._connect(client, formation, rank, handle)
+        return actorgroup.connect(client, formation, rank, handle)
 
 
 def _cluster_psk() -> bytes:

@@ -21,14 +21,16 @@ collective "Info" actor), started by :func:`form` on the master's node.
   the formation. The same request again returns the formation there is,
   unless an operation failed in it; anything else makes a new one
   (epoch + 1, a fresh formation id).
-- :func:`join_group` (``get_group`` inside a member's method) fetches the
+- :func:`~pmetal.collectives.actorgroup.join_group` (``get_group`` inside a
+  member's method; the member side lives in :mod:`pmetal.collectives.actorgroup`) fetches the
   formation, finds the caller's rank from its actor id, listens on its
   worker's host (port 0), registers the address with the rendezvous actor
   and waits there (bounded by ``connect_timeout``) for every member, then
   connects the full mesh (:func:`~pmetal.collectives.tcplinks.connect_mesh`)
   with the namespace's PSK, bound to a tag of the name, formation id,
   term and both epochs. Members then exchange data directly.
-- The :class:`ActorGroup` it returns is a :class:`~pmetal.collectives.group.Group`
+- The :class:`~pmetal.collectives.actorgroup.ActorGroup` it returns is a
+  :class:`~pmetal.collectives.group.Group`
   cached per process and name. An operation that fails (a member died or
   stalled) closes this rank's connections, so every other member's
   operation fails at once instead of at its timeout, and tells the
@@ -49,33 +51,30 @@ start over with a new rendezvous actor.
 from __future__ import annotations
 
 import asyncio
-import atexit
 import dataclasses
 import logging
 import secrets
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.handles import ActorClass, ActorHandle
 from pmetal.collectives import tcplinks
-from pmetal.collectives.group import Group, Schedule
+from pmetal.collectives.group import Schedule
 from pmetal.config import CollectiveConfig
 from pmetal.errors import (
     ActorDiedError,
     CollectiveError,
     PMetalError,
-    PMetalTimeoutError,
     PMetalTypeError,
     PMetalValueError,
     RemoteError,
 )
 
-__all__ = ["RENDEZVOUS_PREFIX", "ActorGroup", "Formation", "GroupStatistics", "Rendezvous",
-           "destroy", "form", "join_group", "ring_order", "slowest_link"]
+__all__ = ["RENDEZVOUS_PREFIX", "Formation", "Rendezvous", "destroy", "form", "ring_order",
+           "slowest_link"]
 
 log = logging.getLogger(__name__)
 
@@ -418,7 +417,8 @@ def destroy(name: str) -> bool:
     """Kill group ``name``'s rendezvous actor and close this process's
     membership of it; False when there was no such group."""
     _check_name(name)
-    _local.drop(name, "the group was destroyed")
+    from pmetal.collectives.actorgroup import local_groups  # the member side imports us
+    local_groups.drop(name, "the group was destroyed")
     client = context.current()
     rendezvous = _rendezvous(client, name)
     if rendezvous is None:
@@ -430,196 +430,3 @@ def destroy(name: str) -> bool:
     client.lookup(actor_id=rendezvous._actor_id, min_incarnation=1 << 62,
                   wait=client.config.transport.request_timeout)
     return True
-
-
-# ------------------------------------------------------ member side
-
-@dataclass(frozen=True)
-class GroupStatistics:
-    """One member's view of its formation: collective operations run
-    (point-to-point messages not counted), payload bytes sent and received
-    over its connections, and why the formation is spent (None while it
-    works)."""
-    name: str
-    epoch: int
-    rank: int
-    size: int
-    operations: int
-    bytes_sent: int
-    bytes_received: int
-    spent: str | None
-
-
-class ActorGroup(Group):
-    """A member actor's :class:`~pmetal.collectives.group.Group`, which
-    knows its formation: a failed operation closes its connections (the
-    formation is spent) and says whether the group has formed again."""
-
-    def __init__(self, formation: Formation, rank: int, links: Any,
-                 rendezvous: ActorHandle) -> None:
-        super().__init__(formation.schedule, rank, links, timeout=formation.timeout)
-        self.formation = formation
-        self.epoch = formation.epoch
-        self._rendezvous = rendezvous
-        self._spent: str | None = None
-
-    def statistics(self) -> GroupStatistics:
-        return GroupStatistics(self.name, self.epoch, self.rank, self.size, self._op_id,
-                               getattr(self.links, "bytes_sent", 0),
-                               getattr(self.links, "bytes_received", 0), self._spent)
-
-    def _execute(self, *args: Any) -> None:
-        self._guard(lambda: super(ActorGroup, self)._execute(*args))
-
-    def send(self, *args: Any, **kwargs: Any) -> None:
-        self._guard(lambda: super(ActorGroup, self).send(*args, **kwargs))
-
-    def recv(self, *args: Any, **kwargs: Any) -> Any:
-        return self._guard(lambda: super(ActorGroup, self).recv(*args, **kwargs))
-
-    def _guard(self, run: Callable[[], Any]) -> Any:
-        if self._spent is not None:
-            raise CollectiveError(self._spent)
-        try:
-            return run()
-        except CollectiveError as exc:
-            # The peers cannot tell how far this rank got: end the
-            # formation for all of them now rather than at their timeout.
-            self._abort()
-            self._spent = self._explain(str(exc))
-            raise CollectiveError(self._spent) from exc
-
-    def supersede(self, why: str) -> None:
-        """This formation is over (the group formed again, or was
-        destroyed): close its connections and refuse its operations."""
-        self._spent = (f"collective group {self.name!r}, epoch {self.epoch}: {why}; a stale "
-                       f"epoch is refused: call pmetal.collective.get_group({self.name!r}) "
-                       "again")
-        self._abort()
-
-    def _abort(self) -> None:
-        """Close at once, without flushing (no peer will read the rest);
-        not through close(), whose second links.close would flush."""
-        if not self.closed:
-            self.closed = True
-            atexit.unregister(self.close)
-            self.links.close(timeout=0.0)
-
-    def _explain(self, failure: str) -> str:
-        """``failure``, plus what the rendezvous actor says now: whether
-        the group formed again without waiting for us, or was destroyed."""
-        client = context.current()
-        try:
-            now = _ask(client, self._rendezvous, "failed", self.formation.formation_id,
-                       timeout=_EXPLAIN_WAIT)
-        except PMetalError:
-            return (f"{failure} (the group's rendezvous actor is gone: the group was "
-                    "destroyed or its node died; create it again)")
-        if now is None or now.formation_id == self.formation.formation_id:
-            return f"{failure}; form the group again with create_group over the live members"
-        member = now.rank_of(self.formation.members[self.rank])
-        where = ("this member is not in the new formation" if member is None
-                 else f"call pmetal.collective.get_group({self.name!r}) again")
-        return (f"{failure}; this rank holds epoch {self.epoch} but the group formed again "
-                f"as epoch {now.epoch}: a stale epoch is refused; {where}")
-
-
-class _LocalGroups:
-    """This process's memberships, by group name (one per name: a process
-    hosts one actor). One lock per name: joining a group waits for the
-    other members, and a threaded actor joining two groups at once must
-    not make one wait behind the other (their members may join them in
-    the other order)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.groups: dict[str, ActorGroup] = {}
-        self._joining: dict[str, threading.Lock] = {}
-
-    def lock_for(self, name: str) -> threading.Lock:
-        with self.lock:
-            return self._joining.setdefault(name, threading.Lock())
-
-    def drop(self, name: str, why: str) -> None:
-        with self.lock:
-            group = self.groups.pop(name, None)
-        if group is not None:
-            group.supersede(why)
-
-
-_local = _LocalGroups()
-
-
-def join_group(name: str) -> ActorGroup:
-    """See :func:`pmetal.collective.get_group`."""
-    _check_name(name)
-    actor_id = context.current_actor_id()
-    if not actor_id:
-        raise PMetalValueError(
-            f"get_group({name!r}) runs inside a method of one of the group's actors; the "
-            "driver holds the handle create_group returned")
-    client = context.current()
-    rendezvous = _rendezvous(client, name)
-    if rendezvous is None:
-        _local.drop(name, "the group was destroyed")
-        raise PMetalValueError(
-            f"there is no collective group named {name!r}: create it from the driver with "
-            f"pmetal.collective.create_group(actors, name={name!r}) first")
-    timeout = client.config.transport.request_timeout
-    with _local.lock_for(name):
-        formation: Formation | None = _ask(client, rendezvous, "current", timeout=timeout)
-        if formation is None:
-            raise PMetalValueError(f"collective group {name!r} is not formed yet")
-        cached = _local.groups.get(name)
-        if cached is not None:
-            if cached.formation.formation_id == formation.formation_id and not cached.closed:
-                return cached
-            _local.drop(name, f"the group formed again as epoch {formation.epoch}")
-        rank = formation.rank_of(actor_id)
-        if rank is None:
-            raise PMetalValueError(
-                f"this actor ({actor_id}) is not a member of collective group {name!r} "
-                f"(epoch {formation.epoch}, members {list(formation.members)}); add it with "
-                "create_group from the driver")
-        group = _connect(client, formation, rank, rendezvous)
-        with _local.lock:
-            _local.groups[name] = group
-        return group
-
-
-def _connect(client: Any, formation: Formation, rank: int,
-             rendezvous: ActorHandle) -> ActorGroup:
-    host = tcplinks.reachable_host(client)
-    listener = tcplinks.listen(host, 0)
-    try:
-        address = (host, listener.getsockname()[1])
-        wait = formation.connect_timeout
-        try:
-            addresses = _ask(client, rendezvous, "join", formation.formation_id, rank,
-                             address, wait, timeout=wait + _ASK_MARGIN)
-        except (ActorDiedError, PMetalTimeoutError) as exc:
-            raise CollectiveError(
-                f"collective group {formation.name!r}: its rendezvous actor did not answer "
-                f"rank {rank}'s get_group ({exc}); the group was destroyed or the node that "
-                "held it died: create it again from the driver") from exc
-        links = tcplinks.connect_mesh(
-            rank, addresses, listener, key=tcplinks.collective_key(client.namespace.psk),
-            tag=formation.tag, epoch=formation.epoch,
-            deadline=time.monotonic() + formation.connect_timeout,
-            is_dead=_death_watch(client, formation.nodes))
-    finally:
-        listener.close()
-    log.info("joined collective group %r as rank %d of %d (epoch %d)", formation.name, rank,
-             formation.size, formation.epoch)
-    return ActorGroup(formation, rank, links, rendezvous)
-
-
-def _death_watch(client: Any, nodes: Sequence[str]) -> Callable[[int], bool] | None:
-    """A rank counts as dead once the cluster declares its node dead (a
-    host that vanished closes no connection); None when every member
-    shares this node."""
-    own = client.node_id
-    if all(n == own for n in nodes):
-        return None
-    watch = client.watch
-    return lambda rank: nodes[rank] in watch.dead
