@@ -83,6 +83,7 @@ RENDEZVOUS_PREFIX = "pmetal-collective:"
 
 _ASK_MARGIN = 5.0  # s a request to the rendezvous actor may take beyond its own wait
 _EXPLAIN_WAIT = 2.0  # s to ask why an operation failed before raising what we have
+_MASTER_WAIT = 10.0  # s to wait for an election before starting a rendezvous actor anyway
 
 
 @dataclass(frozen=True)
@@ -395,7 +396,8 @@ def form(actors: Sequence[ActorHandle], name: str,
 def _start_rendezvous(client: Any, name: str) -> ActorHandle:
     """Start group ``name``'s rendezvous actor on the master's node, so that
     the master schedules the group."""
-    master = (client.status().get("cluster") or {}).get("master") or ""
+    master = _master(client, time.monotonic()
+                     + min(_MASTER_WAIT, client.config.transport.request_timeout))
     options = {"name": RENDEZVOUS_PREFIX + name, "lifetime": "detached", "node": master}
     try:
         return ActorClass(Rendezvous, options).remote(name)
@@ -411,6 +413,19 @@ def _start_rendezvous(client: Any, name: str) -> ActorHandle:
             time.sleep(0.05)  # bounded by the deadline; the creation is elsewhere
         raise CollectiveError(f"cannot start the rendezvous actor of collective group "
                               f"{name!r} on the master's node {master[:8]}: {exc}") from exc
+
+
+def _master(client: Any, deadline: float) -> str:
+    """The master's node id. While the cluster elects one (its master just
+    died, say with a group's rendezvous actor), wait for it until
+    ``deadline``: the master's node is the one place where two processes
+    starting the same rendezvous actor at once get one actor, not one each
+    (an actor's name is unique only where it is created). "" when none came."""
+    while True:
+        master = (client.status().get("cluster") or {}).get("master") or ""
+        if master or time.monotonic() >= deadline:
+            return master
+        time.sleep(0.05)  # bounded by the deadline; the election is elsewhere
 
 
 def destroy(name: str) -> bool:
