@@ -127,7 +127,17 @@ def test_processes_find_each_other_and_survive_a_kill(tmp_path: Path,
     for p in survivors:
         p.proc.stdin.write("2\n")  # type: ignore[union-attr]
         p.proc.stdin.flush()  # type: ignore[union-attr]
-    again = [p.line("reformed") for p in survivors]
+    try:
+        again = [p.line("reformed") for p in survivors]
+    except AssertionError as exc:
+        # Say what every survivor saw: a re-formation fails for both or
+        # neither, and one side's error rarely tells the story.
+        told = []
+        for p in survivors:
+            p.stop()
+            told.append(p.proc.stderr.read()[-2000:])  # type: ignore[union-attr]
+        raise AssertionError(f"{exc}\n--- survivors' stderr ---\n" + "\n---\n".join(told)) \
+            from exc
     assert sorted(r["rank"] for r in again) == [0, 1]
     assert all(r["world"] == 2 and r["sum"] == 3 for r in again), again
     # A new formation (its id is part of every connection's tag, so the old
