@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import shutil
 import signal
@@ -102,17 +103,26 @@ def _gone(pids: Sequence[int], timeout: float) -> list[int]:
 
 
 def _free_run(count: int) -> int:
-    """The first of ``count`` consecutive ports free on 127.0.0.1 a moment ago."""
+    """The first of ``count`` consecutive ports free on 127.0.0.1 a moment
+    ago, below the kernel's ephemeral range: a port from that range (what
+    binding port 0 gives) can be handed to any outgoing connection of the
+    machine between this check and the ranks' own bind, and was (EADDRINUSE
+    in rank 2, once in CI)."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
     for _ in range(100):
+        base = rng.randrange(10000, max(10001, low - count))
         held: list[socket.socket] = []
         try:
-            first = socket.create_server(("127.0.0.1", 0))
-            held.append(first)
-            base = first.getsockname()[1]
-            for port in range(base + 1, base + count):
+            for port in range(base, base + count):
                 held.append(socket.create_server(("127.0.0.1", port)))
             return base
-        except OSError:  # the next port is taken (or past 65535): another try
+        except OSError:  # taken: another try
             continue
         finally:
             for s in held:
