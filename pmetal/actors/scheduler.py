@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 _ASK_RESOURCES = 2.0   # s a member may take to say what it has free
 
 
+def _deposed(reply: Message) -> bool:
+    """The master that decided was deposed before its decision landed: the
+    target refused its stale term (the creation did not happen there), and
+    the creator asks the current master instead of failing."""
+    return isinstance(reply, Failure) and reply.error_type == "StaleTermError"
+
+
 @dataclass
 class _Placed:
     spec: CreateActor
@@ -89,7 +96,15 @@ class Scheduler:
                                f"{len(node.cluster.state.members)} members (a master needs a "
                                f"majority); check the network, or 'pmetal status'")
             if master == node.node_id:
-                return await self.decide(spec, origin=node.node_id)
+                reply = await self.decide(spec, origin=node.node_id)
+                if not _deposed(reply) or time.monotonic() >= deadline:
+                    return reply
+                # This node decided as master, but a newer master's term had
+                # already reached the target: ask again under the new term.
+                log.info("placing actor %s: this node's term was stale; asking the new "
+                         "master", spec.actor_id)
+                await asyncio.sleep(node.config.health.interval)
+                continue
             member = node.membership.members.get(master)
             if member is None:
                 if time.monotonic() >= deadline:
@@ -109,7 +124,8 @@ class Scheduler:
             if ask.done() and not ask.cancelled():
                 reply = ask.result()
                 if not (isinstance(reply, Failure) and reply.error_type == "NotMasterError"):
-                    if not (isinstance(reply, Failure) and master in node.cluster.dead()):
+                    if not ((isinstance(reply, Failure) and master in node.cluster.dead())
+                            or (_deposed(reply) and time.monotonic() < deadline)):
                         return reply
             elif time.monotonic() >= deadline:
                 return Failure("timeout", "PMetalTimeoutError",
