@@ -192,9 +192,14 @@ class PipelineStageRuntime:
             close()
 
     def _max_threads(self) -> int | None:
-        """The most compute threads a step will use (see :meth:`_threads_for`)."""
+        """The most compute threads a step will use (see :meth:`_threads_for`);
+        None when the stage leaves the count as it is."""
+        return max(self._wanted(1), self._wanted(2)) if self.config.threads else None
+
+    def _wanted(self, busy: int) -> int:
+        """Compute threads for a step with ``busy`` hops in flight."""
         c = self.config
-        return max(c.threads, c.threads_alone or os.cpu_count() or 1) if c.threads else None
+        return (c.threads_alone or os.cpu_count() or 1) if busy <= 1 else c.threads
 
     @property
     def sequences(self) -> int:
@@ -345,10 +350,9 @@ class PipelineStageRuntime:
         """BLAS threads for a step: every core when this stage computes
         alone (one hop in flight: the other stages wait), its share when
         hops keep several stages busy at once."""
-        c = self.config
-        if not c.threads:
+        if not self.config.threads:
             return
-        want = (c.threads_alone or os.cpu_count() or 1) if busy <= 1 else c.threads
+        want = self._wanted(busy)
         if want != self._threads:
             set_compute_threads(want)
             self._threads = want
