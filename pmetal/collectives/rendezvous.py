@@ -421,11 +421,10 @@ def _master(client: Any, deadline: float) -> str:
     ``deadline``: the master's node is the one place where two processes
     starting the same rendezvous actor at once get one actor, not one each
     (an actor's name is unique only where it is created). "" when none came."""
-    while True:
-        master = (client.status().get("cluster") or {}).get("master") or ""
-        if master or time.monotonic() >= deadline:
-            return master
-        time.sleep(0.05)  # bounded by the deadline; the election is elsewhere
+    master = (client.status().get("cluster") or {}).get("master") or ""
+    if not master and client.watch.wait(lambda state: bool(state.master), deadline):
+        master = client.watch.state.master
+    return master
 
 
 def destroy(name: str) -> bool:
