@@ -47,6 +47,11 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--max-len", type=int, default=2048, metavar="N",
                         help="context per sequence, prompt included (default 2048)")
+    parser.add_argument("--backend", default="auto",
+                        choices=("auto", "quantized", "reference", "mlx"),
+                        help="the engine of every stage: quantized (GGUF blocks kept as they "
+                             "are), reference (float32 numpy), mlx; auto (default): mlx on "
+                             "Apple silicon, else quantized for a GGUF file")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="BLAS threads per stage (default: the cores over the stages)")
 
@@ -73,7 +78,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     try:
         pipe = Pipeline.from_pretrained(args.model, stages=args.stages, codec=args.codec,
                                         max_len=args.max_len, threads=args.threads,
-                                        progress=err)
+                                        backend=args.backend, progress=err)
         with pipe:
             ready = time.perf_counter()
             where = ", ".join(f"{p.start}-{p.end - 1}" for p in pipe.placements)

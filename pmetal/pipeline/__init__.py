@@ -29,8 +29,9 @@ from pmetal.pipeline.llama import (
     LlamaStage,
     LlamaWeights,
 )
-from pmetal.pipeline.llama_mlx import MlxLlamaStage, make_stage
-from pmetal.pipeline.loader import load_config, load_weights
+from pmetal.pipeline.backends import build_stage
+from pmetal.pipeline.llama_mlx import MlxLlamaStage
+from pmetal.pipeline.loader import load_config, load_quantized, load_weights
 from pmetal.pipeline.models import ModelStore, list_models, remove_model, resolve_model
 from pmetal.pipeline.pipeline import Pipeline, StagePlacement, place_stages
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
@@ -72,11 +73,12 @@ __all__ = [  # noqa: RUF022 - plain sorted order, as test_public_api wants
     "Tokenizer",
     "assign_layers_bandwidth_aware",
     "assign_layers_proportional",
+    "build_stage",
     "generate_single_process",
     "list_models",
     "load_config",
+    "load_quantized",
     "load_weights",
-    "make_stage",
     "place_stages",
     "remove_model",
     "resolve_model",

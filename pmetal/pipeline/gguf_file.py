@@ -177,6 +177,14 @@ class GGUFFile:
         # A copy even for F32: the result must outlive the memory map.
         return np.array(array, dtype=np.float32, order="C", copy=True)
 
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor ``name``'s bytes as stored: a read-only uint8 view of the
+        map, no copy (valid while the file is open)."""
+        info = self.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.path} has no tensor {name!r}")
+        return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
     def close(self) -> None:
         try:
             self._map.close()

@@ -37,6 +37,7 @@ import numpy as np
 from pmetal.errors import PMetalValueError
 from pmetal.model.cache import KVCache
 from pmetal.model.config import SMOLLM2_135M, LlamaConfig
+from pmetal.model.ops import Rotary, attend, rms_norm, silu
 from pmetal.pipeline.compute import HELPER_KINDS, Projector, slices
 from pmetal.pipeline.threads import compute_threads
 
@@ -171,16 +172,6 @@ class LlamaWeights:
                    norm=norm(), lm_head=head)
 
 
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: np.float32) -> np.ndarray:
-    variance = np.mean(np.square(x), axis=-1, keepdims=True)
-    return x * (F32(1.0) / np.sqrt(variance + eps)) * weight
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    # sigmoid via tanh: no overflow warning for very negative inputs, unlike exp(-x)
-    return x * (F32(0.5) + F32(0.5) * np.tanh(F32(0.5) * x))
-
-
 class LlamaStage:
     """Runs layers ``[weights.start, weights.end)`` of a model on hidden
     states. ``embed`` needs the first stage, ``logits`` the last.
@@ -219,7 +210,6 @@ class LlamaStage:
         self.start, self.end = weights.start, weights.end
         self._eps = F32(c.rms_norm_eps)
         self._scale = F32(1.0 / math.sqrt(c.head_dim))
-        self._group = c.num_attention_heads // c.num_key_value_heads
         self._attn_norm = [w.attn_norm for w in weights.layers]
         self._mlp_norm = [w.mlp_norm for w in weights.layers]
         self._norm = weights.norm
@@ -245,11 +235,7 @@ class LlamaStage:
         self._gu_slices = slices(self._wgu[0])
         self._down_slices = slices(self._wdown[0])
         self._head_slices = None if self._head is None else slices(self._head)
-        inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64)
-                                           / c.head_dim))
-        angles = np.outer(np.arange(c.max_position_embeddings, dtype=np.float64), inv_freq)
-        self._cos = np.cos(angles).astype(F32)  # (max_pos, head_dim / 2)
-        self._sin = np.sin(angles).astype(F32)
+        self._rotate = Rotary(c)
 
     def close(self) -> None:
         """End the compute helpers (the stage still computes, on one
@@ -302,7 +288,7 @@ class LlamaStage:
         if self._head is None or self._norm is None:
             raise PMetalValueError(
                 f"stage [{self.start}, {self.end}) is not the last stage: it has no LM head")
-        return self._proj(_rms_norm(self._as_hidden(hidden), self._norm, self._eps),
+        return self._proj(rms_norm(self._as_hidden(hidden), self._norm, self._eps),
                              self._head, self._head_slices)
 
     def _as_hidden(self, hidden: np.ndarray) -> np.ndarray:
@@ -312,18 +298,10 @@ class LlamaStage:
                 f"{hidden.dtype} {hidden.shape}")
         return hidden
 
-    def _rotate(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Rotary embedding of ``x`` (T, heads, head_dim) at ``positions`` (T,)."""
-        half = self.config.head_dim // 2
-        cos = self._cos[positions][:, None, :]
-        sin = self._sin[positions][:, None, :]
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
     def _qkv(self, layer: int, x: np.ndarray, positions: np.ndarray
              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         c = self.config
-        qkv = self._proj(_rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
+        qkv = self._proj(rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
                             self._qkv_slices)
         t = x.shape[0]
         q = self._rotate(qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim), positions)
@@ -333,33 +311,15 @@ class LlamaStage:
         return q, k, v
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
-        gu = self._proj(_rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
+        gu = self._proj(rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],
                            self._gu_slices)
         inter = self.config.intermediate_size
-        return x + self._proj(_silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
+        return x + self._proj(silu(gu[:, :inter]) * gu[:, inter:], self._wdown[layer],
                                  self._down_slices)
 
     def _attend(self, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
                 first: int) -> np.ndarray:
-        """Attention of queries ``q`` (T, heads, hd) at positions first..first+T-1
-        over ``keys``/``values`` (kv_heads, first+T, hd); causal. Returns (T, q_size)."""
-        c = self.config
-        t = q.shape[0]
-        # (kv_heads, group * T, hd): the heads sharing one key-value head side by side
-        qg = q.reshape(t, c.num_key_value_heads, self._group, c.head_dim) \
-              .transpose(1, 2, 0, 3).reshape(c.num_key_value_heads, self._group * t, c.head_dim)
-        scores = np.matmul(qg, keys.transpose(0, 2, 1))
-        scores *= self._scale
-        if t > 1:
-            span = keys.shape[1]
-            row = np.tile(np.arange(first, first + t), self._group)
-            scores[:, np.arange(span)[None, :] > row[:, None]] = -np.inf
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        out = np.matmul(scores, values)  # (kv_heads, group * T, hd)
-        return out.reshape(c.num_key_value_heads, self._group, t, c.head_dim) \
-                  .transpose(2, 0, 1, 3).reshape(t, c.q_size)
+        return attend(self.config, q, keys, values, first, self._scale)
 
     def forward(self, hidden: np.ndarray, cache: KVCache) -> np.ndarray:
         """Run this stage's layers on ``hidden`` (T, hidden), the next T

@@ -15,7 +15,7 @@ repeating the key-value heads).
 
 The two backends agree to float32 rounding, not bit for bit: a pipeline
 whose stages mix backends does not promise the single-process greedy
-output. :func:`make_stage` picks one backend for every stage of a machine.
+output. :mod:`pmetal.pipeline.backends` picks one backend for every stage.
 
 ``mlx`` is imported only when an MLX stage is built. On Linux (``mlx[cpu]``)
 its matrix products are ~30x slower than numpy's OpenBLAS: ``auto``
@@ -25,43 +25,20 @@ therefore means MLX only on macOS on Apple silicon.
 from __future__ import annotations
 
 import importlib.util
-import platform
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from pmetal.errors import ConfigError, PMetalValueError
-from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
+from pmetal.errors import PMetalValueError
+from pmetal.pipeline.llama import LlamaConfig, LlamaWeights
 
-__all__ = ["BACKENDS", "MlxKVCache", "MlxLlamaStage", "make_stage", "mlx_available"]
-
-BACKENDS = ("auto", "numpy", "mlx")
+__all__ = ["MlxKVCache", "MlxLlamaStage", "mlx_available"]
 
 
 def mlx_available() -> bool:
     """Whether ``mlx`` can be imported here."""
     return importlib.util.find_spec("mlx") is not None
-
-
-def make_stage(weights: LlamaWeights, backend: str = "auto", *,
-               max_threads: int | None = None) -> LlamaStage | MlxLlamaStage:
-    """A stage running ``weights``'s layers on ``backend``: ``numpy``,
-    ``mlx``, or ``auto`` (MLX on macOS on Apple silicon when it is
-    installed, numpy elsewhere). ``max_threads`` bounds a numpy stage's
-    compute helpers (see :class:`LlamaStage`)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"backend {backend!r}: choose from {', '.join(BACKENDS)}")
-    if backend == "auto":
-        apple = platform.system() == "Darwin" and platform.machine() == "arm64"
-        backend = "mlx" if apple and mlx_available() else "numpy"
-    if backend == "mlx":
-        if not mlx_available():
-            raise ConfigError("backend 'mlx' asked for, but mlx is not installed "
-                              "(pip install mlx; on Linux: pip install 'mlx[cpu]'), or use "
-                              "backend 'numpy'")
-        return MlxLlamaStage(weights)
-    return LlamaStage(weights, max_threads=max_threads)
 
 
 class MlxKVCache:

@@ -35,11 +35,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from pmetal.errors import ConfigError
+from pmetal.model.kernels import KernelError, QMatrix
+from pmetal.model.quantized import QuantizedLayer, QuantizedWeights
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.llama import LayerWeights, LlamaConfig, LlamaWeights
 from pmetal.pipeline.models import ModelFormatError, UnknownModelError
 
-__all__ = ["load_config", "load_weights"]
+__all__ = ["load_config", "load_quantized", "load_weights"]
 
 F32 = np.float32
 
@@ -128,6 +130,48 @@ def load_weights(path: str | Path, start: int = 0, end: int | None = None) -> Ll
             raise ModelFormatError(f"{path}: {exc}") from exc
     finally:
         source.close()
+
+
+def load_quantized(path: str | Path, start: int = 0, end: int | None = None
+                   ) -> QuantizedWeights:
+    """The weights of layers ``[start, end)`` (default: all) of the GGUF file
+    at ``path`` for the quantized engine: every matrix a view of the file's
+    blocks (the map stays open while the weights live), norms and biases
+    float32. Only the stage's own pages are ever read."""
+    path = Path(path)
+    if not _is_gguf(path):
+        if path.is_dir() or path.exists():
+            raise ModelFormatError(
+                f"{path}: the quantized backend reads GGUF files; for a Hugging Face folder "
+                "choose the reference backend (or convert it with llama.cpp's "
+                "convert_hf_to_gguf.py)")
+        raise UnknownModelError(f"no model at {path}: no such file or folder")
+    source = _GGUFSource(path)
+    try:
+        config = source.config
+        end = config.num_hidden_layers if end is None else end
+        if not 0 <= start < end <= config.num_hidden_layers:
+            raise ConfigError(f"layer range [{start}, {end}) is not a non-empty range of the "
+                              f"model's {config.num_hidden_layers} layers")
+        layers = tuple(source.quantized_layer(i) for i in range(start, end))
+        is_last = end == config.num_hidden_layers
+        table = (config.vocab_size, config.hidden_size)
+        embed = source.matrix(_EMBED[0], table) if start == 0 or (
+            is_last and config.tie_word_embeddings) else None
+        head = None
+        if is_last:
+            head = embed if config.tie_word_embeddings else source.matrix(_HEAD[0], table)
+        try:
+            return QuantizedWeights(
+                config=config, start=start, layers=layers,
+                embed_tokens=embed if start == 0 else None,
+                norm=source.tensor(_NORM) if is_last else None, lm_head=head,
+                rotary=source.rotary, keepalive=source.file)
+        except ValueError as exc:
+            raise ModelFormatError(f"{path}: {exc}") from exc
+    except BaseException:
+        source.close()
+        raise
 
 
 def _expect(path: Path, name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -249,6 +293,33 @@ class _GGUFSource:
         c = self.config
         shape = (c.hidden_size,) if names is _NORM else (c.vocab_size, c.hidden_size)
         return self._get(names[0], shape)
+
+    # Llama's q and k rows are stored permuted for interleaved rotary pairs.
+    rotary = "interleaved"
+
+    def matrix(self, name: str, shape: tuple[int, int]) -> QMatrix:
+        """Tensor ``name`` as a view of its blocks in the file."""
+        info = self.file.tensors.get(name)
+        if info is None:
+            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete or "
+                                   "non-Llama GGUF file")
+        if info.shape != shape:
+            raise ModelFormatError(f"{self.path}: tensor {name} has shape {info.shape}, the "
+                                   f"model's config needs {shape}")
+        try:
+            return QMatrix(self.file.raw(name).reshape(shape[0], -1), info.ggml_type, *shape)
+        except KernelError as exc:
+            raise ModelFormatError(f"{self.path}: tensor {name}: {exc}") from exc
+
+    def quantized_layer(self, layer: int) -> QuantizedLayer:
+        def name(field: str) -> str:
+            return f"blk.{layer}.{_LAYER_TENSORS[field][0]}.weight"
+
+        matrices = {field: self.matrix(name(field), shape)
+                    for field, shape in self._shapes.items() if len(shape) == 2}
+        return QuantizedLayer(attn_norm=self._get(name("attn_norm"), self._shapes["attn_norm"]),
+                              mlp_norm=self._get(name("mlp_norm"), self._shapes["mlp_norm"]),
+                              **matrices)
 
     def close(self) -> None:
         self.file.close()

@@ -153,7 +153,7 @@ class Pipeline:
                         lanes: int | None = None, random_model: LlamaConfig | None = None,
                         seed: int = 0, progress: Any = None,
                         placement: Sequence[str] | None = None,
-                        backend: str = "numpy", stage_class: Any = None) -> Pipeline:
+                        backend: str = "auto", stage_class: Any = None) -> Pipeline:
         """Build a pipeline of ``stages`` stages for ``model`` (a GGUF file, a
         Hugging Face folder, or a known model's name; None: the default
         model, fetched on first use with a progress line on ``progress``).
@@ -168,8 +168,9 @@ class Pipeline:
         several hops keep them busy at once). ``placement``: the node id of
         each stage, instead of :func:`place_stages`. ``random_model``: random weights of that
         config instead of a model file (tests and benchmarks; no tokenizer).
-        ``backend``: ``numpy`` (default; bit-identical to the single-process
-        reference), ``mlx`` or ``auto`` (MLX on Apple silicon when installed).
+        ``backend``: ``auto`` (default), ``quantized``, ``reference`` or ``mlx``
+        (:mod:`pmetal.pipeline.backends`); every backend's pipeline is
+        bit-identical to a single process of the same backend.
         ``stage_class``: your own stage actor, a subclass of
         :class:`~pmetal.pipeline.stage.PipelineStage` (plain or decorated with
         ``@pmetal.remote``, whose options it keeps; ``node`` is set per stage).

@@ -47,7 +47,7 @@ from pmetal.errors import (
 )
 from pmetal.pipeline.activations import ActivationCodec
 from pmetal.pipeline.llama import KVCache, LlamaConfig, LlamaWeights
-from pmetal.pipeline.llama_mlx import BACKENDS, make_stage
+from pmetal.pipeline.backends import BACKENDS, build_stage
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.threads import set_compute_threads
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
@@ -71,8 +71,8 @@ class PipelineStageConfig:
     the BLAS threads of the stage's process while other stages compute
     too (0: leave as it is), ``threads_alone`` while it computes alone
     (the driver has one hop in flight; 0: every core of its machine);
-    ``backend`` is ``numpy``, ``mlx`` or ``auto`` (MLX on Apple silicon when
-    installed), see :func:`~pmetal.pipeline.llama_mlx.make_stage`.
+    ``backend`` is ``quantized``, ``reference``, ``mlx`` or ``auto``, see
+    :mod:`pmetal.pipeline.backends`.
     """
 
     start: int
@@ -85,7 +85,7 @@ class PipelineStageConfig:
     codec: str = "none"
     threads: int = 0
     threads_alone: int = 0
-    backend: str = "numpy"
+    backend: str = "auto"
 
     def __post_init__(self) -> None:
         if not (type(self.num_stages) is int and self.num_stages >= 1):
@@ -113,20 +113,6 @@ class PipelineStageConfig:
     @property
     def is_last(self) -> bool:
         return self.index == self.num_stages - 1
-
-
-def load_stage_weights(config: PipelineStageConfig) -> LlamaWeights:
-    """The weights of the stage's layers only (plus the embedding on the
-    first stage, the final norm and LM head on the last)."""
-    if config.random_model is not None:
-        model = LlamaConfig(**config.random_model)
-        _check_range(config, model)
-        return LlamaWeights.random(model, seed=config.seed).slice(config.start, config.end)
-    from pmetal.pipeline import loader  # gguf and tokenizers load only when used
-
-    model = loader.load_config(config.model)
-    _check_range(config, model)
-    return loader.load_weights(config.model, config.start, config.end)
 
 
 def _check_range(config: PipelineStageConfig, model: LlamaConfig) -> None:
@@ -174,8 +160,8 @@ class PipelineStageRuntime:
         self.codec = ActivationCodec.parse(config.codec)
         started = time.perf_counter()
         if stage is None:
-            stage = make_stage(weights if weights is not None else load_stage_weights(config),
-                               config.backend, max_threads=self._max_threads())
+            stage = build_stage(config, max_threads=self._max_threads(), weights=weights)
+            _check_range(config, stage.config)
         self.stage = stage
         self.model: LlamaConfig = stage.config
         self.stats = StageStatistics(load_seconds=time.perf_counter() - started)

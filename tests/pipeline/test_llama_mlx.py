@@ -12,7 +12,7 @@ import pytest
 
 from pmetal.errors import ConfigError
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
-from pmetal.pipeline.llama_mlx import make_stage, mlx_available
+from pmetal.pipeline.llama_mlx import MlxLlamaStage, mlx_available
 
 TINY = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                    num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -36,7 +36,7 @@ def close(ours: np.ndarray, ref: np.ndarray) -> None:
 def test_mlx_stage_matches_numpy_for_prefill_decode_and_batches(tied: bool) -> None:
     weights = LlamaWeights.random(
         LlamaConfig(**{**TINY.__dict__, "tie_word_embeddings": tied}), seed=3)
-    ref, mlx = LlamaStage(weights), make_stage(weights, "mlx")
+    ref, mlx = LlamaStage(weights), MlxLlamaStage(weights)
     np.testing.assert_array_equal(mlx.embed(PROMPT), ref.embed(PROMPT))
     prompts = [PROMPT, PROMPT[:2], [5, 6, 7, 8, 9]]
     ref_caches = [ref.new_cache(32) for _ in prompts]
@@ -62,21 +62,9 @@ def test_mlx_stage_matches_numpy_for_prefill_decode_and_batches(tied: bool) -> N
 @needs_mlx
 def test_mlx_stages_split_like_numpy_stages() -> None:
     weights = LlamaWeights.random(TINY, seed=4)
-    first, second = make_stage(weights.slice(0, 2), "mlx"), make_stage(weights.slice(2, 4),
-                                                                         "mlx")
+    first, second = MlxLlamaStage(weights.slice(0, 2)), MlxLlamaStage(weights.slice(2, 4))
     ref = LlamaStage(weights)
     hidden = second.forward(first.forward(first.embed(PROMPT), first.new_cache(16)),
                             second.new_cache(16))
     assert hidden.dtype == np.float32 and hidden.shape == (len(PROMPT), TINY.hidden_size)
     close(second.logits(hidden), ref.logits(ref.forward(ref.embed(PROMPT), ref.new_cache(16))))
-
-
-def test_the_backend_choice() -> None:
-    weights = LlamaWeights.random(TINY, seed=5)
-    assert isinstance(make_stage(weights, "numpy"), LlamaStage)
-    import platform
-    apple = platform.system() == "Darwin" and platform.machine() == "arm64"
-    auto = make_stage(weights, "auto")
-    assert isinstance(auto, LlamaStage) != (apple and mlx_available())
-    with pytest.raises(ConfigError, match="choose from auto, numpy, mlx"):
-        make_stage(weights, "torch")

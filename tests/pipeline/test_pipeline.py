@@ -26,6 +26,7 @@ from pmetal.pipeline.generation import (
     FINISH_STOP,
     generate_single_process,
 )
+from pmetal.model.quantized import QuantizedStage, QuantizedWeights
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
 from pmetal.pipeline.pipeline import Pipeline, place_stages
 from pmetal.pipeline.sampling import SamplingConfig
@@ -66,6 +67,18 @@ def test_greedy_output_equals_one_process(cluster: Any, reference: LlamaStage,
     # Every stage worked on every step, and they are different processes.
     assert len({s["pid"] for s in stats["stages"]}) == stages
     assert all(s["steps"] > 0 and s["failure"] is None for s in stats["stages"])
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_quantized_stages_equal_one_quantized_process(cluster: Any, stages: int) -> None:
+    """The quantized engine's pipeline gives its own single process's tokens
+    exactly (a random model is quantized to Q8_0 blocks at load)."""
+    engine = QuantizedStage(QuantizedWeights.from_float(LlamaWeights.random(TINY, seed=3)))
+    expected = generate_single_process(engine, PROMPTS, SamplingConfig(max_tokens=16),
+                                       max_len=MAX_LEN)
+    with build(stages, backend="quantized") as pipe:
+        together = pipe.generate(PROMPTS, max_tokens=16)
+    assert [r.tokens for r in together] == [r.tokens for r in expected]
 
 
 def test_seeded_sampling_equals_one_process(cluster: Any, reference: LlamaStage) -> None:

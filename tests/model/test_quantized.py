@@ -1,0 +1,170 @@
+"""The quantized engine against the float32 reference, and against itself.
+
+The reference here is the float32 decoder on the same file's weights
+dequantized by the ``gguf`` package: the two differ only by the kernels'
+8-bit rounding of activations, so their logits agree to about a percent of
+their scale (a wrong rotary layout, a missing bias or a swapped matrix
+moves them by tens of percent). Against itself the engine is exact: a
+sequence's bits do not depend on its batch, its thread count or the split
+of its layers into stages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pmetal.errors import PMetalValueError
+from pmetal.model import kernels
+from pmetal.model.ops import Rotary
+from pmetal.model.quantized import QuantizedStage, QuantizedWeights
+from pmetal.pipeline.llama import LlamaStage, LlamaWeights
+from pmetal.pipeline.loader import load_quantized, load_weights
+from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
+
+PROMPT = [5, 17, 42, 9, 100, 3, 77]
+# Logits of the engine and of the reference differ by activation rounding:
+# about 1/254 of each block's largest value per product, over 4 layers.
+AGREEMENT = 0.03
+
+
+def close_to_reference(got: np.ndarray, want: np.ndarray) -> None:
+    scale = float(np.abs(want).max())
+    error = float(np.abs(got - want).max())
+    assert error <= AGREEMENT * scale, f"error {error:.4g} beyond {AGREEMENT} of {scale:.4g}"
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+def gguf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("q") / "tiny.gguf"
+    write_tiny_gguf(path, tiny_config(tied=request.param), seed=3, quantize=True)
+    return path
+
+
+def run(stage: object, prompt: list[int], steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """Prefill, then greedy decode; every step's logits and the tokens."""
+    cache = stage.new_cache(64)  # type: ignore[attr-defined]
+    logits = [stage.logits(stage.forward(stage.embed(prompt), cache))[-1]]  # type: ignore[attr-defined]
+    tokens = [int(logits[-1].argmax())]
+    for _ in range(steps):
+        hidden = stage.forward_batch(stage.embed(tokens[-1:]), [cache])  # type: ignore[attr-defined]
+        logits.append(stage.logits(hidden)[0])  # type: ignore[attr-defined]
+        tokens.append(int(logits[-1].argmax()))
+    return logits, tokens
+
+
+def test_the_engine_agrees_with_the_reference_on_the_same_file(gguf_model: Path) -> None:
+    engine = QuantizedStage(load_quantized(gguf_model))
+    reference = LlamaStage(load_weights(gguf_model))
+    got, _ = run(engine, PROMPT, 6)
+    # The reference follows the engine's tokens, so the steps compare like with like.
+    cache = reference.new_cache(64)
+    want = [reference.logits(reference.forward(reference.embed(PROMPT), cache))[-1]]
+    _, tokens = run(engine, PROMPT, 6)
+    for token in tokens[:-1]:
+        want.append(reference.logits(reference.forward_batch(reference.embed([token]),
+                                                             [cache]))[0])
+    for g, w in zip(got, want, strict=True):
+        close_to_reference(g, w)
+
+
+def test_the_matrices_are_views_of_the_file(gguf_model: Path) -> None:
+    weights = load_quantized(gguf_model)
+    layer = weights.layers[0]
+    mapped = weights.keepalive.raw("blk.0.attn_q.weight")
+    assert np.shares_memory(layer.wq.data, mapped)
+    assert layer.wq.ggml_type == kernels.Q8_0
+    # The stage's bytes are the file's tensor bytes: nothing expanded.
+    file_bytes = sum(info.nbytes for info in weights.keepalive.tensors.values())
+    assert weights.nbytes == file_bytes
+
+
+def test_split_stages_give_the_single_stage_bits(gguf_model: Path) -> None:
+    whole = QuantizedStage(load_quantized(gguf_model))
+    first = QuantizedStage(load_quantized(gguf_model, 0, 1))
+    second = QuantizedStage(load_quantized(gguf_model, 1, 3))
+    third = QuantizedStage(load_quantized(gguf_model, 3, 4))
+    caches = [s.new_cache(64) for s in (whole, first, second, third)]
+    hidden = whole.forward(whole.embed(PROMPT), caches[0])
+    split = third.forward(second.forward(first.forward(first.embed(PROMPT), caches[1]),
+                                         caches[2]), caches[3])
+    assert np.array_equal(whole.logits(hidden), third.logits(split))
+    token = [int(whole.logits(hidden[-1:])[0].argmax())]
+    hidden = whole.forward_batch(whole.embed(token), [caches[0]])
+    split = third.forward_batch(second.forward_batch(
+        first.forward_batch(first.embed(token), [caches[1]]), [caches[2]]), [caches[3]])
+    assert np.array_equal(hidden, split)
+
+
+def test_a_sequence_has_the_same_bits_alone_and_in_any_batch(gguf_model: Path) -> None:
+    stage = QuantizedStage(load_quantized(gguf_model))
+    prompts = [PROMPT, PROMPT[:3], [9, 8, 7, 6, 5, 4, 3, 2, 1], [11]]
+    caches = [stage.new_cache(64) for _ in prompts]
+    alone = [stage.new_cache(64) for _ in prompts]
+    tokens = []
+    for prompt, cache, solo in zip(prompts, caches, alone, strict=True):
+        a = stage.forward(stage.embed(prompt), cache)
+        b = stage.forward(stage.embed(prompt), solo)
+        assert np.array_equal(a, b)
+        tokens.append(int(stage.logits(a[-1:])[0].argmax()))
+    batched = stage.forward_batch(stage.embed(tokens), caches)
+    for row, (token, solo) in enumerate(zip(tokens, alone, strict=True)):
+        single = stage.forward_batch(stage.embed([token]), [solo])
+        assert np.array_equal(batched[row:row + 1], single)
+
+
+def test_thread_counts_give_the_same_bits(gguf_model: Path) -> None:
+    weights = load_quantized(gguf_model)
+    outs = []
+    for threads in (1, 2, 3):
+        stage = QuantizedStage(weights, threads=lambda n=threads: n)
+        outs.append(run(stage, PROMPT, 3)[0])
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other, strict=True):
+            assert np.array_equal(a, b)
+
+
+def test_random_models_quantize_for_the_engine() -> None:
+    config = tiny_config(tied=False)
+    floats = LlamaWeights.random(config, seed=8)
+    weights = QuantizedWeights.from_float(floats)
+    assert weights.layers[0].w_up.ggml_type == kernels.Q8_0
+    # Quantizing to Q8_0 rounds weights too: a looser agreement than the file's.
+    got, tokens = run(QuantizedStage(weights), PROMPT, 3)
+    reference = LlamaStage(floats)
+    want = reference.logits(reference.forward(reference.embed(PROMPT), reference.new_cache(64)))
+    assert float(np.abs(got[0] - want[-1]).max()) <= 0.05 * float(np.abs(want).max())
+    half = QuantizedWeights.from_float(floats.slice(0, 2))
+    assert half.lm_head is None and half.embed_tokens is not None
+
+
+def test_interleaved_rotary_is_half_rotary_on_permuted_rows() -> None:
+    config = tiny_config()
+    rng = np.random.default_rng(1)
+    heads, hd = config.num_attention_heads, config.head_dim
+    x = rng.standard_normal((5, heads, hd)).astype(np.float32)
+    positions = np.arange(3, 8)
+    half = Rotary(config, "half")(x, positions)
+    # interleaved layout: element 2i is half-layout element i, 2i+1 is i + hd/2
+    order = np.stack([np.arange(hd // 2), np.arange(hd // 2) + hd // 2], axis=1).reshape(-1)
+    inter = Rotary(config, "interleaved")(x[..., order], positions)
+    assert np.allclose(inter, half[..., order], atol=1e-6)
+
+
+def test_misuse_is_refused_by_name(gguf_model: Path) -> None:
+    first = QuantizedStage(load_quantized(gguf_model, 0, 2))
+    with pytest.raises(PMetalValueError, match="not the last stage"):
+        first.logits(np.zeros((1, 64), np.float32))
+    last = QuantizedStage(load_quantized(gguf_model, 2, 4))
+    with pytest.raises(PMetalValueError, match="not the first stage"):
+        last.embed([1])
+    with pytest.raises(PMetalValueError, match="token ids"):
+        first.embed([10_000])
+    with pytest.raises(PMetalValueError, match="float32"):
+        first.forward(np.zeros((1, 64), np.float64), first.new_cache(8))
+    with pytest.raises(PMetalValueError, match="KV cache"):
+        first.forward(np.zeros((9, 64), np.float32), first.new_cache(8))
+    with pytest.raises(PMetalValueError, match="max_threads"):
+        QuantizedStage(load_quantized(gguf_model), max_threads=0)
