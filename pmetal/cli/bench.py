@@ -104,6 +104,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="print markdown tables (for docs/performance.md)")
     _PIPELINE_DEFAULTS.update(
         {a.dest: a.default for a in pipeline._actions if a.dest != "help"})
+    memory = sub.add_parser(
+        "memory", help="peak memory of every process of 'pmetal generate' (Linux)",
+        description="Runs 'pmetal generate --stages K' for each K and samples every process "
+                    "it starts: anonymous plus shared memory (PSS; a mapped model file's pages "
+                    "do not count), and each stage's resident pages of the model file.")
+    memory.add_argument("--stages", default="1,2,3", metavar="K,..",
+                        help="stage counts (default 1,2,3)")
+    memory.add_argument("--model", default=None, metavar="PATH",
+                        help="the model (default: the default model)")
+    memory.add_argument("--backend", default="auto", metavar="B",
+                        help="the stages' backend (default auto)")
+    memory.add_argument("--markdown", action="store_true",
+                        help="print a markdown table (for docs/performance.md)")
 
 
 def _command(args: argparse.Namespace, parser_defaults: dict[str, object],
@@ -124,7 +137,26 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _run_allreduce(args)
     if args.benchmark == "pipeline":
         return _run_pipeline(args)
+    if args.benchmark == "memory":
+        return _run_memory(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
+
+
+def _run_memory(args: argparse.Namespace) -> int:
+    from pmetal.bench import memory
+
+    try:
+        counts = [int(k) for k in args.stages.split(",")]
+    except ValueError as exc:
+        raise ConfigError(f"--stages {args.stages!r}: stage counts like 1,2,3") from exc
+    if not counts or min(counts) < 1:
+        raise ConfigError(f"--stages {args.stages!r}: every count must be at least 1")
+    rows = memory.run(counts, model=args.model, backend=args.backend, markdown=args.markdown)
+    failed = [r for r in rows if r.returncode != 0]
+    for r in failed:
+        print(f"pmetal bench memory: generate with {r.stages} stage(s) failed:\n{r.output}",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _run_allreduce(args: argparse.Namespace) -> int:
