@@ -4,23 +4,32 @@ What it owns: :class:`LlamaConfig`, the fields of a Hugging Face
 ``config.json`` (or a GGUF file's metadata) that change the arithmetic,
 validated once, and :data:`SMOLLM2_135M`, the default model's shape. The
 architectures it describes share Llama's layer (RMSNorm, rotary
-embeddings, grouped-query attention, SwiGLU) and differ in a few switches:
+embeddings, grouped-query attention, SwiGLU) and differ in a few switches,
+which the architecture implies (:data:`ARCHITECTURES`):
 
-========== ================================= =====================
-family     difference from Llama             switch
-========== ================================= =====================
-llama      (the reference)
-mistral    none at these context lengths      ``architecture``
-qwen2      biases on q, k and v               ``attention_bias``
-qwen3      RMSNorm of each q and k head        ``qk_norm``
-========== ================================= =====================
+============ ================================== ==================
+architecture difference from Llama                switch
+============ ================================== ==================
+llama        (the reference)
+mistral      a sliding window (see below)
+qwen2        biases on q, k and v               ``attention_bias``
+qwen3        RMSNorm of each q and k head,      ``qk_norm``
+             before the rotary embedding
+============ ================================== ==================
 
-Anything else (mixture of experts, rope scaling, partial rotary, sliding
-windows that bite) is refused by name before a weight loads.
+A sliding window of W positions (Mistral 7B v0.1; Qwen with
+``use_sliding_window``) changes nothing while a sequence is at most W
+tokens long, so :meth:`LlamaConfig.from_hf_dict` lowers
+``max_position_embeddings`` to the window (logging a warning) instead of
+refusing the model: every sequence this config admits is computed exactly.
+
+Anything else (mixture of experts, rope scaling, partial rotary, biases on
+other projections) is refused by name before a weight loads.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -29,16 +38,23 @@ from pmetal.errors import ConfigError
 
 __all__ = ["ARCHITECTURES", "LlamaConfig", "SMOLLM2_135M"]
 
+log = logging.getLogger(__name__)
+
 # architecture -> (attention_bias, qk_norm) it implies
 ARCHITECTURES: Mapping[str, tuple[bool, bool]] = {
     "llama": (False, False), "mistral": (False, False),
     "qwen2": (True, False), "qwen3": (False, True)}
 
+# Hugging Face class (``architectures``) and ``model_type`` -> architecture
+_HF_CLASSES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """The shape of a Llama-architecture model (the fields of a Hugging Face
-    ``config.json`` that matter to the arithmetic)."""
+    """The shape of a decoder of one of :data:`ARCHITECTURES` (the fields of
+    a Hugging Face ``config.json`` that matter to the arithmetic)."""
 
     vocab_size: int
     hidden_size: int
@@ -53,9 +69,7 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
-    architecture: str = "llama"
-    attention_bias: bool = False    # q, k and v projections have biases (Qwen2)
-    qk_norm: bool = False           # each q and k head is RMS-normalised before rotary (Qwen3)
+    architecture: str = "llama"     # one of ARCHITECTURES; it implies the switches below
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -98,24 +112,35 @@ class LlamaConfig:
     def from_hf_dict(cls, data: Mapping[str, Any]) -> LlamaConfig:
         """Build from a Hugging Face ``config.json`` (already parsed).
 
-        Refuses what this decoder does not compute (another architecture, rope
-        scaling, biases, an activation other than SiLU) instead of producing
-        wrong logits quietly."""
-        architectures = data.get("architectures") or []
-        model_type = data.get("model_type", "llama")
-        if model_type != "llama" or any(a != "LlamaForCausalLM" for a in architectures):
-            raise ConfigError(
-                f"config.json describes model_type={model_type!r} architectures={architectures!r}; "
-                "pmetal's decoder computes only Llama (LlamaForCausalLM) models")
+        Refuses what the decoder does not compute (another architecture, rope
+        scaling, biases other than Qwen2's, an activation other than SiLU)
+        instead of producing wrong logits quietly; lowers
+        ``max_position_embeddings`` to a sliding window that would otherwise
+        bite (see the module's docstring)."""
+        architecture = _hf_architecture(data)
+        theta = data.get("rope_theta", 10000.0)
+        parameters = data.get("rope_parameters")
+        if isinstance(parameters, Mapping):  # transformers >= 5 moves rope_theta here
+            if parameters.get("rope_type", "default") != "default":
+                raise ConfigError(
+                    f"config.json asks for rope_parameters={dict(parameters)!r}, a rope "
+                    "scaling pmetal's decoder does not implement; use a model without it")
+            theta = parameters.get("rope_theta", theta)
         if data.get("rope_scaling"):
             raise ConfigError(
                 f"config.json asks for rope_scaling={data['rope_scaling']!r}, which pmetal's "
                 "decoder does not implement; use a model without rope scaling")
+        if data.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ConfigError(f"config.json asks for partial_rotary_factor="
+                              f"{data['partial_rotary_factor']!r}; pmetal's decoder rotates "
+                              "every head dimension")
         if data.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json hidden_act={data['hidden_act']!r}; only 'silu' is supported")
-        if data.get("attention_bias") or data.get("mlp_bias"):
-            raise ConfigError("config.json asks for attention or MLP biases, which pmetal's "
-                              "decoder does not implement")
+        # Qwen2 has q, k and v biases whatever attention_bias says (its config
+        # has none); elsewhere attention_bias adds them to o as well.
+        if (data.get("attention_bias") and architecture != "qwen2") or data.get("mlp_bias"):
+            raise ConfigError(f"config.json asks for attention or MLP biases, which pmetal's "
+                              f"decoder does not implement for {architecture}")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                "num_attention_heads") if k not in data]
         if missing:
@@ -132,12 +157,23 @@ class LlamaConfig:
             num_key_value_heads=data.get("num_key_value_heads", data["num_attention_heads"]),
             head_dim=data.get("head_dim") or 0,
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(data.get("rope_theta", 10000.0)),
-            max_position_embeddings=data.get("max_position_embeddings", 2048),
+            rope_theta=float(theta),
+            max_position_embeddings=_context(data, architecture),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             bos_token_id=data.get("bos_token_id"),
             eos_token_id=eos,
+            architecture=architecture,
         )
+
+    @property
+    def attention_bias(self) -> bool:
+        """Whether q, k and v projections have biases (Qwen2)."""
+        return ARCHITECTURES[self.architecture][0]
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether each q and k head is RMS-normalised before rotary (Qwen3)."""
+        return ARCHITECTURES[self.architecture][1]
 
     @property
     def q_size(self) -> int:
@@ -151,7 +187,43 @@ class LlamaConfig:
         """Parameters in one decoder layer (for memory estimates)."""
         h = self.hidden_size
         return (h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-                + 3 * h * self.intermediate_size + 2 * h)
+                + 3 * h * self.intermediate_size + 2 * h
+                + (self.q_size + 2 * self.kv_size) * self.attention_bias
+                + 2 * self.head_dim * self.qk_norm)
+
+
+def _hf_architecture(data: Mapping[str, Any]) -> str:
+    """The architecture a ``config.json`` names, refused unless pmetal
+    computes it and its class and ``model_type`` agree."""
+    classes = data.get("architectures") or []
+    model_type = data.get("model_type")
+    named = {_HF_CLASSES.get(c) for c in classes}
+    if model_type is not None or not classes:
+        named.add(_HF_MODEL_TYPES.get(model_type or "llama"))
+    if None in named or len(named) != 1:
+        raise ConfigError(
+            f"config.json describes model_type={model_type!r} architectures={classes!r}; "
+            f"pmetal's decoder computes {', '.join(_HF_CLASSES)} models")
+    return named.pop()
+
+
+def _context(data: Mapping[str, Any], architecture: str) -> Any:
+    """``max_position_embeddings``, lowered to a sliding window that is on
+    and shorter: no sequence then reaches the positions where it bites."""
+    context = data.get("max_position_embeddings", 2048)
+    # Mistral's window is on whenever given; Qwen's only with use_sliding_window.
+    on = architecture == "mistral" or bool(data.get("use_sliding_window"))
+    window = data.get("sliding_window") if on else None
+    if window is None or not isinstance(context, int) or isinstance(context, bool):
+        return context
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ConfigError(f"config.json sliding_window={window!r} is not a positive integer")
+    if window < context:
+        log.warning("%s attends over a sliding window of %s positions: sequences are limited "
+                    "to %s tokens (max_position_embeddings is %s), where the window changes "
+                    "nothing", architecture, window, window, context)
+        return window
+    return context
 
 
 # SmolLM2-135M-Instruct, the default model (its GGUF metadata agrees:

@@ -19,9 +19,14 @@ Why this shape:
 * Fusion without copies. q, k and v (and gate and up) are three matrices in
   the file; one kernel call takes all of them in one threaded dispatch, so
   they need no fused copy.
-* Rotary layout. Llama-family GGUF files store q and k rows permuted for
-  the interleaved rotary convention; this engine keeps the rows where the
-  file has them and rotates interleaved pairs (:mod:`pmetal.model.ops`).
+* Rotary layout. GGUF files of Llama (and Mistral) store q and k rows
+  permuted for the interleaved rotary convention, Qwen's keep Hugging
+  Face's rows; this engine keeps the rows where the file has them and
+  rotates in the layout it is told (``QuantizedWeights.rotary``,
+  :mod:`pmetal.model.ops`).
+* Qwen. q, k and v biases (Qwen2) are added after their products; each q
+  and k head is RMS-normalised (Qwen3) before it is rotated, as Hugging
+  Face's Qwen3 does.
 
 Bits: every row of a product depends only on that row's input and the
 weights (the kernels' promise), and everything else is row-wise or
@@ -156,7 +161,8 @@ class QuantizedWeights:
         layers = tuple(
             QuantizedLayer(attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, wq=q(w.wq), wk=q(w.wk),
                            wv=q(w.wv), wo=q(w.wo), w_gate=q(w.w_gate), w_up=q(w.w_up),
-                           w_down=q(w.w_down))
+                           w_down=q(w.w_down), q_bias=w.q_bias, k_bias=w.k_bias,
+                           v_bias=w.v_bias, q_norm=w.q_norm, k_norm=w.k_norm)
             for w in weights.layers)
         embed = None if weights.embed_tokens is None else q(weights.embed_tokens)
         head = None

@@ -1,8 +1,10 @@
-"""A Llama-architecture decoder in float32 numpy that runs any contiguous
-range of its layers.
+"""A Llama-family decoder in float32 numpy that runs any contiguous range of
+its layers.
 
 What it owns: the arithmetic of one pipeline stage (RMSNorm, rotary
-embeddings, grouped-query attention with a per-sequence KV cache, SwiGLU),
+embeddings, grouped-query attention with a per-sequence KV cache, SwiGLU;
+Qwen2's q/k/v biases and Qwen3's per-head q/k norms when the config's
+architecture has them: :mod:`pmetal.model.config`),
 plus the token embedding on the first stage and the final norm and LM head on
 the last. It knows nothing of actors, sockets or files: loaders (Hugging Face
 folders, GGUF) build a :class:`LlamaWeights`, the stage actor feeds hidden
@@ -68,18 +70,33 @@ class LayerWeights:
     w_gate: np.ndarray      # (intermediate, hidden)
     w_up: np.ndarray        # (intermediate, hidden)
     w_down: np.ndarray      # (hidden, intermediate)
+    q_bias: np.ndarray | None = None  # (heads * head_dim,): Qwen2
+    k_bias: np.ndarray | None = None  # (kv_heads * head_dim,)
+    v_bias: np.ndarray | None = None  # (kv_heads * head_dim,)
+    q_norm: np.ndarray | None = None  # (head_dim,): Qwen3
+    k_norm: np.ndarray | None = None  # (head_dim,)
 
     def check(self, config: LlamaConfig, index: int) -> None:
-        h, i = config.hidden_size, config.intermediate_size
+        h, i, hd = config.hidden_size, config.intermediate_size, config.head_dim
+        bias, norm = config.attention_bias, config.qk_norm
         expected = {"attn_norm": (h,), "wq": (config.q_size, h), "wk": (config.kv_size, h),
                     "wv": (config.kv_size, h), "wo": (h, config.q_size), "mlp_norm": (h,),
                     "w_gate": (i, h), "w_up": (i, h), "w_down": (h, i)}
+        optional = {"q_bias": ((config.q_size,), bias), "k_bias": ((config.kv_size,), bias),
+                    "v_bias": ((config.kv_size,), bias), "q_norm": ((hd,), norm),
+                    "k_norm": ((hd,), norm)}
+        for name, (shape, wanted) in optional.items():
+            if wanted:
+                expected[name] = shape
+            elif getattr(self, name) is not None:
+                raise PMetalValueError(f"layer {index} has {name}, which a "
+                                       f"{config.architecture} model does not use")
         for name, shape in expected.items():
             array = getattr(self, name)
-            if array.shape != shape or array.dtype != F32:
+            if array is None or array.shape != shape or array.dtype != F32:
                 raise PMetalValueError(
-                    f"layer {index} {name}: expected float32 {shape}, got {array.dtype} "
-                    f"{array.shape}")
+                    f"layer {index} {name}: expected float32 {shape}, got "
+                    f"{None if array is None else (array.dtype, array.shape)}")
 
 
 @dataclass(frozen=True)
@@ -145,9 +162,13 @@ class LlamaWeights:
     @classmethod
     def random(cls, config: LlamaConfig, seed: int = 0) -> LlamaWeights:
         """A whole model of random weights, scaled like an initialised network
-        (std 1/sqrt(fan_in)) so activations stay finite over many layers.
-        ``seed`` makes it reproducible."""
+        (std 1/sqrt(fan_in)) so activations stay finite over many layers, with
+        the biases and q/k norms its architecture has. ``seed`` makes it
+        reproducible."""
         rng = np.random.default_rng(seed)
+        # The Qwen extras come from a stream of their own: a Llama model's
+        # weights stay what they were before Qwen existed here.
+        extra = np.random.default_rng([seed, 1])
         h, i = config.hidden_size, config.intermediate_size
 
         def matrix(fan_in: int, fan_out: int) -> np.ndarray:
@@ -157,11 +178,26 @@ class LlamaWeights:
         def norm() -> np.ndarray:
             return (1.0 + 0.1 * rng.standard_normal(h, dtype=F32)).astype(F32)
 
+        def extras() -> dict[str, np.ndarray]:
+            # Large enough to matter: Qwen2's key biases are of the order of the
+            # projections themselves, and a missed bias or norm must show.
+            out = {}
+            if config.attention_bias:
+                for name, size in (("q_bias", config.q_size), ("k_bias", config.kv_size),
+                                   ("v_bias", config.kv_size)):
+                    out[name] = extra.standard_normal(size, dtype=F32) * F32(0.5)
+            if config.qk_norm:
+                for name in ("q_norm", "k_norm"):
+                    out[name] = (1.0 + 0.5 * extra.standard_normal(config.head_dim,
+                                                                   dtype=F32)).astype(F32)
+            return out
+
         layers = tuple(
             LayerWeights(attn_norm=norm(), wq=matrix(h, config.q_size),
                          wk=matrix(h, config.kv_size), wv=matrix(h, config.kv_size),
                          wo=matrix(config.q_size, h), mlp_norm=norm(),
-                         w_gate=matrix(h, i), w_up=matrix(h, i), w_down=matrix(i, h))
+                         w_gate=matrix(h, i), w_up=matrix(h, i), w_down=matrix(i, h),
+                         **extras())
             for _ in range(config.num_hidden_layers))
         # A small embedding, as in a trained model: one that dominates the
         # residual stream makes a tied head echo the input token forever.
@@ -212,6 +248,11 @@ class LlamaStage:
         self._scale = F32(1.0 / math.sqrt(c.head_dim))
         self._attn_norm = [w.attn_norm for w in weights.layers]
         self._mlp_norm = [w.mlp_norm for w in weights.layers]
+        # Qwen2: one bias for the fused q, k, v product; Qwen3: per-head norms.
+        self._qkv_bias = [None if w.q_bias is None else
+                          np.concatenate([w.q_bias, w.k_bias, w.v_bias]) for w in weights.layers]
+        self._q_norm = [w.q_norm for w in weights.layers]
+        self._k_norm = [w.k_norm for w in weights.layers]
         self._norm = weights.norm
         # Fused projections: one product for q, k, v and one for gate, up.
         n = len(weights.layers)
@@ -303,12 +344,16 @@ class LlamaStage:
         c = self.config
         qkv = self._proj(rms_norm(x, self._attn_norm[layer], self._eps), self._wqkv[layer],
                             self._qkv_slices)
+        if self._qkv_bias[layer] is not None:
+            qkv += self._qkv_bias[layer]
         t = x.shape[0]
-        q = self._rotate(qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim), positions)
-        k = self._rotate(qkv[:, c.q_size:c.q_size + c.kv_size]
-                         .reshape(t, c.num_key_value_heads, c.head_dim), positions)
+        q = qkv[:, :c.q_size].reshape(t, c.num_attention_heads, c.head_dim)
+        k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(t, c.num_key_value_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(t, c.num_key_value_heads, c.head_dim)
-        return q, k, v
+        if self._q_norm[layer] is not None:
+            q = rms_norm(q, self._q_norm[layer], self._eps)
+            k = rms_norm(k, self._k_norm[layer], self._eps)
+        return self._rotate(q, positions), self._rotate(k, positions), v
 
     def _mlp(self, layer: int, x: np.ndarray) -> np.ndarray:
         gu = self._proj(rms_norm(x, self._mlp_norm[layer], self._eps), self._wgu[layer],

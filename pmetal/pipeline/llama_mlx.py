@@ -1,4 +1,4 @@
-"""The Llama decoder of :mod:`pmetal.pipeline.llama` in MLX, for Apple
+"""The Llama-family decoder of :mod:`pmetal.pipeline.llama` in MLX, for Apple
 silicon, and the choice between the two.
 
 :class:`MlxLlamaStage` has the interface of
@@ -11,7 +11,9 @@ array on MLX's default device (the GPU on a Mac), using MLX's fused
 kernels: ``mx.fast.rms_norm``, ``mx.fast.rope`` (``traditional=False``:
 Hugging Face's rotate-half convention, as the numpy decoder) and
 ``mx.fast.scaled_dot_product_attention`` (grouped-query attention without
-repeating the key-value heads).
+repeating the key-value heads). Qwen2's q/k/v biases are added after the
+fused product, Qwen3's per-head q/k norms are ``mx.fast.rms_norm`` over
+each head before the rotary embedding, as in the numpy decoder.
 
 The two backends agree to float32 rounding, not bit for bit: a pipeline
 whose stages mix backends does not promise the single-process greedy
@@ -86,6 +88,10 @@ class MlxLlamaStage:
         self._attn_norm = [a(w.attn_norm) for w in layers]
         self._mlp_norm = [a(w.mlp_norm) for w in layers]
         self._wqkv = [a(np.concatenate([w.wq, w.wk, w.wv])) for w in layers]
+        self._qkv_bias = [None if w.q_bias is None else
+                          a(np.concatenate([w.q_bias, w.k_bias, w.v_bias])) for w in layers]
+        self._q_norm = [None if w.q_norm is None else a(w.q_norm) for w in layers]
+        self._k_norm = [None if w.k_norm is None else a(w.k_norm) for w in layers]
         self._wo = [a(w.wo) for w in layers]
         self._wgu = [a(np.concatenate([w.w_gate, w.w_up])) for w in layers]
         self._wdown = [a(w.w_down) for w in layers]
@@ -146,6 +152,9 @@ class MlxLlamaStage:
         q = qkv[:, :c.q_size].reshape(t, nh, hd).transpose(1, 0, 2)[None]
         k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(t, nkv, hd).transpose(1, 0, 2)[None]
         v = qkv[:, c.q_size + c.kv_size:].reshape(t, nkv, hd).transpose(1, 0, 2)[None]
+        if self._q_norm[layer] is not None:
+            q = mx.fast.rms_norm(q, self._q_norm[layer], self._eps)
+            k = mx.fast.rms_norm(k, self._k_norm[layer], self._eps)
         q = mx.fast.rope(q, hd, traditional=False, base=float(c.rope_theta), scale=1.0,
                          offset=first)
         k = mx.fast.rope(k, hd, traditional=False, base=float(c.rope_theta), scale=1.0,
@@ -168,8 +177,8 @@ class MlxLlamaStage:
         return x + (gate * mx.sigmoid(gate) * up) @ self._wdown[layer].T
 
     def _qkv(self, layer: int, x: Any) -> Any:
-        return self._mx.fast.rms_norm(x, self._attn_norm[layer], self._eps) \
-            @ self._wqkv[layer].T
+        qkv = self._mx.fast.rms_norm(x, self._attn_norm[layer], self._eps) @ self._wqkv[layer].T
+        return qkv if self._qkv_bias[layer] is None else qkv + self._qkv_bias[layer]
 
     def forward(self, hidden: np.ndarray, cache: MlxKVCache) -> np.ndarray:
         """Run this stage's layers on ``hidden`` (T, hidden), the next T

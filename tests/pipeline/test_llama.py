@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pmetal.errors import ConfigError, PMetalValueError
+from pmetal.model.config import ARCHITECTURES
 from pmetal.pipeline.llama import (
     SMOLLM2_135M,
     KVCache,
@@ -354,13 +355,17 @@ def test_the_default_config_has_the_published_parameter_count() -> None:
     c = SMOLLM2_135M
     total = c.num_hidden_layers * c.layer_parameters() + c.vocab_size * c.hidden_size + c.hidden_size
     assert total == 134_515_008
-    tiny = LlamaWeights.random(TINY)
-    counted = sum(a.size for layer in tiny.layers for a in layer.__dict__.values())
-    assert counted == TINY.num_hidden_layers * TINY.layer_parameters()
+    for architecture in ARCHITECTURES:
+        config = LlamaConfig(**{**TINY.__dict__, "architecture": architecture})
+        tiny = LlamaWeights.random(config)
+        counted = sum(a.size for layer in tiny.layers for a in layer.__dict__.values()
+                      if a is not None)
+        assert counted == config.num_hidden_layers * config.layer_parameters(), architecture
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"model_type": "mistral"}, "only Llama"),
+    ({"model_type": "mistral"}, "model_type='mistral' architectures=\\['LlamaForCausalLM'\\]"),
+    ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "Gemma2ForCausalLM"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
     ({"hidden_act": "gelu"}, "silu"),
     ({"attention_bias": True}, "biases"),
