@@ -1,8 +1,8 @@
-"""Loading a Llama model's shape and the weights of a range of its layers
-from a GGUF file or a Hugging Face folder.
+"""Loading a Llama-family model's shape and the weights of a range of its
+layers from a GGUF file or a Hugging Face folder.
 
 What it owns: :func:`load_config` (a :class:`LlamaConfig` from GGUF
-``llama.*`` metadata or ``config.json``) and :func:`load_weights`, which
+``{arch}.*`` metadata or ``config.json``) and :func:`load_weights`, which
 reads and converts ONLY the tensors a stage running layers ``[start, end)``
 needs: those layers, the token embedding when ``start == 0`` (or when the
 range ends at the last layer and the embeddings are tied: the LM head is the
@@ -11,12 +11,19 @@ Both formats are memory-mapped, so a stage touches only its own pages.
 Every array is float32, C-contiguous, shaped ``(out, in)`` as
 :class:`LayerWeights` expects.
 
-GGUF: dequantized with the ``gguf`` package. llama.cpp's converter
-(``convert_hf_to_gguf.py``, ``LlamaModel.permute``) reorders the rows of
-``attn_q`` and ``attn_k`` of each head from Hugging Face's "rotate half"
-layout to the interleaved pairs its rotary kernel uses; this loader applies
-the inverse, so the decoder (which follows Hugging Face) computes the same
-logits from either format.
+GGUF: dequantized with the ``gguf`` package. ``general.architecture`` is
+``llama`` (Llama, and Mistral, which llama.cpp converts as Llama), ``qwen2``
+or ``qwen3``; anything else is refused by name before a weight loads, and so
+is a file holding a tensor its architecture does not have (Llama 3's
+``rope_freqs``, an expert), which would otherwise be ignored. For ``llama``
+files llama.cpp's converter (``convert_hf_to_gguf.py``,
+``LlamaModel.permute``) reorders the rows of ``attn_q`` and ``attn_k`` of
+each head from Hugging Face's "rotate half" layout to the interleaved pairs
+its rotary kernel uses; this loader applies the inverse, so the decoder
+(which follows Hugging Face) computes the same logits from either format.
+Qwen files keep Hugging Face's rows (llama.cpp rotates them NEOX-style,
+which is rotate half). Qwen2's biases (``attn_q.bias``...) and Qwen3's
+``attn_q_norm``/``attn_k_norm`` are float32 vectors.
 
 Hugging Face: ``config.json`` plus ``model.safetensors`` or the shards named
 by ``model.safetensors.index.json``, parsed here with numpy (an 8-byte
@@ -57,6 +64,24 @@ _LAYER_TENSORS = {
     "w_up": ("ffn_up", "mlp.up_proj"),
     "w_down": ("ffn_down", "mlp.down_proj"),
 }
+# The vectors some architectures add: field -> (GGUF name in block i, Hugging
+# Face name in layer i), wanted when the config's switch says so.
+_LAYER_VECTORS = {
+    "q_bias": ("attn_q.bias", "self_attn.q_proj.bias"),
+    "k_bias": ("attn_k.bias", "self_attn.k_proj.bias"),
+    "v_bias": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+}
+_LAYER_NAMES = {**{field: (f"{g}.weight", f"{h}.weight")
+                   for field, (g, h) in _LAYER_TENSORS.items()}, **_LAYER_VECTORS}
+# GGUF general.architecture -> the architecture it holds. Mistral's files say
+# llama; llama.cpp's newer "mistral3" adds YaRN and Llama 4's attention
+# temperature, which the decoder does not compute.
+_GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# Architectures whose q and k rows llama.cpp's converter permutes
+# (LlamaModel and its subclasses); Qwen's are written as Hugging Face has them.
+_PERMUTED = frozenset({"llama", "mistral"})
 # (GGUF, Hugging Face) names of the embedding, final norm and untied LM head
 _EMBED = ("token_embd.weight", "model.embed_tokens.weight")
 _NORM = ("output_norm.weight", "model.norm.weight")
@@ -111,7 +136,7 @@ def load_weights(path: str | Path, start: int = 0, end: int | None = None) -> Ll
             raise ConfigError(f"layer range [{start}, {end}) is not a non-empty range of the "
                               f"model's {config.num_hidden_layers} layers")
         layers = tuple(
-            LayerWeights(**{field: source.layer_tensor(i, field) for field in _LAYER_TENSORS})
+            LayerWeights(**{field: source.layer_tensor(i, field) for field in _shapes(config)})
             for i in range(start, end))
         is_last = end == config.num_hidden_layers
         embed = norm = head = None
@@ -182,10 +207,18 @@ def _expect(path: Path, name: str, array: np.ndarray, shape: tuple[int, ...]) ->
 
 
 def _shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of one of the config's layers: field -> shape."""
     h, i = config.hidden_size, config.intermediate_size
-    return {"attn_norm": (h,), "wq": (config.q_size, h), "wk": (config.kv_size, h),
-            "wv": (config.kv_size, h), "wo": (h, config.q_size), "mlp_norm": (h,),
-            "w_gate": (i, h), "w_up": (i, h), "w_down": (h, i)}
+    shapes: dict[str, tuple[int, ...]] = {
+        "attn_norm": (h,), "wq": (config.q_size, h), "wk": (config.kv_size, h),
+        "wv": (config.kv_size, h), "wo": (h, config.q_size), "mlp_norm": (h,),
+        "w_gate": (i, h), "w_up": (i, h), "w_down": (h, i)}
+    if config.attention_bias:
+        shapes.update(q_bias=(config.q_size,), k_bias=(config.kv_size,),
+                      v_bias=(config.kv_size,))
+    if config.qk_norm:
+        shapes.update(q_norm=(config.head_dim,), k_norm=(config.head_dim,))
+    return shapes
 
 
 # ------------------------------------------------------------------- GGUF
@@ -201,31 +234,33 @@ def gguf_config(metadata: dict[str, Any], path: Path,
     """A :class:`LlamaConfig` from GGUF metadata; ``tensor_names`` tells
     whether the file has its own LM head (no ``output.weight``: tied)."""
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise ModelFormatError(f"{path} holds a {arch!r} model; pmetal's decoder computes only "
-                               "Llama-architecture models")
+    architecture = _GGUF_ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    if architecture is None:
+        raise ModelFormatError(f"{path} holds a {arch!r} model; pmetal's decoder computes "
+                               f"{', '.join(_GGUF_ARCHITECTURES)} GGUF models (Mistral's "
+                               "files are llama)")
 
     def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"llama.{key}", default)
+        value = metadata.get(f"{arch}.{key}", default)
         if value is None:
-            raise ModelFormatError(f"{path}: GGUF metadata lacks llama.{key}")
+            raise ModelFormatError(f"{path}: GGUF metadata lacks {arch}.{key}")
         return value
 
     if get("expert_count", 0):
-        raise ModelFormatError(f"{path} is a mixture-of-experts model (llama.expert_count="
+        raise ModelFormatError(f"{path} is a mixture-of-experts model ({arch}.expert_count="
                                f"{get('expert_count')}); pmetal's decoder is dense only")
-    scaling = metadata.get("llama.rope.scaling.type", "none")
+    scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "") and _short_float(get("rope.scaling.factor", 1.0)) != 1.0:
         raise ModelFormatError(f"{path} asks for rope scaling {scaling!r}, which pmetal's "
                                "decoder does not implement")
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    head_dim = int(metadata.get("llama.attention.key_length", hidden // heads))
-    rotary = int(metadata.get("llama.rope.dimension_count", head_dim))
+    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
+    rotary = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
     if rotary != head_dim:
         raise ModelFormatError(f"{path} rotates {rotary} of {head_dim} head dimensions; "
                                "pmetal's decoder rotates them all")
-    vocab = metadata.get("llama.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
+    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
     if not vocab:
         raise ModelFormatError(f"{path}: GGUF metadata gives no vocabulary size")
     try:
@@ -243,6 +278,7 @@ def gguf_config(metadata: dict[str, Any], path: Path,
             tie_word_embeddings=tensor_names is not None and _HEAD[0] not in tensor_names,
             bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            architecture=architecture,
         )
     except ConfigError as exc:
         raise ModelFormatError(f"{path}: {exc}") from exc
@@ -269,23 +305,41 @@ class _GGUFSource:
         self.file = GGUFFile(path)
         try:
             self.config = gguf_config(self.file.metadata, path, set(self.file.tensors))
+            self._shapes = _shapes(self.config)
+            self._refuse_unknown_tensors()
         except BaseException:
             self.file.close()
             raise
-        self._shapes = _shapes(self.config)
+        # Llama's q and k rows are stored permuted for interleaved rotary pairs.
+        self.rotary = "interleaved" if self.config.architecture in _PERMUTED else "half"
+
+    def _refuse_unknown_tensors(self) -> None:
+        """A tensor the architecture does not have would be ignored, and the
+        logits silently wrong: Llama 3's ``rope_freqs`` (its rope scaling), a
+        bias, an expert. Refuse the file instead, naming the tensor."""
+        known = {_EMBED[0], _NORM[0], _HEAD[0]}
+        for layer in range(self.config.num_hidden_layers):
+            known.update(f"blk.{layer}.{_LAYER_NAMES[field][0]}" for field in self._shapes)
+        unknown = sorted(set(self.file.tensors) - known)
+        if unknown:
+            more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+            raise ModelFormatError(
+                f"{self.path} has {', '.join(unknown[:3])}{more}, which a "
+                f"{self.config.architecture} model as pmetal computes it does not have "
+                "(rope_freqs is Llama 3's rope scaling)")
 
     def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in self.file.tensors:
-            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete or "
-                                   "non-Llama GGUF file")
+            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete GGUF "
+                                   f"file, or not a {self.config.architecture} model")
         return _expect(self.path, name, self.file.tensor(name), shape)
 
     def layer_tensor(self, layer: int, field: str) -> np.ndarray:
-        name = f"blk.{layer}.{_LAYER_TENSORS[field][0]}.weight"
+        name = f"blk.{layer}.{_LAYER_NAMES[field][0]}"
         array = self._get(name, self._shapes[field])
-        if field == "wq":
+        if self.rotary == "interleaved" and field == "wq":
             return unpermute_rotary(array, self.config.num_attention_heads)
-        if field == "wk":
+        if self.rotary == "interleaved" and field == "wk":
             return unpermute_rotary(array, self.config.num_key_value_heads)
         return array
 
@@ -294,15 +348,12 @@ class _GGUFSource:
         shape = (c.hidden_size,) if names is _NORM else (c.vocab_size, c.hidden_size)
         return self._get(names[0], shape)
 
-    # Llama's q and k rows are stored permuted for interleaved rotary pairs.
-    rotary = "interleaved"
-
     def matrix(self, name: str, shape: tuple[int, int]) -> QMatrix:
         """Tensor ``name`` as a view of its blocks in the file."""
         info = self.file.tensors.get(name)
         if info is None:
-            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete or "
-                                   "non-Llama GGUF file")
+            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete GGUF "
+                                   f"file, or not a {self.config.architecture} model")
         if info.shape != shape:
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {info.shape}, the "
                                    f"model's config needs {shape}")
@@ -312,14 +363,14 @@ class _GGUFSource:
             raise ModelFormatError(f"{self.path}: tensor {name}: {exc}") from exc
 
     def quantized_layer(self, layer: int) -> QuantizedLayer:
-        def name(field: str) -> str:
-            return f"blk.{layer}.{_LAYER_TENSORS[field][0]}.weight"
-
-        matrices = {field: self.matrix(name(field), shape)
-                    for field, shape in self._shapes.items() if len(shape) == 2}
-        return QuantizedLayer(attn_norm=self._get(name("attn_norm"), self._shapes["attn_norm"]),
-                              mlp_norm=self._get(name("mlp_norm"), self._shapes["mlp_norm"]),
-                              **matrices)
+        """Layer ``layer``: matrices as views of their blocks, the norms,
+        biases and q/k norms float32 vectors."""
+        tensors = {}
+        for field, shape in self._shapes.items():
+            name = f"blk.{layer}.{_LAYER_NAMES[field][0]}"
+            tensors[field] = self.matrix(name, shape) if len(shape) == 2 \
+                else self._get(name, shape)
+        return QuantizedLayer(**tensors)
 
     def close(self) -> None:
         self.file.close()
@@ -423,15 +474,14 @@ class _HFSource:
     def _get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         filename = self._where.get(name)
         if filename is None:
-            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete or "
-                                   "non-Llama checkpoint")
+            raise ModelFormatError(f"{self.path} has no tensor {name}: an incomplete "
+                                   f"checkpoint, or not a {self.config.architecture} model")
         if filename not in self._files:
             self._files[filename] = _SafetensorsFile(self.path / filename)
         return _expect(self.path, name, self._files[filename].tensor(name), shape)
 
     def layer_tensor(self, layer: int, field: str) -> np.ndarray:
-        return self._get(f"model.layers.{layer}.{_LAYER_TENSORS[field][1]}.weight",
-                         self._shapes[field])
+        return self._get(f"model.layers.{layer}.{_LAYER_NAMES[field][1]}", self._shapes[field])
 
     def tensor(self, names: tuple[str, str]) -> np.ndarray:
         c = self.config

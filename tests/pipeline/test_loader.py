@@ -145,8 +145,9 @@ def test_non_llama_models_are_refused(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "g.gguf", tiny_config(), architecture="gpt2")
     with pytest.raises(ModelFormatError, match="'gpt2' model"):
         load_config(tmp_path / "g.gguf")
-    write_tiny_hf(tmp_path / "m", tiny_config(), model_type="mistral")
-    with pytest.raises(ModelFormatError, match=r"architectures=\['X'\]; pmetal's decoder computes"):
+    write_tiny_hf(tmp_path / "m", tiny_config(), model_type="gemma2")
+    with pytest.raises(ModelFormatError, match=r"model_type='gemma2' architectures=\['X'\]; "
+                                               "pmetal's decoder computes"):
         load_weights(tmp_path / "m")
 
 

@@ -148,7 +148,7 @@ def test_a_model_that_is_not_a_llama_model_is_refused_before_any_actor(
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelFormatError, match="holds a 'gpt2' model; pmetal's decoder "
-                                               "computes only Llama-architecture models"):
+                                               "computes llama, qwen2, qwen3 GGUF models"):
         Pipeline.from_pretrained(other, stages=2)
     # A Llama GGUF file cut short (an interrupted download), and cut in its header.
     whole = tmp_path / "tiny.gguf"

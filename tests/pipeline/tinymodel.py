@@ -1,11 +1,14 @@
-"""Tiny random Llama models written to disk as a Hugging Face folder or a
-GGUF file, for tests of the loaders, the tokenizer and the store.
+"""Tiny random Llama-family models (the config's architecture: llama,
+mistral, qwen2, qwen3) written to disk as a Hugging Face folder or a GGUF
+file, for tests of the loaders, the backends, the tokenizer and the store.
 
 Both writers return the :class:`LlamaWeights` they wrote, so a test can
-compare what a loader reads with what was written. The GGUF writer permutes
-``attn_q``/``attn_k`` exactly as llama.cpp's converter does (its code is
-restated here, not imported from pmetal), so a loader that forgot to undo
-the permutation fails the tests. Both carry the same byte-level BPE
+compare what a loader reads with what was written. The GGUF writer names
+the architecture as llama.cpp's converter does (Mistral as ``llama``) and,
+for ``llama`` files only, permutes ``attn_q``/``attn_k`` exactly as that
+converter's ``LlamaModel.permute`` does (its code is restated here, not
+imported from pmetal), so a loader that forgot to undo the permutation, or
+undid one that Qwen files do not have, fails the tests. Both carry the same byte-level BPE
 vocabulary (the 256 byte symbols, a few merges, ChatML special tokens) and a
 ChatML chat template.
 """
@@ -79,15 +82,29 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int | None) -
 
 # ---------------------------------------------------------------- GGUF
 
+# Hugging Face class of each architecture (config.json's "architectures")
+HF_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def gguf_architecture(config: LlamaConfig) -> str:
+    """general.architecture as llama.cpp's converter writes it: MistralForCausalLM
+    goes through its LlamaModel."""
+    return "llama" if config.architecture == "mistral" else config.architecture
+
+
 def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
-                    architecture: str = "llama", skip: tuple[str, ...] = (),
-                    quantize: bool = False, chat_template: str | None = CHAT_TEMPLATE
-                    ) -> LlamaWeights:
+                    architecture: str | None = None, skip: tuple[str, ...] = (),
+                    quantize: bool = False, chat_template: str | None = CHAT_TEMPLATE,
+                    extra: dict[str, np.ndarray] | None = None) -> LlamaWeights:
     """A GGUF file of random weights (F32, or Q8_0 matrices with
-    ``quantize``); ``skip`` leaves out tensors by GGUF name."""
+    ``quantize``); ``architecture`` overrides general.architecture (default:
+    the config's, as llama.cpp names it), ``skip`` leaves out tensors by GGUF
+    name, ``extra`` adds some."""
     import gguf
 
     weights = LlamaWeights.random(config, seed)
+    architecture = architecture or gguf_architecture(config)
     writer = gguf.GGUFWriter(str(path), architecture)
     c = config
     writer.add_block_count(c.num_hidden_layers)
@@ -99,6 +116,9 @@ def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
     writer.add_rope_freq_base(c.rope_theta)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
     writer.add_rope_dimension_count(c.head_dim)
+    if c.head_dim != c.hidden_size // c.num_attention_heads:  # Qwen3's explicit head_dim
+        writer.add_key_length(c.head_dim)
+        writer.add_value_length(c.head_dim)
     writer.add_vocab_size(c.vocab_size)
     tokens = tiny_vocab(c.vocab_size)
     writer.add_tokenizer_model("gpt2")
@@ -122,15 +142,23 @@ def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
         else:
             writer.add_tensor(name, array)
 
+    def permute(rows: np.ndarray, n_head_kv: int) -> np.ndarray:
+        if architecture != "llama":  # Qwen2Model, Qwen3Model: rows as Hugging Face has them
+            return rows
+        return llama_cpp_permute(rows, c.num_attention_heads, n_head_kv)
+
     assert weights.embed_tokens is not None and weights.norm is not None
     put("token_embd.weight", weights.embed_tokens)
     for i, layer in enumerate(weights.layers):
         put(f"blk.{i}.attn_norm.weight", layer.attn_norm)
-        put(f"blk.{i}.attn_q.weight", llama_cpp_permute(layer.wq, c.num_attention_heads,
-                                                        c.num_attention_heads))
-        put(f"blk.{i}.attn_k.weight", llama_cpp_permute(layer.wk, c.num_attention_heads,
-                                                        c.num_key_value_heads))
+        put(f"blk.{i}.attn_q.weight", permute(layer.wq, c.num_attention_heads))
+        put(f"blk.{i}.attn_k.weight", permute(layer.wk, c.num_key_value_heads))
         put(f"blk.{i}.attn_v.weight", layer.wv)
+        for name, vector in (("attn_q.bias", layer.q_bias), ("attn_k.bias", layer.k_bias),
+                             ("attn_v.bias", layer.v_bias), ("attn_q_norm.weight", layer.q_norm),
+                             ("attn_k_norm.weight", layer.k_norm)):
+            if vector is not None:
+                put(f"blk.{i}.{name}", vector)
         put(f"blk.{i}.attn_output.weight", layer.wo)
         put(f"blk.{i}.ffn_norm.weight", layer.mlp_norm)
         put(f"blk.{i}.ffn_gate.weight", layer.w_gate)
@@ -140,6 +168,8 @@ def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
     if not c.tie_word_embeddings:
         assert weights.lm_head is not None
         put("output.weight", weights.lm_head)
+    for name, array in (extra or {}).items():
+        put(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -163,6 +193,13 @@ def _hf_tensors(weights: LlamaWeights) -> dict[str, np.ndarray]:
                     p + "mlp.gate_proj.weight": layer.w_gate,
                     p + "mlp.up_proj.weight": layer.w_up,
                     p + "mlp.down_proj.weight": layer.w_down})
+        for name, vector in (("self_attn.q_proj.bias", layer.q_bias),
+                             ("self_attn.k_proj.bias", layer.k_bias),
+                             ("self_attn.v_proj.bias", layer.v_bias),
+                             ("self_attn.q_norm.weight", layer.q_norm),
+                             ("self_attn.k_norm.weight", layer.k_norm)):
+            if vector is not None:
+                out[p + name] = vector
     if not weights.config.tie_word_embeddings:
         assert weights.lm_head is not None
         out["lm_head.weight"] = weights.lm_head
@@ -219,17 +256,28 @@ def tiny_tokenizer_json(size: int | None = None) -> str:
 
 
 def write_tiny_hf(folder: str | Path, config: LlamaConfig, seed: int = 0, *,
-                  dtype: str = "F32", shards: int = 1, model_type: str = "llama",
+                  dtype: str = "F32", shards: int = 1, model_type: str | None = None,
                   skip: tuple[str, ...] = ()) -> LlamaWeights:
-    """A Hugging Face model folder of random weights: config.json,
-    safetensors (``shards`` files with an index when more than one),
-    tokenizer.json, tokenizer_config.json. ``skip`` leaves out tensors."""
+    """A Hugging Face model folder of random weights: config.json (as the
+    config's architecture writes it, or ``model_type`` with the class
+    ``X`` when it names none), safetensors (``shards`` files with an index
+    when more than one), tokenizer.json, tokenizer_config.json. ``skip``
+    leaves out tensors."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     weights = LlamaWeights.random(config, seed)
     c = config
+    model_type = model_type or c.architecture
+    # What each family's config.json adds (Qwen2's biases have no switch there).
+    family: dict[str, object] = {
+        "mistral": {"sliding_window": None},
+        "qwen2": {"use_sliding_window": False, "sliding_window": c.max_position_embeddings,
+                  "max_window_layers": c.num_hidden_layers},
+        "qwen3": {"attention_bias": False, "head_dim": c.head_dim,
+                  "use_sliding_window": False, "sliding_window": None},
+    }.get(model_type, {})
     (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"] if model_type == "llama" else ["X"],
+        "architectures": [HF_CLASSES.get(model_type, "X")], **family,
         "model_type": model_type, "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_hidden_layers,
         "num_attention_heads": c.num_attention_heads,
