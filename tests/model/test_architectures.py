@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,11 +36,14 @@ from pmetal.errors import ConfigError
 from pmetal.model.config import ARCHITECTURES, LlamaConfig
 from pmetal.model.quantized import QuantizedStage
 from pmetal.pipeline import loader
+from pmetal.pipeline.generation import generate_single_process
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.llama import LlamaStage, LlamaWeights
 from pmetal.pipeline.llama_mlx import MlxLlamaStage, mlx_available
 from pmetal.pipeline.loader import load_config, load_quantized, load_weights
 from pmetal.pipeline.models import ModelFormatError
+from pmetal.pipeline.sampling import SamplingConfig
+from pmetal.pipeline.tokenizer import Tokenizer
 from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf, write_tiny_hf
 
 ARCHS = tuple(ARCHITECTURES)
@@ -237,6 +243,29 @@ def test_transformers_computes_the_same_logits_from_the_hf_folder(
         theirs = model(torch.tensor([PROMPT])).logits[0].double().numpy()
     stage = LlamaStage(load_weights(folder))
     within(cached_logits(stage, PROMPT), theirs, FLOAT32)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_pmetal_generate_runs_qwen_files_over_two_stages(tmp_path: Path, family: str) -> None:
+    """The architecture reaches every stage actor through the file: the
+    streamed answer is the single-process greedy one."""
+    path = tmp_path / f"{family}.gguf"
+    write_tiny_gguf(path, arch_config(family), seed=7, quantize=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
+    env["PMETAL_HOME"] = str(tmp_path / "home")
+    done = subprocess.run(
+        [sys.executable, "-m", "pmetal", "generate", "--model", str(path), "--prompt",
+         "what is the capital", "--max-tokens", "10", "--stages", "2", "--backend",
+         "quantized", "--max-len", "64"],
+        env=env, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tok = Tokenizer.from_model(path)
+    prompt = tok.encode_prompt("what is the capital")
+    stops = tuple(tok.stop_token_ids)
+    expected = generate_single_process(
+        QuantizedStage(load_quantized(path)), [prompt],
+        SamplingConfig(max_tokens=10, stop_token_ids=stops), max_len=64)[0]
+    assert done.stdout == tok.decode([t for t in expected.tokens if t not in stops]) + "\n"
 
 
 # ------------------------------------------------------------ config.json
