@@ -137,7 +137,8 @@ class LlamaConfig:
         if data.get("hidden_act", "silu") != "silu":
             raise ConfigError(f"config.json hidden_act={data['hidden_act']!r}; only 'silu' is supported")
         # Qwen2 has q, k and v biases whatever attention_bias says (its config
-        # has none); elsewhere attention_bias adds them to o as well.
+        # has none); in Llama and Qwen3 attention_bias adds one to o as well,
+        # Mistral has none.
         if (data.get("attention_bias") and architecture != "qwen2") or data.get("mlp_bias"):
             raise ConfigError(f"config.json asks for attention or MLP biases, which pmetal's "
                               f"decoder does not implement for {architecture}")

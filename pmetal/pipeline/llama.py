@@ -24,8 +24,9 @@ Layouts, chosen for speed on a CPU:
   float64 on every token (a 10x slowdown).
 
 Rotary embeddings follow Hugging Face's "rotate half" convention (the first
-half of each head against the second). GGUF files store q and k permuted for
-the interleaved convention; a GGUF loader must undo that permutation.
+half of each head against the second). GGUF files of Llama (and Mistral)
+store q and k permuted for the interleaved convention, Qwen's do not; a GGUF
+loader must undo the permutation where there is one.
 """
 
 from __future__ import annotations
