@@ -37,11 +37,12 @@ import numpy as np
 from pmetal.errors import ConfigError
 from pmetal.model.kernels import KernelError, QMatrix
 from pmetal.model.quantized import QuantizedLayer, QuantizedWeights
+from pmetal.pipeline.assignment import ModelProfile
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.llama import LayerWeights, LlamaConfig, LlamaWeights
 from pmetal.pipeline.models import ModelFormatError, UnknownModelError
 
-__all__ = ["load_config", "load_quantized", "load_weights"]
+__all__ = ["load_config", "load_quantized", "load_weights", "quantized_profile"]
 
 F32 = np.float32
 
@@ -71,7 +72,7 @@ class _Source(Protocol):
     def close(self) -> None: ...
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     if path.is_file():
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
@@ -80,7 +81,7 @@ def _is_gguf(path: Path) -> bool:
 
 def _open(path: str | Path) -> _Source:
     path = Path(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return _GGUFSource(path)
     if path.is_dir():
         return _HFSource(path)
@@ -139,7 +140,7 @@ def load_quantized(path: str | Path, start: int = 0, end: int | None = None
     blocks (the map stays open while the weights live), norms and biases
     float32. Only the stage's own pages are ever read."""
     path = Path(path)
-    if not _is_gguf(path):
+    if not is_gguf(path):
         if path.is_dir() or path.exists():
             raise ModelFormatError(
                 f"{path}: the quantized backend reads GGUF files; for a Hugging Face folder "
@@ -172,6 +173,30 @@ def load_quantized(path: str | Path, start: int = 0, end: int | None = None
     except BaseException:
         source.close()
         raise
+
+
+def quantized_profile(path: str | Path, *, max_len: int) -> ModelProfile:
+    """The memory the quantized engine holds for the GGUF file at ``path``:
+    each layer's tensor bytes as stored, plus one sequence's KV cache of
+    ``max_len`` positions for it; the embedding and the head as stored."""
+    with GGUFFile(path) as file:
+        config = gguf_config(file.metadata, Path(path), set(file.tensors))
+        per_layer = [0] * config.num_hidden_layers
+        for name, info in file.tensors.items():
+            if name.startswith("blk."):
+                layer = int(name.split(".")[1])
+                if 0 <= layer < config.num_hidden_layers:
+                    per_layer[layer] += info.nbytes
+        kv = 2 * config.kv_size * max_len * 4
+        embed = file.tensors[_EMBED[0]].nbytes if _EMBED[0] in file.tensors else 0
+        head = (file.tensors[_NORM[0]].nbytes if _NORM[0] in file.tensors else 0) + (
+            embed if config.tie_word_embeddings else file.tensors[_HEAD[0]].nbytes)
+    cost = [2.0 * (config.layer_parameters())] * config.num_hidden_layers
+    return ModelProfile(n_layers=config.num_hidden_layers,
+                        layer_bytes=[b + kv for b in per_layer], hidden_size=config.hidden_size,
+                        embedding_bytes=embed, head_bytes=head,
+                        tied_embeddings=config.tie_word_embeddings, layer_cost=cost,
+                        head_cost=2.0 * config.vocab_size * config.hidden_size)
 
 
 def _expect(path: Path, name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
