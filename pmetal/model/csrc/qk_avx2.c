@@ -85,6 +85,107 @@ static QK_AVX2 float dot_q4_1(int nb, const uint8_t *w, const void *xv) {
     return hsum(acc) + accm;
 }
 
+/* K-quants: per super-block, the eight (Q4_K, Q5_K) or sixteen (Q6_K)
+ * sub-block scales multiply int32 lanes (madd with the scale as int16), the
+ * lanes of all sub-blocks are summed as integers (each lane stays below
+ * 2^24, so its conversion to float is exact), then one FMA applies d * dx.
+ * The min terms of Q4_K and Q5_K use x's block sums (bsums). */
+static inline QK_AVX2 int k_mins(const uint8_t mn[8], const int16_t *bsums) {
+    int s = 0;
+    for (int j = 0; j < 8; j++) s += mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return s;
+}
+
+static QK_AVX2 float dot_q4_k(int nb, const uint8_t *w, const void *xv) {
+    const qk_a256 *x = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.0f;
+    for (int b = 0; b < nb; b++, w += 144) {
+        uint8_t sc[8], mn[8];
+        qk_k_scales(w + 4, sc, mn);
+        const int8_t *y = x[b].q;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(q4, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+        accm += (fp16(w + 2) * x[b].d) * (float)k_mins(mn, x[b].bsums);
+    }
+    return hsum(acc) - accm;
+}
+
+static QK_AVX2 float dot_q5_k(int nb, const uint8_t *w, const void *xv) {
+    const qk_a256 *x = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.0f;
+    for (int b = 0; b < nb; b++, w += 176) {
+        uint8_t sc[8], mn[8];
+        qk_k_scales(w + 4, sc, mn);
+        const int8_t *y = x[b].q;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i hlo = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one);
+            const __m256i hhi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_slli_epi16(hlo, 4));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4),
+                                               _mm256_slli_epi16(hhi, 4));
+            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+        accm += (fp16(w + 2) * x[b].d) * (float)k_mins(mn, x[b].bsums);
+    }
+    return hsum(acc) - accm;
+}
+
+/* Q6_K: 6-bit q = low nibble (ql) | 2 high bits (qh) << 4, stored biased by
+ * 32: sum (q - 32) y = maddubs(q, y) - maddubs(32, y). */
+static QK_AVX2 float dot_q6_k(int nb, const uint8_t *w, const void *xv) {
+    const qk_a256 *x = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h;
+            const int8_t *y = x[b].q + 128 * h;
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+            for (int k = 0; k < 4; k++) {
+                const __m256i yk = _mm256_loadu_si256((const __m256i *)(y + 32 * k));
+                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yk), _mm256_maddubs_epi16(m32, yk));
+                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]),
+                                                     _mm_set1_epi16(sc[8 * h + 2 * k]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s16));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w + 208) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc);
+}
+
 /* Float weights: four 8-lane accumulators, then eight lanes, then the tail. */
 #define QK_AVX2_FLOAT_DOT(NAME, LOAD8, LOAD1)                                       \
     static QK_AVX2 float NAME(int n, const uint8_t *w, const void *xv) {            \
@@ -141,9 +242,9 @@ void qk_fill_avx2(qk_isa *isa) {
     isa->dot[QK_Q4_0] = dot_q4_0; isa->dequant[QK_Q4_0] = dq_q4_0;
     isa->dot[QK_Q4_1] = dot_q4_1; isa->dequant[QK_Q4_1] = dq_q4_1;
     isa->dot[QK_Q8_0] = dot_q8_0; isa->dequant[QK_Q8_0] = dq_q8_0;
-    isa->dequant[QK_Q4_K] = dq_q4_k;
-    isa->dequant[QK_Q5_K] = dq_q5_k;
-    isa->dequant[QK_Q6_K] = dq_q6_k;
+    isa->dot[QK_Q4_K] = dot_q4_k; isa->dequant[QK_Q4_K] = dq_q4_k;
+    isa->dot[QK_Q5_K] = dot_q5_k; isa->dequant[QK_Q5_K] = dq_q5_k;
+    isa->dot[QK_Q6_K] = dot_q6_k; isa->dequant[QK_Q6_K] = dq_q6_k;
 }
 
 #endif
