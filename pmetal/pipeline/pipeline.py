@@ -117,10 +117,20 @@ def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any
         n_kv_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
         tied_embeddings=config.tie_word_embeddings)
     fast = Link(bandwidth=1e12)     # links are not measured here: compute decides
-    assignment = assign_layers_bandwidth_aware(profile, slots, lambda _a, _b: fast,
-                                               exact_limit=0)
-    if len(assignment.stages) != stages:
-        assignment = assign_layers_proportional(profile, slots)
+    try:
+        assignment = assign_layers_bandwidth_aware(profile, slots, lambda _a, _b: fast,
+                                                   exact_limit=0)
+        if len(assignment.stages) != stages:
+            assignment = assign_layers_proportional(profile, slots)
+    except PlacementError as exc:
+        # The solvers see only the stages' slots; say what every node has.
+        advertised = ", ".join(
+            f"{n['NodeID']} {float((n.get('Resources') or {}).get('memory', 0.0)) / 2**20:.2f} MiB"
+            for n in live)
+        raise PlacementError(
+            f"{stages} stage(s) cannot hold the model: {exc}. The live nodes advertise "
+            f"{advertised} (a stage may use {memory_fraction:.0%} of its node's share); more "
+            "stages spread the layers over more nodes") from exc
     placements = []
     for i, stage in enumerate(assignment.stages):
         placements.append(StagePlacement(i, stage.node_id.partition(":")[2], stage.start,

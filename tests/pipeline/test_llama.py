@@ -287,7 +287,7 @@ def test_thirty_layers_split_twelve_and_eighteen_equal_one_stage_bitwise() -> No
 
 def test_everything_stays_float32(weights: LlamaWeights) -> None:
     stage = LlamaStage(weights)
-    assert stage._cos.dtype == stage._sin.dtype == np.float32
+    assert stage._rotate.cos.dtype == stage._rotate.sin.dtype == np.float32
     assert all(m.dtype == np.float32 and m.flags.c_contiguous
                for m in stage._wqkv + stage._wo + stage._wgu + stage._wdown)
     cache = stage.new_cache(16)
