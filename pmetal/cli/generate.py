@@ -18,7 +18,7 @@ from typing import Any
 
 from pmetal.errors import ConfigError
 
-DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_PROMPT = "Which city is the capital of France?"
 
 
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
