@@ -6,9 +6,9 @@ never raises anything else (docs/security.md, "Model files")."""
 from __future__ import annotations
 
 import re
-import resource
 import struct
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -180,3 +180,142 @@ def test_truncation_names_the_offset_and_the_file_size(tmp_path: Path) -> None:
     refused(tmp_path, content[:-1], r"tensor w runs past the end of the file \(truncated "
                                     rf"download\?\): shape \(8,\), 32 bytes at offset "
                                     rf"{len(content) - 32}, the file has {len(content) - 1} bytes")
+
+
+# ------------------------------------------------------------ metadata the loader converts
+
+def _metadata() -> dict[str, Any]:
+    c = tiny_config()
+    return {"general.architecture": "llama", "llama.block_count": c.num_hidden_layers,
+            "llama.context_length": c.max_position_embeddings,
+            "llama.embedding_length": c.hidden_size,
+            "llama.feed_forward_length": c.intermediate_size,
+            "llama.attention.head_count": c.num_attention_heads,
+            "llama.attention.head_count_kv": c.num_key_value_heads,
+            "llama.rope.freq_base": 10000.0, "llama.attention.layer_norm_rms_epsilon": 1e-5,
+            "llama.vocab_size": c.vocab_size, "tokenizer.ggml.bos_token_id": 1}
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("llama.attention.head_count", 0),               # hidden // heads: ZeroDivisionError
+    ("llama.attention.head_count", "9"),
+    ("llama.rope.freq_base", float("inf")),          # rotary tables of NaN
+    ("llama.rope.freq_base", float("nan")),
+    ("llama.rope.freq_base", 1e300),                 # inf as the float32 it is computed in
+    ("llama.attention.layer_norm_rms_epsilon", "1e-5"),
+    ("llama.context_length", float("inf")),          # int(inf): OverflowError
+    ("llama.context_length", float("nan")),          # int(nan): ValueError
+    ("llama.context_length", 2**60),                 # a rotary table of 2**60 rows
+    ("llama.block_count", 10**6),                    # more layers than tensors
+    ("llama.embedding_length", -64),
+    ("llama.feed_forward_length", True),
+    ("llama.vocab_size", [1, 2]),
+    ("llama.attention.key_length", 0),
+    ("llama.rope.dimension_count", 2.5),
+    ("tokenizer.ggml.bos_token_id", 10**9),
+    ("tokenizer.ggml.bos_token_id", "1"),
+])
+def test_bad_metadata_values_are_named(key: str, value: Any) -> None:
+    metadata = {**_metadata(), key: value}
+    with pytest.raises(ModelFormatError, match=f"GGUF {re.escape(key)} is "):
+        gguf_config(metadata, Path("m.gguf"), {f"t{i}" for i in range(40)})
+
+
+def test_a_combination_llama_config_refuses_names_the_gguf_keys() -> None:
+    metadata = {**_metadata(), "llama.attention.head_count_kv": 3}   # 4 heads, 3 kv heads
+    with pytest.raises(ModelFormatError, match=r"llama\.attention\.head_count, "
+                                               r"llama\.attention\.head_count_kv\).*multiple"):
+        gguf_config(metadata, Path("m.gguf"), {f"t{i}" for i in range(40)})
+
+
+def test_the_tiny_model_still_loads(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "t.gguf", tiny_config())
+    assert load_config(tmp_path / "t.gguf") == tiny_config()
+
+
+# ------------------------------------------------------------ fuzz
+
+def _small_gguf(path: Path) -> bytes:
+    """A valid GGUF of a few hundred bytes with every value kind the parser
+    reads (scalars, strings, arrays of numbers, strings and arrays) and
+    tensors of three ggml types, written by the gguf package."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in _metadata().items():
+        if key == "general.architecture":
+            continue
+        if isinstance(value, float):
+            writer.add_float32(key, value)
+        else:
+            writer.add_uint32(key, value)
+    writer.add_string("general.name", "fuzz")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "<s>", "é"])
+    writer.add_array("tokenizer.ggml.token_type", [1, 1, 3, 1])
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_bool("flag", True)
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((2, 8), dtype=np.float32))
+    writer.add_tensor("f16", rng.standard_normal((3, 4)).astype(np.float16))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("q8", gguf.quants.quantize(rng.standard_normal((2, 32), dtype=np.float32),
+                                                 q8), raw_dtype=q8)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return _small_gguf(tmp_path_factory.mktemp("fuzz") / "small.gguf")
+
+
+_mutation = st.one_of(
+    st.tuples(st.just("byte"), st.integers(0, 10**6), st.integers(0, 255)),
+    st.tuples(st.just("u64"), st.integers(0, 10**6),
+              st.sampled_from([0, 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**63 + 1, 2**64 - 1])),
+    st.tuples(st.just("u32"), st.integers(0, 10**6), st.sampled_from([0, 4, 5, 8, 9, 13, 2**32 - 1])),
+    st.tuples(st.just("cut"), st.integers(0, 10**6), st.just(0)),
+)
+
+
+def _mutate(content: bytes, mutations: list[tuple[str, int, int]]) -> bytes:
+    data = bytearray(content)
+    for kind, where, value in mutations:
+        at = where % max(1, len(data))
+        if kind == "cut":
+            del data[at:]
+        elif kind == "byte" and data:
+            data[at] = value
+        else:
+            fmt = "<Q" if kind == "u64" else "<I"
+            data[at:at + struct.calcsize(fmt)] = struct.pack(fmt, value)
+    return bytes(data)
+
+
+@settings(max_examples=400, deadline=2000, suppress_health_check=[HealthCheck.too_slow,
+          HealthCheck.function_scoped_fixture])
+@given(mutations=st.lists(_mutation, min_size=1, max_size=4))
+def test_damaged_files_parse_or_raise_model_format_error(
+        tmp_path: Path, small_gguf: bytes, mutations: list[tuple[str, int, int]]) -> None:
+    """Whatever the damage: a ModelFormatError or a file whose tensors and
+    config read, within a second and 16 MiB (numpy's buffers included:
+    tracemalloc sees them)."""
+    path = tmp_path / "damaged.gguf"
+    path.write_bytes(_mutate(small_gguf, mutations))
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with GGUFFile(path) as file:
+            for name in file.tensors:
+                file.tensor(name)
+            gguf_config(file.metadata, path, set(file.tensors))
+    except ModelFormatError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert time.monotonic() - started < 1.0
+    assert peak < 16 << 20
