@@ -5,8 +5,9 @@ either from a GGUF file's vocabulary (``tokenizer.ggml.*``: a byte-level BPE,
 ``tokenizer.ggml.model == "gpt2"``, built as Hugging Face's own GGUF
 converter builds it) or from a Hugging Face folder's ``tokenizer.json`` (and
 ``tokenizer_config.json`` for the chat template and special tokens); the
-chat template, rendered in a sandboxed Jinja2 environment set up as
-``transformers`` sets it up; and :class:`StreamDecoder`, which turns
+chat template, rendered by :mod:`pmetal.pipeline.chat_template` (a sandboxed
+Jinja2 environment set up as ``transformers`` sets it up, with bounds on
+output, time and loops); and :class:`StreamDecoder`, which turns
 generated ids into text as they come without ever emitting half a UTF-8
 character (byte-level BPE tokens often split a multi-byte character).
 """
@@ -17,11 +18,11 @@ import json
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from pmetal.errors import PMetalValueError
+from pmetal.pipeline.chat_template import ChatTemplate, TemplateRaised, TemplateTooCostly
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.models import ModelFormatError
 
@@ -198,17 +199,23 @@ class Tokenizer:
                                    "give the prompt text as it is (chat=False)")
         from jinja2 import TemplateError
 
+        if self._template is None:
+            self._template = ChatTemplate(self.chat_template)
         try:
-            if self._template is None:
-                self._template = _jinja_environment().from_string(self.chat_template)
-            return str(self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
-        except _TemplateRaised as exc:
+            return self._template.render(
+                list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateRaised as exc:
             raise PMetalValueError(f"the model's chat template refused the messages: "
                                    f"{exc}") from exc
+        except TemplateTooCostly as exc:
+            raise ModelFormatError(f"the model's chat template is broken: it exceeds a "
+                                   f"resource limit: {exc}") from exc
         except TemplateError as exc:
             raise ModelFormatError(f"the model's chat template is broken: {exc}") from exc
+        except _TEMPLATE_FAILURES as exc:
+            raise ModelFormatError(f"the model's chat template is broken: "
+                                   f"{type(exc).__name__}: {exc}") from exc
 
     def encode_prompt(self, prompt: str, *, chat: bool | None = None) -> list[int]:
         """Token ids to feed the model for a user prompt: wrapped in the chat
@@ -252,31 +259,10 @@ class Tokenizer:
         return StreamDecoder(self)
 
 
-class _TemplateRaised(Exception):
-    """raise_exception() called by a chat template: the messages are wrong."""
-
-
-def _jinja_environment() -> Any:
-    """The environment transformers renders chat templates in: sandboxed,
-    immutable, trim_blocks and lstrip_blocks, with raise_exception, tojson
-    (no ASCII escaping) and strftime_now."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise _TemplateRaised(message)
-
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+# What a template that is code from the model file may raise besides jinja2's
+# TemplateError (syntax, undefined, sandbox): 1/0, 'a' + 1, a recursive macro.
+_TEMPLATE_FAILURES = (ArithmeticError, AttributeError, LookupError, RecursionError, TypeError,
+                      ValueError)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
