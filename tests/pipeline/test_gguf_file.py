@@ -17,10 +17,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pmetal.errors import PMetalValueError
 from pmetal.pipeline.gguf_file import MAX_ARRAY_NESTING, GGUFFile
 from pmetal.pipeline.loader import gguf_config, load_config
 from pmetal.pipeline.models import ModelFormatError
-from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
+from pmetal.pipeline.tokenizer import Tokenizer
+from tests.pipeline.tinymodel import CHAT_TEMPLATE, tiny_config, write_tiny_gguf
 
 # ------------------------------------------------------------ raw writer
 
@@ -242,7 +244,7 @@ def _small_gguf(path: Path) -> bytes:
     import gguf
 
     writer = gguf.GGUFWriter(str(path), "llama")
-    for key, value in _metadata().items():
+    for key, value in {**_metadata(), "llama.block_count": 1}.items():  # 1 layer <= 3 tensors
         if key == "general.architecture":
             continue
         if isinstance(value, float):
@@ -250,8 +252,13 @@ def _small_gguf(path: Path) -> bytes:
         else:
             writer.add_uint32(key, value)
     writer.add_string("general.name", "fuzz")
-    writer.add_array("tokenizer.ggml.tokens", ["a", "b", "<s>", "é"])
-    writer.add_array("tokenizer.ggml.token_type", [1, 1, 3, 1])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(["a", "b", "ab", "<s>", "é"])
+    writer.add_token_types([1, 1, 1, 3, 1])
+    writer.add_token_merges(["a b"])
+    writer.add_eos_token_id(3)
+    writer.add_chat_template(CHAT_TEMPLATE)
     writer.add_array("nested", [[1, 2], [3]])
     writer.add_bool("flag", True)
     rng = np.random.default_rng(0)
@@ -300,8 +307,9 @@ def _mutate(content: bytes, mutations: list[tuple[str, int, int]]) -> bytes:
 @given(mutations=st.lists(_mutation, min_size=1, max_size=4))
 def test_damaged_files_parse_or_raise_model_format_error(
         tmp_path: Path, small_gguf: bytes, mutations: list[tuple[str, int, int]]) -> None:
-    """Whatever the damage: a ModelFormatError or a file whose tensors and
-    config read, within a second and 16 MiB (numpy's buffers included:
+    """Whatever the damage: a ModelFormatError or a file whose tensors,
+    config, tokenizer and chat template read (a template may also refuse the
+    messages), within a second and 16 MiB (numpy's buffers included:
     tracemalloc sees them)."""
     path = tmp_path / "damaged.gguf"
     path.write_bytes(_mutate(small_gguf, mutations))
@@ -311,9 +319,14 @@ def test_damaged_files_parse_or_raise_model_format_error(
         with GGUFFile(path) as file:
             for name in file.tensors:
                 file.tensor(name)
-            gguf_config(file.metadata, path, set(file.tensors))
+            metadata = file.metadata
+        gguf_config(metadata, path, set(file.tensors))
+        tokenizer = Tokenizer.from_gguf_metadata(metadata, path)
+        tokenizer.encode_prompt("ab é")
     except ModelFormatError:
         pass
+    except PMetalValueError as exc:  # a damaged role name: raise_exception()
+        assert "refused the messages" in str(exc)
     finally:
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
