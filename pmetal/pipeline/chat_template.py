@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from typing import Any
 
-__all__ = ["ChatTemplate", "TemplateRaised", "TemplateTooCostly", "environment"]
+__all__ = ["ChatTemplate", "TemplateRaised", "TemplateTooCostly"]
 
 MAX_TEMPLATE_OUTPUT = 1 << 20
 """Most characters a chat template may write beyond the messages' own text,
@@ -223,7 +223,7 @@ def _range(*args: int) -> range:
     return items
 
 
-def environment() -> Any:
+def _environment() -> Any:
     """The environment transformers renders chat templates in, with this
     module's bounds: sandboxed, immutable, trim_blocks and lstrip_blocks,
     with raise_exception, tojson (no ASCII escaping) and strftime_now."""
@@ -246,11 +246,10 @@ def environment() -> Any:
                 _check_format(budget, left, right, percent=True)
             return super().call_binop(context, operator, left, right)
 
-        def call(__self, __context: Any, __obj: Any, *args: Any,  # noqa: N805 - as jinja2's
-                 **kwargs: Any) -> Any:
+        def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
             budget = _budget.get()
             budget.tick()
-            target = getattr(__obj, "__wrapped__", __obj)  # str.format comes wrapped
+            target = getattr(obj, "__wrapped__", obj)  # str.format comes wrapped
             owner = getattr(target, "__self__", None)
             if isinstance(owner, str):
                 _check_call(budget, getattr(target, "__name__", ""), owner, args, kwargs,
@@ -258,7 +257,7 @@ def environment() -> Any:
             elif target is not _range:  # which says more itself
                 _check_call(budget, getattr(target, "__name__", "a call"), None, args, kwargs,
                             is_filter=False)
-            return super().call(__context, __obj, *args, **kwargs)
+            return super().call(context, obj, *args, **kwargs)
 
         def getattr(self, obj: Any, attribute: str) -> Any:
             _budget.get().tick()
@@ -299,7 +298,7 @@ class ChatTemplate:
     def _compile(self) -> Any:
         from jinja2 import nodes
 
-        env = environment()
+        env = _environment()
         tree = env.parse(self.source)
         for loop in tree.find_all(nodes.For):
             loop.iter = nodes.Call(nodes.Name("_pmetal_paced", "load"), [loop.iter], [], None,

@@ -41,6 +41,7 @@ A file cut short says "truncated", with the offset and the file's size.
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import struct
@@ -248,7 +249,7 @@ class GGUFFile:
                     f"has {size} bytes")
             tensors[name] = GGUFTensorInfo(name, shape, kind, start, nbytes)
         ordered = sorted(tensors.values(), key=lambda t: (t.offset, t.nbytes))
-        for before, after in zip(ordered, ordered[1:]):
+        for before, after in itertools.pairwise(ordered):
             if after.offset < before.offset + before.nbytes:
                 raise ModelFormatError(f"{self.path}: tensors {before.name} and {after.name} "
                                        "overlap in the file")

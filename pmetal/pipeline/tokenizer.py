@@ -22,7 +22,11 @@ from pathlib import Path
 from typing import Any
 
 from pmetal.errors import PMetalValueError
-from pmetal.pipeline.chat_template import ChatTemplate, TemplateRaised, TemplateTooCostly
+from pmetal.pipeline.chat_template import (
+    ChatTemplate,
+    TemplateRaised,
+    TemplateTooCostly,
+)
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.models import ModelFormatError
 

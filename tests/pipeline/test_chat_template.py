@@ -135,17 +135,17 @@ ATTACKS = {
     "join method": ("{% set s = 'x' * 1000000 %}{{ s.join(['a', 'b']) }}", r"join\(\)"),
     "indent": ("{% set s = '\n' * 1000000 %}{{ s|indent(100) }}", r"indent\(\)"),
     "expandtabs": ("{% set s = '\t' * 1000000 %}{{ s.expandtabs(100) }}", r"expandtabs\(\)"),
-    "range": ("{% for a in range(10**6) %}{% for b in range(10**6) %}x{% endfor %}{% endfor %}",
-              rf"range\(\) of 1,000,000 items, more than the limit of {MAX_TEMPLATE_RANGE:,}"),
+    "range": (("{% for a in range(10**6) %}{% for b in range(10**6) %}x{% endfor %}"
+               "{% endfor %}"), rf"range\(\) of 1,000,000 items, more than the limit of {MAX_TEMPLATE_RANGE:,}"),
     # loops within every single bound: the output limit, the loop budget, the deadline
-    "output": ("{% for a in range(10000) %}{% for b in range(10000) %}xxxxxxxxxx{% endfor %}"
-               "{% endfor %}", r"its output would make 1,048,5\d\d characters"),
-    "silent loops": ("{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}"
-                     "{% endfor %}", f"(more than {MAX_TEMPLATE_ITERATIONS:,} iterations|{SLOW})"),
-    "silent list loops": ("{% set l = [0] * 100000 %}{% for a in l %}{% for b in l %}"
-                          "{% endfor %}{% endfor %}", f"(iterations|{SLOW})"),
-    "set block": ("{% set s %}{% for a in range(10000) %}{% for b in range(10000) %}x"
-                  "{% endfor %}{% endfor %}{% endset %}", f"(iterations|{SLOW})"),
+    "output": (("{% for a in range(10000) %}{% for b in range(10000) %}xxxxxxxxxx{% endfor %}"
+                "{% endfor %}"), r"its output would make 1,048,5\d\d characters"),
+    "silent loops": (("{% for a in range(10000) %}{% for b in range(10000) %}{% endfor %}"
+                      "{% endfor %}"), f"(more than {MAX_TEMPLATE_ITERATIONS:,} iterations|{SLOW})"),
+    "silent list loops": (("{% set l = [0] * 100000 %}{% for a in l %}{% for b in l %}"
+                           "{% endfor %}{% endfor %}"), f"(iterations|{SLOW})"),
+    "set block": (("{% set s %}{% for a in range(10000) %}{% for b in range(10000) %}x"
+                   "{% endfor %}{% endfor %}{% endset %}"), f"(iterations|{SLOW})"),
     "slow loop": ("{% for a in range(10000) %}{% set s = ('x' * 1000000)|upper %}{% endfor %}",
                   SLOW),
 }
