@@ -281,6 +281,9 @@ def _environment() -> Any:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["range"] = _range
+    # lipsum(n=10**6, min=100, max=100) writes 600 MB in one call, with every
+    # argument under the output limit; no chat template uses it.
+    del env.globals["lipsum"]
     env.globals["_pmetal_paced"] = _paced
     return env
 
