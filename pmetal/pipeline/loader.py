@@ -221,6 +221,60 @@ def _short_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+MAX_CONTEXT_LENGTH = 1 << 24
+"""Largest ``llama.context_length`` a GGUF file may give (16,777,216; the
+longest-context models published claim 10M). A stage builds its rotary
+tables for the whole context, so a crafted 2**60 would be an allocation
+of that size rather than a clear error."""
+
+# LlamaConfig field -> the GGUF key it comes from, to name the key when
+# LlamaConfig refuses a combination (heads not a multiple of kv heads, ...).
+_CONFIG_KEYS = {
+    "vocab_size": "llama.vocab_size", "hidden_size": "llama.embedding_length",
+    "intermediate_size": "llama.feed_forward_length",
+    "num_hidden_layers": "llama.block_count",
+    "num_attention_heads": "llama.attention.head_count",
+    "num_key_value_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base", "max_position_embeddings": "llama.context_length",
+    "bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class _Metadata:
+    """Typed reads of GGUF metadata: a value of the wrong type, out of range,
+    infinite or NaN is a :class:`ModelFormatError` naming its key."""
+
+    def __init__(self, metadata: dict[str, Any], path: Path) -> None:
+        self.metadata, self.path = metadata, path
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(key, default)
+        if value is None:
+            raise ModelFormatError(f"{self.path}: GGUF metadata lacks {key}")
+        return value
+
+    def int(self, key: str, default: int | None = None, *, low: int = 1,
+            high: int | None = None) -> int:
+        value = self.raw(key, default)
+        if type(value) is not int or value < low or (high is not None and value > high):
+            bounds = f"{low}..{high}" if high is not None else f">= {low}"
+            raise ModelFormatError(f"{self.path}: GGUF {key} is {value!r}, not an integer "
+                                   f"{bounds}")
+        return value
+
+    def float(self, key: str, default: float | None = None) -> float:
+        value = self.raw(key, default)
+        # Finite as the float32 the decoder computes in, not only as a double.
+        if type(value) not in (int, float) or not abs(value) <= _FLOAT32_MAX:
+            raise ModelFormatError(f"{self.path}: GGUF {key} is {value!r}, not a finite number")
+        return _short_float(value)
+
+
 def gguf_config(metadata: dict[str, Any], path: Path,
                 tensor_names: set[str] | None = None) -> LlamaConfig:
     """A :class:`LlamaConfig` from GGUF metadata; ``tensor_names`` tells
@@ -229,48 +283,55 @@ def gguf_config(metadata: dict[str, Any], path: Path,
     if arch != "llama":
         raise ModelFormatError(f"{path} holds a {arch!r} model; pmetal's decoder computes only "
                                "Llama-architecture models")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"llama.{key}", default)
-        if value is None:
-            raise ModelFormatError(f"{path}: GGUF metadata lacks llama.{key}")
-        return value
-
-    if get("expert_count", 0):
+    meta = _Metadata(metadata, path)
+    if meta.raw("llama.expert_count", 0):
         raise ModelFormatError(f"{path} is a mixture-of-experts model (llama.expert_count="
-                               f"{get('expert_count')}); pmetal's decoder is dense only")
+                               f"{metadata['llama.expert_count']!r}); pmetal's decoder is "
+                               "dense only")
     scaling = metadata.get("llama.rope.scaling.type", "none")
-    if scaling not in ("none", "") and _short_float(get("rope.scaling.factor", 1.0)) != 1.0:
+    if scaling not in ("none", "") and meta.float("llama.rope.scaling.factor", 1.0) != 1.0:
         raise ModelFormatError(f"{path} asks for rope scaling {scaling!r}, which pmetal's "
                                "decoder does not implement")
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(metadata.get("llama.attention.key_length", hidden // heads))
-    rotary = int(metadata.get("llama.rope.dimension_count", head_dim))
+    heads = meta.int("llama.attention.head_count")
+    hidden = meta.int("llama.embedding_length")
+    head_dim = meta.int("llama.attention.key_length", hidden // heads)
+    rotary = meta.int("llama.rope.dimension_count", head_dim)
     if rotary != head_dim:
         raise ModelFormatError(f"{path} rotates {rotary} of {head_dim} head dimensions; "
                                "pmetal's decoder rotates them all")
-    vocab = metadata.get("llama.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
-    if not vocab:
-        raise ModelFormatError(f"{path}: GGUF metadata gives no vocabulary size")
+    if "llama.vocab_size" in metadata:
+        vocab = meta.int("llama.vocab_size")
+    else:
+        tokens = metadata.get("tokenizer.ggml.tokens", ())
+        if not isinstance(tokens, list) or not tokens:
+            raise ModelFormatError(f"{path}: GGUF metadata gives no vocabulary size (neither "
+                                   "llama.vocab_size nor a tokenizer.ggml.tokens list)")
+        vocab = len(tokens)
+    # Each layer is nine tensors of the file: no more layers than tensors.
+    most_layers = len(tensor_names) if tensor_names is not None else None
+    token_ids = {key: meta.int(key, low=0, high=vocab - 1)
+                 for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+                 if key in metadata}
     try:
         return LlamaConfig(
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            intermediate_size=meta.int("llama.feed_forward_length"),
+            num_hidden_layers=meta.int("llama.block_count", high=most_layers),
             num_attention_heads=heads,
-            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            num_key_value_heads=meta.int("llama.attention.head_count_kv", heads),
             head_dim=head_dim,
-            rms_norm_eps=_short_float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=_short_float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(get("context_length")),
+            rms_norm_eps=meta.float("llama.attention.layer_norm_rms_epsilon"),
+            rope_theta=meta.float("llama.rope.freq_base", 10000.0),
+            max_position_embeddings=meta.int("llama.context_length", high=MAX_CONTEXT_LENGTH),
             tie_word_embeddings=tensor_names is not None and _HEAD[0] not in tensor_names,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            bos_token_id=token_ids.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=token_ids.get("tokenizer.ggml.eos_token_id"),
         )
     except ConfigError as exc:
-        raise ModelFormatError(f"{path}: {exc}") from exc
+        keys = [key for field, key in _CONFIG_KEYS.items() if field in str(exc)]
+        raise ModelFormatError(f"{path}: GGUF metadata ({', '.join(keys) or 'llama.*'}) "
+                               f"does not describe a model pmetal computes: {exc}") from exc
 
 
 def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:
