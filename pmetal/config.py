@@ -133,7 +133,7 @@ class SecurityConfig:
 
 @dataclass(frozen=True)
 class ActorsConfig:
-    """The actor runtime's lifetime rules.
+    """The actor runtime's lifetime rules, and what the node offers.
 
     ``owner_lease``: a driver whose node cannot watch its process (it runs on
     another machine) holds a lease on its actors: it sends its node something
@@ -143,10 +143,16 @@ class ActorsConfig:
     """
 
     owner_lease: float = 30.0
+    # Bytes of memory this node advertises to the cluster (the "memory"
+    # resource that pipeline placement divides among stages); 0: the
+    # machine's physical memory. A budget for a machine that does other work.
+    memory: int = 0
 
     def __post_init__(self) -> None:
         _require(self.owner_lease > 0, "actors", "owner_lease",
                  "must be a positive number of seconds")
+        _require(type(self.memory) is int and self.memory >= 0, "actors", "memory",
+                 "must be a whole number of bytes >= 0 (0: the machine's physical memory)")
 
 
 @dataclass(frozen=True)

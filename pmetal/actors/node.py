@@ -107,12 +107,15 @@ def _profile(node_id: str, measure: bool) -> dict[str, Any]:
         return {"node_id": node_id}
 
 
-def default_resources(num_cpus: float | None = None) -> dict[str, float]:
+def default_resources(num_cpus: float | None = None, memory: int = 0) -> dict[str, float]:
+    """This machine's CPUs, GPUs and memory; ``memory`` (bytes) replaces the
+    physical memory when set (``actors.memory``: a budget)."""
     cpus = float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))
     try:
-        memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
-        memory = 0.0
+        physical = 0.0
+    memory = float(memory) if memory else physical
     gpus = gpu_count()   # listed only when there are some, as in Ray
     return {"CPU": cpus, **({"GPU": float(gpus)} if gpus else {}), "memory": memory}
 
@@ -135,7 +138,7 @@ class NodeDaemon:
                                        namespace, config)
         # What peers are told to dial: never a wildcard such as 0.0.0.0.
         self.address = routable_address(self.listener.address)
-        self.resources = {**default_resources(),
+        self.resources = {**default_resources(memory=config.actors.memory),
                           **check_resources(resources or {}, "node resources")}
         self.peers = list(peers or [])
         cpus = os.cpu_count() or 1

@@ -21,6 +21,7 @@ bounds (<= 400 MB for one stage of the default model).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -44,6 +45,7 @@ class MemoryRow:
     peak_total: int = 0                       # max over samples of the sum over processes
     peak_by_role: dict[str, int] = field(default_factory=dict)
     model_pages: dict[str, int] = field(default_factory=dict)  # stage worker -> file Rss peak
+    shares: dict[str, int] = field(default_factory=dict)   # stage worker -> its tensor bytes
     tokens_per_second: float | None = None
     returncode: int | None = None
     output: str = ""
@@ -148,7 +150,34 @@ def measure(stages: int, *, model: str | None = None, backend: str = "auto",
     for line in row.output.splitlines():
         if "tokens/s" in line and "then" in line:
             row.tokens_per_second = float(line.rsplit("then ", 1)[1].split()[0])
+        found = _STAGE_LINE.search(line)
+        if found:
+            first, last, pid = (int(g) for g in found.groups())
+            row.shares[f"worker {pid}"] = _share(path, first, last + 1)
     return row
+
+
+# "stage 0 layers 0-14 on node 1a2b3c4d (pid 1234): ..." in pmetal generate's report
+_STAGE_LINE = re.compile(r"stage \d+ layers (\d+)-(\d+) on node \S+ \(pid (\d+)\)")
+
+
+def _share(path: str, start: int, end: int) -> int:
+    """Bytes of the GGUF file's tensors that a stage of layers
+    ``[start, end)`` holds: its layers, the embedding on the first stage, the
+    final norm and the head (the embedding again when tied) on the last."""
+    from pmetal.pipeline.gguf_file import GGUFFile
+
+    with GGUFFile(path) as file:
+        count = int(file.metadata.get(f"{file.metadata.get('general.architecture')}"
+                                      ".block_count", 0))
+        names = [n for n in file.tensors
+                 if n.startswith("blk.") and start <= int(n.split(".")[1]) < end]
+        if start == 0:
+            names.append("token_embd.weight")
+        if end == count:
+            names += ["output_norm.weight",
+                      "output.weight" if "output.weight" in file.tensors else "token_embd.weight"]
+        return sum(file.tensors[n].nbytes for n in set(names) if n in file.tensors)
 
 
 def run(stage_counts: list[int], *, model: str | None = None, backend: str = "auto",
@@ -158,15 +187,16 @@ def run(stage_counts: list[int], *, model: str | None = None, backend: str = "au
     rows = [measure(k, model=model, backend=backend) for k in stage_counts]
     bar = "|" if markdown else " "
     print(f"{bar} stages {bar} backend {bar} peak held, all processes (MB) {bar} "
-          f"largest process (MB) {bar} model pages per stage (MB) {bar} tok/s {bar}", file=out)
+          f"each stage: held (MB) {bar} each stage: model pages / its tensor bytes (MB) {bar} "
+          f"tok/s {bar}", file=out)
     if markdown:
         print("|---|---|---|---|---|---|", file=out)
     for r in rows:
-        largest = max(r.peak_by_role.items(), key=lambda kv: kv[1], default=("-", 0))
-        pages = ", ".join(f"{v / MB:.0f}" for v in r.model_pages.values() if v) or "-"
+        held = ", ".join(f"{r.peak_by_role.get(w, 0) / MB:.0f}" for w in r.shares) or "-"
+        pages = ", ".join(f"{r.model_pages.get(w, 0) / MB:.1f} / {share / MB:.1f}"
+                          for w, share in r.shares.items()) or "-"
         rate = "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.1f}"
         status = "" if r.returncode == 0 else f" (exit {r.returncode})"
         print(f"{bar} {r.stages} {bar} {r.backend} {bar} {r.peak_total / MB:.0f}{status} {bar} "
-              f"{largest[1] / MB:.0f} ({largest[0].split(' ')[0]}) {bar} {pages} {bar} "
-              f"{rate} {bar}", file=out)
+              f"{held} {bar} {pages} {bar} {rate} {bar}", file=out)
     return rows

@@ -18,7 +18,7 @@ from typing import Any
 
 from pmetal.errors import ConfigError
 
-DEFAULT_PROMPT = "What is the capital of France?"
+DEFAULT_PROMPT = "Which city is the capital of France?"
 
 
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +117,7 @@ def _report(result: Any, stats: dict[str, Any], out: Any) -> None:
         moved = s.get("bytes_out", 0) / max(rows, 1)
         layers = s["layers"]
         print(f"pmetal:   stage {s['index']} layers {layers[0]}-{layers[1] - 1} on node "
-              f"{s['node'][:8]}: {s.get('compute_seconds', 0.0) / steps * 1e3:.1f} ms per "
+              f"{s['node'][:8]} (pid {s.get('pid', '?')}): "
+              f"{s.get('compute_seconds', 0.0) / steps * 1e3:.1f} ms per "
               f"step, sends {moved:.0f} bytes per token", file=out)
     out.flush()

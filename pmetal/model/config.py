@@ -30,6 +30,7 @@ other projections) is refused by name before a weight loads.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,10 +98,13 @@ class LlamaConfig:
             raise ConfigError(
                 f"LlamaConfig.head_dim must be a positive even integer (rotary embeddings "
                 f"rotate pairs), got {self.head_dim!r}")
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
-            raise ConfigError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
-            raise ConfigError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta!r}")
+        # Infinite values pass "> 0" and then fill the rotary tables or the
+        # norms with NaN.
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise ConfigError(f"LlamaConfig.{name} must be a finite number > 0, "
+                                  f"got {value!r}")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < self.vocab_size:

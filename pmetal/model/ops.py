@@ -81,9 +81,10 @@ def attend(config: LlamaConfig, q: np.ndarray, keys: np.ndarray, values: np.ndar
     scores = np.matmul(qg, keys.transpose(0, 2, 1))
     scores *= scale
     if t > 1:
+        # Adding 0 leaves a score's bits as they are; -inf hides a future key.
         span = keys.shape[1]
         row = np.tile(np.arange(first, first + t), group)
-        scores[:, np.arange(span)[None, :] > row[:, None]] = -np.inf
+        scores += np.where(np.arange(span)[None, :] > row[:, None], F32(-np.inf), F32(0.0))
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)

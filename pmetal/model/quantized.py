@@ -53,6 +53,10 @@ from pmetal.model.ops import ROTARY_LAYOUTS, Rotary, attend, rms_norm, silu
 __all__ = ["QuantizedLayer", "QuantizedStage", "QuantizedWeights"]
 
 F32 = np.float32
+# Up to this many rows (a decode step of a few sequences) a product runs on
+# the fused decode kernel; more rows (a prompt) run as tiles on numpy's GEMM.
+DECODE_ROWS = 8
+TILE_BYTES = 1 << 20   # one dequantized tile of weight rows: stays in L2
 
 
 @dataclass(frozen=True)
@@ -226,6 +230,7 @@ class QuantizedStage:
         self._eps = F32(c.rms_norm_eps)
         self._scale = F32(1.0 / math.sqrt(c.head_dim))
         self._rotate = Rotary(c, weights.rotary)
+        self._scratch = np.empty(0, dtype=F32)
 
     @property
     def num_layers(self) -> int:
@@ -242,8 +247,28 @@ class QuantizedStage:
         return count if self._max_threads is None else min(count, self._max_threads)
 
     def _mul(self, x: np.ndarray, *weights: QMatrix) -> list[np.ndarray]:
-        return kernels.matmul(np.ascontiguousarray(x, dtype=F32), weights,
-                              threads=self._thread_count())
+        x = np.ascontiguousarray(x, dtype=F32)
+        threads = self._thread_count()
+        if x.shape[0] <= DECODE_ROWS:
+            return kernels.matmul(x, weights, threads=threads)
+        return [self._gemm(x, w, threads) for w in weights]
+
+    def _gemm(self, x: np.ndarray, w: QMatrix, threads: int) -> np.ndarray:
+        """``x @ w.T`` for many rows (a prompt): a tile of w's rows at a
+        time is dequantized into a scratch buffer and multiplied with
+        numpy's GEMM, which is ~8x faster per row than the integer decode
+        kernel once a tile is reused by hundreds of rows."""
+        out = np.empty((x.shape[0], w.rows), dtype=F32)
+        step = max(16, TILE_BYTES // (4 * w.cols) // 16 * 16)
+        scratch = self._scratch
+        if scratch.size < step * w.cols:
+            scratch = self._scratch = np.empty(step * w.cols, dtype=F32)
+        for first in range(0, w.rows, step):
+            last = min(first + step, w.rows)
+            tile = scratch[:(last - first) * w.cols].reshape(last - first, w.cols)
+            kernels.dequantize(w, first, last, out=tile, threads=threads)
+            out[:, first:last] = np.dot(x, tile.T)
+        return out
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache for one sequence of at most ``max_len`` tokens

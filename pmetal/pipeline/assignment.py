@@ -511,9 +511,10 @@ def _why_no_split(model: ModelProfile, nodes: list[StageNode]) -> str:
 
 def _shortfall(model: ModelProfile, nodes: list[StageNode], why: str) -> str:
     free = sum(node.memory_free for node in nodes)
+    each = ", ".join(f"{node.node_id} {_size(node.memory_free)}" for node in nodes)
     return (f"the model needs {_size(model.total_bytes)}, the cluster has {_size(free)} free "
-            f"on {len(nodes)} node{'s' if len(nodes) != 1 else ''} ({why}): add nodes or free "
-            f"memory on them, or use a smaller or more quantized model")
+            f"on {len(nodes)} node{'s' if len(nodes) != 1 else ''} ({each}; {why}): add "
+            f"nodes or free memory on them, or use a smaller or more quantized model")
 
 
 def _size(nbytes: float) -> str:

@@ -27,6 +27,7 @@ stages produces the single-process tokens exactly.
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pmetal.errors import ConfigError
@@ -58,14 +59,6 @@ def resolve_backend(backend: str, *, gguf: bool) -> str:
     return backend
 
 
-def _is_gguf(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def build_stage(config: PipelineStageConfig, *, max_threads: int | None = None,
                 weights: LlamaWeights | None = None) -> Any:
     """The engine of one stage: its layers loaded in the form its backend
@@ -80,7 +73,7 @@ def build_stage(config: PipelineStageConfig, *, max_threads: int | None = None,
         return _from_float(weights, backend, max_threads)
     from pmetal.pipeline import loader  # gguf loads only when used
 
-    backend = resolve_backend(config.backend, gguf=_is_gguf(config.model))
+    backend = resolve_backend(config.backend, gguf=loader.is_gguf(Path(config.model)))
     if backend == "quantized":
         return _quantized(loader.load_quantized(config.model, config.start, config.end),
                           max_threads)

@@ -44,11 +44,12 @@ import numpy as np
 from pmetal.errors import ConfigError
 from pmetal.model.kernels import KernelError, QMatrix
 from pmetal.model.quantized import QuantizedLayer, QuantizedWeights
+from pmetal.pipeline.assignment import ModelProfile
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.llama import LayerWeights, LlamaConfig, LlamaWeights
 from pmetal.pipeline.models import ModelFormatError, UnknownModelError
 
-__all__ = ["load_config", "load_quantized", "load_weights"]
+__all__ = ["load_config", "load_quantized", "load_weights", "quantized_profile"]
 
 F32 = np.float32
 
@@ -96,7 +97,7 @@ class _Source(Protocol):
     def close(self) -> None: ...
 
 
-def _is_gguf(path: Path) -> bool:
+def is_gguf(path: Path) -> bool:
     if path.is_file():
         with open(path, "rb") as f:
             return f.read(4) == b"GGUF"
@@ -105,7 +106,7 @@ def _is_gguf(path: Path) -> bool:
 
 def _open(path: str | Path) -> _Source:
     path = Path(path)
-    if _is_gguf(path):
+    if is_gguf(path):
         return _GGUFSource(path)
     if path.is_dir():
         return _HFSource(path)
@@ -164,7 +165,7 @@ def load_quantized(path: str | Path, start: int = 0, end: int | None = None
     blocks (the map stays open while the weights live), norms and biases
     float32. Only the stage's own pages are ever read."""
     path = Path(path)
-    if not _is_gguf(path):
+    if not is_gguf(path):
         if path.is_dir() or path.exists():
             raise ModelFormatError(
                 f"{path}: the quantized backend reads GGUF files; for a Hugging Face folder "
@@ -199,6 +200,30 @@ def load_quantized(path: str | Path, start: int = 0, end: int | None = None
         raise
 
 
+def quantized_profile(path: str | Path, *, max_len: int) -> ModelProfile:
+    """The memory the quantized engine holds for the GGUF file at ``path``:
+    each layer's tensor bytes as stored, plus one sequence's KV cache of
+    ``max_len`` positions for it; the embedding and the head as stored."""
+    with GGUFFile(path) as file:
+        config = gguf_config(file.metadata, Path(path), set(file.tensors))
+        per_layer = [0] * config.num_hidden_layers
+        for name, info in file.tensors.items():
+            if name.startswith("blk."):
+                layer = int(name.split(".")[1])
+                if 0 <= layer < config.num_hidden_layers:
+                    per_layer[layer] += info.nbytes
+        kv = 2 * config.kv_size * max_len * 4
+        embed = file.tensors[_EMBED[0]].nbytes if _EMBED[0] in file.tensors else 0
+        head = (file.tensors[_NORM[0]].nbytes if _NORM[0] in file.tensors else 0) + (
+            embed if config.tie_word_embeddings else file.tensors[_HEAD[0]].nbytes)
+    cost = [2.0 * (config.layer_parameters())] * config.num_hidden_layers
+    return ModelProfile(n_layers=config.num_hidden_layers,
+                        layer_bytes=[b + kv for b in per_layer], hidden_size=config.hidden_size,
+                        embedding_bytes=embed, head_bytes=head,
+                        tied_embeddings=config.tie_word_embeddings, layer_cost=cost,
+                        head_cost=2.0 * config.vocab_size * config.hidden_size)
+
+
 def _expect(path: Path, name: str, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if array.shape != shape:
         raise ModelFormatError(f"{path}: tensor {name} has shape {array.shape}, the model's "
@@ -229,6 +254,60 @@ def _short_float(value: float) -> float:
     return float(str(np.float32(value)))
 
 
+MAX_CONTEXT_LENGTH = 1 << 24
+"""Largest ``{arch}.context_length`` a GGUF file may give (16,777,216; the
+longest-context models published claim 10M). A stage builds its rotary
+tables for the whole context, so a crafted 2**60 would be an allocation
+of that size rather than a clear error."""
+
+# LlamaConfig field -> the GGUF key it comes from, to name the key when
+# LlamaConfig refuses a combination (heads not a multiple of kv heads, ...).
+_CONFIG_KEYS = {
+    "vocab_size": "{arch}.vocab_size", "hidden_size": "{arch}.embedding_length",
+    "intermediate_size": "{arch}.feed_forward_length",
+    "num_hidden_layers": "{arch}.block_count",
+    "num_attention_heads": "{arch}.attention.head_count",
+    "num_key_value_heads": "{arch}.attention.head_count_kv",
+    "head_dim": "{arch}.attention.key_length",
+    "rms_norm_eps": "{arch}.attention.layer_norm_rms_epsilon",
+    "rope_theta": "{arch}.rope.freq_base", "max_position_embeddings": "{arch}.context_length",
+    "bos_token_id": "tokenizer.ggml.bos_token_id", "eos_token_id": "tokenizer.ggml.eos_token_id",
+}
+
+
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+class _Metadata:
+    """Typed reads of GGUF metadata: a value of the wrong type, out of range,
+    infinite or NaN is a :class:`ModelFormatError` naming its key."""
+
+    def __init__(self, metadata: dict[str, Any], path: Path) -> None:
+        self.metadata, self.path = metadata, path
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        value = self.metadata.get(key, default)
+        if value is None:
+            raise ModelFormatError(f"{self.path}: GGUF metadata lacks {key}")
+        return value
+
+    def int(self, key: str, default: int | None = None, *, low: int = 1,
+            high: int | None = None) -> int:
+        value = self.raw(key, default)
+        if type(value) is not int or value < low or (high is not None and value > high):
+            bounds = f"{low}..{high}" if high is not None else f">= {low}"
+            raise ModelFormatError(f"{self.path}: GGUF {key} is {value!r}, not an integer "
+                                   f"{bounds}")
+        return value
+
+    def float(self, key: str, default: float | None = None) -> float:
+        value = self.raw(key, default)
+        # Finite as the float32 the decoder computes in, not only as a double.
+        if type(value) not in (int, float) or not abs(value) <= _FLOAT32_MAX:
+            raise ModelFormatError(f"{self.path}: GGUF {key} is {value!r}, not a finite number")
+        return _short_float(value)
+
+
 def gguf_config(metadata: dict[str, Any], path: Path,
                 tensor_names: set[str] | None = None) -> LlamaConfig:
     """A :class:`LlamaConfig` from GGUF metadata; ``tensor_names`` tells
@@ -239,49 +318,56 @@ def gguf_config(metadata: dict[str, Any], path: Path,
         raise ModelFormatError(f"{path} holds a {arch!r} model; pmetal's decoder computes "
                                f"{', '.join(_GGUF_ARCHITECTURES)} GGUF models (Mistral's "
                                "files are llama)")
-
-    def get(key: str, default: Any = None) -> Any:
-        value = metadata.get(f"{arch}.{key}", default)
-        if value is None:
-            raise ModelFormatError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return value
-
-    if get("expert_count", 0):
+    meta = _Metadata(metadata, path)
+    if meta.raw(f"{arch}.expert_count", 0):
         raise ModelFormatError(f"{path} is a mixture-of-experts model ({arch}.expert_count="
-                               f"{get('expert_count')}); pmetal's decoder is dense only")
+                               f"{metadata[f'{arch}.expert_count']!r}); pmetal's decoder is "
+                               "dense only")
     scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
-    if scaling not in ("none", "") and _short_float(get("rope.scaling.factor", 1.0)) != 1.0:
+    if scaling not in ("none", "") and meta.float(f"{arch}.rope.scaling.factor", 1.0) != 1.0:
         raise ModelFormatError(f"{path} asks for rope scaling {scaling!r}, which pmetal's "
                                "decoder does not implement")
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // heads))
-    rotary = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
+    heads = meta.int(f"{arch}.attention.head_count")
+    hidden = meta.int(f"{arch}.embedding_length")
+    head_dim = meta.int(f"{arch}.attention.key_length", hidden // heads)
+    rotary = meta.int(f"{arch}.rope.dimension_count", head_dim)
     if rotary != head_dim:
         raise ModelFormatError(f"{path} rotates {rotary} of {head_dim} head dimensions; "
                                "pmetal's decoder rotates them all")
-    vocab = metadata.get(f"{arch}.vocab_size") or len(metadata.get("tokenizer.ggml.tokens", ()))
-    if not vocab:
-        raise ModelFormatError(f"{path}: GGUF metadata gives no vocabulary size")
+    if f"{arch}.vocab_size" in metadata:
+        vocab = meta.int(f"{arch}.vocab_size")
+    else:
+        tokens = metadata.get("tokenizer.ggml.tokens", ())
+        if not isinstance(tokens, list) or not tokens:
+            raise ModelFormatError(f"{path}: GGUF metadata gives no vocabulary size (neither "
+                                   f"{arch}.vocab_size nor a tokenizer.ggml.tokens list)")
+        vocab = len(tokens)
+    # Each layer is at least nine tensors of the file: no more layers than tensors.
+    most_layers = len(tensor_names) if tensor_names is not None else None
+    token_ids = {key: meta.int(key, low=0, high=vocab - 1)
+                 for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id")
+                 if key in metadata}
     try:
         return LlamaConfig(
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_hidden_layers=int(get("block_count")),
+            intermediate_size=meta.int(f"{arch}.feed_forward_length"),
+            num_hidden_layers=meta.int(f"{arch}.block_count", high=most_layers),
             num_attention_heads=heads,
-            num_key_value_heads=int(get("attention.head_count_kv", heads)),
+            num_key_value_heads=meta.int(f"{arch}.attention.head_count_kv", heads),
             head_dim=head_dim,
-            rms_norm_eps=_short_float(get("attention.layer_norm_rms_epsilon")),
-            rope_theta=_short_float(get("rope.freq_base", 10000.0)),
-            max_position_embeddings=int(get("context_length")),
+            rms_norm_eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon"),
+            rope_theta=meta.float(f"{arch}.rope.freq_base", 10000.0),
+            max_position_embeddings=meta.int(f"{arch}.context_length", high=MAX_CONTEXT_LENGTH),
             tie_word_embeddings=tensor_names is not None and _HEAD[0] not in tensor_names,
-            bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+            bos_token_id=token_ids.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=token_ids.get("tokenizer.ggml.eos_token_id"),
             architecture=architecture,
         )
     except ConfigError as exc:
-        raise ModelFormatError(f"{path}: {exc}") from exc
+        keys = [key.format(arch=arch) for field, key in _CONFIG_KEYS.items() if field in str(exc)]
+        raise ModelFormatError(f"{path}: GGUF metadata ({', '.join(keys) or f'{arch}.*'}) "
+                               f"does not describe a model pmetal computes: {exc}") from exc
 
 
 def unpermute_rotary(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -26,6 +26,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self
 
 import numpy as np
@@ -51,6 +52,7 @@ from pmetal.pipeline.assignment import (
     assign_layers_bandwidth_aware,
     assign_layers_proportional,
 )
+from pmetal.pipeline.backends import resolve_backend
 from pmetal.pipeline.generation import GenerationResult, PipelineGenerationLoop
 from pmetal.pipeline.llama import LlamaConfig
 from pmetal.pipeline.sampling import SamplingConfig
@@ -74,7 +76,8 @@ class StagePlacement:
 
 
 def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any]],
-                 *, memory_fraction: float = 0.8) -> list[StagePlacement]:
+                 *, memory_fraction: float = 0.8,
+                 profile: ModelProfile | None = None) -> list[StagePlacement]:
     """Split ``config``'s layers over ``stages`` stages on the live ``nodes``
     (as :func:`pmetal.nodes` lists them). The stages go round the nodes
     with the most memory first; each stage may use its node's ``memory``
@@ -85,7 +88,10 @@ def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any
     this chain: the last stage's LM head counts, about 8 layers of
     SmolLM2-135M, so on one machine the first stage gets more layers);
     :func:`~pmetal.pipeline.assignment.assign_layers_proportional` (by
-    memory) when that leaves a stage out."""
+    memory) when that leaves a stage out. ``profile``: the model's sizes
+    as its backend holds them (default: float32 weights).
+    Raises :class:`PlacementError`, naming what the model needs and what
+    each node has, when the stages cannot fit."""
     if type(stages) is not int or stages < 1:
         raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
     if stages > config.num_hidden_layers:
@@ -105,16 +111,26 @@ def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any
         speed = max(float(resources.get("CPU", 1.0)), 1.0) / per_node[node["NodeID"]]
         # Zero-padded, so that the solver's node-id order is the chain's.
         slots.append(StageNode(f"{i:04d}:{node['NodeID']}", int(share), speed))
-    profile = ModelProfile.llama(
+    profile = profile or ModelProfile.llama(
         n_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size, n_heads=config.num_attention_heads,
         n_kv_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
         tied_embeddings=config.tie_word_embeddings)
     fast = Link(bandwidth=1e12)     # links are not measured here: compute decides
-    assignment = assign_layers_bandwidth_aware(profile, slots, lambda _a, _b: fast,
-                                               exact_limit=0)
-    if len(assignment.stages) != stages:
-        assignment = assign_layers_proportional(profile, slots)
+    try:
+        assignment = assign_layers_bandwidth_aware(profile, slots, lambda _a, _b: fast,
+                                                   exact_limit=0)
+        if len(assignment.stages) != stages:
+            assignment = assign_layers_proportional(profile, slots)
+    except PlacementError as exc:
+        # The solvers see only the stages' slots; say what every node has.
+        advertised = ", ".join(
+            f"{n['NodeID']} {float((n.get('Resources') or {}).get('memory', 0.0)) / 2**20:.2f} MiB"
+            for n in live)
+        raise PlacementError(
+            f"{stages} stage(s) cannot hold the model: {exc}. The live nodes advertise "
+            f"{advertised} (a stage may use {memory_fraction:.0%} of its node's share); more "
+            "stages spread the layers over more nodes") from exc
     placements = []
     for i, stage in enumerate(assignment.stages):
         placements.append(StagePlacement(i, stage.node_id.partition(":")[2], stage.start,
@@ -200,9 +216,12 @@ class Pipeline:
             raise PMetalValueError(f"lanes {lanes!r} must be an int >= 1 (None: one per "
                                    "stage)")
         max_len = min(max_len, config.max_position_embeddings)
+        profile = None
+        if path and resolve_backend(backend, gguf=loader.is_gguf(Path(path))) == "quantized":
+            profile = loader.quantized_profile(path, max_len=max_len)
         return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
                           step_timeout, connect_timeout, lanes, random_model, seed, placement,
-                          backend, stage_actor)
+                          backend, stage_actor, profile)
 
     @classmethod
     def _build(cls, config: LlamaConfig, path: str, tokenizer: Any, stages: int,
@@ -210,7 +229,7 @@ class Pipeline:
                step_timeout: float, connect_timeout: float, lanes: int | None,
                random_model: LlamaConfig | None, seed: int,
                placement: Sequence[str] | None, backend: str,
-               stage_actor: ActorClass) -> Pipeline:
+               stage_actor: ActorClass, profile: ModelProfile | None) -> Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
         nodes = _nodes(client)
         if placement is not None:
@@ -225,7 +244,7 @@ class Pipeline:
             placements = [StagePlacement(p.index, node, p.start, p.end)
                           for p, node in zip(even, placement, strict=True)]
         else:
-            placements = place_stages(config, stages, nodes)
+            placements = place_stages(config, stages, nodes, profile=profile)
         cores = os.cpu_count() or 1
         handles: list[ActorHandle] = []
         try:

@@ -5,8 +5,9 @@ either from a GGUF file's vocabulary (``tokenizer.ggml.*``: a byte-level BPE,
 ``tokenizer.ggml.model == "gpt2"``, built as Hugging Face's own GGUF
 converter builds it) or from a Hugging Face folder's ``tokenizer.json`` (and
 ``tokenizer_config.json`` for the chat template and special tokens); the
-chat template, rendered in a sandboxed Jinja2 environment set up as
-``transformers`` sets it up; and :class:`StreamDecoder`, which turns
+chat template, rendered by :mod:`pmetal.pipeline.chat_template` (a sandboxed
+Jinja2 environment set up as ``transformers`` sets it up, with bounds on
+output, time and loops); and :class:`StreamDecoder`, which turns
 generated ids into text as they come without ever emitting half a UTF-8
 character (byte-level BPE tokens often split a multi-byte character).
 """
@@ -17,11 +18,15 @@ import json
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from pmetal.errors import PMetalValueError
+from pmetal.pipeline.chat_template import (
+    ChatTemplate,
+    TemplateRaised,
+    TemplateTooCostly,
+)
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.models import ModelFormatError
 
@@ -96,13 +101,14 @@ class Tokenizer:
                 "('gpt2') tokenizers from GGUF. Use the model's Hugging Face folder "
                 "(with tokenizer.json) instead")
         pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
+        if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
             raise ModelFormatError(
                 f"{path}: GGUF pre-tokenizer {pre!r} is not one pmetal knows "
                 f"({', '.join(sorted(_PRE_TOKENIZERS))}); use the model's Hugging Face folder "
                 "(with tokenizer.json) instead")
-        tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or ())
-        merges = meta.get("tokenizer.ggml.merges") or ()
+        tokens: list[str] = _gguf_list(meta, "tokenizer.ggml.tokens", str, path)
+        merges: list[str] = _gguf_list(meta, "tokenizer.ggml.merges", str, path)
+        types: list[int] = _gguf_list(meta, "tokenizer.ggml.token_type", int, path)
         if not tokens:
             raise ModelFormatError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
         vocab = {token: index for index, token in enumerate(tokens)}
@@ -112,33 +118,40 @@ class Tokenizer:
             if not sep:
                 raise ModelFormatError(f"{path}: malformed BPE merge {merge!r}")
             pairs.append((left, right))
-        backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                     byte_fallback=False))
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        if _PRE_TOKENIZERS[pre] == "digits":
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [pre_tokenizers.Digits(individual_digits=True), byte_level])
-        else:
-            backend.pre_tokenizer = byte_level
-        backend.decoder = decoders.ByteLevel()
-        types = list(meta.get("tokenizer.ggml.token_type") or ())
-        special = [AddedToken(tokens[i], special=True, normalized=False)
-                   for i, kind in enumerate(types) if kind in (_CONTROL, _USER_DEFINED)]
-        backend.add_special_tokens(special)
 
         def token(key: str) -> str | None:
-            index = meta.get(f"tokenizer.ggml.{key}_token_id")
-            return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+            index = _gguf_id(meta, f"tokenizer.ggml.{key}_token_id", path)
+            return tokens[index] if index is not None and index < len(tokens) else None
 
         bos, eos = token("bos"), token("eos")
-        if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                special_tokens=[(bos, vocab[bos])])
-        extra = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-                 if k in meta]
-        return cls(backend, chat_template=meta.get("tokenizer.chat_template"),
-                   bos_token=bos, eos_token=eos, extra_stop_ids=extra)
+        try:
+            backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                         byte_fallback=False))
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+            if _PRE_TOKENIZERS[pre] == "digits":
+                backend.pre_tokenizer = pre_tokenizers.Sequence(
+                    [pre_tokenizers.Digits(individual_digits=True), byte_level])
+            else:
+                backend.pre_tokenizer = byte_level
+            backend.decoder = decoders.ByteLevel()
+            special = [AddedToken(token, special=True, normalized=False)
+                       for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
+            backend.add_special_tokens(special)
+            if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+                backend.post_processor = processors.TemplateProcessing(
+                    single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                    special_tokens=[(bos, vocab[bos])])
+        except Exception as exc:  # tokenizers raises plain Exception (a merge of unknown tokens)
+            raise ModelFormatError(f"{path}: the GGUF vocabulary does not make a BPE "
+                                   f"tokenizer: {exc}") from exc
+        extra = [_gguf_id(meta, key, path)
+                 for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+                 if key in meta]
+        template = meta.get("tokenizer.chat_template")
+        if template is not None and not isinstance(template, str):
+            raise ModelFormatError(f"{path}: GGUF tokenizer.chat_template is not a string")
+        return cls(backend, chat_template=template, bos_token=bos, eos_token=eos,
+                   extra_stop_ids=[i for i in extra if i is not None])
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> Tokenizer:
@@ -198,17 +211,23 @@ class Tokenizer:
                                    "give the prompt text as it is (chat=False)")
         from jinja2 import TemplateError
 
+        if self._template is None:
+            self._template = ChatTemplate(self.chat_template)
         try:
-            if self._template is None:
-                self._template = _jinja_environment().from_string(self.chat_template)
-            return str(self._template.render(
-                messages=list(messages), add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or ""))
-        except _TemplateRaised as exc:
+            return self._template.render(
+                list(messages), add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except TemplateRaised as exc:
             raise PMetalValueError(f"the model's chat template refused the messages: "
                                    f"{exc}") from exc
+        except TemplateTooCostly as exc:
+            raise ModelFormatError(f"the model's chat template is broken: it exceeds a "
+                                   f"resource limit: {exc}") from exc
         except TemplateError as exc:
             raise ModelFormatError(f"the model's chat template is broken: {exc}") from exc
+        except _TEMPLATE_FAILURES as exc:
+            raise ModelFormatError(f"the model's chat template is broken: "
+                                   f"{type(exc).__name__}: {exc}") from exc
 
     def encode_prompt(self, prompt: str, *, chat: bool | None = None) -> list[int]:
         """Token ids to feed the model for a user prompt: wrapped in the chat
@@ -252,31 +271,27 @@ class Tokenizer:
         return StreamDecoder(self)
 
 
-class _TemplateRaised(Exception):
-    """raise_exception() called by a chat template: the messages are wrong."""
+# What a template that is code from the model file may raise besides jinja2's
+# TemplateError (syntax, undefined, sandbox): 1/0, 'a' + 1, a recursive macro.
+_TEMPLATE_FAILURES = (ArithmeticError, AttributeError, LookupError, RecursionError, TypeError,
+                      ValueError)
 
 
-def _jinja_environment() -> Any:
-    """The environment transformers renders chat templates in: sandboxed,
-    immutable, trim_blocks and lstrip_blocks, with raise_exception, tojson
-    (no ASCII escaping) and strftime_now."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _gguf_list(meta: Mapping[str, Any], key: str, item: type, path: Path) -> list[Any]:
+    """GGUF array ``key`` (empty when absent), refused unless every element
+    is an ``item`` (an int: not a bool)."""
+    value = meta.get(key, [])
+    if not isinstance(value, list) or not all(
+            isinstance(v, item) and not isinstance(v, bool) for v in value):
+        raise ModelFormatError(f"{path}: GGUF {key} is not an array of {item.__name__}")
+    return value
 
-    def raise_exception(message: str) -> None:
-        raise _TemplateRaised(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env
+def _gguf_id(meta: Mapping[str, Any], key: str, path: Path) -> int | None:
+    value = meta.get(key)
+    if value is not None and (type(value) is not int or value < 0):
+        raise ModelFormatError(f"{path}: GGUF {key} is {value!r}, not a token id")
+    return value
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -14,9 +14,11 @@ file, or forgets a bias or a norm, is off by tens of percent here.
 
 Tolerances: the reference decoder computes in float32, 1e-4 of the logits'
 scale from float64 (tests/pipeline/test_llama.py); the quantized engine
-rounds activations to 8 bits, 3% of the scale from the reference on the
-same Q8_0 file (tests/model/test_quantized.py); MLX is float32 in another
-order, 2e-4 (tests/pipeline/test_llama_mlx.py).
+rounds activations to 8 bits, within the bound tests/model/test_quantized.py
+gives the engine against the reference on the same Q8_0 file (6% of the
+scale; a dropped Qwen2 bias is off by ~30% here, a dropped Qwen3 k norm by
+~50%); MLX is float32 in another order, 2e-4
+(tests/pipeline/test_llama_mlx.py).
 """
 
 from __future__ import annotations
@@ -44,12 +46,13 @@ from pmetal.pipeline.loader import load_config, load_quantized, load_weights
 from pmetal.pipeline.models import ModelFormatError
 from pmetal.pipeline.sampling import SamplingConfig
 from pmetal.pipeline.tokenizer import Tokenizer
+from tests.model.test_quantized import AGREEMENT
 from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf, write_tiny_hf
 
 ARCHS = tuple(ARCHITECTURES)
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 12]
 FLOAT32 = 1e-4
-QUANTIZED = 0.03
+QUANTIZED = AGREEMENT
 MLX = 2e-4
 
 

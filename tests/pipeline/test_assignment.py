@@ -254,7 +254,8 @@ def test_a_model_that_does_not_fit_says_by_how_much() -> None:
     message = r"the model needs 648\.00 MiB, the cluster has 400\.00 MiB free on 2 nodes"
     with pytest.raises(PlacementError, match=message):
         assign_layers_proportional(model, nodes, links)
-    with pytest.raises(PlacementError, match=message + r" \(248\.00 MiB short\): add nodes"):
+    with pytest.raises(PlacementError, match=message + r" \(a 200\.00 MiB, b 200\.00 MiB; "
+                                             r"248\.00 MiB short\): add nodes"):
         assign_layers_bandwidth_aware(model, nodes, links)
     with pytest.raises(PlacementError, match="one layer takes 1.00 KiB, more than the 1000 B"):
         assign_layers_bandwidth_aware(ModelProfile(2, 1024, hidden_size=1),

@@ -1,6 +1,7 @@
 """The default model (SmolLM2-135M-Instruct, fetched once) as pipelines of
 2, 3 and 4 real stage actors: greedy output token for token equal to the
-same model generated in one process (slow: about 30 s)."""
+same model generated in one process by the same backend, for the quantized
+engine (the default) and the float32 reference (slow: about 40 s)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from pmetal.model.quantized import QuantizedStage
 from pmetal.pipeline.generation import generate_single_process
 from pmetal.pipeline.llama import LlamaStage
-from pmetal.pipeline.loader import load_weights
+from pmetal.pipeline.loader import load_quantized, load_weights
 from pmetal.pipeline.pipeline import Pipeline
 from pmetal.pipeline.sampling import SamplingConfig
 from pmetal.pipeline.tokenizer import Tokenizer
@@ -23,24 +25,39 @@ MAX_TOKENS = 16
 MAX_LEN = 256
 
 
-@pytest.fixture(scope="module")
-def expected(default_model: Path) -> tuple[Tokenizer, list[list[int]], list[list[int]]]:
-    tok = Tokenizer.from_model(default_model)
-    prompts = [tok.encode_prompt(q) for q in QUESTIONS]
-    sampling = SamplingConfig(max_tokens=MAX_TOKENS, stop_token_ids=tuple(tok.stop_token_ids))
-    whole = LlamaStage(load_weights(default_model))
-    results = generate_single_process(whole, prompts, sampling, max_len=MAX_LEN)
-    return tok, prompts, [r.tokens for r in results]
+ENGINES = {"quantized": lambda path: QuantizedStage(load_quantized(path)),
+           "reference": lambda path: LlamaStage(load_weights(path))}
+_expected: dict[str, tuple[Tokenizer, list[list[int]], list[list[int]]]] = {}
 
 
-@pytest.mark.parametrize("stages", [2, 3, 4])
+def expected(default_model: Path, backend: str) -> tuple[Tokenizer, list[list[int]],
+                                                         list[list[int]]]:
+    """The single-process tokens of ``backend``, computed once per backend."""
+    if backend not in _expected:
+        tok = Tokenizer.from_model(default_model)
+        prompts = [tok.encode_prompt(q) for q in QUESTIONS]
+        sampling = SamplingConfig(max_tokens=MAX_TOKENS,
+                                  stop_token_ids=tuple(tok.stop_token_ids))
+        results = generate_single_process(ENGINES[backend](default_model), prompts, sampling,
+                                          max_len=MAX_LEN)
+        _expected[backend] = (tok, prompts, [r.tokens for r in results])
+    return _expected[backend]
+
+
+@pytest.mark.parametrize(("backend", "stages"),
+                         [("quantized", 2), ("quantized", 3), ("quantized", 4),
+                          ("reference", 3)])
 def test_default_model_pipeline_equals_one_process(cluster: Any, default_model: Path,
-                                                   expected: Any, stages: int) -> None:
-    _, prompts, tokens = expected
+                                                   backend: str, stages: int) -> None:
+    _, prompts, tokens = expected(default_model, backend)
     with Pipeline.from_pretrained(default_model, stages=stages, max_len=MAX_LEN,
-                                  threads=1) as pipe:
+                                  threads=1, backend=backend) as pipe:
         together = pipe.generate(QUESTIONS, max_tokens=MAX_TOKENS)
         alone = pipe.generate(prompts[0], max_tokens=MAX_TOKENS)   # token ids, one prompt
     assert [r.tokens for r in together] == tokens
     assert alone[0].tokens == tokens[0]
-    assert "Paris" in together[0].text
+    # The float32 reference answers "The capital of France is Paris."; the
+    # quantized engine, like llama.cpp on the same file (same 8-bit
+    # activations), opens with "L'" ("L'Étoile ..."): the two first tokens
+    # are 0.09 apart in logits (docs/pipeline.md, greedy agreement).
+    assert ("Paris" in together[0].text) == (backend == "reference")

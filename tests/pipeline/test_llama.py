@@ -322,6 +322,8 @@ def test_the_cache_refuses_to_overflow(weights: LlamaWeights) -> None:
     ({"num_hidden_layers": 0}, "positive integer"),
     ({"vocab_size": True}, "positive integer"),
     ({"rms_norm_eps": 0.0}, "rms_norm_eps"),
+    ({"rope_theta": float("inf")}, "rope_theta must be a finite number"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number"),
     ({"eos_token_id": 100}, "outside the vocabulary"),
 ])
 def test_bad_configs_raise(changes: dict, message: str) -> None:

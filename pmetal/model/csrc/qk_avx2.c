@@ -1,0 +1,250 @@
+/* AVX2 + FMA + F16C kernels for x86-64, chosen at run time.
+ *
+ * The file is compiled for baseline x86-64; every function here carries
+ * target("avx2,fma,f16c") and is only called after qk_cpu_has_avx2() said
+ * yes, so the wheel runs on any x86-64.  The integer products follow the
+ * technique of llama.cpp's ggml-cpu x86 quants: unsigned x signed byte
+ * products with maddubs, widened by madd, then one float scale per block
+ * applied with an FMA into an 8-lane accumulator.
+ */
+#include "qk.h"
+
+#if defined(QK_HAVE_X86)
+#include <immintrin.h>
+
+#include "qk_dequant.h"
+
+#define QK_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+int qk_cpu_has_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+        && __builtin_cpu_supports("f16c");
+}
+
+static inline QK_AVX2 float fp16(const uint8_t *p) { return _cvtsh_ss(qk_u16(p)); }
+
+static inline QK_AVX2 float hsum(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* 16 bytes of packed nibbles -> 32 bytes: the low nibbles, then the high. */
+static inline QK_AVX2 __m256i nibbles(const uint8_t *p) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    const __m256i b = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
+}
+
+/* Sum of products of unsigned bytes u with signed bytes s, as 8 int32 lanes. */
+static inline QK_AVX2 __m256i dot_us(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+/* Same for two signed byte vectors: move a's sign onto b. */
+static inline QK_AVX2 __m256i dot_ss(__m256i a, __m256i b) {
+    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
+}
+
+static QK_AVX2 float dot_q8_0(int nb, const uint8_t *w, const void *xv) {
+    const qk_a32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 34) {
+        const __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256 d = _mm256_set1_ps(fp16(w) * x[b].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_ss(qw, qx)), acc);
+    }
+    return hsum(acc);
+}
+
+static QK_AVX2 float dot_q4_0(int nb, const uint8_t *w, const void *xv) {
+    const qk_a32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 18) {
+        const __m256i qw = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256 d = _mm256_set1_ps(fp16(w) * x[b].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_ss(qw, qx)), acc);
+    }
+    return hsum(acc);
+}
+
+static QK_AVX2 float dot_q4_1(int nb, const uint8_t *w, const void *xv) {
+    const qk_a32 *x = xv;
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.0f;
+    for (int b = 0; b < nb; b++, w += 20) {
+        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
+        const __m256 d = _mm256_set1_ps(fp16(w) * x[b].d);
+        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_us(nibbles(w + 4), qx)), acc);
+        accm += fp16(w + 2) * x[b].s;
+    }
+    return hsum(acc) + accm;
+}
+
+/* K-quants: per super-block, the eight (Q4_K, Q5_K) or sixteen (Q6_K)
+ * sub-block scales multiply int32 lanes (madd with the scale as int16), the
+ * lanes of all sub-blocks are summed as integers (each lane stays below
+ * 2^24, so its conversion to float is exact), then one FMA applies d * dx.
+ * The min terms of Q4_K and Q5_K use x's block sums (bsums). */
+static inline QK_AVX2 int k_mins(const uint8_t mn[8], const int16_t *bsums) {
+    int s = 0;
+    for (int j = 0; j < 8; j++) s += mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return s;
+}
+
+static QK_AVX2 float dot_q4_k(int nb, const uint8_t *w, const void *xv) {
+    const qk_a256 *x = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.0f;
+    for (int b = 0; b < nb; b++, w += 144) {
+        uint8_t sc[8], mn[8];
+        qk_k_scales(w + 4, sc, mn);
+        const int8_t *y = x[b].q;
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256i lo = _mm256_and_si256(q4, m4);
+            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+        accm += (fp16(w + 2) * x[b].d) * (float)k_mins(mn, x[b].bsums);
+    }
+    return hsum(acc) - accm;
+}
+
+static QK_AVX2 float dot_q5_k(int nb, const uint8_t *w, const void *xv) {
+    const qk_a256 *x = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps();
+    float accm = 0.0f;
+    for (int b = 0; b < nb; b++, w += 176) {
+        uint8_t sc[8], mn[8];
+        qk_k_scales(w + 4, sc, mn);
+        const int8_t *y = x[b].q;
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        __m256i sumi = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i hlo = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one);
+            const __m256i hhi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_slli_epi16(hlo, 4));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4),
+                                               _mm256_slli_epi16(hhi, 4));
+            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
+            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
+            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+        accm += (fp16(w + 2) * x[b].d) * (float)k_mins(mn, x[b].bsums);
+    }
+    return hsum(acc) - accm;
+}
+
+/* Q6_K: 6-bit q = low nibble (ql) | 2 high bits (qh) << 4, stored biased by
+ * 32: sum (q - 32) y = maddubs(q, y) - maddubs(32, y). */
+static QK_AVX2 float dot_q6_k(int nb, const uint8_t *w, const void *xv) {
+    const qk_a256 *x = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 210) {
+        const int8_t *sc = (const int8_t *)(w + 192);
+        __m256i sumi = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h;
+            const int8_t *y = x[b].q + 128 * h;
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+            for (int k = 0; k < 4; k++) {
+                const __m256i yk = _mm256_loadu_si256((const __m256i *)(y + 32 * k));
+                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yk), _mm256_maddubs_epi16(m32, yk));
+                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]),
+                                                     _mm_set1_epi16(sc[8 * h + 2 * k]));
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s16));
+            }
+        }
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w + 208) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+    }
+    return hsum(acc);
+}
+
+/* Float weights: four 8-lane accumulators, then eight lanes, then the tail. */
+#define QK_AVX2_FLOAT_DOT(NAME, LOAD8, LOAD1)                                       \
+    static QK_AVX2 float NAME(int n, const uint8_t *w, const void *xv) {            \
+        const float *x = xv;                                                        \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                 \
+        int i = 0;                                                                  \
+        for (; i + 32 <= n; i += 32) {                                              \
+            a0 = _mm256_fmadd_ps(LOAD8(i), _mm256_loadu_ps(x + i), a0);             \
+            a1 = _mm256_fmadd_ps(LOAD8(i + 8), _mm256_loadu_ps(x + i + 8), a1);     \
+            a2 = _mm256_fmadd_ps(LOAD8(i + 16), _mm256_loadu_ps(x + i + 16), a2);   \
+            a3 = _mm256_fmadd_ps(LOAD8(i + 24), _mm256_loadu_ps(x + i + 24), a3);   \
+        }                                                                           \
+        for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(LOAD8(i), _mm256_loadu_ps(x + i), a0); \
+        float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))); \
+        for (; i < n; i++) s += LOAD1(i) * x[i];                                    \
+        return s;                                                                   \
+    }
+
+#define F32_8(i) _mm256_loadu_ps((const float *)(const void *)(w + 4 * (i)))
+#define F32_1(i) ((const float *)(const void *)w)[i]
+#define F16_8(i) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * (i))))
+#define F16_1(i) fp16(w + 2 * (i))
+#define BF16_8(i) _mm256_castsi256_ps(_mm256_slli_epi32(                              \
+    _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(w + 2 * (i)))), 16))
+#define BF16_1(i) qk_bf16_to_fp32(qk_u16(w + 2 * (i)))
+QK_AVX2_FLOAT_DOT(dot_f32, F32_8, F32_1)
+QK_AVX2_FLOAT_DOT(dot_f16, F16_8, F16_1)
+QK_AVX2_FLOAT_DOT(dot_bf16, BF16_8, BF16_1)
+
+/* Dequantization: the plain C loops of qk_dequant.h, vectorised for AVX2. */
+static QK_AVX2 void dq_f16(int n, const uint8_t *w, float *y) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, F16_8(i));
+    for (; i < n; i++) y[i] = F16_1(i);
+}
+static QK_AVX2 void dq_bf16(int n, const uint8_t *w, float *y) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, BF16_8(i));
+    for (; i < n; i++) y[i] = BF16_1(i);
+}
+static QK_AVX2 void dq_q4_0(int n, const uint8_t *w, float *y) { qk_dq_q4_0(n, w, y); }
+static QK_AVX2 void dq_q4_1(int n, const uint8_t *w, float *y) { qk_dq_q4_1(n, w, y); }
+static QK_AVX2 void dq_q8_0(int n, const uint8_t *w, float *y) { qk_dq_q8_0(n, w, y); }
+static QK_AVX2 void dq_q4_k(int n, const uint8_t *w, float *y) { qk_dq_q4_k(n, w, y); }
+static QK_AVX2 void dq_q5_k(int n, const uint8_t *w, float *y) { qk_dq_q5_k(n, w, y); }
+static QK_AVX2 void dq_q6_k(int n, const uint8_t *w, float *y) { qk_dq_q6_k(n, w, y); }
+
+void qk_fill_avx2(qk_isa *isa) {
+    qk_fill_scalar(isa);   /* anything not listed here stays scalar */
+    isa->name = "avx2";
+    isa->dot[QK_F32] = dot_f32;
+    isa->dot[QK_F16] = dot_f16;   isa->dequant[QK_F16] = dq_f16;
+    isa->dot[QK_BF16] = dot_bf16; isa->dequant[QK_BF16] = dq_bf16;
+    isa->dot[QK_Q4_0] = dot_q4_0; isa->dequant[QK_Q4_0] = dq_q4_0;
+    isa->dot[QK_Q4_1] = dot_q4_1; isa->dequant[QK_Q4_1] = dq_q4_1;
+    isa->dot[QK_Q8_0] = dot_q8_0; isa->dequant[QK_Q8_0] = dq_q8_0;
+    isa->dot[QK_Q4_K] = dot_q4_k; isa->dequant[QK_Q4_K] = dq_q4_k;
+    isa->dot[QK_Q5_K] = dot_q5_k; isa->dequant[QK_Q5_K] = dq_q5_k;
+    isa->dot[QK_Q6_K] = dot_q6_k; isa->dequant[QK_Q6_K] = dq_q6_k;
+}
+
+#endif
