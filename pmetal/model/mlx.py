@@ -141,12 +141,11 @@ class MlxMatrix:
 
     def split(self, y: Any) -> list[Any]:
         """A product's columns, one array per stacked part."""
-        if len(self.sizes) == 1:
-            return [y]
-        cuts = np.cumsum(self.sizes)[:-1].tolist()
         import mlx.core as mx
 
-        return mx.split(y, cuts, axis=-1)
+        if len(self.sizes) == 1:
+            return [y]
+        return mx.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1)
 
     def take(self, ids: Any) -> Any:
         """Rows ``ids`` as float32, the only rows dequantized."""

@@ -60,6 +60,7 @@ because they are the sensitive ones (the LM head, half of ``attn_v`` and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -88,7 +89,7 @@ class Affine:
     bits: int
     rows: int
     cols: int
-    exact: bool = True
+    exact: ClassVar[bool] = True  # every converted type is
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,7 @@ def _smallest_exact(values: np.ndarray) -> np.ndarray:
 
 def _affine(matrix: QMatrix) -> Affine:
     bits, split = _AFFINE[matrix.ggml_type]
-    rows, cols = matrix.rows, matrix.cols
-    if cols % GROUP:
-        raise PMetalValueError(f"{cols} columns are not whole groups of {GROUP}")
+    rows, cols = matrix.rows, matrix.cols  # blocks of 32 or 256: whole groups
     data = matrix.data.reshape(rows, matrix.row_bytes)
     w = np.empty((rows, cols * bits // 32), dtype=np.uint32)
     scales = np.empty((rows, cols // GROUP), dtype=F32)

@@ -145,7 +145,8 @@ PROMPT = [5, 17, 42, 9, 100, 3, 77]
 @dataclass(frozen=True)
 class Model:
     path: Path
-    tolerance: float
+    tolerance: float  # of the logits' scale, against the reference
+    growth: float     # the most bytes in MLX over bytes in the file
 
 
 @pytest.fixture(scope="module", params=["q8_0-tied", "q8_0-untied", "mixed"])
@@ -155,10 +156,10 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         config = LlamaConfig(**{**tiny_config(tied=False).__dict__, "hidden_size": 256,
                                 "intermediate_size": 512, "head_dim": 64})
         write_tiny_gguf(path, config, seed=3, types=MIXED_TYPES)
-        return Model(path, MIXED)
+        return Model(path, MIXED, 2.0)  # Q6_K as float16: 2.4x its bytes (measured 1.5x)
     write_tiny_gguf(path, tiny_config(tied=request.param.endswith("-tied")), seed=3,
                     quantize=True)
-    return Model(path, EXACT)
+    return Model(path, EXACT, 1.1)  # Q8_0: 9 bits a weight, 8.5 in the file
 
 
 def close(got: np.ndarray, want: np.ndarray, tolerance: float) -> None:
@@ -232,10 +233,8 @@ def test_the_stage_holds_no_float32_copy_of_a_quantized_matrix(model: Model) -> 
             assert matrix.w.nbytes * 8 == weights_count * matrix.bits
             assert matrix.scales.dtype in (mx.float16, mx.float32)
             assert matrix.scales.size == matrix.biases.size == weights_count // 32
-    # Q8_0: 9 bits a weight against the file's 8.5; mixed: Q6_K as float16
-    # (2.4x its bytes) is most of it. Float32 would be 3.8x and 7x.
-    bound = 2.0 if model.tolerance == MIXED else 1.1
-    assert stage.nbytes <= bound * weights.nbytes, stage.nbytes / weights.nbytes
+    # float32 matrices would be 3.8x the file (Q8_0) or more
+    assert stage.nbytes <= model.growth * weights.nbytes, stage.nbytes / weights.nbytes
 
 
 def test_a_tied_head_is_the_embedding_held_once(model: Model) -> None:
