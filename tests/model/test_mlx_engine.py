@@ -132,9 +132,11 @@ def test_q6_k_float16_beats_8_bit_requantization() -> None:
 # gguf). Where every matrix converts exactly the two compute the same
 # weights in float32 in different orders (MLX's fused kernels): measured
 # ~1e-6 of the logits' scale. Where Q6_K or F16 matrices multiply in float16
-# (weights and inputs rounded to 2**-11): measured ~9e-4.
+# (weights and inputs rounded to 2**-11): measured ~9e-4. Where bfloat16
+# matrices multiply in bfloat16 (inputs rounded to 2**-8): measured ~1.3e-2.
 EXACT = 2e-4
 MIXED = 3e-3
+BFLOAT16 = 3e-2
 # Every type once, and neighbours that cannot share a product (q/k/v, gate/up).
 MIXED_TYPES = {"token_embd": T.BF16, "attn_q": T.Q4_K, "attn_k": T.Q5_K, "attn_v": T.Q6_K,
                "attn_output": T.Q4_0, "ffn_gate": T.Q4_1, "ffn_up": T.Q5_K,
@@ -149,7 +151,7 @@ class Model:
     growth: float     # the most bytes in MLX over bytes in the file
 
 
-@pytest.fixture(scope="module", params=["q8_0-tied", "q8_0-untied", "mixed"])
+@pytest.fixture(scope="module", params=["q8_0-tied", "q8_0-untied", "mixed", "bf16"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     path = tmp_path_factory.mktemp("mlx") / f"{request.param}.gguf"
     if request.param == "mixed":  # K quants need rows of 256
@@ -157,6 +159,11 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                                 "intermediate_size": 512, "head_dim": 64})
         write_tiny_gguf(path, config, seed=3, types=MIXED_TYPES)
         return Model(path, MIXED, 2.0)  # Q6_K as float16: 2.4x its bytes (measured 1.5x)
+    if request.param == "bf16":
+        names = ("token_embd", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                 "ffn_up", "ffn_down")
+        write_tiny_gguf(path, tiny_config(), seed=3, types=dict.fromkeys(names, T.BF16))
+        return Model(path, BFLOAT16, 1.0)
     write_tiny_gguf(path, tiny_config(tied=request.param.endswith("-tied")), seed=3,
                     quantize=True)
     return Model(path, EXACT, 1.1)  # Q8_0: 9 bits a weight, 8.5 in the file
