@@ -105,7 +105,6 @@ class MlxMatrix:
             raise PMetalValueError("only matrices of one form can be stacked")
         self.sizes = tuple(part.rows for part in parts)
         self.rows, self.cols = sum(self.sizes), first.cols
-        self.exact = all(part.exact for part in parts)
 
         def joined(name: str) -> Any:
             arrays = [getattr(part, name) for part in parts]
