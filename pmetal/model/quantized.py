@@ -151,7 +151,9 @@ class QuantizedWeights:
     def from_float(cls, weights: Any, ggml_type: int = kernels.Q8_0) -> QuantizedWeights:
         """Float32 weights (a :class:`~pmetal.pipeline.llama.LlamaWeights`,
         Hugging Face layout) quantized to ``ggml_type`` blocks with the
-        ``gguf`` package: random test models for this engine."""
+        ``gguf`` package: random test models for this engine. ``F32``
+        keeps the float32 arrays (as bytes, not copied): the MLX engine's
+        float models."""
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize
 
@@ -159,8 +161,8 @@ class QuantizedWeights:
 
         def q(matrix: np.ndarray) -> QMatrix:
             rows, cols = matrix.shape
-            return QMatrix(np.ascontiguousarray(quantize(matrix, kind)).reshape(rows, -1),
-                           ggml_type, rows, cols)
+            blocks = np.ascontiguousarray(quantize(matrix, kind)).view(np.uint8)
+            return QMatrix(blocks.reshape(rows, -1), ggml_type, rows, cols)
 
         layers = tuple(
             QuantizedLayer(attn_norm=w.attn_norm, mlp_norm=w.mlp_norm, wq=q(w.wq), wk=q(w.wk),

@@ -8,8 +8,10 @@ backend    weights in memory                        where it is the default
 ========== ======================================== ==========================
 quantized  GGUF blocks, mapped from the file        GGUF models off Apple silicon
            (:mod:`pmetal.model.quantized`)
-mlx        float32 MLX arrays                       Apple silicon with MLX
-           (:mod:`pmetal.pipeline.llama_mlx`)
+mlx        GGUF: MLX's affine quantization (the     Apple silicon with MLX
+           blocks rewritten, Q6_K as float16);
+           other models: float32 MLX arrays
+           (:mod:`pmetal.model.mlx`)
 reference  float32 numpy, dequantized at load       random test models,
            (:mod:`pmetal.pipeline.llama`)           Hugging Face folders
 ========== ======================================== ==========================
@@ -77,6 +79,11 @@ def build_stage(config: PipelineStageConfig, *, max_threads: int | None = None,
     if backend == "quantized":
         return _quantized(loader.load_quantized(config.model, config.start, config.end),
                           max_threads)
+    if backend == "mlx" and _is_gguf(config.model):
+        from pmetal.model.mlx import MlxQuantizedStage
+
+        # The stage keeps MLX copies, not the blocks: the file's map closes with them.
+        return MlxQuantizedStage(loader.load_quantized(config.model, config.start, config.end))
     return _from_float(loader.load_weights(config.model, config.start, config.end), backend,
                        max_threads)
 

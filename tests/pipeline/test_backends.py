@@ -49,3 +49,24 @@ def test_a_gguf_stage_is_quantized_and_a_random_one_is_the_reference(tmp_path: P
     random = build_stage(PipelineStageConfig(start=0, end=4, index=0, num_stages=1,
                                              random_model=dict(config.__dict__)))
     assert isinstance(random, LlamaStage)
+
+
+@pytest.mark.skipif(not mlx_available(), reason="mlx is not installed: no MLX backend here")
+def test_mlx_keeps_a_gguf_model_quantized_and_a_random_one_float(tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from pmetal.model.mlx import MlxQuantizedStage
+    from pmetal.pipeline.llama_mlx import MlxLlamaStage
+
+    path = tmp_path / "tiny.gguf"
+    config = tiny_config()
+    write_tiny_gguf(path, config, quantize=True)
+    stage = build_stage(PipelineStageConfig(start=1, end=4, index=1, num_stages=2,
+                                            model=str(path), backend="mlx"))
+    assert type(stage) is MlxQuantizedStage and (stage.start, stage.end) == (1, 4)
+    assert {m.bits for m in stage.matrices()} == {8}  # Q8_0 stays 8-bit
+    random = build_stage(PipelineStageConfig(start=0, end=4, index=0, num_stages=1,
+                                             random_model=dict(config.__dict__),
+                                             backend="mlx"))
+    assert isinstance(random, MlxLlamaStage)
+    assert {m.dense.dtype for m in random.matrices()} == {mx.float32}

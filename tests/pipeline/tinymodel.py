@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -96,12 +97,17 @@ def gguf_architecture(config: LlamaConfig) -> str:
 def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
                     architecture: str | None = None, skip: tuple[str, ...] = (),
                     quantize: bool = False, chat_template: str | None = CHAT_TEMPLATE,
+                    types: Mapping[str, int] | None = None,
                     extra: dict[str, np.ndarray] | None = None) -> LlamaWeights:
     """A GGUF file of random weights (F32, or Q8_0 matrices with
-    ``quantize``); ``architecture`` overrides general.architecture (default:
-    the config's, as llama.cpp names it), ``skip`` leaves out tensors by GGUF
+    ``quantize``, or each matrix in the type ``types`` gives its GGUF base
+    name, ``attn_q`` or ``token_embd``: F32 for names it lacks; vectors stay
+    F32); ``architecture`` overrides general.architecture (default: the
+    config's, as llama.cpp names it), ``skip`` leaves out tensors by GGUF
     name, ``extra`` adds some."""
     import gguf
+
+    from tests.pipeline.kquants import quantize as encode
 
     weights = LlamaWeights.random(config, seed)
     architecture = architecture or gguf_architecture(config)
@@ -136,9 +142,14 @@ def write_tiny_gguf(path: str | Path, config: LlamaConfig, seed: int = 0, *,
         if name in skip:
             return
         array = np.ascontiguousarray(array, dtype=np.float32)
-        if quantize and array.ndim == 2:
+        kind = None
+        if array.ndim == 2 and types is not None:
+            kind = types.get(name.removesuffix(".weight").split(".")[-1])
+        elif array.ndim == 2 and quantize:
             kind = gguf.GGMLQuantizationType.Q8_0
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+        if kind is not None and kind != gguf.GGMLQuantizationType.F32:
+            kind = gguf.GGMLQuantizationType(kind)
+            writer.add_tensor(name, encode(array, kind), raw_dtype=kind)
         else:
             writer.add_tensor(name, array)
 
