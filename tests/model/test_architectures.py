@@ -17,8 +17,9 @@ scale from float64 (tests/pipeline/test_llama.py); the quantized engine
 rounds activations to 8 bits, within the bound tests/model/test_quantized.py
 gives the engine against the reference on the same Q8_0 file (6% of the
 scale; a dropped Qwen2 bias is off by ~30% here, a dropped Qwen3 k norm by
-~50%); MLX is float32 in another order, 2e-4
-(tests/pipeline/test_llama_mlx.py).
+~50%); the MLX engine is float32 in another order, on float weights and
+on a file's Q8_0 blocks (which it keeps exact), 2e-4
+(tests/model/test_mlx_engine.py).
 """
 
 from __future__ import annotations
@@ -223,13 +224,27 @@ def test_two_quantized_stages_give_the_single_stage_bits(q8_gguf: Path, cut: int
     assert np.array_equal(whole.logits(hidden), second.logits(split))
 
 
-@pytest.mark.skipif(not mlx_available(), reason="mlx is not installed (pip install mlx, or "
-                                                "'mlx[cpu]' on Linux): the MLX backend is "
-                                                "not tested")
-def test_the_mlx_decoder_matches_float64(f32_gguf: tuple[Path, LlamaWeights]) -> None:
+needs_mlx = pytest.mark.skipif(not mlx_available(), reason="mlx is not installed (pip install "
+                               "mlx, or 'mlx[cpu]' on Linux): the MLX backend is not tested")
+
+
+@needs_mlx
+def test_the_mlx_engine_on_float_weights_matches_float64(
+        f32_gguf: tuple[Path, LlamaWeights]) -> None:
     path, written = f32_gguf
     stage = MlxLlamaStage(load_weights(path))
     within(cached_logits(stage, PROMPT), hf_logits(written, PROMPT), MLX)
+
+
+@needs_mlx
+def test_the_mlx_engine_on_the_files_blocks_matches_the_reference(q8_gguf: Path) -> None:
+    """What backend mlx runs for a GGUF file: the file's q/k rows as they
+    are (interleaved rotary for llama files only), Q8_0 kept exact."""
+    from pmetal.model.mlx import MlxQuantizedStage
+
+    stage = MlxQuantizedStage(load_quantized(q8_gguf))
+    within(cached_logits(stage, PROMPT), cached_logits(LlamaStage(load_weights(q8_gguf)), PROMPT),
+           MLX)
 
 
 def test_transformers_computes_the_same_logits_from_the_hf_folder(
