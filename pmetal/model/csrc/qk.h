@@ -63,6 +63,10 @@ void qk_fill_scalar(qk_isa *isa);
 int qk_cpu_has_avx2(void);
 void qk_fill_avx2(qk_isa *isa);
 #endif
+#if defined(__aarch64__)
+#define QK_HAVE_NEON 1
+void qk_fill_neon(qk_isa *isa);
+#endif
 
 /* Run fn(ctx, i) for i in [0, n) on `threads` threads (the caller is one of
  * them); returns when every item has finished. */
