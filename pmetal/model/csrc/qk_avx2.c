@@ -226,12 +226,115 @@ static QK_AVX2 void dq_bf16(int n, const uint8_t *w, float *y) {
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, BF16_8(i));
     for (; i < n; i++) y[i] = BF16_1(i);
 }
-static QK_AVX2 void dq_q4_0(int n, const uint8_t *w, float *y) { qk_dq_q4_0(n, w, y); }
-static QK_AVX2 void dq_q4_1(int n, const uint8_t *w, float *y) { qk_dq_q4_1(n, w, y); }
-static QK_AVX2 void dq_q8_0(int n, const uint8_t *w, float *y) { qk_dq_q8_0(n, w, y); }
-static QK_AVX2 void dq_q4_k(int n, const uint8_t *w, float *y) { qk_dq_q4_k(n, w, y); }
-static QK_AVX2 void dq_q5_k(int n, const uint8_t *w, float *y) { qk_dq_q5_k(n, w, y); }
-static QK_AVX2 void dq_q6_k(int n, const uint8_t *w, float *y) { qk_dq_q6_k(n, w, y); }
+/* Dequantization writes 8 floats per store.  The products are the ones
+ * gguf's float32 code computes: d * q is exact for every format but Q6_K
+ * (an fp16 times at most 11 bits), so d * q + m in one FMA rounds like
+ * gguf's multiply-then-add, and Q6_K's (d * scale) * q keeps two roundings. */
+static inline QK_AVX2 __m256 i8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+/* y[0..31] = a * q + b for 32 int8 q, a and b given per 16 values. */
+static inline QK_AVX2 void store32(float *y, __m256i q, __m256 a0, __m256 a1, __m256 b0, __m256 b1) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y, _mm256_fmadd_ps(a0, i8_to_ps(lo), b0));
+    _mm256_storeu_ps(y + 8, _mm256_fmadd_ps(a0, i8_to_ps(_mm_srli_si128(lo, 8)), b0));
+    _mm256_storeu_ps(y + 16, _mm256_fmadd_ps(a1, i8_to_ps(hi), b1));
+    _mm256_storeu_ps(y + 24, _mm256_fmadd_ps(a1, i8_to_ps(_mm_srli_si128(hi, 8)), b1));
+}
+
+static inline QK_AVX2 void store32_mul(float *y, __m256i q, __m256 a0, __m256 a1) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    _mm256_storeu_ps(y, _mm256_mul_ps(a0, i8_to_ps(lo)));
+    _mm256_storeu_ps(y + 8, _mm256_mul_ps(a0, i8_to_ps(_mm_srli_si128(lo, 8))));
+    _mm256_storeu_ps(y + 16, _mm256_mul_ps(a1, i8_to_ps(hi)));
+    _mm256_storeu_ps(y + 24, _mm256_mul_ps(a1, i8_to_ps(_mm_srli_si128(hi, 8))));
+}
+
+static QK_AVX2 void dq_q8_0(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 34, y += 32) {
+        const __m256 d = _mm256_set1_ps(fp16(w));
+        store32_mul(y, _mm256_loadu_si256((const __m256i *)(w + 2)), d, d);
+    }
+}
+
+static QK_AVX2 void dq_q4_0(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 18, y += 32) {
+        const __m256 d = _mm256_set1_ps(fp16(w));
+        store32_mul(y, _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8)), d, d);
+    }
+}
+
+static QK_AVX2 void dq_q4_1(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 20, y += 32) {
+        const __m256 d = _mm256_set1_ps(fp16(w)), m = _mm256_set1_ps(fp16(w + 2));
+        store32(y, nibbles(w + 4), d, d, m, m);
+    }
+}
+
+static QK_AVX2 void dq_q4_k(int nb, const uint8_t *w, float *y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int b = 0; b < nb; b++, w += 144, y += 256) {
+        const float d = fp16(w), dmin = fp16(w + 2);
+        uint8_t sc[8], mn[8];
+        qk_k_scales(w + 4, sc, mn);
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
+            const __m256 d1 = _mm256_set1_ps(d * (float)sc[2 * j]), m1 = _mm256_set1_ps(-(dmin * (float)mn[2 * j]));
+            const __m256 d2 = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
+            const __m256 m2 = _mm256_set1_ps(-(dmin * (float)mn[2 * j + 1]));
+            store32(y + 64 * j, _mm256_and_si256(q, m4), d1, d1, m1, m1);
+            store32(y + 64 * j + 32, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), d2, d2, m2, m2);
+        }
+    }
+}
+
+static QK_AVX2 void dq_q5_k(int nb, const uint8_t *w, float *y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    for (int b = 0; b < nb; b++, w += 176, y += 256) {
+        const float d = fp16(w), dmin = fp16(w + 2);
+        uint8_t sc[8], mn[8];
+        qk_k_scales(w + 4, sc, mn);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
+        for (int j = 0; j < 4; j++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+            const __m256 d1 = _mm256_set1_ps(d * (float)sc[2 * j]), m1 = _mm256_set1_ps(-(dmin * (float)mn[2 * j]));
+            const __m256 d2 = _mm256_set1_ps(d * (float)sc[2 * j + 1]);
+            const __m256 m2 = _mm256_set1_ps(-(dmin * (float)mn[2 * j + 1]));
+            store32(y + 64 * j, lo, d1, d1, m1, m1);
+            store32(y + 64 * j + 32, hi, d2, d2, m2, m2);
+        }
+    }
+}
+
+static QK_AVX2 void dq_q6_k(int nb, const uint8_t *w, float *y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    for (int b = 0; b < nb; b++, w += 210, y += 256) {
+        const float d = fp16(w + 208);
+        const int8_t *sc = (const int8_t *)(w + 192);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = w + 64 * h;
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                   _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+            for (int k = 0; k < 4; k++) {
+                const __m256 a0 = _mm256_set1_ps(d * (float)sc[8 * h + 2 * k]);
+                const __m256 a1 = _mm256_set1_ps(d * (float)sc[8 * h + 2 * k + 1]);
+                store32_mul(y + 128 * h + 32 * k, _mm256_sub_epi8(q[k], m32), a0, a1);
+            }
+        }
+    }
+}
 
 void qk_fill_avx2(qk_isa *isa) {
     qk_fill_scalar(isa);   /* anything not listed here stays scalar */
