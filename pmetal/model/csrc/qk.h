@@ -14,6 +14,7 @@
 #ifndef PMETAL_QK_H
 #define PMETAL_QK_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -38,12 +39,19 @@ enum qk_act { QK_ACT_NONE = 0, QK_ACT_F32, QK_ACT_A32, QK_ACT_A256 };
 /* Dot product of one weight row with one prepared x row.  n counts blocks
  * for the quantized types and values for F32, F16 and BF16. */
 typedef float (*qk_dot_fn)(int n, const uint8_t *w, const void *x);
+/* The same for nr (1..4) x rows at x, x + x_stride, ... into out[0],
+ * out[out_stride], ...: the weight row is unpacked once for all of them, and
+ * each result has exactly the bits dot would give it.  Optional (NULL: the
+ * caller loops over dot). */
+typedef void (*qk_dotn_fn)(int n, const uint8_t *w, const void *x, size_t x_stride, int nr,
+                           float *out, size_t out_stride);
 /* Dequantize n blocks (values for the float types) of one row. */
 typedef void (*qk_dequant_fn)(int n, const uint8_t *w, float *out);
 
 typedef struct {
     const char *name;
     qk_dot_fn dot[QK_NTYPES];
+    qk_dotn_fn dotn[QK_NTYPES];
     qk_dequant_fn dequant[QK_NTYPES];
 } qk_isa;
 

@@ -48,42 +48,84 @@ static inline QK_AVX2 __m256i dot_ss(__m256i a, __m256i b) {
     return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
 
-static QK_AVX2 float dot_q8_0(int nb, const uint8_t *w, const void *xv) {
-    const qk_a32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
+/* Each quantized kernel is written once for NR = 1..4 x rows (rows_*): the
+ * weight block is loaded and unpacked once, then every x row runs the very
+ * operations the NR = 1 kernel runs, in the same order, so a row's result
+ * has the same bits whichever NR computed it. */
+#define QK_ROWS static inline __attribute__((always_inline)) QK_AVX2 void
+#define QK_MAXR 4
+#define XROW(T, r, b) ((const T *)(const void *)(xb + (size_t)(r) * xs) + (b))
+
+#define QK_ROWS_ENTRY_POINTS(NAME)                                                        \
+    static QK_AVX2 float dot_##NAME(int n, const uint8_t *w, const void *x) {             \
+        float y;                                                                          \
+        rows_##NAME(n, w, x, 0, &y, 0, 1);                                                \
+        return y;                                                                         \
+    }                                                                                     \
+    static QK_AVX2 void dotn_##NAME(int n, const uint8_t *w, const void *x, size_t xs,    \
+                                    int nr, float *out, size_t os) {                      \
+        switch (nr) {                                                                     \
+        case 1: rows_##NAME(n, w, x, xs, out, os, 1); break;                              \
+        case 2: rows_##NAME(n, w, x, xs, out, os, 2); break;                              \
+        case 3: rows_##NAME(n, w, x, xs, out, os, 3); break;                              \
+        default: rows_##NAME(n, w, x, xs, out, os, 4); break;                             \
+        }                                                                                 \
+    }
+
+QK_ROWS rows_q8_0(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    __m256 acc[QK_MAXR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += 34) {
         const __m256i qw = _mm256_loadu_si256((const __m256i *)(w + 2));
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-        const __m256 d = _mm256_set1_ps(fp16(w) * x[b].d);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_ss(qw, qx)), acc);
+        const __m256i aw = _mm256_sign_epi8(qw, qw);
+        const float dw = fp16(w);
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            const __m256i qx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x->q), qw);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(dot_us(aw, qx)), acc[r]);
+        }
     }
-    return hsum(acc);
+    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]);
 }
+QK_ROWS_ENTRY_POINTS(q8_0)
 
-static QK_AVX2 float dot_q4_0(int nb, const uint8_t *w, const void *xv) {
-    const qk_a32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
+QK_ROWS rows_q4_0(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    __m256 acc[QK_MAXR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += 18) {
         const __m256i qw = _mm256_sub_epi8(nibbles(w + 2), _mm256_set1_epi8(8));
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-        const __m256 d = _mm256_set1_ps(fp16(w) * x[b].d);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_ss(qw, qx)), acc);
+        const __m256i aw = _mm256_sign_epi8(qw, qw);
+        const float dw = fp16(w);
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            const __m256i qx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x->q), qw);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(dot_us(aw, qx)), acc[r]);
+        }
     }
-    return hsum(acc);
+    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]);
 }
+QK_ROWS_ENTRY_POINTS(q4_0)
 
-static QK_AVX2 float dot_q4_1(int nb, const uint8_t *w, const void *xv) {
-    const qk_a32 *x = xv;
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.0f;
+QK_ROWS rows_q4_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    __m256 acc[QK_MAXR];
+    float accm[QK_MAXR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
     for (int b = 0; b < nb; b++, w += 20) {
-        const __m256i qx = _mm256_loadu_si256((const __m256i *)x[b].q);
-        const __m256 d = _mm256_set1_ps(fp16(w) * x[b].d);
-        acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dot_us(nibbles(w + 4), qx)), acc);
-        accm += fp16(w + 2) * x[b].s;
+        const __m256i qw = nibbles(w + 4);
+        const float dw = fp16(w), mw = fp16(w + 2);
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)x->q);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(dot_us(qw, qx)), acc[r]);
+            accm[r] += mw * x->s;
+        }
     }
-    return hsum(acc) + accm;
+    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]) + accm[r];
 }
+QK_ROWS_ENTRY_POINTS(q4_1)
 
 /* K-quants: per super-block, the eight (Q4_K, Q5_K) or sixteen (Q6_K)
  * sub-block scales multiply int32 lanes (madd with the scale as int16), the
@@ -96,72 +138,71 @@ static inline QK_AVX2 int k_mins(const uint8_t mn[8], const int16_t *bsums) {
     return s;
 }
 
-static QK_AVX2 float dot_q4_k(int nb, const uint8_t *w, const void *xv) {
-    const qk_a256 *x = xv;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.0f;
-    for (int b = 0; b < nb; b++, w += 144) {
+/* Q4_K and Q5_K differ only in how the 32 quants of a sub-block unpack. */
+QK_ROWS rows_k45(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os,
+                 const int NR, const int five) {
+    const uint8_t *xb = xv;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
+    const int bytes = five ? 176 : 144, qs = five ? 48 : 16;
+    __m256 acc[QK_MAXR];
+    float accm[QK_MAXR];
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
+    for (int b = 0; b < nb; b++, w += bytes) {
         uint8_t sc[8], mn[8];
         qk_k_scales(w + 4, sc, mn);
-        const int8_t *y = x[b].q;
-        __m256i sumi = _mm256_setzero_si256();
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
+        __m256i sumi[QK_MAXR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
         for (int j = 0; j < 4; j++) {
-            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + 16 + 32 * j));
-            const __m256i lo = _mm256_and_si256(q4, m4);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
-            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
-            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
+            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + qs + 32 * j));
+            __m256i lo = _mm256_and_si256(q4, m4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q4, 4), m4);
+            if (five) {
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
+            }
+            const __m256i slo = _mm256_set1_epi16(sc[2 * j]), shi = _mm256_set1_epi16(sc[2 * j + 1]);
+            for (int r = 0; r < NR; r++) {
+                const int8_t *y = XROW(qk_a256, r, b)->q + 64 * j;
+                const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y));
+                const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 32)));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(plo, slo));
+                sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(phi, shi));
+            }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
-        accm += (fp16(w + 2) * x[b].d) * (float)k_mins(mn, x[b].bsums);
+        const float dw = fp16(w), dminw = fp16(w + 2);
+        for (int r = 0; r < NR; r++) {
+            const qk_a256 *x = XROW(qk_a256, r, b);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
+            accm[r] += (dminw * x->d) * (float)k_mins(mn, x->bsums);
+        }
     }
-    return hsum(acc) - accm;
+    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]) - accm[r];
 }
 
-static QK_AVX2 float dot_q5_k(int nb, const uint8_t *w, const void *xv) {
-    const qk_a256 *x = xv;
-    const __m256i m4 = _mm256_set1_epi8(0x0f), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps();
-    float accm = 0.0f;
-    for (int b = 0; b < nb; b++, w += 176) {
-        uint8_t sc[8], mn[8];
-        qk_k_scales(w + 4, sc, mn);
-        const int8_t *y = x[b].q;
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 16));
-        __m256i sumi = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j++) {
-            const __m256i q4 = _mm256_loadu_si256((const __m256i *)(w + 48 + 32 * j));
-            const __m256i hlo = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one);
-            const __m256i hhi = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one);
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q4, m4), _mm256_slli_epi16(hlo, 4));
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q4, 4), m4),
-                                               _mm256_slli_epi16(hhi, 4));
-            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)(y + 64 * j)));
-            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(y + 64 * j + 32)));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(plo, _mm256_set1_epi16(sc[2 * j])));
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(phi, _mm256_set1_epi16(sc[2 * j + 1])));
-        }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
-        accm += (fp16(w + 2) * x[b].d) * (float)k_mins(mn, x[b].bsums);
-    }
-    return hsum(acc) - accm;
+QK_ROWS rows_q4_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    rows_k45(nb, w, xv, xs, out, os, NR, 0);
 }
+QK_ROWS_ENTRY_POINTS(q4_k)
+
+QK_ROWS rows_q5_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    rows_k45(nb, w, xv, xs, out, os, NR, 1);
+}
+QK_ROWS_ENTRY_POINTS(q5_k)
 
 /* Q6_K: 6-bit q = low nibble (ql) | 2 high bits (qh) << 4, stored biased by
  * 32: sum (q - 32) y = maddubs(q, y) - maddubs(32, y). */
-static QK_AVX2 float dot_q6_k(int nb, const uint8_t *w, const void *xv) {
-    const qk_a256 *x = xv;
+QK_ROWS rows_q6_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
     const __m256i m4 = _mm256_set1_epi8(0x0f), m3 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[QK_MAXR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, w += 210) {
         const int8_t *sc = (const int8_t *)(w + 192);
-        __m256i sumi = _mm256_setzero_si256();
+        __m256i sumi[QK_MAXR];
+        for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h;
-            const int8_t *y = x[b].q + 128 * h;
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
             const __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
@@ -174,17 +215,23 @@ static QK_AVX2 float dot_q6_k(int nb, const uint8_t *w, const void *xv) {
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
             for (int k = 0; k < 4; k++) {
-                const __m256i yk = _mm256_loadu_si256((const __m256i *)(y + 32 * k));
-                const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yk), _mm256_maddubs_epi16(m32, yk));
                 const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]),
                                                      _mm_set1_epi16(sc[8 * h + 2 * k]));
-                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s16));
+                for (int r = 0; r < NR; r++) {
+                    const int8_t *y = XROW(qk_a256, r, b)->q + 128 * h + 32 * k;
+                    const __m256i yk = _mm256_loadu_si256((const __m256i *)y);
+                    const __m256i p = _mm256_sub_epi16(_mm256_maddubs_epi16(q[k], yk), _mm256_maddubs_epi16(m32, yk));
+                    sumi[r] = _mm256_add_epi32(sumi[r], _mm256_madd_epi16(p, s16));
+                }
             }
         }
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(fp16(w + 208) * x[b].d), _mm256_cvtepi32_ps(sumi), acc);
+        const float dw = fp16(w + 208);
+        for (int r = 0; r < NR; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * XROW(qk_a256, r, b)->d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
     }
-    return hsum(acc);
+    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]);
 }
+QK_ROWS_ENTRY_POINTS(q6_k)
 
 /* Float weights: four 8-lane accumulators, then eight lanes, then the tail. */
 #define QK_AVX2_FLOAT_DOT(NAME, LOAD8, LOAD1)                                       \
@@ -342,12 +389,12 @@ void qk_fill_avx2(qk_isa *isa) {
     isa->dot[QK_F32] = dot_f32;
     isa->dot[QK_F16] = dot_f16;   isa->dequant[QK_F16] = dq_f16;
     isa->dot[QK_BF16] = dot_bf16; isa->dequant[QK_BF16] = dq_bf16;
-    isa->dot[QK_Q4_0] = dot_q4_0; isa->dequant[QK_Q4_0] = dq_q4_0;
-    isa->dot[QK_Q4_1] = dot_q4_1; isa->dequant[QK_Q4_1] = dq_q4_1;
-    isa->dot[QK_Q8_0] = dot_q8_0; isa->dequant[QK_Q8_0] = dq_q8_0;
-    isa->dot[QK_Q4_K] = dot_q4_k; isa->dequant[QK_Q4_K] = dq_q4_k;
-    isa->dot[QK_Q5_K] = dot_q5_k; isa->dequant[QK_Q5_K] = dq_q5_k;
-    isa->dot[QK_Q6_K] = dot_q6_k; isa->dequant[QK_Q6_K] = dq_q6_k;
+    isa->dot[QK_Q4_0] = dot_q4_0; isa->dotn[QK_Q4_0] = dotn_q4_0; isa->dequant[QK_Q4_0] = dq_q4_0;
+    isa->dot[QK_Q4_1] = dot_q4_1; isa->dotn[QK_Q4_1] = dotn_q4_1; isa->dequant[QK_Q4_1] = dq_q4_1;
+    isa->dot[QK_Q8_0] = dot_q8_0; isa->dotn[QK_Q8_0] = dotn_q8_0; isa->dequant[QK_Q8_0] = dq_q8_0;
+    isa->dot[QK_Q4_K] = dot_q4_k; isa->dotn[QK_Q4_K] = dotn_q4_k; isa->dequant[QK_Q4_K] = dq_q4_k;
+    isa->dot[QK_Q5_K] = dot_q5_k; isa->dotn[QK_Q5_K] = dotn_q5_k; isa->dequant[QK_Q5_K] = dq_q5_k;
+    isa->dot[QK_Q6_K] = dot_q6_k; isa->dotn[QK_Q6_K] = dotn_q6_k; isa->dequant[QK_Q6_K] = dq_q6_k;
 }
 
 #endif
