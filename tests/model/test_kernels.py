@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -389,3 +390,32 @@ def test_bad_arguments_are_refused_with_the_reason() -> None:
     for call, message in cases:
         with pytest.raises(kn.KernelError, match=message):
             call()
+
+
+def _helper_cpu_ns() -> int:
+    """CPU time used so far by every thread of this process but the main one
+    (Linux schedstat: nanoseconds on the CPU)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        if int(tid) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:   # the thread ended meanwhile
+            continue
+    return total
+
+
+@needs_c
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="needs Linux /proc")
+def test_an_idle_pool_burns_no_cpu() -> None:
+    """Workers spin for ~50 us after a job, then sleep: over a quiet 300 ms
+    window they use well under 10 ms of CPU (a spinning pool would use 300)."""
+    w = random_matrix(kn.Q4_1, 600, 576)
+    x = random_x(1, 576)
+    for _ in range(50):
+        kn.matmul(x, [w], threads=3)
+    before = _helper_cpu_ns()
+    threading.Event().wait(0.3)   # the measurement window, not a synchronisation
+    assert _helper_cpu_ns() - before < 10_000_000
