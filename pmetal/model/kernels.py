@@ -108,7 +108,8 @@ def _name(ggml_type: int) -> str:
 
 def block_shape(ggml_type: int) -> tuple[int, int]:
     """(values per block, bytes per block) of a supported ggml type."""
-    layout = _LAYOUT.get(ggml_type) if isinstance(ggml_type, int) else None
+    ok = isinstance(ggml_type, (int, np.integer)) and not isinstance(ggml_type, bool)
+    layout = _LAYOUT.get(int(ggml_type)) if ok else None
     if layout is None:
         supported = ", ".join(name for name, _, _ in _LAYOUT.values())
         raise KernelError(f"ggml type {ggml_type!r} is not supported (supported: {supported})")
@@ -133,10 +134,12 @@ class QMatrix:
     def __post_init__(self) -> None:
         per_block, _ = block_shape(self.ggml_type)
         name = _name(self.ggml_type)
-        for field in ("rows", "cols"):
-            value = getattr(self, field)
+        for attribute in ("rows", "cols"):
+            value = getattr(self, attribute)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise KernelError(f"QMatrix {field} must be an int >= 0, got {value!r}")
+                raise KernelError(f"QMatrix {attribute} must be an int >= 0, got {value!r}")
+            object.__setattr__(self, attribute, int(value))
+        object.__setattr__(self, "ggml_type", int(self.ggml_type))
         if self.cols == 0 or self.cols % per_block:
             raise KernelError(f"QMatrix of {name}: cols={self.cols} is not a positive multiple "
                               f"of the block size {per_block}")
@@ -254,9 +257,9 @@ def matmul(x: np.ndarray, weights: Sequence[QMatrix], *, threads: int = 1,
     if (type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 2
             or not x.flags.c_contiguous):
         _refuse_x(x)
-    if type(weights) not in (list, tuple):
-        if isinstance(weights, QMatrix) or not isinstance(weights, Sequence):
-            raise KernelError("weights must be a sequence of QMatrix")
+    if type(weights) not in (list, tuple) and (isinstance(weights, QMatrix)
+                                              or not isinstance(weights, Sequence)):
+        raise KernelError("weights must be a sequence of QMatrix")
     R, K = x.shape
     for i, w in enumerate(weights):
         if type(w) is not QMatrix:
