@@ -111,19 +111,24 @@ QK_ROWS_ENTRY_POINTS(q4_0)
 QK_ROWS rows_q4_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
     const uint8_t *xb = xv;
     __m256 acc[QK_MAXR];
-    float accm[QK_MAXR];
-    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = 0.0f; }
+    __m128 accm[QK_MAXR];   /* lane 1: the sum of m * s */
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
     for (int b = 0; b < nb; b++, w += 20) {
         const __m256i qw = nibbles(w + 4);
-        const float dw = fp16(w), mw = fp16(w + 2);
+        uint32_t dm_bits;
+        memcpy(&dm_bits, w, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));   /* d, m */
         for (int r = 0; r < NR; r++) {
             const qk_a32 *x = XROW(qk_a32, r, b);
             const __m256i qx = _mm256_loadu_si256((const __m256i *)x->q);
-            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(dot_us(qw, qx)), acc[r]);
-            accm[r] += mw * x->s;
+            /* d * dx and m * s in one multiply: x's d and s are adjacent */
+            const __m128 p = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(const void *)&x->d)));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(dot_us(qw, qx)), acc[r]);
+            accm[r] = _mm_add_ps(accm[r], p);
         }
     }
-    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]) + accm[r];
+    for (int r = 0; r < NR; r++)
+        out[r * os] = hsum(acc[r]) + _mm_cvtss_f32(_mm_shuffle_ps(accm[r], accm[r], 1));
 }
 QK_ROWS_ENTRY_POINTS(q4_1)
 
