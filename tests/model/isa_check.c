@@ -9,7 +9,9 @@
  *     exact integer block sums, same float expression per block);
  *   - every other vector dot is within 2 gamma(D) * sum mag_i (|x_i| + delta_b)
  *     of the scalar one (each is within gamma(D) of the exact value of the
- *     quantized-x product; D = blocks + 8, or ceil(K/8) + 12 for floats).
+ *     quantized-x product; D = blocks + 8, or ceil(K/8) + 12 for floats);
+ *   - the multi-row kernels (dotn, nr = 1..4) give each row exactly the bits
+ *     the single-row kernel gives it.
  * Prints "ok <isa> <checks>" and exits 0, or the first mismatches and 1.
  */
 #include <math.h>
@@ -130,6 +132,31 @@ int main(void) {
                     printf("type %d row %d x%d: scalar %.9g %s %.9g differ by more than %.3g\n",
                            type, row, r, s, best.name, v, limit);
             }
+        }
+        if (best.dotn[type]) {   /* multi-row kernels: the single-row bits, exactly */
+            const size_t stride = act == QK_ACT_A256 ? sizeof(qk_a256) * (size_t)(K / 256)
+                                                     : sizeof(qk_a32) * (size_t)(K / 32);
+            uint8_t *x4 = malloc(4 * stride);
+            for (int r = 0; r < 4; r++) {
+                for (int i = 0; i < K; i++) x[i] = (float)((uniform() * 2 - 1) * (r + 1));
+                if (act == QK_ACT_A256) qk_quantize_a256(K, x, (qk_a256 *)(void *)(x4 + r * stride));
+                else qk_quantize_a32(K, x, (qk_a32 *)(void *)(x4 + r * stride));
+            }
+            for (int row = 0; row < rows; row++) {
+                random_row(type, n, w);
+                for (int nr = 1; nr <= 4; nr++) {
+                    float got[8];
+                    best.dotn[type](n, w, x4, stride, nr, got, 2);
+                    for (int r = 0; r < nr; r++) {
+                        const float one = best.dot[type](n, w, x4 + r * stride);
+                        checks++;
+                        if (memcmp(&one, &got[2 * r], 4) && failures++ < 10)
+                            printf("type %d row %d: dotn(nr=%d) row %d gives %.9g, dot %.9g\n",
+                                   type, row, nr, r, got[2 * r], one);
+                    }
+                }
+            }
+            free(x4);
         }
         free(w); free(x); free(d1); free(d2); free(mag); free(xq);
     }

@@ -10,16 +10,22 @@
 #include "qk.h"
 
 #if defined(QK_HAVE_X86)
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include "qk_dequant.h"
 
 #define QK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
+/* __builtin_cpu_supports checks the CPU and that the OS saves the YMM
+ * registers; clang's builtin does not know "f16c", so that bit comes from
+ * CPUID leaf 1 (ECX bit 29) directly. */
 int qk_cpu_has_avx2(void) {
+    unsigned eax, ebx, ecx, edx;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
-        && __builtin_cpu_supports("f16c");
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    return (ecx >> 29) & 1;
 }
 
 static inline QK_AVX2 float fp16(const uint8_t *p) { return _cvtsh_ss(qk_u16(p)); }
@@ -41,11 +47,6 @@ static inline QK_AVX2 __m256i nibbles(const uint8_t *p) {
 /* Sum of products of unsigned bytes u with signed bytes s, as 8 int32 lanes. */
 static inline QK_AVX2 __m256i dot_us(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
-/* Same for two signed byte vectors: move a's sign onto b. */
-static inline QK_AVX2 __m256i dot_ss(__m256i a, __m256i b) {
-    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a));
 }
 
 /* Each quantized kernel is written once for NR = 1..4 x rows (rows_*): the

@@ -7,7 +7,8 @@
  * float step is the scalar kernel's expression, so on the quantized formats
  * these kernels return the scalar kernels' bits exactly (tests/model/
  * neon_check.c checks that under qemu).  Float weights keep eight partial
- * sums in two float32x4 FMA accumulators.
+ * sums in two float32x4 FMA accumulators.  The quantized kernels unpack a
+ * weight block once for up to 4 x rows, like the AVX2 ones.
  */
 #include "qk.h"
 
@@ -33,42 +34,79 @@ static inline int dot32(int8x16_t a0, int8x16_t a1, const int8_t *y) {
 
 static inline int8x16_t s8(uint8x16_t v) { return vreinterpretq_s8_u8(v); }
 
-static float dot_q8_0(int nb, const uint8_t *w, const void *xv) {
-    const qk_a32 *x = xv;
-    float acc = 0.0f;
-    for (int b = 0; b < nb; b++, w += 34) {
-        const int8_t *q = (const int8_t *)(w + 2);
-        const int s = dot32(vld1q_s8(q), vld1q_s8(q + 16), x[b].q);
-        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)s;
-    }
-    return acc;
-}
+/* Each quantized kernel is written once for NR = 1..4 x rows (rows_*): the
+ * weight block is unpacked once, then every x row runs the operations of
+ * the NR = 1 kernel in the same order. */
+#define QK_ROWS static inline __attribute__((always_inline)) void
+#define QK_MAXR 4
+#define XROW(T, r, b) ((const T *)(const void *)(xb + (size_t)(r) * xs) + (b))
 
-static float dot_q4_0(int nb, const uint8_t *w, const void *xv) {
-    const qk_a32 *x = xv;
+#define QK_ROWS_ENTRY_POINTS(NAME)                                                        \
+    static float dot_##NAME(int n, const uint8_t *w, const void *x) {                     \
+        float y;                                                                          \
+        rows_##NAME(n, w, x, 0, &y, 0, 1);                                                \
+        return y;                                                                         \
+    }                                                                                     \
+    static void dotn_##NAME(int n, const uint8_t *w, const void *x, size_t xs, int nr,    \
+                            float *out, size_t os) {                                      \
+        switch (nr) {                                                                     \
+        case 1: rows_##NAME(n, w, x, xs, out, os, 1); break;                              \
+        case 2: rows_##NAME(n, w, x, xs, out, os, 2); break;                              \
+        case 3: rows_##NAME(n, w, x, xs, out, os, 3); break;                              \
+        default: rows_##NAME(n, w, x, xs, out, os, 4); break;                             \
+        }                                                                                 \
+    }
+
+QK_ROWS rows_q8_0(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    float acc[QK_MAXR] = {0};
+    for (int b = 0; b < nb; b++, w += 34) {
+        const int8x16_t q0 = vld1q_s8((const int8_t *)(w + 2)), q1 = vld1q_s8((const int8_t *)(w + 18));
+        const float dw = qk_fp16_to_fp32(qk_u16(w));
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            acc[r] += (dw * x->d) * (float)dot32(q0, q1, x->q);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r];
+}
+QK_ROWS_ENTRY_POINTS(q8_0)
+
+QK_ROWS rows_q4_0(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
     const uint8x16_t m4 = vdupq_n_u8(0x0f);
     const int8x16_t eight = vdupq_n_s8(8);
-    float acc = 0.0f;
+    float acc[QK_MAXR] = {0};
     for (int b = 0; b < nb; b++, w += 18) {
         const uint8x16_t v = vld1q_u8(w + 2);
-        const int s = dot32(vsubq_s8(s8(vandq_u8(v, m4)), eight), vsubq_s8(s8(vshrq_n_u8(v, 4)), eight), x[b].q);
-        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)s;
+        const int8x16_t lo = vsubq_s8(s8(vandq_u8(v, m4)), eight), hi = vsubq_s8(s8(vshrq_n_u8(v, 4)), eight);
+        const float dw = qk_fp16_to_fp32(qk_u16(w));
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            acc[r] += (dw * x->d) * (float)dot32(lo, hi, x->q);
+        }
     }
-    return acc;
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r];
 }
+QK_ROWS_ENTRY_POINTS(q4_0)
 
-static float dot_q4_1(int nb, const uint8_t *w, const void *xv) {
-    const qk_a32 *x = xv;
+QK_ROWS rows_q4_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
     const uint8x16_t m4 = vdupq_n_u8(0x0f);
-    float acc = 0.0f, accm = 0.0f;
+    float acc[QK_MAXR] = {0}, accm[QK_MAXR] = {0};
     for (int b = 0; b < nb; b++, w += 20) {
         const uint8x16_t v = vld1q_u8(w + 4);
-        const int s = dot32(s8(vandq_u8(v, m4)), s8(vshrq_n_u8(v, 4)), x[b].q);
-        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)s;
-        accm += qk_fp16_to_fp32(qk_u16(w + 2)) * x[b].s;
+        const int8x16_t lo = s8(vandq_u8(v, m4)), hi = s8(vshrq_n_u8(v, 4));
+        const float dw = qk_fp16_to_fp32(qk_u16(w)), mw = qk_fp16_to_fp32(qk_u16(w + 2));
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            acc[r] += (dw * x->d) * (float)dot32(lo, hi, x->q);
+            accm[r] += mw * x->s;
+        }
     }
-    return acc + accm;
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r] + accm[r];
 }
+QK_ROWS_ENTRY_POINTS(q4_1)
 
 static inline int k_mins(const uint8_t mn[8], const int16_t *bsums) {
     int s = 0;
@@ -76,85 +114,90 @@ static inline int k_mins(const uint8_t mn[8], const int16_t *bsums) {
     return s;
 }
 
-static float dot_q4_k(int nb, const uint8_t *w, const void *xv) {
-    const qk_a256 *x = xv;
-    const uint8x16_t m4 = vdupq_n_u8(0x0f);
-    float acc = 0.0f, accm = 0.0f;
-    for (int b = 0; b < nb; b++, w += 144) {
+/* Q4_K and Q5_K differ only in how the 32 quants of a sub-block unpack. */
+QK_ROWS rows_k45(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os,
+                 const int NR, const int five) {
+    const uint8_t *xb = xv;
+    const uint8x16_t m4 = vdupq_n_u8(0x0f), one = vdupq_n_u8(1);
+    const int bytes = five ? 176 : 144, qs = five ? 48 : 16;
+    float acc[QK_MAXR] = {0}, accm[QK_MAXR] = {0};
+    for (int b = 0; b < nb; b++, w += bytes) {
         uint8_t sc[8], mn[8];
         qk_k_scales(w + 4, sc, mn);
-        int sumi = 0;
+        uint8x16_t h0 = five ? vld1q_u8(w + 16) : vdupq_n_u8(0), h1 = five ? vld1q_u8(w + 32) : vdupq_n_u8(0);
+        int sumi[QK_MAXR] = {0};
         for (int j = 0; j < 4; j++) {
-            const uint8x16_t v0 = vld1q_u8(w + 16 + 32 * j), v1 = vld1q_u8(w + 32 + 32 * j);
-            const int8_t *y = x[b].q + 64 * j;
-            sumi += sc[2 * j] * dot32(s8(vandq_u8(v0, m4)), s8(vandq_u8(v1, m4)), y)
-                  + sc[2 * j + 1] * dot32(s8(vshrq_n_u8(v0, 4)), s8(vshrq_n_u8(v1, 4)), y + 32);
+            const uint8x16_t v0 = vld1q_u8(w + qs + 32 * j), v1 = vld1q_u8(w + qs + 16 + 32 * j);
+            uint8x16_t l0 = vandq_u8(v0, m4), l1 = vandq_u8(v1, m4), u0 = vshrq_n_u8(v0, 4), u1 = vshrq_n_u8(v1, 4);
+            if (five) {
+                l0 = vorrq_u8(l0, vshlq_n_u8(vandq_u8(h0, one), 4));
+                l1 = vorrq_u8(l1, vshlq_n_u8(vandq_u8(h1, one), 4));
+                u0 = vorrq_u8(u0, vshlq_n_u8(vandq_u8(vshrq_n_u8(h0, 1), one), 4));
+                u1 = vorrq_u8(u1, vshlq_n_u8(vandq_u8(vshrq_n_u8(h1, 1), one), 4));
+                h0 = vshrq_n_u8(h0, 2);
+                h1 = vshrq_n_u8(h1, 2);
+            }
+            for (int r = 0; r < NR; r++) {
+                const int8_t *y = XROW(qk_a256, r, b)->q + 64 * j;
+                sumi[r] += sc[2 * j] * dot32(s8(l0), s8(l1), y) + sc[2 * j + 1] * dot32(s8(u0), s8(u1), y + 32);
+            }
         }
-        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)sumi;
-        accm += (qk_fp16_to_fp32(qk_u16(w + 2)) * x[b].d) * (float)k_mins(mn, x[b].bsums);
+        const float dw = qk_fp16_to_fp32(qk_u16(w)), dminw = qk_fp16_to_fp32(qk_u16(w + 2));
+        for (int r = 0; r < NR; r++) {
+            const qk_a256 *x = XROW(qk_a256, r, b);
+            acc[r] += (dw * x->d) * (float)sumi[r];
+            accm[r] += (dminw * x->d) * (float)k_mins(mn, x->bsums);
+        }
     }
-    return acc - accm;
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r] - accm[r];
 }
 
-static float dot_q5_k(int nb, const uint8_t *w, const void *xv) {
-    const qk_a256 *x = xv;
-    const uint8x16_t m4 = vdupq_n_u8(0x0f), one = vdupq_n_u8(1);
-    float acc = 0.0f, accm = 0.0f;
-    for (int b = 0; b < nb; b++, w += 176) {
-        uint8_t sc[8], mn[8];
-        qk_k_scales(w + 4, sc, mn);
-        uint8x16_t h0 = vld1q_u8(w + 16), h1 = vld1q_u8(w + 32);
-        int sumi = 0;
-        for (int j = 0; j < 4; j++) {
-            const uint8x16_t v0 = vld1q_u8(w + 48 + 32 * j), v1 = vld1q_u8(w + 64 + 32 * j);
-            const int8_t *y = x[b].q + 64 * j;
-            const uint8x16_t l0 = vorrq_u8(vandq_u8(v0, m4), vshlq_n_u8(vandq_u8(h0, one), 4));
-            const uint8x16_t l1 = vorrq_u8(vandq_u8(v1, m4), vshlq_n_u8(vandq_u8(h1, one), 4));
-            const uint8x16_t u0 = vorrq_u8(vshrq_n_u8(v0, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(h0, 1), one), 4));
-            const uint8x16_t u1 = vorrq_u8(vshrq_n_u8(v1, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(h1, 1), one), 4));
-            sumi += sc[2 * j] * dot32(s8(l0), s8(l1), y) + sc[2 * j + 1] * dot32(s8(u0), s8(u1), y + 32);
-            h0 = vshrq_n_u8(h0, 2);
-            h1 = vshrq_n_u8(h1, 2);
-        }
-        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)sumi;
-        accm += (qk_fp16_to_fp32(qk_u16(w + 2)) * x[b].d) * (float)k_mins(mn, x[b].bsums);
-    }
-    return acc - accm;
+QK_ROWS rows_q4_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    rows_k45(nb, w, xv, xs, out, os, NR, 0);
 }
+QK_ROWS_ENTRY_POINTS(q4_k)
+
+QK_ROWS rows_q5_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    rows_k45(nb, w, xv, xs, out, os, NR, 1);
+}
+QK_ROWS_ENTRY_POINTS(q5_k)
 
 /* Sum over 16 values of (q - 32) * y, q given as unsigned 6-bit bytes. */
-static inline int dot16_q6(uint8x16_t q, const int8_t *y) {
-    const int8x16_t v = vsubq_s8(s8(q), vdupq_n_s8(32));
-    return vaddvq_s32(dot16(vdupq_n_s32(0), v, vld1q_s8(y)));
+static inline int dot16_q6(int8x16_t q, const int8_t *y) {
+    return vaddvq_s32(dot16(vdupq_n_s32(0), q, vld1q_s8(y)));
 }
 
-static float dot_q6_k(int nb, const uint8_t *w, const void *xv) {
-    const qk_a256 *x = xv;
+QK_ROWS rows_q6_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
     const uint8x16_t m4 = vdupq_n_u8(0x0f), m3 = vdupq_n_u8(3);
-    float acc = 0.0f;
+    const int8x16_t m32 = vdupq_n_s8(32);
+    float acc[QK_MAXR] = {0};
     for (int b = 0; b < nb; b++, w += 210) {
         const int8_t *sc = (const int8_t *)(w + 192);
-        int sumi = 0;
+        int sumi[QK_MAXR] = {0};
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = w + 64 * h, *qh = w + 128 + 32 * h;
-            const int8_t *y = x[b].q + 128 * h;
             for (int g = 0; g < 2; g++) {   /* the 16-value groups of each 32 */
                 const uint8x16_t a = vld1q_u8(ql + 16 * g), c = vld1q_u8(ql + 32 + 16 * g);
                 const uint8x16_t hb = vld1q_u8(qh + 16 * g);
-                const uint8x16_t q0 = vorrq_u8(vandq_u8(a, m4), vshlq_n_u8(vandq_u8(hb, m3), 4));
-                const uint8x16_t q1 = vorrq_u8(vandq_u8(c, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m3), 4));
-                const uint8x16_t q2 = vorrq_u8(vshrq_n_u8(a, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m3), 4));
-                const uint8x16_t q3 = vorrq_u8(vshrq_n_u8(c, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4));
-                sumi += sc[8 * h + g] * dot16_q6(q0, y + 16 * g)
-                      + sc[8 * h + g + 2] * dot16_q6(q1, y + 32 + 16 * g)
-                      + sc[8 * h + g + 4] * dot16_q6(q2, y + 64 + 16 * g)
-                      + sc[8 * h + g + 6] * dot16_q6(q3, y + 96 + 16 * g);
+                int8x16_t q[4];
+                q[0] = vsubq_s8(s8(vorrq_u8(vandq_u8(a, m4), vshlq_n_u8(vandq_u8(hb, m3), 4))), m32);
+                q[1] = vsubq_s8(s8(vorrq_u8(vandq_u8(c, m4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 2), m3), 4))), m32);
+                q[2] = vsubq_s8(s8(vorrq_u8(vshrq_n_u8(a, 4), vshlq_n_u8(vandq_u8(vshrq_n_u8(hb, 4), m3), 4))), m32);
+                q[3] = vsubq_s8(s8(vorrq_u8(vshrq_n_u8(c, 4), vshlq_n_u8(vshrq_n_u8(hb, 6), 4))), m32);
+                for (int r = 0; r < NR; r++) {
+                    const int8_t *y = XROW(qk_a256, r, b)->q + 128 * h + 16 * g;
+                    sumi[r] += sc[8 * h + g] * dot16_q6(q[0], y) + sc[8 * h + g + 2] * dot16_q6(q[1], y + 32)
+                             + sc[8 * h + g + 4] * dot16_q6(q[2], y + 64) + sc[8 * h + g + 6] * dot16_q6(q[3], y + 96);
+                }
             }
         }
-        acc += (qk_fp16_to_fp32(qk_u16(w + 208)) * x[b].d) * (float)sumi;
+        const float dw = qk_fp16_to_fp32(qk_u16(w + 208));
+        for (int r = 0; r < NR; r++) acc[r] += (dw * XROW(qk_a256, r, b)->d) * (float)sumi[r];
     }
-    return acc;
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r];
 }
+QK_ROWS_ENTRY_POINTS(q6_k)
 
 /* Float weights: two float32x4 FMA accumulators (eight partial sums). */
 #define QK_NEON_FLOAT_DOT(NAME, LOAD4, LOAD1)                                       \
@@ -192,12 +235,12 @@ void qk_fill_neon(qk_isa *isa) {
     isa->dot[QK_F32] = dot_f32;
     isa->dot[QK_F16] = dot_f16;
     isa->dot[QK_BF16] = dot_bf16;
-    isa->dot[QK_Q4_0] = dot_q4_0;
-    isa->dot[QK_Q4_1] = dot_q4_1;
-    isa->dot[QK_Q8_0] = dot_q8_0;
-    isa->dot[QK_Q4_K] = dot_q4_k;
-    isa->dot[QK_Q5_K] = dot_q5_k;
-    isa->dot[QK_Q6_K] = dot_q6_k;
+    isa->dot[QK_Q4_0] = dot_q4_0; isa->dotn[QK_Q4_0] = dotn_q4_0;
+    isa->dot[QK_Q4_1] = dot_q4_1; isa->dotn[QK_Q4_1] = dotn_q4_1;
+    isa->dot[QK_Q8_0] = dot_q8_0; isa->dotn[QK_Q8_0] = dotn_q8_0;
+    isa->dot[QK_Q4_K] = dot_q4_k; isa->dotn[QK_Q4_K] = dotn_q4_k;
+    isa->dot[QK_Q5_K] = dot_q5_k; isa->dotn[QK_Q5_K] = dotn_q5_k;
+    isa->dot[QK_Q6_K] = dot_q6_k; isa->dotn[QK_Q6_K] = dotn_q6_k;
 }
 
 #endif
