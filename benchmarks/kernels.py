@@ -3,6 +3,9 @@
     python -m benchmarks kernels            # every format, R = 1 and 4, 1 and 2 threads
     python -m benchmarks kernels --quick    # shorter timings
 
+With the default model stored (``pmetal models fetch``), a last table times a
+whole decode step's products over that model's weights (:func:`measure_model`).
+
 A decode step reads every weight once, so GB/s of quantized bytes is the
 figure to compare with llama.cpp (about 10 GB/s with 2 threads on this kind
 of machine) and with the numpy fallback (dequantize a slice, then a GEMM).
@@ -104,6 +107,45 @@ def measure_dequantize(ggml_type: int, K: int, N: int, threads: int, *, budget: 
     return _rate(w.nbytes, lambda: kn.dequantize(w, out=out, threads=threads), budget)
 
 
+def measure_model(path: str | os.PathLike[str], R: int, threads: int, *, budget: float = 1.0) -> Rate:
+    """GB/s of quantized bytes for one decode step's products over every
+    layer of a Llama-style GGUF model (q,k,v together, o, gate+up together,
+    down, then the vocabulary projection), the weights left in the file's
+    memory map: the figure that includes streaming the whole model from
+    memory and the per-call overheads."""
+    from pmetal.pipeline.gguf_file import GGUFFile
+
+    info = GGUFFile(path).tensors
+    raw = np.memmap(path, np.uint8, mode="r")
+
+    def matrix(name: str) -> kn.QMatrix:
+        t = info[name]
+        rows, cols = t.shape
+        per_block, nbytes = kn.block_shape(t.ggml_type)
+        data = raw[t.offset:t.offset + t.nbytes].reshape(rows, cols // per_block * nbytes)
+        return kn.QMatrix(data, t.ggml_type, rows, cols)
+
+    blocks = sorted({int(n.split(".")[1]) for n in info if n.startswith("blk.")})
+    layers = [{part: matrix(f"blk.{b}.{part}.weight") for part in
+               ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+              for b in blocks]
+    head = matrix("output.weight" if "output.weight" in info else "token_embd.weight")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((R, head.cols)).astype(np.float32)
+    h = rng.standard_normal((R, layers[0]["ffn_down"].cols)).astype(np.float32)
+
+    def step() -> object:
+        for m in layers:
+            kn.matmul(x, [m["attn_q"], m["attn_k"], m["attn_v"]], threads=threads)
+            kn.matmul(x, [m["attn_output"]], threads=threads)
+            kn.matmul(x, [m["ffn_gate"], m["ffn_up"]], threads=threads)
+            kn.matmul(h, [m["ffn_down"]], threads=threads)
+        return kn.matmul(x, [head], threads=threads)
+
+    nbytes = sum(w.nbytes for m in layers for w in m.values()) + head.nbytes
+    return _rate(nbytes, step, budget)
+
+
 def _cells(rates: list[Rate]) -> list[object]:
     return [c for r in rates for c in (r.median, r.best)]
 
@@ -135,6 +177,18 @@ def main(quick: bool = False) -> int:
         rates = [measure_dequantize(ggml_type, K, N, t, budget=budget) for t in (1, 2)]
         rows.append([name, f"{K} x {N}", "-", *_cells(rates)])
     print(table("dequantize (prefill tiles): GB/s of quantized bytes", header, rows))
+    from pmetal.errors import PMetalError
+    from pmetal.pipeline.models import resolve_model
+
+    try:
+        model = resolve_model(fetch=False)
+    except PMetalError as exc:
+        print(f"\n(no whole-model figures: {exc})")
+    else:
+        rows = [[model.name, "all layers + head", R,
+                 *_cells([measure_model(model, R, t, budget=4 * budget) for t in (1, 2)])]
+                for R in (1, 4)]
+        print(table("a whole decode step, weights streamed from the memory map: GB/s", header, rows))
     if hasattr(os, "getloadavg"):
         print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
     return 0
