@@ -11,7 +11,9 @@
  *     of the scalar one (each is within gamma(D) of the exact value of the
  *     quantized-x product; D = blocks + 8, or ceil(K/8) + 12 for floats);
  *   - the multi-row kernels (dotn, nr = 1..4) give each row exactly the bits
- *     the single-row kernel gives it.
+ *     the single-row kernel gives it;
+ *   - the table's x quantizers give the baseline quantizers' bits exactly,
+ *     for rows of every scale, ties, zeros, NaN and infinities.
  * Prints "ok <isa> <checks>" and exits 0, or the first mismatches and 1.
  */
 #include <math.h>
@@ -159,6 +161,31 @@ int main(void) {
             free(x4);
         }
         free(w); free(x); free(d1); free(d2); free(mag); free(xq);
+    }
+    {   /* quantizers */
+        const int K = 2048;
+        float *x = malloc(sizeof(float) * K);
+        qk_a32 *a = malloc(sizeof(qk_a32) * (K / 32)), *b = malloc(sizeof(qk_a32) * (K / 32));
+        qk_a256 *c = malloc(sizeof(qk_a256) * (K / 256)), *e = malloc(sizeof(qk_a256) * (K / 256));
+        for (int rep = 0; rep < 200; rep++) {
+            const double scale = ldexp(1.0, (int)(next() % 40) - 20);
+            for (int i = 0; i < K; i++) x[i] = (float)((uniform() * 2 - 1) * scale);
+            if (rep % 4 == 1) for (int i = 0; i < K; i += 3) x[i] = (float)((int)(next() % 255) - 127) * 0.5f;
+            if (rep % 4 == 2) for (int i = 0; i < 64; i++) x[i] = 0.0f;
+            if (rep % 4 == 3) { x[5] = NAN; x[300] = INFINITY; x[700] = -INFINITY; }
+            memset(a, 0, sizeof(qk_a32) * (K / 32)); memset(b, 0, sizeof(qk_a32) * (K / 32));
+            memset(c, 0, sizeof(qk_a256) * (K / 256)); memset(e, 0, sizeof(qk_a256) * (K / 256));
+            qk_quantize_a32(K, x, a);
+            best.quantize_a32(K, x, b);
+            qk_quantize_a256(K, x, c);
+            best.quantize_a256(K, x, e);
+            checks += 2;
+            if (memcmp(a, b, sizeof(qk_a32) * (K / 32)) && failures++ < 10)
+                printf("quantize_a32 differs from the baseline (rep %d)\n", rep);
+            if (memcmp(c, e, sizeof(qk_a256) * (K / 256)) && failures++ < 10)
+                printf("quantize_a256 differs from the baseline (rep %d)\n", rep);
+        }
+        free(x); free(a); free(b); free(c); free(e);
     }
     if (failures) { printf("FAILED %ld of %ld (%s)\n", failures, checks, best.name); return 1; }
     printf("ok %s %ld\n", best.name, checks);

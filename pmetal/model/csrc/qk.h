@@ -48,8 +48,13 @@ typedef void (*qk_dotn_fn)(int n, const uint8_t *w, const void *x, size_t x_stri
 /* Dequantize n blocks (values for the float types) of one row. */
 typedef void (*qk_dequant_fn)(int n, const uint8_t *w, float *out);
 
+typedef void (*qk_quant32_fn)(int n, const float *x, qk_a32 *y);
+typedef void (*qk_quant256_fn)(int n, const float *x, qk_a256 *y);
+
 typedef struct {
     const char *name;
+    qk_quant32_fn quantize_a32;     /* the same bits in every table */
+    qk_quant256_fn quantize_a256;
     qk_dot_fn dot[QK_NTYPES];
     qk_dotn_fn dotn[QK_NTYPES];
     qk_dequant_fn dequant[QK_NTYPES];
@@ -61,7 +66,8 @@ int qk_block_bytes(int type);
 enum qk_act qk_act_kind(int type);
 
 /* x rows in the activation formats; n = number of floats (a multiple of 32
- * or 256).  Shared by every ISA so a row quantizes to the same bits always. */
+ * or 256).  The baseline build; the tables carry their ISA's build of the
+ * same code (qk_quant.h), which gives the same bits. */
 void qk_quantize_a32(int n, const float *x, qk_a32 *y);
 void qk_quantize_a256(int n, const float *x, qk_a256 *y);
 

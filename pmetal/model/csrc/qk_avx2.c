@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include "qk_dequant.h"
+#include "qk_quant.h"
 
 #define QK_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -389,9 +390,69 @@ static QK_AVX2 void dq_q6_k(int nb, const uint8_t *w, float *y) {
     }
 }
 
+/* The quantizers of qk_quant.h spelled in AVX2, operation for operation
+ * (gcc does not vectorise the C: its NaN-exact min/max are not
+ * if-convertible).  maxps/minps with the operands in the order below return
+ * what the C ternaries return, NaN included; the s tree is hsum's order. */
+static inline QK_AVX2 float quant_block(int n, const float *x, int8_t *q) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8)
+        m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    const float amax = _mm_cvtss_f32(h);
+    const float d = amax / 127.0f;
+    const float idf = d != 0.0f ? 1.0f / d : 0.0f;
+    const __m256 id = _mm256_set1_ps(idf), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+    const __m256 magic = _mm256_set1_ps(12582912.0f);
+    for (int i = 0; i < n; i += 32) {
+        __m256i v[4];
+        for (int k = 0; k < 4; k++) {
+            __m256 f = _mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * k), id);
+            f = _mm256_min_ps(hi, f);
+            f = _mm256_max_ps(lo, f);
+            f = _mm256_and_ps(f, _mm256_cmp_ps(f, f, _CMP_ORD_Q));
+            f = _mm256_sub_ps(_mm256_add_ps(f, magic), magic);
+            v[k] = _mm256_cvttps_epi32(f);
+        }
+        const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+        const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, order));
+    }
+    return d;
+}
+
+static QK_AVX2 void quant_a32(int n, const float *x, qk_a32 *y) {
+    for (int b = 0; b < n / 32; b++, x += 32, y++) {
+        __m256 p = _mm256_loadu_ps(x);
+        for (int i = 8; i < 32; i += 8) p = _mm256_add_ps(p, _mm256_loadu_ps(x + i));
+        y->s = hsum(p);
+        y->d = quant_block(32, x, y->q);
+    }
+}
+
+static QK_AVX2 void quant_a256(int n, const float *x, qk_a256 *y) {
+    for (int b = 0; b < n / 256; b++, x += 256, y++) {
+        y->d = quant_block(256, x, y->q);
+        for (int j = 0; j < 16; j += 2) {   /* two groups of 16 per 32 bytes */
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(y->q + 16 * j));
+            const __m256i s16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q),
+                                                  _mm256_set1_epi16(1));   /* 8 sums of 4 */
+            const __m256i s = _mm256_hadd_epi32(s16, s16);                  /* sums of 8 */
+            const __m256i t = _mm256_hadd_epi32(s, s);                      /* sums of 16 */
+            y->bsums[j] = (int16_t)_mm256_extract_epi32(t, 0);
+            y->bsums[j + 1] = (int16_t)_mm256_extract_epi32(t, 4);
+        }
+    }
+}
+
 void qk_fill_avx2(qk_isa *isa) {
     qk_fill_scalar(isa);   /* anything not listed here stays scalar */
     isa->name = "avx2";
+    isa->quantize_a32 = quant_a32;
+    isa->quantize_a256 = quant_a256;
     isa->dot[QK_F32] = dot_f32;
     isa->dot[QK_F16] = dot_f16;   isa->dequant[QK_F16] = dq_f16;
     isa->dot[QK_BF16] = dot_bf16; isa->dequant[QK_BF16] = dq_bf16;

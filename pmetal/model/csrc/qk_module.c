@@ -170,8 +170,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         mm_job job = {mats, (int)nmat, R};
         Py_BEGIN_ALLOW_THREADS
         for (int r = 0; r < R; r++) {
-            if (need32) qk_quantize_a32(K, x + (int64_t)r * K, (qk_a32 *)(void *)(xa32 + r * s32));
-            if (need256) qk_quantize_a256(K, x + (int64_t)r * K, (qk_a256 *)(void *)(xa256 + r * s256));
+            if (need32) g_isa.quantize_a32(K, x + (int64_t)r * K, (qk_a32 *)(void *)(xa32 + r * s32));
+            if (need256) g_isa.quantize_a256(K, x + (int64_t)r * K, (qk_a256 *)(void *)(xa256 + r * s256));
         }
         qk_parallel(threads, items, mm_item, &job);
         Py_END_ALLOW_THREADS

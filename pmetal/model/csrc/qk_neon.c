@@ -225,6 +225,57 @@ QK_NEON_FLOAT_DOT(dot_f32, F32_4, F32_1)
 QK_NEON_FLOAT_DOT(dot_f16, F16_4, F16_1)
 QK_NEON_FLOAT_DOT(dot_bf16, BF16_4, BF16_1)
 
+/* The quantizers of qk_quant.h spelled in NEON, operation for operation:
+ * bit-selects reproduce the C ternaries exactly (vmaxq_f32 would not: it
+ * propagates NaN), and the s tree is the C expression's order. */
+static inline float quant_block(int n, const float *x, int8_t *q) {
+    float32x4_t m0 = vdupq_n_f32(0.0f), m1 = m0;
+    for (int i = 0; i < n; i += 8) {
+        const float32x4_t a0 = vabsq_f32(vld1q_f32(x + i)), a1 = vabsq_f32(vld1q_f32(x + i + 4));
+        m0 = vbslq_f32(vcgtq_f32(a0, m0), a0, m0);
+        m1 = vbslq_f32(vcgtq_f32(a1, m1), a1, m1);
+    }
+    const float amax = vmaxvq_f32(vmaxq_f32(m0, m1));   /* no NaN left, all >= +0 */
+    const float d = amax / 127.0f;
+    const float idf = d != 0.0f ? 1.0f / d : 0.0f;
+    const float32x4_t id = vdupq_n_f32(idf), hi = vdupq_n_f32(127.0f), lo = vdupq_n_f32(-127.0f);
+    const float32x4_t magic = vdupq_n_f32(12582912.0f), zero = vdupq_n_f32(0.0f);
+    for (int i = 0; i < n; i += 8) {
+        int32x4_t v[2];
+        for (int k = 0; k < 2; k++) {
+            float32x4_t f = vmulq_f32(vld1q_f32(x + i + 4 * k), id);
+            f = vbslq_f32(vcgtq_f32(f, hi), hi, f);
+            f = vbslq_f32(vcltq_f32(f, lo), lo, f);
+            f = vbslq_f32(vceqq_f32(f, f), f, zero);
+            f = vsubq_f32(vaddq_f32(f, magic), magic);
+            v[k] = vcvtq_s32_f32(f);
+        }
+        vst1_s8(q + i, vmovn_s16(vcombine_s16(vmovn_s32(v[0]), vmovn_s32(v[1]))));
+    }
+    return d;
+}
+
+static void quant_a32(int n, const float *x, qk_a32 *y) {
+    for (int b = 0; b < n / 32; b++, x += 32, y++) {
+        float32x4_t p0 = vld1q_f32(x), p1 = vld1q_f32(x + 4);
+        for (int i = 8; i < 32; i += 8) {
+            p0 = vaddq_f32(p0, vld1q_f32(x + i));
+            p1 = vaddq_f32(p1, vld1q_f32(x + i + 4));
+        }
+        const float32x4_t t = vaddq_f32(p0, p1);                 /* p0+p4, p1+p5, p2+p6, p3+p7 */
+        const float32x4_t u = vaddq_f32(t, vextq_f32(t, t, 2));  /* (p0+p4)+(p2+p6), (p1+p5)+(p3+p7) */
+        y->s = vgetq_lane_f32(u, 0) + vgetq_lane_f32(u, 1);
+        y->d = quant_block(32, x, y->q);
+    }
+}
+
+static void quant_a256(int n, const float *x, qk_a256 *y) {
+    for (int b = 0; b < n / 256; b++, x += 256, y++) {
+        y->d = quant_block(256, x, y->q);
+        for (int j = 0; j < 16; j++) y->bsums[j] = (int16_t)vaddlvq_s8(vld1q_s8(y->q + 16 * j));
+    }
+}
+
 void qk_fill_neon(qk_isa *isa) {
     qk_fill_scalar(isa);   /* dequantize: the scalar loops, auto-vectorised for NEON */
 #if defined(__ARM_FEATURE_DOTPROD)
@@ -232,6 +283,8 @@ void qk_fill_neon(qk_isa *isa) {
 #else
     isa->name = "neon";
 #endif
+    isa->quantize_a32 = quant_a32;
+    isa->quantize_a256 = quant_a256;
     isa->dot[QK_F32] = dot_f32;
     isa->dot[QK_F16] = dot_f16;
     isa->dot[QK_BF16] = dot_bf16;
