@@ -85,6 +85,8 @@ _LAYOUT: dict[int, tuple[str, int, int]] = {
 }
 SUPPORTED: frozenset[int] = frozenset(_LAYOUT)
 
+_F32 = np.dtype(np.float32)   # numpy's float32 dtype is a singleton: tested with `is`
+
 # Rows dequantized at a time by the numpy fallback: bounds its float32
 # temporaries to a few MB whatever the matrix.
 _FALLBACK_BYTES = 4 << 20
@@ -250,12 +252,12 @@ def matmul(x: np.ndarray, weights: Sequence[QMatrix], *, threads: int = 1,
     The bits of out[i][r] depend only on x[r] and weights[i]: never on R, on the other rows, on the other
     matrices, or on `threads` (each output element is computed start to finish by one thread, in a fixed order).
     The GIL is released while computing."""
-    # Called a few hundred times per decoded token: the checks are written
-    # to cost about a microsecond (exact type tests before ABC checks).
+    # Called a few hundred times per decoded token, so the common case costs
+    # a few exact type tests; layout (C-contiguous, writeable) is checked by
+    # the extension's buffer requests, and a refusal there is diagnosed here.
     if type(threads) is not int or threads < 1:
         threads = _check_threads(threads)
-    if (type(x) is not np.ndarray or x.dtype != np.float32 or x.ndim != 2
-            or not x.flags.c_contiguous):
+    if type(x) is not np.ndarray or x.dtype is not _F32 or x.ndim != 2:
         _refuse_x(x)
     if type(weights) not in (list, tuple) and (isinstance(weights, QMatrix)
                                               or not isinstance(weights, Sequence)):
@@ -267,24 +269,40 @@ def matmul(x: np.ndarray, weights: Sequence[QMatrix], *, threads: int = 1,
         if w.cols != K:
             raise KernelError(f"weights[{i}] has {w.cols} columns but x has K={K}")
     if out is None:
-        outs = [np.empty((R, w.rows), np.float32) for w in weights]
+        outs = [np.empty((R, w.rows), _F32) for w in weights]
     else:
-        if len(out) != len(weights):
-            raise KernelError(f"out has {len(out)} arrays for {len(weights)} matrices")
-        outs = [_check_out(o, (R, w.rows), f"out[{i}]") for i, (o, w) in enumerate(zip(out, weights))]
+        outs = list(out)
+        if len(outs) != len(weights):
+            raise KernelError(f"out has {len(outs)} arrays for {len(weights)} matrices")
+        for i, (o, w) in enumerate(zip(outs, weights)):
+            if type(o) is not np.ndarray or o.dtype is not _F32 or o.shape != (R, w.rows):
+                _check_out(o, (R, w.rows), f"out[{i}]")
         if len(outs) > 1 and len({id(o) for o in outs}) != len(outs):
             raise KernelError("out arrays must be distinct")
     if not outs:
         return outs
-    if _qk is not None:
-        _qk.matmul(x, R, K, [w._spec for w in weights], outs, threads)
+    if _qk is None:
+        _check_layout(x, outs)
+        for w, o in zip(weights, outs):
+            step = _fallback_rows(w)
+            for first in range(0, w.rows, step):
+                last = min(w.rows, first + step)
+                o[:, first:last] = x @ _numpy_dequantize(w, first, last).T
         return outs
-    for w, o in zip(weights, outs):
-        step = _fallback_rows(w)
-        for first in range(0, w.rows, step):
-            last = min(w.rows, first + step)
-            o[:, first:last] = x @ _numpy_dequantize(w, first, last).T
+    try:
+        _qk.matmul(x, R, K, [w._spec for w in weights], outs, threads)
+    except (BufferError, ValueError) as exc:
+        _check_layout(x, outs)
+        raise KernelError(f"the kernel refused its arguments: {exc}") from exc
     return outs
+
+
+def _check_layout(x: np.ndarray, outs: list[np.ndarray]) -> None:
+    if not x.flags.c_contiguous:
+        raise KernelError("x must be C-contiguous")
+    for i, o in enumerate(outs):
+        if not o.flags.c_contiguous or not o.flags.writeable:
+            raise KernelError(f"out[{i}] must be C-contiguous and writeable")
 
 
 def _refuse_x(x: Any) -> None:
