@@ -180,7 +180,8 @@ def _load_extension() -> Any:
     try:
         from pmetal.model import _qk  # type: ignore[attr-defined]
     except ImportError as exc:
-        log.info("pmetal.model._qk did not load (%s): kernels fall back to numpy", exc)
+        log.warning("pmetal.model._qk did not load (%s): kernels fall back to numpy, "
+                    "about 100x slower; rebuild with pip install -e .", exc)
         return None
     wanted = os.environ.get("PMETAL_KERNEL_ISA", "auto").strip().lower() or "auto"
     if wanted not in ("auto", "scalar", "avx2", "neon"):
