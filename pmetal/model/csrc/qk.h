@@ -111,14 +111,23 @@ static inline float qk_bf16_to_fp32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins in 12 bytes. */
+/* Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins in 12 bytes:
+ * bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7,
+ * bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scales 4-7
+ * (low nibble) and of mins 4-7 (high nibble).  Unpacked four at a time in
+ * 32-bit words (GGUF and every target here are little-endian). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#error "the kernels read GGUF's little-endian blocks with native loads"
+#endif
 static inline void qk_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
-        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-    }
+    uint32_t w[3], o[4];
+    memcpy(w, s, 12);
+    o[0] = w[0] & 0x3f3f3f3fu;
+    o[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    o[2] = w[1] & 0x3f3f3f3fu;
+    o[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, o, 8);
+    memcpy(mn, o + 2, 8);
 }
 
 #endif

@@ -139,10 +139,21 @@ QK_ROWS_ENTRY_POINTS(q4_1)
  * lanes of all sub-blocks are summed as integers (each lane stays below
  * 2^24, so its conversion to float is exact), then one FMA applies d * dx.
  * The min terms of Q4_K and Q5_K use x's block sums (bsums). */
-static inline QK_AVX2 int k_mins(const uint8_t mn[8], const int16_t *bsums) {
-    int s = 0;
-    for (int j = 0; j < 8; j++) s += mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
-    return s;
+/* sum_j mn[j] * (bsums[2j] + bsums[2j+1]): pair sums fit int16 (at most
+ * 32 * 127), products and sums are exact int32. */
+static inline QK_AVX2 int k_mins(__m128i mn16, const int16_t *bsums) {
+    const __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *)bsums),
+                                         _mm_loadu_si128((const __m128i *)(bsums + 8)));
+    __m128i p = _mm_madd_epi16(mn16, pairs);
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(1, 0, 3, 2)));
+    p = _mm_add_epi32(p, _mm_shuffle_epi32(p, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtsi128_si32(p);
+}
+
+/* The int16 scale i broadcast to every 16-bit lane of a vector holding the
+ * eight scales in each 128-bit half. */
+static inline QK_AVX2 __m256i k_scale(__m256i scales16, int i) {
+    return _mm256_shuffle_epi8(scales16, _mm256_set1_epi16((short)(((2 * i + 1) << 8) | (2 * i))));
 }
 
 /* Q4_K and Q5_K differ only in how the 32 quants of a sub-block unpack. */
@@ -157,6 +168,11 @@ QK_ROWS rows_k45(int nb, const uint8_t *w, const void *xv, size_t xs, float *out
     for (int b = 0; b < nb; b++, w += bytes) {
         uint8_t sc[8], mn[8];
         qk_k_scales(w + 4, sc, mn);
+        uint64_t sc64, mn64;
+        memcpy(&sc64, sc, 8);
+        memcpy(&mn64, mn, 8);
+        const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc64)));
+        const __m128i mn16 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)mn64));
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(w + 16)) : _mm256_setzero_si256();
         __m256i sumi[QK_MAXR];
         for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
@@ -168,7 +184,7 @@ QK_ROWS rows_k45(int nb, const uint8_t *w, const void *xv, size_t xs, float *out
                 lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j), one), 4));
                 hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * j + 1), one), 4));
             }
-            const __m256i slo = _mm256_set1_epi16(sc[2 * j]), shi = _mm256_set1_epi16(sc[2 * j + 1]);
+            const __m256i slo = k_scale(scales16, 2 * j), shi = k_scale(scales16, 2 * j + 1);
             for (int r = 0; r < NR; r++) {
                 const int8_t *y = XROW(qk_a256, r, b)->q + 64 * j;
                 const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)y));
@@ -181,7 +197,7 @@ QK_ROWS rows_k45(int nb, const uint8_t *w, const void *xv, size_t xs, float *out
         for (int r = 0; r < NR; r++) {
             const qk_a256 *x = XROW(qk_a256, r, b);
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(sumi[r]), acc[r]);
-            accm[r] += (dminw * x->d) * (float)k_mins(mn, x->bsums);
+            accm[r] += (dminw * x->d) * (float)k_mins(mn16, x->bsums);
         }
     }
     for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]) - accm[r];
