@@ -225,6 +225,10 @@ QK_ROWS rows_q6_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *ou
         __m256i sumi[QK_MAXR];
         for (int r = 0; r < NR; r++) sumi[r] = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
+            uint64_t sc64;
+            memcpy(&sc64, sc + 8 * h, 8);
+            /* this half's eight scales as int16, in both 128-bit halves */
+            const __m256i scales16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(_mm_cvtsi64_si128((long long)sc64)));
             const uint8_t *ql = w + 64 * h;
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(w + 128 + 32 * h));
             const __m256i l0 = _mm256_loadu_si256((const __m256i *)ql);
@@ -238,8 +242,10 @@ QK_ROWS rows_q6_k(int nb, const uint8_t *w, const void *xv, size_t xs, float *ou
             q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
             for (int k = 0; k < 4; k++) {
-                const __m256i s16 = _mm256_set_m128i(_mm_set1_epi16(sc[8 * h + 2 * k + 1]),
-                                                     _mm_set1_epi16(sc[8 * h + 2 * k]));
+                /* scale 2k for the first 16 values, 2k + 1 for the next 16 */
+                const __m256i s16 = _mm256_shuffle_epi8(scales16, _mm256_set_m128i(
+                    _mm_set1_epi16((short)(((4 * k + 3) << 8) | (4 * k + 2))),
+                    _mm_set1_epi16((short)(((4 * k + 1) << 8) | (4 * k)))));
                 for (int r = 0; r < NR; r++) {
                     const int8_t *y = XROW(qk_a256, r, b)->q + 128 * h + 32 * k;
                     const __m256i yk = _mm256_loadu_si256((const __m256i *)y);
