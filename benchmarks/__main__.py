@@ -6,6 +6,7 @@
     python -m benchmarks instructions   # opt-in: instruction counts (valgrind)
     python -m benchmarks allreduce      # collectives only, = pmetal bench allreduce
     python -m benchmarks pipeline       # opt-in: Llama decoding, = pmetal bench pipeline
+    python -m benchmarks kernels        # opt-in: quantized matmul GB/s per GGUF format
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -15,12 +16,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, allreduce, cluster, instructions, pipeline, transport
+from benchmarks import actors, allreduce, cluster, instructions, kernels, pipeline, transport
 
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
           "allreduce": allreduce.main}
-# Run only when named: instructions needs valgrind; pipeline loads a model.
-OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main}
+# Run only when named: instructions needs valgrind; pipeline loads a model;
+# kernels measures compute, not the cluster.
+OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main}
 
 
 def main(argv: list[str] | None = None) -> int:

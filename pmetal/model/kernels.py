@@ -45,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -85,6 +85,8 @@ _LAYOUT: dict[int, tuple[str, int, int]] = {
 }
 SUPPORTED: frozenset[int] = frozenset(_LAYOUT)
 
+_F32 = np.dtype(np.float32)   # numpy's float32 dtype is a singleton: tested with `is`
+
 # Rows dequantized at a time by the numpy fallback: bounds its float32
 # temporaries to a few MB whatever the matrix.
 _FALLBACK_BYTES = 4 << 20
@@ -108,31 +110,38 @@ def _name(ggml_type: int) -> str:
 
 def block_shape(ggml_type: int) -> tuple[int, int]:
     """(values per block, bytes per block) of a supported ggml type."""
-    layout = _LAYOUT.get(ggml_type) if isinstance(ggml_type, int) else None
+    ok = isinstance(ggml_type, (int, np.integer)) and not isinstance(ggml_type, bool)
+    layout = _LAYOUT.get(int(ggml_type)) if ok else None
     if layout is None:
         supported = ", ".join(name for name, _, _ in _LAYOUT.values())
         raise KernelError(f"ggml type {ggml_type!r} is not supported (supported: {supported})")
     return layout[1], layout[2]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QMatrix:
     """A (rows, cols) matrix in one GGUF block format; `data` is a C-contiguous uint8 array of
     rows * row_bytes bytes, shaped (rows, row_bytes) — typically a view of a memory-mapped
-    GGUF file (never copied)."""
+    GGUF file (never copied).
+
+    Compared and hashed by identity (two views of the same bytes are two
+    matrices); the repr names the format and shape, not the bytes."""
 
     data: np.ndarray
     ggml_type: int
     rows: int
     cols: int
+    _spec: tuple[np.ndarray, int, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         per_block, _ = block_shape(self.ggml_type)
         name = _name(self.ggml_type)
-        for field in ("rows", "cols"):
-            value = getattr(self, field)
+        for attribute in ("rows", "cols"):
+            value = getattr(self, attribute)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise KernelError(f"QMatrix {field} must be an int >= 0, got {value!r}")
+                raise KernelError(f"QMatrix {attribute} must be an int >= 0, got {value!r}")
+            object.__setattr__(self, attribute, int(value))
+        object.__setattr__(self, "ggml_type", int(self.ggml_type))
         if self.cols == 0 or self.cols % per_block:
             raise KernelError(f"QMatrix of {name}: cols={self.cols} is not a positive multiple "
                               f"of the block size {per_block}")
@@ -146,6 +155,11 @@ class QMatrix:
                               f"{data.shape}, expected ({self.rows}, {self.row_bytes})")
         if not data.flags.c_contiguous:
             raise KernelError("QMatrix data must be C-contiguous")
+        # what the C extension is handed, built once
+        object.__setattr__(self, "_spec", (data, self.ggml_type, self.rows))
+
+    def __repr__(self) -> str:
+        return f"QMatrix({_name(self.ggml_type)}, {self.rows} x {self.cols}, {self.nbytes} bytes)"
 
     @property
     def row_bytes(self) -> int:
@@ -166,7 +180,8 @@ def _load_extension() -> Any:
     try:
         from pmetal.model import _qk  # type: ignore[attr-defined]
     except ImportError as exc:
-        log.info("pmetal.model._qk did not load (%s): kernels fall back to numpy", exc)
+        log.warning("pmetal.model._qk did not load (%s): kernels fall back to numpy, "
+                    "about 100x slower; rebuild with pip install -e .", exc)
         return None
     wanted = os.environ.get("PMETAL_KERNEL_ISA", "auto").strip().lower() or "auto"
     if wanted not in ("auto", "scalar", "avx2", "neon"):
@@ -212,14 +227,15 @@ def _check_range(w: QMatrix, first: int, last: int) -> None:
 def _check_out(out: Any, shape: tuple[int, int], what: str) -> np.ndarray:
     if out is None:
         return np.empty(shape, np.float32)
+    if (type(out) is np.ndarray and out.dtype == np.float32 and out.shape == shape
+            and out.flags.c_contiguous and out.flags.writeable):
+        return out
     if not isinstance(out, np.ndarray) or out.dtype != np.float32:
         kind = out.dtype if isinstance(out, np.ndarray) else type(out).__name__
         raise KernelError(f"{what} must be a float32 numpy array, got {kind}")
     if out.shape != shape:
         raise KernelError(f"{what} has shape {out.shape}, expected {shape}")
-    if not out.flags.c_contiguous or not out.flags.writeable:
-        raise KernelError(f"{what} must be C-contiguous and writeable")
-    return out
+    raise KernelError(f"{what} must be C-contiguous and writeable")
 
 
 def _check_matrix(w: Any, what: str) -> QMatrix:
@@ -237,40 +253,66 @@ def matmul(x: np.ndarray, weights: Sequence[QMatrix], *, threads: int = 1,
     The bits of out[i][r] depend only on x[r] and weights[i]: never on R, on the other rows, on the other
     matrices, or on `threads` (each output element is computed start to finish by one thread, in a fixed order).
     The GIL is released while computing."""
-    threads = _check_threads(threads)
+    # Called a few hundred times per decoded token, so the common case costs
+    # a few exact type tests; layout (C-contiguous, writeable) is checked by
+    # the extension's buffer requests, and a refusal there is diagnosed here.
+    if type(threads) is not int or threads < 1:
+        threads = _check_threads(threads)
+    if type(x) is not np.ndarray or x.dtype is not _F32 or x.ndim != 2:
+        _refuse_x(x)
+    if type(weights) not in (list, tuple) and (isinstance(weights, QMatrix)
+                                              or not isinstance(weights, Sequence)):
+        raise KernelError("weights must be a sequence of QMatrix")
+    R, K = x.shape
+    for i, w in enumerate(weights):
+        if type(w) is not QMatrix:
+            _check_matrix(w, f"weights[{i}]")
+        if w.cols != K:
+            raise KernelError(f"weights[{i}] has {w.cols} columns but x has K={K}")
+    if out is None:
+        outs = [np.empty((R, w.rows), _F32) for w in weights]
+    else:
+        outs = list(out)
+        if len(outs) != len(weights):
+            raise KernelError(f"out has {len(outs)} arrays for {len(weights)} matrices")
+        for i, (o, w) in enumerate(zip(outs, weights)):
+            if type(o) is not np.ndarray or o.dtype is not _F32 or o.shape != (R, w.rows):
+                _check_out(o, (R, w.rows), f"out[{i}]")
+        if len(outs) > 1 and len({id(o) for o in outs}) != len(outs):
+            raise KernelError("out arrays must be distinct")
+    if not outs:
+        return outs
+    if _qk is None:
+        _check_layout(x, outs)
+        for w, o in zip(weights, outs):
+            step = _fallback_rows(w)
+            for first in range(0, w.rows, step):
+                last = min(w.rows, first + step)
+                o[:, first:last] = x @ _numpy_dequantize(w, first, last).T
+        return outs
+    try:
+        _qk.matmul(x, R, K, [w._spec for w in weights], outs, threads)
+    except (BufferError, ValueError) as exc:
+        _check_layout(x, outs)
+        raise KernelError(f"the kernel refused its arguments: {exc}") from exc
+    return outs
+
+
+def _check_layout(x: np.ndarray, outs: list[np.ndarray]) -> None:
+    if not x.flags.c_contiguous:
+        raise KernelError("x must be C-contiguous")
+    for i, o in enumerate(outs):
+        if not o.flags.c_contiguous or not o.flags.writeable:
+            raise KernelError(f"out[{i}] must be C-contiguous and writeable")
+
+
+def _refuse_x(x: Any) -> None:
     if not isinstance(x, np.ndarray) or x.dtype != np.float32:
         kind = x.dtype if isinstance(x, np.ndarray) else type(x).__name__
         raise KernelError(f"x must be a float32 numpy array, got {kind}")
     if x.ndim != 2:
         raise KernelError(f"x must be 2-D (R, K), got shape {x.shape}")
-    if not x.flags.c_contiguous:
-        raise KernelError("x must be C-contiguous")
-    if isinstance(weights, QMatrix) or not isinstance(weights, Sequence):
-        raise KernelError("weights must be a sequence of QMatrix")
-    R, K = x.shape
-    mats = [_check_matrix(w, f"weights[{i}]") for i, w in enumerate(weights)]
-    for i, w in enumerate(mats):
-        if w.cols != K:
-            raise KernelError(f"weights[{i}] has {w.cols} columns but x has K={K}")
-    if out is None:
-        outs = [np.empty((R, w.rows), np.float32) for w in mats]
-    else:
-        if len(out) != len(mats):
-            raise KernelError(f"out has {len(out)} arrays for {len(mats)} matrices")
-        outs = [_check_out(o, (R, w.rows), f"out[{i}]") for i, (o, w) in enumerate(zip(out, mats))]
-        if len({id(o) for o in outs}) != len(outs):
-            raise KernelError("out arrays must be distinct")
-    if not mats:
-        return outs
-    if _qk is not None:
-        _qk.matmul(x, R, K, [(w.data, w.ggml_type, w.rows) for w in mats], outs, threads)
-        return outs
-    for w, o in zip(mats, outs):
-        step = _fallback_rows(w)
-        for first in range(0, w.rows, step):
-            last = min(w.rows, first + step)
-            o[:, first:last] = x @ _numpy_dequantize(w, first, last).T
-    return outs
+    raise KernelError("x must be C-contiguous")
 
 
 def dequantize(w: QMatrix, first: int = 0, last: int | None = None, *, out: np.ndarray | None = None,

@@ -24,7 +24,7 @@ Q5_K       5 bits, scale ``d*sc``, bias ``-dmin*m``     yes
 Q6_K       float16 matrix                               to float16 rounding
 F16, BF16  float16, bfloat16 matrix                     yes
 F32        float32 matrix                               yes
-others     float16 matrix (``gguf`` dequantizes)        to float16 rounding
+others     refused when loaded (no kernel reads them)
 =========  ===========================================  ======================
 
 "Exact" means ``scale * q + bias`` in float32 is the value ``gguf``'s

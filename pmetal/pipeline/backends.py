@@ -75,11 +75,12 @@ def build_stage(config: PipelineStageConfig, *, max_threads: int | None = None,
         return _from_float(weights, backend, max_threads)
     from pmetal.pipeline import loader  # gguf loads only when used
 
-    backend = resolve_backend(config.backend, gguf=loader.is_gguf(Path(config.model)))
+    gguf = loader.is_gguf(Path(config.model))
+    backend = resolve_backend(config.backend, gguf=gguf)
     if backend == "quantized":
         return _quantized(loader.load_quantized(config.model, config.start, config.end),
                           max_threads)
-    if backend == "mlx" and _is_gguf(config.model):
+    if backend == "mlx" and gguf:
         from pmetal.model.mlx import MlxQuantizedStage
 
         # The stage keeps MLX copies, not the blocks: the file's map closes with them.

@@ -254,6 +254,28 @@ def test_the_output_arrays_are_filled_in_place() -> None:
     assert kn.matmul(np.zeros((0, K), np.float32), mats)[1].shape == (0, 20)
 
 
+@needs_c
+def test_concurrent_callers_get_the_same_bits() -> None:
+    """Two Python threads (the GIL is released) calling with threads=2 at once:
+    one runs on the pool, the other computes alone; both get the one answer."""
+    w = random_matrix(kn.Q4_1, 700, 576)
+    x = random_x(3, 576)
+    expected = kn.matmul(x, [w])[0]
+    results: list[bool] = []
+
+    def hammer() -> None:
+        results.append(all(np.array_equal(kn.matmul(x, [w], threads=2)[0], expected)
+                           for _ in range(40)))
+
+    workers = [threading.Thread(target=hammer) for _ in range(3)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in workers)
+    assert results == [True, True, True]
+
+
 # ---------------------------------------------- fallback, scalar, fork
 
 def test_the_numpy_fallback(monkeypatch: pytest.MonkeyPatch) -> None:

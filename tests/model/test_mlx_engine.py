@@ -15,7 +15,7 @@ import pytest
 from pmetal.errors import PMetalValueError
 from pmetal.model import kernels
 from pmetal.model.config import LlamaConfig
-from pmetal.model.kernels import QMatrix
+from pmetal.model.kernels import KernelError, QMatrix
 from pmetal.model.mlxblocks import Affine, Dense, convert, pack
 from pmetal.model.quantized import QuantizedStage, QuantizedWeights
 from pmetal.pipeline.llama import LlamaStage, LlamaWeights
@@ -100,13 +100,13 @@ def test_q6_k_is_float16_within_its_rounding() -> None:
         assert np.all(np.abs(as_float32(converted) - want) <= bound)
 
 
-def test_other_types_become_float16_as_gguf_decodes_them() -> None:
+def test_a_type_the_engines_do_not_read_is_refused_by_name() -> None:
+    """Q5_0 and the other legacy types have no kernel: a matrix of one is
+    refused where it is loaded, naming the type and what is supported."""
     data = quantize(np.random.default_rng(8).standard_normal((ROWS, COLS)).astype(np.float32),
                     T.Q5_0)
-    converted = convert(QMatrix(data, int(T.Q5_0), ROWS, COLS))
-    assert isinstance(converted, Dense) and not converted.exact
-    want = reference(data, T.Q5_0)
-    assert np.all(np.abs(as_float32(converted) - want) <= np.abs(want) * 2.0 ** -11 + 2.0 ** -25)
+    with pytest.raises(KernelError, match="ggml type 6 is not supported"):
+        QMatrix(data, int(T.Q5_0), ROWS, COLS)
 
 
 def test_q6_k_float16_beats_8_bit_requantization() -> None:

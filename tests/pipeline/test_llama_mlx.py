@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pmetal.errors import ConfigError
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
 from pmetal.pipeline.llama_mlx import MlxLlamaStage, mlx_available
 

@@ -14,6 +14,7 @@
 #ifndef PMETAL_QK_H
 #define PMETAL_QK_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -38,12 +39,24 @@ enum qk_act { QK_ACT_NONE = 0, QK_ACT_F32, QK_ACT_A32, QK_ACT_A256 };
 /* Dot product of one weight row with one prepared x row.  n counts blocks
  * for the quantized types and values for F32, F16 and BF16. */
 typedef float (*qk_dot_fn)(int n, const uint8_t *w, const void *x);
+/* The same for nr (1..4) x rows at x, x + x_stride, ... into out[0],
+ * out[out_stride], ...: the weight row is unpacked once for all of them, and
+ * each result has exactly the bits dot would give it.  Optional (NULL: the
+ * caller loops over dot). */
+typedef void (*qk_dotn_fn)(int n, const uint8_t *w, const void *x, size_t x_stride, int nr,
+                           float *out, size_t out_stride);
 /* Dequantize n blocks (values for the float types) of one row. */
 typedef void (*qk_dequant_fn)(int n, const uint8_t *w, float *out);
 
+typedef void (*qk_quant32_fn)(int n, const float *x, qk_a32 *y);
+typedef void (*qk_quant256_fn)(int n, const float *x, qk_a256 *y);
+
 typedef struct {
     const char *name;
+    qk_quant32_fn quantize_a32;     /* the same bits in every table */
+    qk_quant256_fn quantize_a256;
     qk_dot_fn dot[QK_NTYPES];
+    qk_dotn_fn dotn[QK_NTYPES];
     qk_dequant_fn dequant[QK_NTYPES];
 } qk_isa;
 
@@ -53,7 +66,8 @@ int qk_block_bytes(int type);
 enum qk_act qk_act_kind(int type);
 
 /* x rows in the activation formats; n = number of floats (a multiple of 32
- * or 256).  Shared by every ISA so a row quantizes to the same bits always. */
+ * or 256).  The baseline build; the tables carry their ISA's build of the
+ * same code (qk_quant.h), which gives the same bits. */
 void qk_quantize_a32(int n, const float *x, qk_a32 *y);
 void qk_quantize_a256(int n, const float *x, qk_a256 *y);
 
@@ -62,6 +76,10 @@ void qk_fill_scalar(qk_isa *isa);
 #define QK_HAVE_X86 1
 int qk_cpu_has_avx2(void);
 void qk_fill_avx2(qk_isa *isa);
+#endif
+#if defined(__aarch64__)
+#define QK_HAVE_NEON 1
+void qk_fill_neon(qk_isa *isa);
 #endif
 
 /* Run fn(ctx, i) for i in [0, n) on `threads` threads (the caller is one of
@@ -93,14 +111,23 @@ static inline float qk_bf16_to_fp32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16; float f; memcpy(&f, &bits, 4); return f;
 }
 
-/* Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins in 12 bytes. */
+/* Q4_K and Q5_K pack eight 6-bit scales and eight 6-bit mins in 12 bytes:
+ * bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7,
+ * bytes 4-7 the same for the mins, bytes 8-11 the low 4 bits of scales 4-7
+ * (low nibble) and of mins 4-7 (high nibble).  Unpacked four at a time in
+ * 32-bit words (GGUF and every target here are little-endian). */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#error "the kernels read GGUF's little-endian blocks with native loads"
+#endif
 static inline void qk_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63;
-        mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (uint8_t)((s[j + 8] & 0x0f) | ((s[j] >> 6) << 4));
-        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
-    }
+    uint32_t w[3], o[4];
+    memcpy(w, s, 12);
+    o[0] = w[0] & 0x3f3f3f3fu;
+    o[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    o[2] = w[1] & 0x3f3f3f3fu;
+    o[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, o, 8);
+    memcpy(mn, o + 2, 8);
 }
 
 #endif

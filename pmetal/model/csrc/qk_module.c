@@ -61,6 +61,7 @@ typedef struct {
     const uint8_t *w;
     float *out;
     qk_dot_fn dot;
+    qk_dotn_fn dotn;
     int64_t rows, row_bytes, first_item;
     int n, rows_per_item;   /* n: blocks per row (values for float types) */
     const uint8_t *x;       /* prepared x rows */
@@ -81,8 +82,14 @@ static void mm_item(void *ctx, int64_t item) {
     const int64_t r1 = r0 + m->rows_per_item < m->rows ? r0 + m->rows_per_item : m->rows;
     for (int64_t i = r0; i < r1; i++) {
         const uint8_t *w = m->w + i * m->row_bytes;
-        for (int r = 0; r < job->R; r++)
-            m->out[(int64_t)r * m->rows + i] = m->dot(m->n, w, m->x + r * m->x_stride);
+        if (m->dotn) {
+            for (int r = 0; r < job->R; r += 4)
+                m->dotn(m->n, w, m->x + r * m->x_stride, m->x_stride, job->R - r < 4 ? job->R - r : 4,
+                        m->out + (int64_t)r * m->rows + i, (size_t)m->rows);
+        } else {
+            for (int r = 0; r < job->R; r++)
+                m->out[(int64_t)r * m->rows + i] = m->dot(m->n, w, m->x + r * m->x_stride);
+        }
     }
 }
 
@@ -136,6 +143,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         m->w = wb[k].view.buf;
         m->out = ob[k].view.buf;
         m->dot = g_isa.dot[type];
+        m->dotn = g_isa.dotn[type];
         m->rows = rows;
         m->row_bytes = row_bytes;
         m->n = K / bv;
@@ -162,8 +170,8 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         mm_job job = {mats, (int)nmat, R};
         Py_BEGIN_ALLOW_THREADS
         for (int r = 0; r < R; r++) {
-            if (need32) qk_quantize_a32(K, x + (int64_t)r * K, (qk_a32 *)(void *)(xa32 + r * s32));
-            if (need256) qk_quantize_a256(K, x + (int64_t)r * K, (qk_a256 *)(void *)(xa256 + r * s256));
+            if (need32) g_isa.quantize_a32(K, x + (int64_t)r * K, (qk_a32 *)(void *)(xa32 + r * s32));
+            if (need256) g_isa.quantize_a256(K, x + (int64_t)r * K, (qk_a256 *)(void *)(xa256 + r * s256));
         }
         qk_parallel(threads, items, mm_item, &job);
         Py_END_ALLOW_THREADS

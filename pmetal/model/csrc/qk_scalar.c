@@ -153,6 +153,8 @@ static void dq_q6_k(int n, const uint8_t *w, float *y) { qk_dq_q6_k(n, w, y); }
 void qk_fill_scalar(qk_isa *isa) {
     memset(isa, 0, sizeof *isa);
     isa->name = "scalar";
+    isa->quantize_a32 = qk_quantize_a32;
+    isa->quantize_a256 = qk_quantize_a256;
     isa->dot[QK_F32] = dot_f32;   isa->dequant[QK_F32] = dq_f32;
     isa->dot[QK_F16] = dot_f16;   isa->dequant[QK_F16] = dq_f16;
     isa->dot[QK_BF16] = dot_bf16; isa->dequant[QK_BF16] = dq_bf16;
