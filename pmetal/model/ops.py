@@ -53,19 +53,19 @@ class Rotary:
         angles = np.outer(np.arange(config.max_position_embeddings, dtype=np.float64), inv_freq)
         self.cos = np.cos(angles).astype(F32)  # (max_pos, head_dim / 2)
         self.sin = np.sin(angles).astype(F32)
+        # Interleaved pairs are complex numbers: one multiply rotates them all.
+        self.cis = (self.cos + 1j * self.sin).astype(np.complex64) \
+            if layout == "interleaved" else None
 
     def __call__(self, x: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``x`` (T, heads, head_dim) rotated for ``positions`` (T,)."""
+        if self.cis is not None:
+            pairs = np.ascontiguousarray(x).view(np.complex64)
+            return (pairs * self.cis[positions][:, None, :]).view(F32)
         cos = self.cos[positions][:, None, :]
         sin = self.sin[positions][:, None, :]
-        if self.layout == "half":
-            x1, x2 = x[..., :self.half], x[..., self.half:]
-            return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
-        out[..., 0::2] = x1 * cos - x2 * sin
-        out[..., 1::2] = x2 * cos + x1 * sin
-        return out
+        x1, x2 = x[..., :self.half], x[..., self.half:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def attend(config: LlamaConfig, q: np.ndarray, keys: np.ndarray, values: np.ndarray,
