@@ -5,9 +5,11 @@
   like nccl-tests (:mod:`pmetal.bench.allreduce`), then the issue's
   targets against torch.distributed gloo (run too when torch is
   installed) and the anchors' MPI figures.
-- ``pmetal bench pipeline``: the Llama decoder's prefill, time to first
-  token, decode tokens/s alone and batched, against llama.cpp on the same
-  GGUF when llama-cpp-python is installed (:mod:`pmetal.bench.pipeline`).
+- ``pmetal bench pipeline``: the model engine's (``--backend``) prefill,
+  time to first token, decode tokens/s alone, batched and beside CPU hogs,
+  and a long prompt's prefill, against llama.cpp on the same GGUF in the
+  same run when llama-cpp-python is installed, then issue [7/11]'s targets
+  (:mod:`pmetal.bench.pipeline`).
 
 Exit status: 0 when every result was right, 1 when some all_reduce gave a
 wrong element (the tables say where) or a rank failed, 2 for a usage error.
@@ -24,7 +26,7 @@ from pmetal.errors import ConfigError
 _STRATEGIES = ("ring", "tree", "naive", "auto")
 _DEFAULTS: dict[str, object] = {}  # allreduce's option defaults, for the header
 _PIPELINE_DEFAULTS: dict[str, object] = {}
-_QUICK = {"tokens": 8, "repeats": 1, "prompts": 2}
+_QUICK = {"tokens": 8, "repeats": 1, "prompts": 2, "prefill_tokens": 128}
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,15 +70,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="print markdown tables (for docs/performance.md)")
     _DEFAULTS.update({a.dest: a.default for a in allreduce._actions if a.dest != "help"})
     pipeline = sub.add_parser(
-        "pipeline", help="Llama decoding speed: prefill, first token, tokens/s alone and "
-                         "batched, against llama.cpp",
-        description="Greedy decoding with pmetal's float32 numpy Llama decoder in one "
-                    "process (compute threads 1 and 2), against llama.cpp on the same GGUF "
-                    "file when llama-cpp-python is installed; then the model as a "
-                    "pipeline of --stages stage actors on this machine (1 sequence, "
-                    "several, and the lossy activation codecs against none).")
+        "pipeline", help="model engine speed against llama.cpp: prefill, first token, "
+                         "tokens/s alone, batched and under load; issue [7/11]'s targets",
+        description="Greedy decoding with pmetal's model engine (--backend) in one process "
+                    "(compute threads 1 and 2), against llama.cpp on the same GGUF file in "
+                    "the same run when llama-cpp-python is installed; a long prompt's "
+                    "prefill; decode beside --hogs busy loops; then the model as a pipeline "
+                    "of --stages stage actors on this machine (1 sequence, several, and the "
+                    "lossy activation codecs against none), and the targets.")
     pipeline.add_argument("--model", default=None, metavar="PATH",
                           help="the model (a GGUF file; default: the default model)")
+    pipeline.add_argument("--backend", default="auto", metavar="B",
+                          help="the engine: auto (the quantized engine for a GGUF file), "
+                               "quantized, reference (float32) or mlx (default auto)")
     pipeline.add_argument("--tokens", type=int, default=32, metavar="N",
                           help="timed decode steps per sequence (default 32)")
     pipeline.add_argument("--repeats", type=int, default=3, metavar="R",
@@ -89,6 +95,12 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="how many of the built-in chat prompts (default 4)")
     pipeline.add_argument("--threads", default="1,2", metavar="N,M",
                           help="compute thread counts to measure (default 1,2)")
+    pipeline.add_argument("--prefill-tokens", type=int, default=512, metavar="N",
+                          help="the long prompt whose prefill both engines time (default "
+                               "512; 0: skip)")
+    pipeline.add_argument("--hogs", type=int, default=2, metavar="N",
+                          help="busy-loop processes beside the under-load decode (default 2; "
+                               "0: skip table (d))")
     pipeline.add_argument("--anchors", choices=("auto", "off"), default="auto",
                           help="also run llama.cpp when llama-cpp-python is installed "
                                "(default auto)")
@@ -99,7 +111,8 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="stages of the pipeline table (c) (default 2; 0: skip it)")
     pipeline.add_argument("--quick", action="store_true",
                           help=f"a short run: {_QUICK['tokens']} tokens, "
-                               f"{_QUICK['repeats']} repetition, {_QUICK['prompts']} prompts")
+                               f"{_QUICK['repeats']} repetition, {_QUICK['prompts']} prompts, "
+                               f"a long prompt of at most {_QUICK['prefill_tokens']} tokens")
     pipeline.add_argument("--markdown", action="store_true",
                           help="print markdown tables (for docs/performance.md)")
     _PIPELINE_DEFAULTS.update(
@@ -195,14 +208,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
-    from pmetal.bench.pipeline import (
-        PROMPTS,
-        Options,
-        default_model,
-        default_weights,
-        random_weights,
-        run,
-    )
+    from pmetal.bench.pipeline import PROMPTS, Options, default_model, run
     from pmetal.bench.pipeline_stages import measure_pipeline
 
     try:
@@ -211,25 +217,25 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         raise ConfigError(f"--threads {args.threads!r}: write thread counts such as 1,2") \
             from None
     tokens, repeats, prompts = args.tokens, args.repeats, args.prompts
+    prefill = args.prefill_tokens
     if args.quick:
         tokens, repeats = min(tokens, _QUICK["tokens"]), min(repeats, _QUICK["repeats"])
         prompts = min(prompts, _QUICK["prompts"])
+        prefill = min(prefill, _QUICK["prefill_tokens"])
     if not 1 <= prompts <= len(PROMPTS):
         raise ConfigError(f"--prompts {prompts}: choose 1 to {len(PROMPTS)}")
     if args.stages < 0:
         raise ConfigError(f"--stages {args.stages}: 0 (skip the pipeline table) or more")
-    random_model = None
-    if args.random_weights is not None:
-        random_model = random_weights(args.random_weights)(None)[0].config
+    model = args.model
+    if model is None and args.random_weights is None:
+        model = default_model()
     options = Options(
-        model=args.model if args.model is not None else default_model(),
+        model=model, backend=args.backend, random_shape=args.random_weights,
         prompts=PROMPTS[:prompts], decode_tokens=tokens, repeats=repeats,
-        batch=args.batch, threads=threads, anchors=args.anchors == "auto",
-        markdown=args.markdown, command=_command(args, _PIPELINE_DEFAULTS, "pipeline"),
-        weights=(default_weights if args.random_weights is None
-                 else random_weights(args.random_weights)),
-        pipeline=measure_pipeline if args.stages else None,
-        extra={"stages": args.stages, "random_model": random_model})
+        batch=args.batch, threads=threads, prefill_tokens=prefill, hogs=args.hogs,
+        anchors=args.anchors == "auto", markdown=args.markdown,
+        command=_command(args, _PIPELINE_DEFAULTS, "pipeline"),
+        pipeline=measure_pipeline if args.stages else None, extra={"stages": args.stages})
     if not args.stages:
         run(options)
         return 0
