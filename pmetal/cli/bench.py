@@ -10,6 +10,9 @@
   and a long prompt's prefill, against llama.cpp on the same GGUF in the
   same run when llama-cpp-python is installed, then issue [7/11]'s targets
   (:mod:`pmetal.bench.pipeline`).
+- ``pmetal bench agreement``: greedy tokens of the quantized engine, the
+  float32 reference and llama.cpp, prompt by prompt
+  (:mod:`pmetal.bench.agreement`).
 
 Exit status: 0 when every result was right, 1 when some all_reduce gave a
 wrong element (the tables say where) or a rank failed, 2 for a usage error.
@@ -26,6 +29,7 @@ from pmetal.errors import ConfigError
 _STRATEGIES = ("ring", "tree", "naive", "auto")
 _DEFAULTS: dict[str, object] = {}  # allreduce's option defaults, for the header
 _PIPELINE_DEFAULTS: dict[str, object] = {}
+_AGREEMENT_DEFAULTS: dict[str, object] = {}
 _QUICK = {"tokens": 8, "repeats": 1, "prompts": 2, "prefill_tokens": 128}
 
 
@@ -117,6 +121,26 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="print markdown tables (for docs/performance.md)")
     _PIPELINE_DEFAULTS.update(
         {a.dest: a.default for a in pipeline._actions if a.dest != "help"})
+    agreement = sub.add_parser(
+        "agreement", help="greedy tokens of the quantized engine, the float32 reference and "
+                          "llama.cpp, prompt by prompt",
+        description="Each prompt through the model's tokenizer, then greedy tokens from the "
+                    "quantized engine, the float32 reference engine and llama.cpp (when "
+                    "llama-cpp-python is installed) from the same ids; for each pair: the "
+                    "leading tokens that agree and the fraction of positions equal.")
+    agreement.add_argument("--model", default=None, metavar="PATH",
+                           help="the model (a GGUF file; default: the default model)")
+    agreement.add_argument("--tokens", type=int, default=32, metavar="N",
+                           help="greedy tokens per prompt (default 32)")
+    agreement.add_argument("--prompts", type=int, default=8, metavar="P",
+                           help="how many of the built-in prompts (default 8)")
+    agreement.add_argument("--anchors", choices=("auto", "off"), default="auto",
+                           help="also run llama.cpp when llama-cpp-python is installed "
+                                "(default auto)")
+    agreement.add_argument("--markdown", action="store_true",
+                           help="print a markdown table (for docs/performance.md)")
+    _AGREEMENT_DEFAULTS.update(
+        {a.dest: a.default for a in agreement._actions if a.dest != "help"})
     memory = sub.add_parser(
         "memory", help="peak memory of every process of 'pmetal generate' (Linux)",
         description="Runs 'pmetal generate --stages K' for each K and samples every process "
@@ -150,9 +174,25 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _run_allreduce(args)
     if args.benchmark == "pipeline":
         return _run_pipeline(args)
+    if args.benchmark == "agreement":
+        return _run_agreement(args)
     if args.benchmark == "memory":
         return _run_memory(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
+
+
+def _run_agreement(args: argparse.Namespace) -> int:
+    from pmetal.bench import agreement
+    from pmetal.bench.pipeline import default_model
+
+    if not 1 <= args.prompts <= len(agreement.PROMPTS):
+        raise ConfigError(f"--prompts {args.prompts}: choose 1 to {len(agreement.PROMPTS)}")
+    agreement.run(agreement.Options(
+        model=args.model if args.model is not None else default_model(),
+        prompts=agreement.PROMPTS[:args.prompts], tokens=args.tokens,
+        anchors=args.anchors == "auto", markdown=args.markdown,
+        command=_command(args, _AGREEMENT_DEFAULTS, "agreement")))
+    return 0
 
 
 def _run_memory(args: argparse.Namespace) -> int:
