@@ -14,6 +14,7 @@ from pmetal.bench.agreement import (
     Options,
     compare,
     greedy,
+    logit_difference,
     run,
 )
 from pmetal.bench.pipeline import build_engine
@@ -31,18 +32,24 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(path)
 
 
-def _rows(out: str) -> list[list[str]]:
+def _rows(out: str, title: str = "Greedy agreement") -> list[list[str]]:
+    """The rows under the '# <title>...' heading, split on runs of spaces."""
     lines = out.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("# Greedy agreement"))
-    return [[c.strip() for c in line.split("  ") if c.strip()] for line in lines[start + 1:]
-            if line.strip() and not line.startswith("#")]
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"# {title}"))
+    rows = []
+    for line in lines[start + 1:]:
+        if not line.strip() or line.startswith("#"):
+            break
+        rows.append([c.strip() for c in line.split("  ") if c.strip()])
+    return rows
 
 
 def test_every_pair_with_llama_cpp(tiny_gguf: str, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("llama_cpp")
     assert main(["bench", "agreement", "--model", tiny_gguf, "--tokens", "6",
                  "--prompts", "3"]) == 0
-    header, *rows, total = _rows(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    header, *rows, total = _rows(out)
     assert header == ["prompt", "ids", "quantized = reference", "quantized = llama.cpp",
                       "reference = llama.cpp"]
     assert [r[0] for r in rows] == ["What is the capital of France?",
@@ -51,6 +58,12 @@ def test_every_pair_with_llama_cpp(tiny_gguf: str, capsys: pytest.CaptureFixture
     for row in rows:
         assert int(row[1]) > 0 and all(CELL.match(c) for c in row[2:]), row
     assert total[0] == "total" and all(TOTAL.match(c) for c in total[2:]), total
+    header, *logits = _rows(out, "Logits at the first generated position")
+    assert header == ["a - b", "mean", "std around the mean", "largest |difference|"]
+    assert [r[0] for r in logits] == ["quantized - reference", "quantized - llama.cpp",
+                                      "reference - llama.cpp"]
+    for row in logits:
+        assert 0.0 <= float(row[2]) <= float(row[3]), row
 
 
 def test_without_llama_cpp_only_pmetal_engines(tiny_gguf: str) -> None:
@@ -63,6 +76,7 @@ def test_without_llama_cpp_only_pmetal_engines(tiny_gguf: str) -> None:
     assert header == ["prompt", "ids", "quantized = reference"]
     assert CELL.match(row[2]) and TOTAL.match(total[2])
     assert set(result["runs"]) == {"quantized", "reference"}
+    assert list(result["logits"]) == [("quantized", "reference")]
     assert all(len(c.tokens) == 5 for runs in result["runs"].values() for c in runs)
 
 
@@ -92,6 +106,16 @@ def test_compare(a: tuple[int, ...], b: tuple[int, ...], leading: int, equal: in
                         Continuation(b, (0.75, 1.0, 0.5, 0.1)))
     assert (agreement.leading, agreement.equal, agreement.total, agreement.gap) == \
         (leading, equal, 4, gap)
+
+
+def test_logit_difference_splits_shift_from_spread() -> None:
+    import numpy as np
+
+    base = np.array([1.0, 2.0, 3.0, 4.0], dtype=np.float32)
+    shifted = [Continuation((0,), (0.0,), base + 0.5), Continuation((0,), (0.0,), base - 1.0)]
+    same = [Continuation((0,), (0.0,), base), Continuation((0,), (0.0,), base)]
+    d = logit_difference(shifted, same)
+    assert (d.mean, d.std, d.largest) == (pytest.approx(-0.25), pytest.approx(0.0), 1.0)
 
 
 @pytest.mark.parametrize(("argv", "message"), [

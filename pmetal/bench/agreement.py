@@ -19,6 +19,13 @@ of the two engines' gaps: both saw the same tokens until then, so a small
 gap says the two only resolved a near-tie differently), and the fraction of
 positions holding equal tokens (after a divergence the texts differ, so
 later equalities are partly chance).
+
+Greedy agreement over a few prompts turns on a handful of near-ties, so a
+second table compares the engines' logits where every engine has seen the
+same ids (the first generated position of each prompt): the mean of the
+difference (a shift of every logit changes no choice), its standard
+deviation around that mean (what reorders near-ties) and the largest
+difference.
 """
 
 from __future__ import annotations
@@ -26,14 +33,14 @@ from __future__ import annotations
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from pmetal.bench.anchor import llama_cpp_greedy, llama_cpp_state, top_gap
 from pmetal.errors import ConfigError
 
-__all__ = ["PROMPTS", "Agreement", "Continuation", "Options", "PromptRow", "compare",
-           "greedy", "run"]
+__all__ = ["PROMPTS", "Agreement", "Continuation", "LogitDifference", "Options", "PromptRow",
+           "compare", "greedy", "logit_difference", "run"]
 
 PROMPTS = ("What is the capital of France?",
            "Write a haiku about the sea.",
@@ -64,10 +71,22 @@ class Options:
 
 @dataclass(frozen=True)
 class Continuation:
-    """One engine's greedy tokens, and at each step the gap between its
-    best two logits."""
+    """One engine's greedy tokens, at each step the gap between its best
+    two logits, and the logits of the first step (float32; None when not
+    kept)."""
     tokens: tuple[int, ...]
     gaps: tuple[float, ...]
+    first_logits: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class LogitDifference:
+    """Two engines' first-position logits, ``a - b``, over every prompt:
+    the mean of the per-prompt means and standard deviations, the largest
+    absolute difference."""
+    mean: float
+    std: float
+    largest: float
 
 
 @dataclass(frozen=True)
@@ -90,13 +109,14 @@ def greedy(stage: Any, ids: Sequence[int], tokens: int) -> Continuation:
     """``tokens`` greedy tokens of a pmetal stage holding the whole model."""
     cache = stage.new_cache(len(ids) + tokens + 1)
     logits = stage.logits(stage.forward(stage.embed(ids), cache)[-1:])[0]
+    first = logits.copy()
     got: list[int] = []
     gaps: list[float] = []
     while True:
         got.append(int(logits.argmax()))
         gaps.append(top_gap(logits))
         if len(got) == tokens:
-            return Continuation(tuple(got), tuple(gaps))
+            return Continuation(tuple(got), tuple(gaps), first)
         logits = stage.logits(stage.forward(stage.embed([got[-1]]), cache))[0]
 
 
@@ -105,6 +125,18 @@ def compare(a: Continuation, b: Continuation) -> Agreement:
     leading = equal.index(False) if False in equal else len(equal)
     gap = None if leading == len(equal) else min(a.gaps[leading], b.gaps[leading])
     return Agreement(leading, sum(equal), len(equal), gap)
+
+
+def logit_difference(a: Sequence[Continuation], b: Sequence[Continuation]) -> LogitDifference:
+    """``a - b`` of the first-position logits, prompt by prompt (see the
+    module docstring)."""
+    import numpy as np
+
+    diffs = [np.asarray(x.first_logits, dtype=np.float64) - np.asarray(y.first_logits)
+             for x, y in zip(a, b, strict=True)]
+    return LogitDifference(mean=float(np.mean([d.mean() for d in diffs])),
+                           std=float(np.mean([d.std() for d in diffs])),
+                           largest=float(max(np.abs(d).max() for d in diffs)))
 
 
 def _say(text: str) -> None:
@@ -132,18 +164,19 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
     anchor = llama_cpp_state(options.model) if options.anchors else "not run (--anchors off)"
     if not anchor:
         _say("llama.cpp")
-        runs["llama.cpp"] = [Continuation(tuple(t), tuple(g)) for t, g in
+        runs["llama.cpp"] = [Continuation(tuple(t), tuple(g), first) for t, g, first in
                              llama_cpp_greedy(options.model, ids, tokens=options.tokens)]
     pairs = [pair for pair in PAIRS if all(engine in runs for engine in pair)]
     rows = [PromptRow(text, len(prompt), {pair: compare(runs[pair[0]][i], runs[pair[1]][i])
                                           for pair in pairs})
             for i, (text, prompt) in enumerate(zip(options.prompts, ids, strict=True))]
-    p(_report(options, rows, pairs, anchor))
-    return {"rows": rows, "runs": runs, "ids": ids}
+    logits = {pair: logit_difference(runs[pair[0]], runs[pair[1]]) for pair in pairs}
+    p(_report(options, rows, pairs, anchor, logits))
+    return {"rows": rows, "runs": runs, "ids": ids, "logits": logits}
 
 
 def _report(options: Options, rows: Sequence[PromptRow], pairs: Sequence[tuple[str, str]],
-            anchor: str) -> str:
+            anchor: str, logits: dict[tuple[str, str], LogitDifference]) -> str:
     from pmetal.bench.report import _grid
 
     md = options.markdown
@@ -165,7 +198,12 @@ def _report(options: Options, rows: Sequence[PromptRow], pairs: Sequence[tuple[s
         f"# llama.cpp: {anchor or 'llama-cpp-python, the same prompt ids'}",
         heading("Greedy agreement, prompt by prompt: leading tokens equal (gap: the smaller "
                 "best-minus-second logit at the first difference), positions equal"),
-        _grid(header, [*body, totals], md, left=1)])
+        _grid(header, [*body, totals], md, left=1),
+        heading("Logits at the first generated position (the same ids for every engine), "
+                f"a - b, over the {len(rows)} prompts"),
+        _grid(["a - b", "mean", "std around the mean", "largest |difference|"],
+              [[f"{a} - {b}", f"{logits[a, b].mean:+.3f}", f"{logits[a, b].std:.3f}",
+                f"{logits[a, b].largest:.3f}"] for a, b in pairs], md, left=1)])
 
 
 def _cell(agreement: Agreement) -> str:

@@ -141,11 +141,12 @@ def llama_cpp_prefill(model: str, ids: Sequence[int], *, threads: int, repeats: 
 
 
 def llama_cpp_greedy(model: str, prompts: Sequence[Sequence[int]], *, tokens: int,
-                     threads: int = 1) -> list[tuple[list[int], list[float]]]:
+                     threads: int = 1) -> list[tuple[list[int], list[float], Any]]:
     """llama.cpp's greedy continuation of each prompt (token ids), ``tokens``
-    long: the argmax of its own logits after each ``eval``, and the gap
-    between its best and second-best logit at each step. Never stops at the
-    end-of-sequence token (neither do the engines it is compared with)."""
+    long: the argmax of its own logits after each ``eval``, the gap between
+    its best and second-best logit at each step, and the logits of the first
+    step (float32). Never stops at the end-of-sequence token (neither do the
+    engines it is compared with)."""
     import numpy as np
 
     longest = max(len(p) for p in prompts) + tokens
@@ -157,6 +158,7 @@ def llama_cpp_greedy(model: str, prompts: Sequence[Sequence[int]], *, tokens: in
             llm.eval(list(prompt))
             got: list[int] = []
             gaps: list[float] = []
+            first = np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
             while True:
                 logits = np.asarray(llm.scores[llm.n_tokens - 1], dtype=np.float32)
                 got.append(int(np.argmax(logits)))
@@ -164,7 +166,7 @@ def llama_cpp_greedy(model: str, prompts: Sequence[Sequence[int]], *, tokens: in
                 if len(got) == tokens:
                     break
                 llm.eval([got[-1]])
-            out.append((got, gaps))
+            out.append((got, gaps, first))
         return out
     finally:
         llm.close()

@@ -453,7 +453,7 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
         _grid(["engine", "quiet tok/s", "loaded tok/s", "share kept"],
               [[r.engine, f"{r.quiet_tps:.1f}", f"{r.loaded_tps:.1f}", f"{r.share:.0%}"]
                for r in load], md, left=1) if load else "not measured (--hogs 0)"))
-    targets = _targets(options, singles, anchors, load, anchor)
+    targets = _targets(options, singles, anchors, load)
     p(heading("Targets (issue [7/11]; ratios within this run)") + "\n" + _grid(
         ["measure", "measured", "target", "met"],
         [[t.measure, t.measured, t.target,
@@ -517,7 +517,7 @@ def _opt(value: float | None, fmt: str) -> str:
 
 
 def _targets(options: Options, singles: Sequence[SingleRow], anchors: Sequence[AnchorRow],
-             load: Sequence[LoadRow], anchor_state: str) -> list[TargetRow]:
+             load: Sequence[LoadRow]) -> list[TargetRow]:
     """Issue [7/11]'s targets: pmetal against llama.cpp at the same thread
     counts, in this run. Without an anchor the rows show pmetal's figure
     and cannot be judged."""
