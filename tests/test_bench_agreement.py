@@ -59,7 +59,7 @@ def test_every_pair_with_llama_cpp(tiny_gguf: str, capsys: pytest.CaptureFixture
         assert int(row[1]) > 0 and all(CELL.match(c) for c in row[2:]), row
     assert total[0] == "total" and all(TOTAL.match(c) for c in total[2:]), total
     header, *logits = _rows(out, "Logits at the first generated position")
-    assert header == ["a - b", "mean", "std around the mean", "largest |difference|"]
+    assert header == ["a - b", "mean", "std around the mean", "largest abs difference"]
     assert [r[0] for r in logits] == ["quantized - reference", "quantized - llama.cpp",
                                       "reference - llama.cpp"]
     for row in logits:

@@ -201,7 +201,7 @@ def _report(options: Options, rows: Sequence[PromptRow], pairs: Sequence[tuple[s
         _grid(header, [*body, totals], md, left=1),
         heading("Logits at the first generated position (the same ids for every engine), "
                 f"a - b, over the {len(rows)} prompts"),
-        _grid(["a - b", "mean", "std around the mean", "largest |difference|"],
+        _grid(["a - b", "mean", "std around the mean", "largest abs difference"],
               [[f"{a} - {b}", f"{logits[a, b].mean:+.3f}", f"{logits[a, b].std:.3f}",
                 f"{logits[a, b].largest:.3f}"] for a, b in pairs], md, left=1)])
 
