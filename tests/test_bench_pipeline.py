@@ -152,6 +152,21 @@ def test_the_hogs_are_gone_after_the_run() -> None:
     assert _running_hogs() == []
 
 
+def test_hogs_that_end_early_leave_the_target_unjudged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hog past its deadline mid-measurement (injected: on this machine
+    the measurement is shorter than a hog's start) voids the comparison."""
+    import pmetal.bench.pipeline as bench
+    monkeypatch.setattr(bench, "alive", lambda pid: False)
+    out = io.StringIO()
+    result = run(Options(random_shape="tiny", anchors=False, decode_tokens=2, repeats=1,
+                         threads=(1,), prompts=("a",), prefill_tokens=0, hogs=1,
+                         hog_deadline=5.0), out)
+    assert "the hogs reached their deadline (5 s) before the measurement ended" in \
+        out.getvalue()
+    assert result["targets"][-1].met is None
+    assert _running_hogs() == []
+
+
 def test_hogs_0_skips_table_d(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["bench", "pipeline", "--quick", "--random-weights", "tiny",
                    "--anchors", "off", "--threads", "1", "--stages", "0", "--hogs", "0",

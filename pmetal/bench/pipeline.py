@@ -69,7 +69,7 @@ from pmetal.bench.anchor import (
     load_llama,
     measure_llama_cpp,
 )
-from pmetal.bench.hogs import HOG_DEADLINE, cpu_hogs
+from pmetal.bench.hogs import HOG_DEADLINE, alive, cpu_hogs
 from pmetal.errors import ConfigError
 
 if TYPE_CHECKING:  # numpy only where it is used: 'pmetal --help' need not pay it
@@ -135,11 +135,12 @@ class LoadRow:
 @dataclass(frozen=True)
 class TargetRow:
     """One line of the targets table; ``met`` is None when it could not be
-    judged (no anchor)."""
+    judged, for the reason ``why``."""
     measure: str
     measured: str
     target: str
     met: bool | None
+    why: str = "no anchor"
 
 
 PipelineHook = Callable[["Options", list[list[int]]], list[PipelineRow]]
@@ -393,6 +394,7 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
     anchors: list[AnchorRow] = []
     load: list[LoadRow] = []
     hog_pids: list[int] = []
+    held = True
     before = compute_threads()
     try:
         prompts, prompt_note = _tokenized(
@@ -427,7 +429,8 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
                     f"{a.decode_tps:.1f}" if not a.error else a.error, _ms(a.prefill)]
                    for a in anchors], md) if anchors else f"llama.cpp: {anchor}"))
         if options.hogs:
-            load, hog_pids = _measure_load(options, stage, prompts, top, singles, anchors)
+            load, hog_pids, held = _measure_load(options, stage, prompts, top, singles,
+                                                 anchors)
     finally:
         stage.close()
         if before is not None:
@@ -452,12 +455,14 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
               f"of 1 sequence, {top} thread(s) (quiet: from (a) and (b))") + "\n" + (
         _grid(["engine", "quiet tok/s", "loaded tok/s", "share kept"],
               [[r.engine, f"{r.quiet_tps:.1f}", f"{r.loaded_tps:.1f}", f"{r.share:.0%}"]
-               for r in load], md, left=1) if load else "not measured (--hogs 0)"))
-    targets = _targets(options, singles, anchors, load)
+               for r in load], md, left=1) if load else "not measured (--hogs 0)")
+      + ("" if held else f"\nthe hogs reached their deadline ({options.hog_deadline:g} s) "
+                         "before the measurement ended: these rates are partly quiet"))
+    targets = _targets(options, singles, anchors, load, held)
     p(heading("Targets (issue [7/11]; ratios within this run)") + "\n" + _grid(
         ["measure", "measured", "target", "met"],
         [[t.measure, t.measured, t.target,
-          "not measured (no anchor)" if t.met is None else "yes" if t.met else "NO"]
+          f"not measured ({t.why})" if t.met is None else "yes" if t.met else "NO"]
          for t in targets], md, left=1))
     p(f"\nload average at the end: {_load()}")
     return {"single": singles, "anchors": anchors, "pipeline": rows, "load": load,
@@ -483,8 +488,9 @@ def _measure_anchor(options: Options, threads: int, prompts: Sequence[Sequence[i
 
 def _measure_load(options: Options, stage: Any, prompts: Sequence[Sequence[int]], threads: int,
                   singles: Sequence[SingleRow], anchors: Sequence[AnchorRow]
-                  ) -> tuple[list[LoadRow], list[int]]:
-    """Table (d): both engines' decode rate beside ``options.hogs`` busy loops."""
+                  ) -> tuple[list[LoadRow], list[int], bool]:
+    """Table (d): both engines' decode rate beside ``options.hogs`` busy loops,
+    the hogs' pids, and whether every hog lasted to the end."""
     quiet = next(r for r in singles if r.threads == threads)
     anchor = next((a for a in anchors if a.threads == threads and not a.error), None)
     rows = []
@@ -502,7 +508,8 @@ def _measure_load(options: Options, stage: Any, prompts: Sequence[Sequence[int]]
                                        decode_tokens=options.decode_tokens,
                                        repeats=options.repeats)
             rows.append(LoadRow("llama.cpp", threads, anchor.decode_tps, loaded.decode_tps))
-    return rows, pids
+        held = all(alive(pid) for pid in pids)   # False: a hog reached its deadline meanwhile
+    return rows, pids, held
 
 
 def _ms(seconds: float) -> str:
@@ -517,7 +524,7 @@ def _opt(value: float | None, fmt: str) -> str:
 
 
 def _targets(options: Options, singles: Sequence[SingleRow], anchors: Sequence[AnchorRow],
-             load: Sequence[LoadRow]) -> list[TargetRow]:
+             load: Sequence[LoadRow], held: bool) -> list[TargetRow]:
     """Issue [7/11]'s targets: pmetal against llama.cpp at the same thread
     counts, in this run. Without an anchor the rows show pmetal's figure
     and cannot be judged."""
@@ -556,9 +563,11 @@ def _targets(options: Options, singles: Sequence[SingleRow], anchors: Sequence[A
         ours, theirs = load[0], next((x for x in load if x.engine == "llama.cpp"), None)
         measure = (f"under load ({options.hogs} hogs), decode, 1 sequence, {top} thread(s): "
                    "share of the quiet rate kept")
-        rows.append(TargetRow(measure, f"{ours.share:.0%}" + (
-            f" (llama.cpp {theirs.share:.0%})" if theirs else ""),
-            ">= llama.cpp's share", None if theirs is None else ours.share >= theirs.share))
+        rows.append(TargetRow(
+            measure, f"{ours.share:.0%}" + (f" (llama.cpp {theirs.share:.0%})" if theirs else ""),
+            ">= llama.cpp's share",
+            None if theirs is None or not held else ours.share >= theirs.share,
+            "no anchor" if theirs is None else "the hogs ended early"))
     return rows
 
 
