@@ -1,9 +1,9 @@
-"""Llama decoding speed: the same code as ``pmetal bench pipeline``
+"""Model engine speed against llama.cpp: the same code as ``pmetal bench pipeline``
 (:mod:`pmetal.bench.pipeline`, in the package so that an installed pmetal
 can measure itself).
 
     python -m benchmarks pipeline            # the default model, 3 repetitions
-    python -m benchmarks pipeline --quick    # 8 tokens, 1 repetition, 2 prompts
+    python -m benchmarks pipeline --quick    # 8 tokens, 1 repetition, 2 prompts, 128-token prefill
 
 llama.cpp runs as the anchor when llama-cpp-python is installed.
 """

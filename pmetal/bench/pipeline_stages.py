@@ -1,5 +1,6 @@
 """Table (c) of ``pmetal bench pipeline``: the model as a pipeline of
-stage actors on this machine, over 127.0.0.1.
+stage actors on this machine, over 127.0.0.1, every stage running the
+engine of ``--backend`` (as table (a) does).
 
 - **1 sequence**: each prompt alone, greedy, ``decode_tokens`` steps after
   the first token; tokens/s = steps / (time after the first token), median
@@ -38,14 +39,16 @@ CODECS = ("fp16", "bf16", "int8")
 
 
 def _build(options: Options, stages: int, codec: str, max_len: int) -> Any:
+    """The pipeline, its stages running the engine of ``options.backend``."""
+    from pmetal.bench.pipeline import random_config
     from pmetal.pipeline.pipeline import Pipeline
 
-    random_model = options.extra.get("random_model")
-    if random_model is not None:
-        return Pipeline.from_pretrained(random_model=random_model, stages=stages, codec=codec,
-                                        max_len=max_len)
+    if options.random_shape is not None:
+        return Pipeline.from_pretrained(random_model=random_config(options.random_shape),
+                                        stages=stages, codec=codec, max_len=max_len,
+                                        backend=options.backend)
     return Pipeline.from_pretrained(options.model, stages=stages, codec=codec,
-                                    max_len=max_len)
+                                    max_len=max_len, backend=options.backend)
 
 
 def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[PipelineRow]:

@@ -75,7 +75,9 @@ COMMANDS: dict[str, Command] = {
                         "its answer (default: SmolLM2-135M-Instruct)", _run_generate,
                         _generate_arguments),
     "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
-                     "nccl-tests)", _run_bench, _bench_arguments),
+                     "nccl-tests), 'pipeline' (model engine against llama.cpp), 'agreement' "
+                     "(greedy tokens of the engines), 'memory'", _run_bench,
+                     _bench_arguments),
     "models": Command("list, fetch or remove the models pipelines run ($PMETAL_HOME/models)",
                       _run_models, _models_arguments),
 }

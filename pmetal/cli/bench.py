@@ -5,9 +5,14 @@
   like nccl-tests (:mod:`pmetal.bench.allreduce`), then the issue's
   targets against torch.distributed gloo (run too when torch is
   installed) and the anchors' MPI figures.
-- ``pmetal bench pipeline``: the Llama decoder's prefill, time to first
-  token, decode tokens/s alone and batched, against llama.cpp on the same
-  GGUF when llama-cpp-python is installed (:mod:`pmetal.bench.pipeline`).
+- ``pmetal bench pipeline``: the model engine's (``--backend``) prefill,
+  time to first token, decode tokens/s alone, batched and beside CPU hogs,
+  and a long prompt's prefill, against llama.cpp on the same GGUF in the
+  same run when llama-cpp-python is installed, then issue [7/11]'s targets
+  (:mod:`pmetal.bench.pipeline`).
+- ``pmetal bench agreement``: greedy tokens of the quantized engine, the
+  float32 reference and llama.cpp, prompt by prompt
+  (:mod:`pmetal.bench.agreement`).
 
 Exit status: 0 when every result was right, 1 when some all_reduce gave a
 wrong element (the tables say where) or a rank failed, 2 for a usage error.
@@ -24,7 +29,8 @@ from pmetal.errors import ConfigError
 _STRATEGIES = ("ring", "tree", "naive", "auto")
 _DEFAULTS: dict[str, object] = {}  # allreduce's option defaults, for the header
 _PIPELINE_DEFAULTS: dict[str, object] = {}
-_QUICK = {"tokens": 8, "repeats": 1, "prompts": 2}
+_AGREEMENT_DEFAULTS: dict[str, object] = {}
+_QUICK = {"tokens": 8, "repeats": 1, "prompts": 2, "prefill_tokens": 128}
 
 
 def _bench_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,15 +74,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="print markdown tables (for docs/performance.md)")
     _DEFAULTS.update({a.dest: a.default for a in allreduce._actions if a.dest != "help"})
     pipeline = sub.add_parser(
-        "pipeline", help="Llama decoding speed: prefill, first token, tokens/s alone and "
-                         "batched, against llama.cpp",
-        description="Greedy decoding with pmetal's float32 numpy Llama decoder in one "
-                    "process (compute threads 1 and 2), against llama.cpp on the same GGUF "
-                    "file when llama-cpp-python is installed; then the model as a "
-                    "pipeline of --stages stage actors on this machine (1 sequence, "
-                    "several, and the lossy activation codecs against none).")
+        "pipeline", help="model engine speed against llama.cpp: prefill, first token, "
+                         "tokens/s alone, batched and under load; issue [7/11]'s targets",
+        description="Greedy decoding with pmetal's model engine (--backend) in one process "
+                    "(compute threads 1 and 2), against llama.cpp on the same GGUF file in "
+                    "the same run when llama-cpp-python is installed; a long prompt's "
+                    "prefill; decode beside --hogs busy loops; then the model as a pipeline "
+                    "of --stages stage actors on this machine (1 sequence, several, and the "
+                    "lossy activation codecs against none), and the targets.")
     pipeline.add_argument("--model", default=None, metavar="PATH",
                           help="the model (a GGUF file; default: the default model)")
+    pipeline.add_argument("--backend", default="auto", metavar="B",
+                          help="the engine: auto (the quantized engine for a GGUF file), "
+                               "quantized, reference (float32) or mlx (default auto)")
     pipeline.add_argument("--tokens", type=int, default=32, metavar="N",
                           help="timed decode steps per sequence (default 32)")
     pipeline.add_argument("--repeats", type=int, default=3, metavar="R",
@@ -89,6 +99,12 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="how many of the built-in chat prompts (default 4)")
     pipeline.add_argument("--threads", default="1,2", metavar="N,M",
                           help="compute thread counts to measure (default 1,2)")
+    pipeline.add_argument("--prefill-tokens", type=int, default=512, metavar="N",
+                          help="the long prompt whose prefill both engines time (default "
+                               "512; 0: skip)")
+    pipeline.add_argument("--hogs", type=int, default=2, metavar="N",
+                          help="busy-loop processes beside the under-load decode (default 2; "
+                               "0: skip table (d))")
     pipeline.add_argument("--anchors", choices=("auto", "off"), default="auto",
                           help="also run llama.cpp when llama-cpp-python is installed "
                                "(default auto)")
@@ -99,11 +115,32 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                           help="stages of the pipeline table (c) (default 2; 0: skip it)")
     pipeline.add_argument("--quick", action="store_true",
                           help=f"a short run: {_QUICK['tokens']} tokens, "
-                               f"{_QUICK['repeats']} repetition, {_QUICK['prompts']} prompts")
+                               f"{_QUICK['repeats']} repetition, {_QUICK['prompts']} prompts, "
+                               f"a long prompt of at most {_QUICK['prefill_tokens']} tokens")
     pipeline.add_argument("--markdown", action="store_true",
                           help="print markdown tables (for docs/performance.md)")
     _PIPELINE_DEFAULTS.update(
         {a.dest: a.default for a in pipeline._actions if a.dest != "help"})
+    agreement = sub.add_parser(
+        "agreement", help="greedy tokens of the quantized engine, the float32 reference and "
+                          "llama.cpp, prompt by prompt",
+        description="Each prompt through the model's tokenizer, then greedy tokens from the "
+                    "quantized engine, the float32 reference engine and llama.cpp (when "
+                    "llama-cpp-python is installed) from the same ids; for each pair: the "
+                    "leading tokens that agree and the fraction of positions equal.")
+    agreement.add_argument("--model", default=None, metavar="PATH",
+                           help="the model (a GGUF file; default: the default model)")
+    agreement.add_argument("--tokens", type=int, default=32, metavar="N",
+                           help="greedy tokens per prompt (default 32)")
+    agreement.add_argument("--prompts", type=int, default=8, metavar="P",
+                           help="how many of the built-in prompts (default 8)")
+    agreement.add_argument("--anchors", choices=("auto", "off"), default="auto",
+                           help="also run llama.cpp when llama-cpp-python is installed "
+                                "(default auto)")
+    agreement.add_argument("--markdown", action="store_true",
+                           help="print a markdown table (for docs/performance.md)")
+    _AGREEMENT_DEFAULTS.update(
+        {a.dest: a.default for a in agreement._actions if a.dest != "help"})
     memory = sub.add_parser(
         "memory", help="peak memory of every process of 'pmetal generate' (Linux)",
         description="Runs 'pmetal generate --stages K' for each K and samples every process "
@@ -137,9 +174,25 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _run_allreduce(args)
     if args.benchmark == "pipeline":
         return _run_pipeline(args)
+    if args.benchmark == "agreement":
+        return _run_agreement(args)
     if args.benchmark == "memory":
         return _run_memory(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
+
+
+def _run_agreement(args: argparse.Namespace) -> int:
+    from pmetal.bench import agreement
+    from pmetal.bench.pipeline import default_model
+
+    if not 1 <= args.prompts <= len(agreement.PROMPTS):
+        raise ConfigError(f"--prompts {args.prompts}: choose 1 to {len(agreement.PROMPTS)}")
+    agreement.run(agreement.Options(
+        model=args.model if args.model is not None else default_model(),
+        prompts=agreement.PROMPTS[:args.prompts], tokens=args.tokens,
+        anchors=args.anchors == "auto", markdown=args.markdown,
+        command=_command(args, _AGREEMENT_DEFAULTS, "agreement")))
+    return 0
 
 
 def _run_memory(args: argparse.Namespace) -> int:
@@ -195,14 +248,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
 
 
 def _run_pipeline(args: argparse.Namespace) -> int:
-    from pmetal.bench.pipeline import (
-        PROMPTS,
-        Options,
-        default_model,
-        default_weights,
-        random_weights,
-        run,
-    )
+    from pmetal.bench.pipeline import PROMPTS, Options, default_model, run
     from pmetal.bench.pipeline_stages import measure_pipeline
 
     try:
@@ -211,25 +257,25 @@ def _run_pipeline(args: argparse.Namespace) -> int:
         raise ConfigError(f"--threads {args.threads!r}: write thread counts such as 1,2") \
             from None
     tokens, repeats, prompts = args.tokens, args.repeats, args.prompts
+    prefill = args.prefill_tokens
     if args.quick:
         tokens, repeats = min(tokens, _QUICK["tokens"]), min(repeats, _QUICK["repeats"])
         prompts = min(prompts, _QUICK["prompts"])
+        prefill = min(prefill, _QUICK["prefill_tokens"])
     if not 1 <= prompts <= len(PROMPTS):
         raise ConfigError(f"--prompts {prompts}: choose 1 to {len(PROMPTS)}")
     if args.stages < 0:
         raise ConfigError(f"--stages {args.stages}: 0 (skip the pipeline table) or more")
-    random_model = None
-    if args.random_weights is not None:
-        random_model = random_weights(args.random_weights)(None)[0].config
+    model = args.model
+    if model is None and args.random_weights is None:
+        model = default_model()
     options = Options(
-        model=args.model if args.model is not None else default_model(),
+        model=model, backend=args.backend, random_shape=args.random_weights,
         prompts=PROMPTS[:prompts], decode_tokens=tokens, repeats=repeats,
-        batch=args.batch, threads=threads, anchors=args.anchors == "auto",
-        markdown=args.markdown, command=_command(args, _PIPELINE_DEFAULTS, "pipeline"),
-        weights=(default_weights if args.random_weights is None
-                 else random_weights(args.random_weights)),
-        pipeline=measure_pipeline if args.stages else None,
-        extra={"stages": args.stages, "random_model": random_model})
+        batch=args.batch, threads=threads, prefill_tokens=prefill, hogs=args.hogs,
+        anchors=args.anchors == "auto", markdown=args.markdown,
+        command=_command(args, _PIPELINE_DEFAULTS, "pipeline"),
+        pipeline=measure_pipeline if args.stages else None, extra={"stages": args.stages})
     if not args.stages:
         run(options)
         return 0
