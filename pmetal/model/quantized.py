@@ -53,10 +53,6 @@ from pmetal.model.ops import ROTARY_LAYOUTS, Rotary, attend, rms_norm, silu
 __all__ = ["QuantizedLayer", "QuantizedStage", "QuantizedWeights"]
 
 F32 = np.float32
-# Up to this many rows (a decode step of a few sequences) a product runs on
-# the fused decode kernel; more rows (a prompt) run as tiles on numpy's GEMM.
-DECODE_ROWS = 8
-TILE_BYTES = 1 << 20   # one dequantized tile of weight rows: stays in L2
 
 
 @dataclass(frozen=True)
@@ -232,7 +228,6 @@ class QuantizedStage:
         self._eps = F32(c.rms_norm_eps)
         self._scale = F32(1.0 / math.sqrt(c.head_dim))
         self._rotate = Rotary(c, weights.rotary)
-        self._scratch = np.empty(0, dtype=F32)
 
     @property
     def num_layers(self) -> int:
@@ -249,28 +244,14 @@ class QuantizedStage:
         return count if self._max_threads is None else min(count, self._max_threads)
 
     def _mul(self, x: np.ndarray, *weights: QMatrix) -> list[np.ndarray]:
-        x = np.ascontiguousarray(x, dtype=F32)
-        threads = self._thread_count()
-        if x.shape[0] <= DECODE_ROWS:
-            return kernels.matmul(x, weights, threads=threads)
-        return [self._gemm(x, w, threads) for w in weights]
-
-    def _gemm(self, x: np.ndarray, w: QMatrix, threads: int) -> np.ndarray:
-        """``x @ w.T`` for many rows (a prompt): a tile of w's rows at a
-        time is dequantized into a scratch buffer and multiplied with
-        numpy's GEMM, which is ~8x faster per row than the integer decode
-        kernel once a tile is reused by hundreds of rows."""
-        out = np.empty((x.shape[0], w.rows), dtype=F32)
-        step = max(16, TILE_BYTES // (4 * w.cols) // 16 * 16)
-        scratch = self._scratch
-        if scratch.size < step * w.cols:
-            scratch = self._scratch = np.empty(step * w.cols, dtype=F32)
-        for first in range(0, w.rows, step):
-            last = min(first + step, w.rows)
-            tile = scratch[:(last - first) * w.cols].reshape(last - first, w.cols)
-            kernels.dequantize(w, first, last, out=tile, threads=threads)
-            out[:, first:last] = np.dot(x, tile.T)
-        return out
+        # Every product, a prompt's too, runs on the fused kernels: a
+        # dequantized tile on numpy's GEMM was faster for long prompts on
+        # an idle machine (512 tokens: 1.3 against 2.2-2.5 s) but
+        # OpenBLAS's spinning threads made a 16-token prompt take 1-4 s
+        # beside two busy processes (0.2 s on the kernels), and its buffers
+        # cost 88 MB.
+        return kernels.matmul(np.ascontiguousarray(x, dtype=F32), weights,
+                              threads=self._thread_count())
 
     def new_cache(self, max_len: int | None = None) -> KVCache:
         """An empty KV cache for one sequence of at most ``max_len`` tokens
