@@ -6,7 +6,8 @@ What lives here knows nothing of actors, sockets or files: a model's shape
 (:mod:`pmetal.model.kernels`) and the engines that run a contiguous range of
 a model's layers: in numpy on those kernels (:mod:`pmetal.model.quantized`),
 or in MLX on its own quantized products (:mod:`pmetal.model.mlx`, the blocks
-converted by :mod:`pmetal.model.mlxblocks`). :mod:`pmetal.pipeline` loads weights and moves
+converted by :mod:`pmetal.model.mlxblocks`), all following one protocol
+(:class:`pmetal.model.engine.StageEngine`). :mod:`pmetal.pipeline` loads weights and moves
 hidden states between the stages that run these engines.
 """
 
