@@ -56,8 +56,7 @@ def test_default_model_pipeline_equals_one_process(cluster: Any, default_model: 
         alone = pipe.generate(prompts[0], max_tokens=MAX_TOKENS)   # token ids, one prompt
     assert [r.tokens for r in together] == tokens
     assert alone[0].tokens == tokens[0]
-    # The float32 reference answers "The capital of France is Paris."; the
-    # quantized engine, like llama.cpp on the same file (same 8-bit
-    # activations), opens with "L'" ("L'Étoile ..."): the two first tokens
-    # are 0.09 apart in logits (docs/pipeline.md, greedy agreement).
-    assert ("Paris" in together[0].text) == (backend == "reference")
+    # The answer's words are not asserted: "What is the capital of France?"
+    # is a near tie between "The" and "L'" for this 4-bit model, which each
+    # engine's rounding may break either way (docs/pipeline.md).
+    assert together[0].text
