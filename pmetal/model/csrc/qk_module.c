@@ -93,9 +93,23 @@ static void mm_item(void *ctx, int64_t item) {
     }
 }
 
+/* Rows of one item for a dequantization: about 16 KB of floats written. */
 static int rows_per_item(int64_t row_bytes) {
     int64_t r = 16384 / (row_bytes > 0 ? row_bytes : 1);
     return (int)(r < 16 ? 16 : r > 64 ? 64 : r);
+}
+
+/* Weight bytes of one matmul item: 1/8 of a thread's share of the call,
+ * at least 64 KB and at most 256 KB.  Items of 16 KB made two threads
+ * slower than one on a decode token (84 MB of weights streamed from DRAM
+ * in about 5,000 items): every item costs a compare-and-swap and an add on
+ * counters that both cores write, and restarts the hardware prefetcher.
+ * With 64-256 KB items two threads take a token's products from 7.8 to
+ * 4.5-5.1 ms on this 2-core machine; eight items a thread keep the load
+ * balanced when one thread is descheduled. */
+static int64_t matmul_item_bytes(int64_t total_bytes, int threads) {
+    const int64_t share = total_bytes / (8 * (int64_t)threads);
+    return share < 65536 ? 65536 : share > 262144 ? 262144 : share;
 }
 
 /* matmul(x, R, K, weights, outs, threads): weights is a sequence of
@@ -118,7 +132,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
     enum qk_act *acts = calloc((size_t)nmat + 1, sizeof *acts);
     uint8_t *xa32 = NULL, *xa256 = NULL;
     int need32 = 0, need256 = 0;
-    int64_t items = 0;
+    int64_t items = 0, total_bytes = 0;
     if (!wb || !ob || !mats || !acts) { PyErr_NoMemory(); goto done; }
     if (PySequence_Fast_GET_SIZE(oseq) != nmat) {
         PyErr_SetString(PyExc_ValueError, "one output per weight matrix");
@@ -147,12 +161,18 @@ static PyObject *py_matmul(PyObject *self, PyObject *args) {
         m->rows = rows;
         m->row_bytes = row_bytes;
         m->n = K / bv;
-        m->rows_per_item = rows_per_item(row_bytes);
-        m->first_item = items;
-        items += (rows + m->rows_per_item - 1) / m->rows_per_item;
+        total_bytes += rows * row_bytes;
         acts[k] = qk_act_kind(type);
         need32 |= acts[k] == QK_ACT_A32;
         need256 |= acts[k] == QK_ACT_A256;
+    }
+    const int64_t item_bytes = matmul_item_bytes(total_bytes, threads);
+    for (Py_ssize_t k = 0; k < nmat; k++) {
+        mm_mat *m = &mats[k];
+        const int64_t r = item_bytes / (m->row_bytes > 0 ? m->row_bytes : 1);
+        m->rows_per_item = (int)(r < 1 ? 1 : r > m->rows ? (m->rows > 0 ? m->rows : 1) : r);
+        m->first_item = items;
+        items += (m->rows + m->rows_per_item - 1) / m->rows_per_item;
     }
     const size_t s32 = (size_t)(K / 32) * sizeof(qk_a32), s256 = (size_t)(K / 256) * sizeof(qk_a256);
     if (need32 && !(xa32 = malloc((size_t)R * s32 + 1))) { PyErr_NoMemory(); goto done; }
