@@ -17,10 +17,13 @@ sequence's prefill is its first step (its first token comes back from
 it), so time to first token is one trip round the ring.
 
 Failures: a hop that does not come back within ``step_timeout`` (a stage
-stalled), or a broken link (a stage died: its neighbours close their
-links, so the break reaches the driver in milliseconds), fails every
-sequence in flight and not yet started with
-:class:`~pmetal.errors.PipelineError`; the loop's links are then unusable.
+stalled), a broken link (a stage died: its neighbours close their links,
+so the break reaches the driver in milliseconds), or a stage that the
+cluster holds dead (its host was lost silently: no link breaks, but the
+loop's ``health`` check, asked every ``HEALTH_SLICE`` while it waits, says
+so within a slice of the cluster's verdict) fails every sequence in flight
+and not yet started with :class:`~pmetal.errors.PipelineError`; the loop's
+links are then unusable.
 A sequence that failed at a stage fails alone, the others go on.
 
 One run at a time: runs called from several threads take turns (a ring
@@ -235,13 +238,19 @@ class StreamMultiplexer:
         seq.finish, seq.error, seq.finished = reason, error, now
 
 
+HEALTH_SLICE = 0.1   # s between two health checks while a hop is awaited
+
+
 class PipelineGenerationLoop:
     """Generation round a connected ring (rank 0: this driver; ranks
-    ``1..stages``: the stages, see :mod:`pmetal.pipeline.transport`)."""
+    ``1..stages``: the stages, see :mod:`pmetal.pipeline.transport`).
+    ``health()``, when given, says why the ring cannot go on (a stage's
+    host is dead) or returns None; it is asked while a hop is awaited."""
 
     def __init__(self, links: Any, stages: int, *, lanes: int | None = None,
                  max_in_flight: int = 64, step_timeout: float = 60.0,
-                 describe_failure: Callable[[str], str] | None = None) -> None:
+                 describe_failure: Callable[[str], str] | None = None,
+                 health: Callable[[], str | None] | None = None) -> None:
         self.links = links
         self.stages = stages
         self.lanes = lanes or stages
@@ -251,6 +260,7 @@ class PipelineGenerationLoop:
         self.receiver = HopReceiver(links, stages)
         self.broken: str | None = None
         self.describe_failure = describe_failure or (lambda why: why)
+        self.health = health
         self._mux: StreamMultiplexer | None = None
         self._ids = 0
         self.hops = 0
@@ -387,10 +397,25 @@ class PipelineGenerationLoop:
             self._break(mux, f"sending to stage 0 failed: {exc}")
 
     def _recv(self, mux: StreamMultiplexer) -> Hop:
+        deadline = time.monotonic() + self.step_timeout
         try:
             self._io = True
-            hop = self.receiver.recv(time.monotonic() + self.step_timeout,
-                                     rest=self.step_timeout)
+            while True:
+                # A hop's first part is awaited in slices, between which the
+                # cluster is asked about the stages: a host lost without a
+                # word breaks no link, and step_timeout is a minute.
+                wait = deadline if self.health is None else \
+                    min(deadline, time.monotonic() + HEALTH_SLICE)
+                try:
+                    hop = self.receiver.recv(wait, rest=self.step_timeout)
+                    break
+                except TimeoutError:
+                    if wait >= deadline:
+                        raise
+                why = self.health() if self.health is not None else None
+                if why is not None:
+                    self._io = False
+                    self._break(mux, why, describe=False)
             self._io = False
             return hop
         except TimeoutError as exc:
@@ -400,8 +425,9 @@ class PipelineGenerationLoop:
             self._break(mux, f"the ring broke: {exc}")
         raise AssertionError("unreachable")
 
-    def _break(self, mux: StreamMultiplexer, why: str) -> None:
-        why = self.describe_failure(why)
+    def _break(self, mux: StreamMultiplexer, why: str, *, describe: bool = True) -> None:
+        if describe:
+            why = self.describe_failure(why)
         self.broken = why
         mux.fail_all(why, time.perf_counter())
         self.links.close(timeout=1.0)   # the stages see it and stop serving

@@ -294,6 +294,12 @@ class Pipeline:
                    model=path or "random")
         # A broken ring's error names the dead stage: the pipeline asks them.
         loop.describe_failure = pipe._describe
+        hosts = {n["NodeID"]: n.get("Address", "") for n in nodes}
+        if any(p.node_id != client.node_id for p in placements):
+            # A stage on another machine whose host is lost silently breaks
+            # no link: the cluster's verdict (a long poll on our node) does.
+            watch = client.watch
+            loop.health = lambda: _dead_stage(watch.dead, placements, hosts)
         return pipe
 
     # ------------------------------------------------------------ generating
@@ -470,8 +476,23 @@ def _nodes(client: Any) -> list[dict[str, Any]]:
     info = client.status()
     members = (info.get("cluster") or {}).get("members") or []
     out = [{"NodeID": m["node_id"], "Resources": m.get("resources") or {},
+            "Address": m.get("address", ""),
             "Alive": m.get("state") != "dead" and m.get("health") != "dead"} for m in members]
     return out or [{"NodeID": info["node_id"], "Resources": info["resources"], "Alive": True}]
+
+
+def _dead_stage(dead: frozenset[str], placements: Sequence[StagePlacement],
+                hosts: dict[str, str]) -> str | None:
+    """Why the ring cannot go on when the cluster holds a stage's node dead,
+    naming the stage and its host; else None."""
+    lost = [p for p in placements if p.node_id in dead]
+    if not lost:
+        return None
+    return "; ".join(
+        f"stage {p.index} (layers {p.start}-{p.end - 1}) is on node {p.node_id[:8]}"
+        f"{' at ' + hosts[p.node_id] if hosts.get(p.node_id) else ''}, which the cluster "
+        "declared dead" for p in lost) + " (its host stopped answering: it was switched off, " \
+        "slept or left the network); build the pipeline again on the live nodes"
 
 
 def _get(client: Any, refs: Sequence[Any], timeout: float,

@@ -3,7 +3,9 @@ one node daemon per host, static peers): one stage per host, placed with
 ``placement=``, activations crossing the lab's bridge between the hosts'
 own addresses. Greedy output must equal the same model generated in one
 process, with 3 stages on 3 hosts and 4 stages (two on one host); then a
-host's node is killed and the driver fails fast, naming the stage.
+host is lost without a word (its switch port goes down: no link breaks)
+and the driver fails as soon as the cluster declares the host dead, not at
+``step_timeout``, naming the stage and the host.
 
 The driver runs on host 1 and prints one JSON line with what it saw. It
 needs root (the lab) and skips otherwise.
@@ -55,7 +57,7 @@ for name, placement in (("three", ids), ("four", [ids[0], ids[1], ids[2], ids[1]
 pipe = Pipeline.from_pretrained(random_model=tiny, seed=5, stages=3, placement=ids,
                                 max_len=64, threads=1, step_timeout=20.0)
 print(json.dumps({"step": "ready", **out}), flush=True)
-sys.stdin.readline()           # the test kills host 3's node
+sys.stdin.readline()           # the test takes host 3 off the network
 started = time.monotonic()
 try:
     pipe.generate(prompts, max_tokens=40)
@@ -87,15 +89,20 @@ def test_pipeline_across_lab_hosts(cluster: LabCluster) -> None:
         assert ready["three"]["nodes"] == ids
         assert all(b > 0 for b in ready["three"]["bytes"])
 
-        c.kill(3)
-        killed = time.monotonic()
+        c.lab.isolate(3)
+        lost = time.monotonic()
         driver.stdin.write(b"go\n")
         driver.stdin.flush()
         failed = read_line(driver, 60.0, "failed")
-        print(f"[lab] host 3 killed: the driver failed after {failed['seconds']:.3f} s: "
-              f"{failed['error'][:200]}", flush=True)
-        assert "stage 2" in failed["error"], failed
-        assert time.monotonic() - killed < 30.0
+        seconds = time.monotonic() - lost
+        print(f"[lab] host 3 lost: the driver failed {seconds:.3f} s after the loss "
+              f"({failed['seconds']:.3f} s into generate): {failed['error'][:300]}", flush=True)
+        error = failed["error"]
+        assert "stage 2" in error and "declared dead" in error, failed
+        assert c.nodes[3].node_id[:8] in error and c.nodes[3].address in error, failed
+        # The cluster's verdict comes about a second after the loss; the
+        # step_timeout (20 s) would come far later.
+        assert seconds < 10.0, failed
         assert driver.wait(timeout=30.0) == 0
 
 
