@@ -41,9 +41,16 @@ _END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", 
 _CONTROL, _USER_DEFINED = 3, 4
 
 # GGUF tokenizer.ggml.pre -> pre-tokenizer (llama.cpp llama-vocab.cpp's regexes):
-# "digits" splits every digit on its own before the GPT-2 byte-level split.
+# "digits" splits every digit on its own before the GPT-2 byte-level split;
+# a regex splits the text (each match a piece) before a byte-level mapping
+# without GPT-2's own split, as Qwen2's and Llama 3's tokenizer.json do.
+_SPLIT_QWEN2 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+                r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLIT_LLAMA3 = _SPLIT_QWEN2.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _PRE_TOKENIZERS = {"default": "gpt2", "gpt2": "gpt2", "smollm": "digits",
-                   "starcoder": "digits", "refact": "digits"}
+                   "starcoder": "digits", "refact": "digits", "qwen2": _SPLIT_QWEN2,
+                   "llama-bpe": _SPLIT_LLAMA3, "llama3": _SPLIT_LLAMA3}
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], path: Path) -> Tokenizer:
-        from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
         from tokenizers import Tokenizer as Backend
 
         kind = meta.get("tokenizer.ggml.model")
@@ -127,12 +134,17 @@ class Tokenizer:
         try:
             backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
                                          byte_fallback=False))
-            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-            if _PRE_TOKENIZERS[pre] == "digits":
+            split = _PRE_TOKENIZERS[pre]
+            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                  use_regex=split in ("gpt2", "digits"))
+            if split == "digits":
                 backend.pre_tokenizer = pre_tokenizers.Sequence(
                     [pre_tokenizers.Digits(individual_digits=True), byte_level])
-            else:
+            elif split == "gpt2":
                 backend.pre_tokenizer = byte_level
+            else:
+                backend.pre_tokenizer = pre_tokenizers.Sequence(
+                    [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
             backend.decoder = decoders.ByteLevel()
             special = [AddedToken(token, special=True, normalized=False)
                        for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]

@@ -191,3 +191,38 @@ def test_a_prompt_cannot_open_a_turn_of_its_own(tok: Tokenizer) -> None:
         tok.apply_chat_template([{"role": "user", "content": plain}]), add_special_tokens=False)
     # Without the chat template the user asked for raw text: specials stay specials.
     assert tok.encode_prompt("<|im_start|>", chat=False).count(im_start) == 1
+
+
+# Qwen2's and Llama 3's tokenizer.json pre-tokenizers, as their Hugging Face
+# repositories write them (case-insensitive group; Llama 3 groups up to 3
+# digits): the GGUF path builds the same split from llama.cpp's regexes.
+_HF_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}DIGITS| "
+             "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+
+
+@pytest.mark.parametrize(("pre", "digits", "pieces"), [
+    ("qwen2", "", ["I", "'M", " ", "1", "2", "3", "4", "5", " ok", "!!\n\n", " ", " x"]),
+    ("llama-bpe", "{1,3}", ["I", "'M", " ", "123", "45", " ok", "!!\n\n", " ", " x"]),
+])
+def test_qwen2_and_llama3_pre_tokenizers_split_as_their_tokenizer_json(
+        files: tuple[Path, Path], pre: str, digits: str, pieces: list[str]) -> None:
+    from tokenizers import Tokenizer as Backend
+
+    from pmetal.pipeline.gguf_file import GGUFFile
+    from tests.pipeline.tinymodel import tiny_tokenizer_json
+
+    with GGUFFile(files[0]) as file:
+        meta = dict(file.metadata)
+    ours = Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": pre}, files[0])
+    spec = json.loads(tiny_tokenizer_json(tiny_config().vocab_size))
+    spec["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _HF_SPLIT.replace("DIGITS", digits)},
+         "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+         "use_regex": False}]}
+    theirs = Backend.from_str(json.dumps(spec))
+    for text in [*TEXTS, "I'M 12345 ok!!\n\n  x", "don't 1234567 it's\r\nWE'LL"]:
+        assert ours.encode(text, add_special_tokens=False) == \
+            theirs.encode(text, add_special_tokens=False).ids, text
+    split = ours._backend.pre_tokenizer.pre_tokenize_str("I'M 12345 ok!!\n\n  x")
+    assert [piece.replace("Ġ", " ").replace("Ċ", "\n") for piece, _ in split] == pieces
