@@ -245,6 +245,7 @@ def _auto_init() -> CoreClient:
 
 
 context.set_auto_init(_auto_init)
+context.set_initializer(init)
 
 
 def is_initialized() -> bool:

@@ -63,3 +63,90 @@ def test_the_codec_imports_nothing_of_shared_memory() -> None:
         shm = {m for m in imports if m == "pmetal.shm" or m.startswith("pmetal.shm.")}
         assert not shm, f"pmetal/{module} imports {sorted(shm)}"
 
+
+
+# ------------------------------------------------------------- the contract
+#
+# Every module belongs to one layer; a layer may import only the layers
+# listed for it (and itself). The graph is built from every import
+# statement of every module, at the top or inside functions, resolved to
+# the module it names (``from pmetal import shm`` is pmetal.shm; ``import
+# pmetal`` and ``from pmetal import init`` are the package root, the facade).
+#
+# core: the root modules below the facade (errors, config, wire, transport,
+#   endpoint, channel, security, identity, codec, shm, ...);
+# front: the facade (the package root, pmetal.api, pmetal.collective);
+# cli: the command line (pmetal.cli, python -m pmetal).
+LAYER_OF_ROOT = {"__init__": "front", "api": "front", "collective": "front",
+                 "__main__": "cli"}
+ALLOWED = {
+    "core": set(),
+    "cluster": {"core"},
+    "model": {"core"},
+    "actors": {"core", "cluster"},
+    "collectives": {"core", "cluster", "actors"},
+    "pipeline": {"core", "cluster", "actors", "collectives", "model"},
+    "front": {"core", "cluster", "actors", "collectives"},
+    "bench": {"core", "cluster", "actors", "collectives", "model", "pipeline", "front"},
+    "cli": {"core", "cluster", "actors", "collectives", "model", "pipeline", "front", "bench"},
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "front"
+    if (PACKAGE / parts[1]).is_dir():
+        return parts[1]
+    return LAYER_OF_ROOT.get(parts[1], "core")
+
+
+def resolved_imports(path: Path, source: str | None = None) -> set[str]:
+    """The pmetal modules ``path`` imports, each resolved to a module."""
+    out: set[str] = set()
+    tree = ast.parse(path.read_text() if source is None else source, str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            names = [n if n in MODULES else node.module for n in names]
+        else:
+            continue
+        for name in names:
+            while name not in MODULES and "." in name:
+                name = name.rpartition(".")[0]
+            if name in MODULES:
+                out.add(name)
+    return out
+
+
+def test_the_contract_knows_every_layer() -> None:
+    layers = {layer(m) for m in MODULES}
+    assert layers == set(ALLOWED), f"layers without a rule: {layers ^ set(ALLOWED)}"
+    assert layer("pmetal.api") == "front" and layer("pmetal.wire") == "core"
+    assert layer("pmetal.actors.client") == "actors"
+    # the resolution the rules depend on
+    source = ("import pmetal\nfrom pmetal import shm, init\nimport numpy\n"
+              "def f():\n    from pmetal.actors.client import CoreClient\n")
+    assert resolved_imports(Path("x.py"), source) == {"pmetal", "pmetal.shm",
+                                                      "pmetal.actors.client"}
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_every_import_follows_the_layers(module: str) -> None:
+    own = layer(module)
+    wrong = sorted(f"{target} ({layer(target)})" for target in resolved_imports(MODULES[module])
+                   if layer(target) != own and layer(target) not in ALLOWED[own])
+    assert not wrong, (f"{module} ({own}) imports {', '.join(wrong)}; {own} may import "
+                       f"{', '.join(sorted(ALLOWED[own])) or 'nothing else of pmetal'}")

@@ -26,8 +26,9 @@ from pmetal.errors import NotInitializedError
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
 
-__all__ = ["auto_init", "current", "current_actor_id", "current_or_none", "in_worker", "lock",
-           "set_actor_id", "set_auto_init", "set_current", "set_worker_factory", "take"]
+__all__ = ["auto_init", "current", "current_actor_id", "current_or_none", "in_worker",
+           "initialize", "lock", "set_actor_id", "set_auto_init", "set_current",
+           "set_initializer", "set_worker_factory", "take"]
 
 Factory = Callable[[], "CoreClient"]
 
@@ -39,6 +40,7 @@ _lock = lock
 _current: CoreClient | None = None
 _worker_factory: Factory | None = None
 _auto_init: Factory | None = None
+_initializer: Callable[..., object] | None = None
 _actor_id = ""
 
 
@@ -108,6 +110,22 @@ def set_worker_factory(factory: Factory | None) -> None:
     global _worker_factory
     with _lock:
         _worker_factory = factory
+
+
+def set_initializer(init: Callable[..., object] | None) -> None:
+    """Install the facade's ``init``, for the layers below it that join a
+    cluster on the user's behalf (the collectives' auto-discovery backend)
+    without importing the facade."""
+    global _initializer
+    _initializer = init
+
+
+def initialize(**options: object) -> object:
+    """``pmetal.init(**options)`` through the hook the facade installed."""
+    if _initializer is None:
+        raise NotInitializedError("pmetal's facade is not loaded: import pmetal and call "
+                                  "pmetal.init() first")
+    return _initializer(**options)
 
 
 def set_auto_init(hook: Factory | None) -> None:

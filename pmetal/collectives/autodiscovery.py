@@ -72,14 +72,13 @@ class AutoDiscoveryBackend(DistributedBackend):
         """Join the cluster (``pmetal.init(**init)``, discovery on unless
         said otherwise, when this process has not called it) and return the
         backend."""
-        import pmetal
         backend = cls(collectives, name=name)
-        if not pmetal.is_initialized():
+        if context.current_or_none() is None and not context.in_worker():
             if "address" not in init:
                 init.setdefault("discovery", True)
                 if init.get("psk") is None:
                     init["psk"] = _cluster_psk()
-            pmetal.init(**init)
+            context.initialize(**init)
         return backend
 
     @classmethod
@@ -90,10 +89,15 @@ class AutoDiscoveryBackend(DistributedBackend):
     def wait_for_peers_blocking(self, n: int, timeout: float = 30.0) -> list[str]:
         """Wait until the cluster has ``n`` other nodes; the world is then
         ``n + 1`` processes. Returns their node ids."""
-        import pmetal
         if type(n) is not int or n < 0:
             raise PMetalValueError(f"wait_for_peers: n must be a non-negative int, not {n!r}")
-        self.peers = pmetal.wait_for_peers(n, timeout)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise PMetalTypeError(f"wait_for_peers: timeout must be a number of seconds, "
+                                  f"not {type(timeout).__name__}")
+        if not timeout >= 0:
+            raise PMetalValueError(f"wait_for_peers: timeout={timeout!r}; it must not be "
+                                   "negative")
+        self.peers = context.current().wait_for_peers(n, timeout)
         self.world_size = n + 1
         return self.peers
 
