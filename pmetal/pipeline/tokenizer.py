@@ -38,7 +38,7 @@ _END_MARKERS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end_of_text|>", 
                 "</s>")
 
 # GGUF token types (llama.cpp's llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 # GGUF tokenizer.ggml.pre -> pre-tokenizer (llama.cpp llama-vocab.cpp's regexes):
 # "digits" splits every digit on its own before the GPT-2 byte-level split;
@@ -98,33 +98,22 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any], path: Path) -> Tokenizer:
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-        from tokenizers import Tokenizer as Backend
+        from tokenizers import AddedToken, processors
 
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ModelFormatError(
-                f"{path}: tokenizer.ggml.model is {kind!r}; pmetal builds only byte-level BPE "
-                "('gpt2') tokenizers from GGUF. Use the model's Hugging Face folder "
-                "(with tokenizer.json) instead")
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
-            raise ModelFormatError(
-                f"{path}: GGUF pre-tokenizer {pre!r} is not one pmetal knows "
-                f"({', '.join(sorted(_PRE_TOKENIZERS))}); use the model's Hugging Face folder "
-                "(with tokenizer.json) instead")
+                f"{path}: tokenizer.ggml.model is {kind!r}; pmetal builds byte-level BPE "
+                "('gpt2') and SentencePiece BPE ('llama') tokenizers from GGUF. Use the "
+                "model's Hugging Face folder (with tokenizer.json) instead")
         tokens: list[str] = _gguf_list(meta, "tokenizer.ggml.tokens", str, path)
-        merges: list[str] = _gguf_list(meta, "tokenizer.ggml.merges", str, path)
         types: list[int] = _gguf_list(meta, "tokenizer.ggml.token_type", int, path)
         if not tokens:
             raise ModelFormatError(f"{path}: GGUF file has no tokenizer.ggml.tokens")
+        if types and len(types) != len(tokens):
+            raise ModelFormatError(f"{path}: GGUF tokenizer.ggml.token_type has {len(types)} "
+                                   f"entries for {len(tokens)} tokens")
         vocab = {token: index for index, token in enumerate(tokens)}
-        pairs = []
-        for merge in merges:
-            left, sep, right = merge.partition(" ")
-            if not sep:
-                raise ModelFormatError(f"{path}: malformed BPE merge {merge!r}")
-            pairs.append((left, right))
 
         def token(key: str) -> str | None:
             index = _gguf_id(meta, f"tokenizer.ggml.{key}_token_id", path)
@@ -132,27 +121,17 @@ class Tokenizer:
 
         bos, eos = token("bos"), token("eos")
         try:
-            backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
-                                         byte_fallback=False))
-            split = _PRE_TOKENIZERS[pre]
-            byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
-                                                  use_regex=split in ("gpt2", "digits"))
-            if split == "digits":
-                backend.pre_tokenizer = pre_tokenizers.Sequence(
-                    [pre_tokenizers.Digits(individual_digits=True), byte_level])
-            elif split == "gpt2":
-                backend.pre_tokenizer = byte_level
-            else:
-                backend.pre_tokenizer = pre_tokenizers.Sequence(
-                    [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
-            backend.decoder = decoders.ByteLevel()
+            backend = _byte_level_bpe(meta, tokens, vocab, path) if kind == "gpt2" else \
+                _sentencepiece_bpe(meta, tokens, types, vocab, token("unknown"), path)
             special = [AddedToken(token, special=True, normalized=False)
                        for token, kind in zip(tokens, types) if kind in (_CONTROL, _USER_DEFINED)]
             backend.add_special_tokens(special)
-            if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
+            if meta.get("tokenizer.ggml.add_bos_token", kind == "llama") and bos is not None:
                 backend.post_processor = processors.TemplateProcessing(
                     single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                     special_tokens=[(bos, vocab[bos])])
+        except ModelFormatError:
+            raise
         except Exception as exc:  # tokenizers raises plain Exception (a merge of unknown tokens)
             raise ModelFormatError(f"{path}: the GGUF vocabulary does not make a BPE "
                                    f"tokenizer: {exc}") from exc
@@ -287,6 +266,82 @@ class Tokenizer:
 # TemplateError (syntax, undefined, sandbox): 1/0, 'a' + 1, a recursive macro.
 _TEMPLATE_FAILURES = (ArithmeticError, AttributeError, LookupError, RecursionError, TypeError,
                       ValueError)
+
+
+def _byte_level_bpe(meta: Mapping[str, Any], tokens: list[str], vocab: dict[str, int],
+                    path: Path) -> Any:
+    """A byte-level BPE (``tokenizer.ggml.model == "gpt2"``) with the
+    pre-tokenizer ``tokenizer.ggml.pre`` names."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Backend
+
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if not isinstance(pre, str) or pre not in _PRE_TOKENIZERS:
+        raise ModelFormatError(
+            f"{path}: GGUF pre-tokenizer {pre!r} is not one pmetal knows "
+            f"({', '.join(sorted(_PRE_TOKENIZERS))}); use the model's Hugging Face folder "
+            "(with tokenizer.json) instead")
+    pairs = []
+    for merge in _gguf_list(meta, "tokenizer.ggml.merges", str, path):
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ModelFormatError(f"{path}: malformed BPE merge {merge!r}")
+        pairs.append((left, right))
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False,
+                                 byte_fallback=False))
+    split = _PRE_TOKENIZERS[pre]
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                          use_regex=split in ("gpt2", "digits"))
+    if split == "digits":
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif split == "gpt2":
+        backend.pre_tokenizer = byte_level
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(split), behavior="isolated"), byte_level])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(meta: Mapping[str, Any], tokens: list[str], types: list[int],
+                       vocab: dict[str, int], unknown: str | None, path: Path) -> Any:
+    """SentencePiece's BPE (``tokenizer.ggml.model == "llama"``: Llama 2,
+    Mistral, TinyLlama) as llama.cpp runs it: spaces become U+2581, one is
+    put before the text and after each special token, then the adjacent
+    pair whose union is the best-scoring piece merges first, and what no
+    piece covers falls back to <0xXX> byte tokens. In ``tokenizers`` terms,
+    a BPE whose merges are every split of a normal piece into two pieces,
+    ranked by the whole piece's score (as transformers converts these
+    files)."""
+    from tokenizers import decoders, models, normalizers
+    from tokenizers import Tokenizer as Backend
+
+    scores = _gguf_list(meta, "tokenizer.ggml.scores", float, path)
+    if len(scores) != len(tokens):
+        raise ModelFormatError(f"{path}: GGUF tokenizer.ggml.scores has {len(scores)} entries "
+                               f"for {len(tokens)} tokens")
+    normal = [not types or types[i] == _NORMAL for i in range(len(tokens))]
+    ranked = []
+    for index, piece in enumerate(tokens):
+        if not normal[index]:
+            continue
+        for cut in range(1, len(piece)):
+            left, right = vocab.get(piece[:cut]), vocab.get(piece[cut:])
+            if left is not None and right is not None and normal[left] and normal[right]:
+                ranked.append((-scores[index], index, left, right))
+    ranked.sort()
+    merges = [(tokens[left], tokens[right]) for _, _, left, right in ranked]
+    backend = Backend(models.BPE(vocab=vocab, merges=merges, unk_token=unknown,
+                                 fuse_unk=True, byte_fallback=True))
+    space_prefix = meta.get("tokenizer.ggml.add_space_prefix", True)
+    steps = [normalizers.Prepend("\u2581")] if space_prefix else []
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
+    decode = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        decode.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(decode)
+    return backend
 
 
 def _gguf_list(meta: Mapping[str, Any], key: str, item: type, path: Path) -> list[Any]:

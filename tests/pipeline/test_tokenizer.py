@@ -129,8 +129,8 @@ def test_unsupported_gguf_tokenizers_are_refused(tmp_path: Path) -> None:
     write_tiny_gguf(path, tiny_config())
     with GGUFFile(path) as file:
         meta = dict(file.metadata)
-    with pytest.raises(ModelFormatError, match="'llama'"):
-        Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.model": "llama"}, path)
+    with pytest.raises(ModelFormatError, match="'t5'"):
+        Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.model": "t5"}, path)
     with pytest.raises(ModelFormatError, match="pre-tokenizer 'qwen9'"):
         Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.pre": "qwen9"}, path)
 
@@ -226,3 +226,89 @@ def test_qwen2_and_llama3_pre_tokenizers_split_as_their_tokenizer_json(
             theirs.encode(text, add_special_tokens=False).ids, text
     split = ours._backend.pre_tokenizer.pre_tokenize_str("I'M 12345 ok!!\n\n  x")
     assert [piece.replace("Ġ", " ").replace("Ċ", "\n") for piece, _ in split] == pieces
+
+
+# ---------------------------------------------------- SentencePiece ('llama')
+
+CORPUS = """The capital of France is Paris. Which city is the capital of Spain?
+Madrid is the capital of Spain, and Rome is the capital of Italy.
+Name three colours: red, green and blue. Numbers like 1234 and 3.14 appear too.
+  Two spaces, a tab\there, and new lines
+
+make the text harder. Héllo wörld, naïve café, déjà vu.
+What is the weather like today? It is sunny, with a light breeze from the west.
+The quick brown fox jumps over the lazy dog while the cat sleeps on the mat.
+"""
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_model() -> tuple[object, dict[str, object]]:
+    """A SentencePiece BPE model trained here as Llama's and Mistral's are
+    set up (identity normalization, a dummy prefix, digits split, bytes as
+    the fallback), and its vocabulary as llama.cpp's converter writes it."""
+    spm = pytest.importorskip("sentencepiece", reason="the SentencePiece check needs the "
+                              "sentencepiece package (pip install -e '.[test]')")
+    import io
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS.splitlines() * 20), model_writer=model,
+        model_type="bpe", vocab_size=420, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", add_dummy_prefix=True,
+        remove_extra_whitespaces=False, character_coverage=0.99,
+        control_symbols=["[INST]", "[/INST]"], minloglevel=2, num_threads=1)
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+
+    def kind(i: int) -> int:   # llama.cpp's token types
+        return (3 if sp.is_control(i) else 2 if sp.is_unknown(i) else 6 if sp.is_byte(i)
+                else 5 if sp.is_unused(i) else 1)
+
+    n = sp.get_piece_size()
+    meta = {"tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+            "tokenizer.ggml.scores": [float(sp.get_score(i)) for i in range(n)],
+            "tokenizer.ggml.token_type": [kind(i) for i in range(n)],
+            "tokenizer.ggml.bos_token_id": sp.bos_id(), "tokenizer.ggml.eos_token_id":
+            sp.eos_id(), "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+            "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": False}
+    return sp, meta
+
+
+SPM_TEXTS = [*TEXTS[:5], "Which city is the capital of Portugal? Lisbon, 1755.",
+             "  leading spaces and trailing  ", "Zürich 😀 ∑ unseen ǅ characters", "a\n\nb\tc",
+             "capitalcapital thethe", " "]
+
+
+@pytest.mark.parametrize("text", SPM_TEXTS)
+def test_sentencepiece_gguf_tokenizer_encodes_as_sentencepiece(
+        sentencepiece_model: tuple[object, dict[str, object]], text: str) -> None:
+    sp, meta = sentencepiece_model
+    ours = Tokenizer.from_gguf_metadata(meta, Path("spm.gguf"))
+    theirs = [sp.bos_id(), *sp.encode(text)]    # type: ignore[attr-defined]
+    assert ours.encode(text) == theirs, [sp.id_to_piece(i) for i in theirs]  # type: ignore[attr-defined]
+    assert ours.decode(theirs) == sp.decode(theirs)  # type: ignore[attr-defined]
+
+
+def test_sentencepiece_gguf_tokenizer_specials_and_streaming(
+        sentencepiece_model: tuple[object, dict[str, object]]) -> None:
+    sp, meta = sentencepiece_model
+    tok = Tokenizer.from_gguf_metadata(meta, Path("spm.gguf"))
+    inst, end = tok.token_to_id("[INST]"), tok.token_to_id("[/INST]")
+    assert inst is not None and end is not None
+    # A control token in the text is one id; the text after it gets the
+    # space prefix again, as llama.cpp tokenizes Mistral's chat prompts.
+    ids = tok.encode("[INST] hi [/INST]")
+    assert ids == [sp.bos_id(), inst, *sp.encode(" hi "), end]  # type: ignore[attr-defined]
+    assert tok.stop_token_ids == {sp.eos_id()}  # type: ignore[attr-defined]
+    text = "Héllo wörld, Zürich 😀 and Paris."
+    stream = tok.stream_decoder()
+    pieces = [stream.push(i) for i in tok.encode(text, add_special_tokens=False)]
+    assert "".join(pieces) + stream.flush() == text
+
+
+def test_sentencepiece_gguf_tokenizer_refuses_a_bad_score_list(
+        sentencepiece_model: tuple[object, dict[str, object]]) -> None:
+    _, meta = sentencepiece_model
+    with pytest.raises(ModelFormatError, match="scores has 3 entries"):
+        Tokenizer.from_gguf_metadata({**meta, "tokenizer.ggml.scores": [0.0, 1.0, 2.0]},
+                                     Path("spm.gguf"))
