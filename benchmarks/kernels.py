@@ -35,12 +35,12 @@ import numpy as np
 from benchmarks.common import table
 from pmetal.model import kernels as kn
 
-FORMATS = {"Q4_0": kn.Q4_0, "Q4_1": kn.Q4_1, "Q8_0": kn.Q8_0, "Q4_K": kn.Q4_K, "Q5_K": kn.Q5_K,
-           "Q6_K": kn.Q6_K, "F16": kn.F16, "BF16": kn.BF16, "F32": kn.F32}
+FORMATS = {"Q4_0": kn.Q4_0, "Q4_1": kn.Q4_1, "Q5_0": kn.Q5_0, "Q5_1": kn.Q5_1, "Q8_0": kn.Q8_0,
+           "Q4_K": kn.Q4_K, "Q5_K": kn.Q5_K, "Q6_K": kn.Q6_K, "F16": kn.F16, "BF16": kn.BF16, "F32": kn.F32}
 SHAPES = [(576, 1536), (1536, 576), (576, 49152)]
 # Where each format keeps its fp16 scales: offset within the block.
-_SCALES = {kn.Q4_0: (0,), kn.Q4_1: (0, 2), kn.Q8_0: (0,), kn.Q4_K: (0, 2), kn.Q5_K: (0, 2),
-           kn.Q6_K: (208,)}
+_SCALES = {kn.Q4_0: (0,), kn.Q4_1: (0, 2), kn.Q5_0: (0,), kn.Q5_1: (0, 2), kn.Q8_0: (0,),
+           kn.Q4_K: (0, 2), kn.Q5_K: (0, 2), kn.Q6_K: (208,)}
 
 
 def random_matrix(ggml_type: int, rows: int, cols: int, seed: int = 0) -> kn.QMatrix:

@@ -28,8 +28,8 @@ values in n_b blocks; the derivation is in docs/kernels.md:
   + gamma(n_b + 8) * sum_i mag_i * (|x_i| + delta_b)`` with
   ``delta_b = max_{i in b}|x_i| / 254 * (1 + 2**-14)`` (x rounded to int8 per
   block of 32 or 256), ``gamma(n) = n u / (1 - n u)``, ``c_i`` the weight part
-  that multiplies the quantized x (``w_i``, except ``w_i - m_b`` for Q4_1,
-  whose min term uses the float sum of x) and ``mag_i`` the sum of the
+  that multiplies the quantized x (``w_i``, except ``w_i - m_b`` for Q4_1
+  and Q5_1, whose min term uses the float sum of x) and ``mag_i`` the sum of the
   magnitudes of the scale and min parts of ``w_i`` (``|w_i|`` for formats
   without a min).
 * F32, F16, BF16 weights: ``|y - exact| <= gamma(ceil(K / 8) + 12) * sum_i
@@ -60,6 +60,8 @@ __all__ = [
     "Q4_0",
     "Q4_1",
     "Q4_K",
+    "Q5_0",
+    "Q5_1",
     "Q5_K",
     "Q6_K",
     "Q8_0",
@@ -75,12 +77,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 
 # ggml type id -> (name, values per block, bytes per block)
 _LAYOUT: dict[int, tuple[str, int, int]] = {
     F32: ("F32", 1, 4), F16: ("F16", 1, 2), BF16: ("BF16", 1, 2),
-    Q4_0: ("Q4_0", 32, 18), Q4_1: ("Q4_1", 32, 20), Q8_0: ("Q8_0", 32, 34),
+    Q4_0: ("Q4_0", 32, 18), Q4_1: ("Q4_1", 32, 20), Q5_0: ("Q5_0", 32, 22),
+    Q5_1: ("Q5_1", 32, 24), Q8_0: ("Q8_0", 32, 34),
     Q4_K: ("Q4_K", 256, 144), Q5_K: ("Q5_K", 256, 176), Q6_K: ("Q6_K", 256, 210),
 }
 SUPPORTED: frozenset[int] = frozenset(_LAYOUT)

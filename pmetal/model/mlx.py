@@ -11,7 +11,7 @@ the stage actors do not care which backend computed them.
 
 Weights. Each GGUF matrix is rewritten once, at load, one matrix at a time,
 by :mod:`pmetal.model.mlxblocks`: the block formats with an exact MLX
-equivalent (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K) become ``mx.quantized_matmul``
+equivalent (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K) become ``mx.quantized_matmul``
 operands with the same values; Q6_K becomes float16; F16, BF16 and F32 stay
 as they are. No float32 copy of a quantized matrix is ever held: an
 embedding lookup dequantizes only the rows it takes.

@@ -18,6 +18,8 @@ GGUF type  MLX form (groups of 32)                      exact?
 =========  ===========================================  ======================
 Q4_0       4 bits, scale ``d``, bias ``-8d``            yes
 Q4_1       4 bits, scale ``d``, bias ``m``              yes
+Q5_0       5 bits, scale ``d``, bias ``-16d``           yes
+Q5_1       5 bits, scale ``d``, bias ``m``              yes
 Q8_0       8 bits, code ``q + 128``, bias ``-128d``     yes
 Q4_K       4 bits, scale ``d*sc``, bias ``-dmin*m``     yes
 Q5_K       5 bits, scale ``d*sc``, bias ``-dmin*m``     yes
@@ -31,9 +33,10 @@ others     refused when loaded (no kernel reads them)
 dequantizer computes, bit for bit: every product on the way (``d * sc``,
 ``d * q``) fits float32's 24-bit significand, so the one rounding left is
 the final sum, the same one ``gguf`` makes (none at all for Q4_0 and Q8_0,
-whose values fit float32 whole). Scales and biases are stored
-float16 when every one of a matrix's survives the round trip (Q4_0, Q4_1 and
-Q8_0 in practice: 5 bits a weight at 4 bits), float32 otherwise (the K
+whose values fit float32 whole, and Q5_0, whose ``d * q - 16d`` is
+``d * (q - 16)`` exactly). Scales and biases are stored
+float16 when every one of a matrix's survives the round trip (Q4_0, Q4_1,
+Q5_0, Q5_1 and Q8_0 in practice: 5 bits a weight at 4 bits, 6 at 5), float32 otherwise (the K
 quants, whose ``d * sc`` needs up to 17 significant bits: 6 bits a weight
 at 4 bits, against 4.5 in the file).
 
@@ -150,6 +153,23 @@ def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _nibbles(blocks[:, 4:], 16), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
 
 
+def _q5_codes(blocks: np.ndarray, qh: int) -> np.ndarray:
+    """5-bit codes of Q5_0/Q5_1 blocks: the nibbles of the 16 bytes after the
+    uint32 ``qh`` at byte ``qh``, whose bit ``j`` is the fifth bit of value j."""
+    n = blocks.shape[0]
+    high = np.ascontiguousarray(blocks[:, qh:qh + 4]).view("<u4") >> np.arange(32, dtype=np.uint32)
+    return _nibbles(blocks[:, qh + 4:], 16) | ((high & np.uint32(1)).astype(np.uint8).reshape(n, 32) << np.uint8(4))
+
+
+def _q5_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(blocks[:, 0:2])
+    return _q5_codes(blocks, 2), d, F32(-16) * d
+
+
+def _q5_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _q5_codes(blocks, 4), _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+
+
 def _q8_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     d = _f16(blocks[:, 0:2])
     return blocks[:, 2:] ^ np.uint8(0x80), d, F32(-128) * d  # int8 q + 128 as uint8
@@ -169,7 +189,8 @@ def _q5_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 # GGUF type -> (bits, block bytes -> (codes, scale per 32, bias per 32))
-_AFFINE = {kernels.Q4_0: (4, _q4_0), kernels.Q4_1: (4, _q4_1), kernels.Q8_0: (8, _q8_0),
+_AFFINE = {kernels.Q4_0: (4, _q4_0), kernels.Q4_1: (4, _q4_1), kernels.Q5_0: (5, _q5_0),
+           kernels.Q5_1: (5, _q5_1), kernels.Q8_0: (8, _q8_0),
            kernels.Q4_K: (4, _q4_k), kernels.Q5_K: (5, _q5_k)}
 
 

@@ -50,7 +50,8 @@ static void random_row(int type, int n, uint8_t *w) {
         case QK_F16: put16(p, fp16_bits(13, 15, 1)); break;
         case QK_BF16: put16(p, (uint16_t)((next() & 0x8000) | (uint16_t)(0x3e00 + next() % 0x200))); break;
         case QK_Q4_0: case QK_Q8_0: put16(p, fp16_bits(5, 9, 1)); break;
-        case QK_Q4_1: put16(p, fp16_bits(5, 9, 0)); put16(p + 2, fp16_bits(6, 10, 1)); break;
+        case QK_Q5_0: put16(p, fp16_bits(5, 9, 1)); break;
+        case QK_Q4_1: case QK_Q5_1: put16(p, fp16_bits(5, 9, 0)); put16(p + 2, fp16_bits(6, 10, 1)); break;
         case QK_Q4_K: case QK_Q5_K: put16(p, fp16_bits(3, 7, 0)); put16(p + 2, fp16_bits(3, 7, 0)); break;
         case QK_Q6_K: put16(p + 208, fp16_bits(3, 7, 1)); break;
         }
@@ -64,7 +65,7 @@ static void magnitudes(int type, int n, const uint8_t *w, const float *deq, doub
         const uint8_t *p = w + b * bb;
         for (int i = 0; i < bv; i++) {
             double m = 0.0;
-            if (type == QK_Q4_1) m = -qk_fp16_to_fp32(qk_u16(p + 2));
+            if (type == QK_Q4_1 || type == QK_Q5_1) m = -qk_fp16_to_fp32(qk_u16(p + 2));
             if (type == QK_Q4_K || type == QK_Q5_K) {
                 uint8_t sc[8], mn[8];
                 qk_k_scales(p + 4, sc, mn);
@@ -88,7 +89,7 @@ int main(void) {
     qk_fill_neon(&best);
 #endif
     const int neon = !strncmp(best.name, "neon", 4);
-    const int types[] = {QK_F32, QK_F16, QK_BF16, QK_Q4_0, QK_Q4_1, QK_Q8_0, QK_Q4_K, QK_Q5_K, QK_Q6_K};
+    const int types[] = {QK_F32, QK_F16, QK_BF16, QK_Q4_0, QK_Q4_1, QK_Q5_0, QK_Q5_1, QK_Q8_0, QK_Q4_K, QK_Q5_K, QK_Q6_K};
     const int rows = 48, R = 3;
     long checks = 0, failures = 0;
     for (size_t t = 0; t < sizeof types / sizeof *types; t++) {

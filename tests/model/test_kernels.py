@@ -7,10 +7,10 @@ module docstring (derived in docs/kernels.md), u = 2**-24:
 * quantized weights: ``|y - y64| <= sum_b delta_b sum_{i in b} |c_i|
   + gamma(n_b + 8) sum_i mag_i (|x_i| + delta_b) + u sum_i |w_i x_i|``,
   ``delta_b = max_b |x| / 254 (1 + 2**-14)``; the last term is the rounding of
-  gguf's own float32 dequantization (Q4_1, the K-quants);
+  gguf's own float32 dequantization (Q4_1, Q5_1, the K-quants);
 * float weights: ``|y - y64| <= gamma(ceil(K/8) + 12) sum_i |w_i x_i|``.
 
-gguf can quantize F32, F16, BF16, Q4_0, Q4_1 and Q8_0 but not the K-quants:
+gguf can quantize F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 but not the K-quants:
 their matrices are random valid blocks (random quant bits and scale bytes,
 sane random fp16 super-scales).  Every ISA this machine can run is checked.
 """
@@ -38,9 +38,10 @@ from pmetal.model import kernels as kn
 from pmetal.model.kernels import QMatrix
 
 U = 2.0 ** -24
-ALL = [kn.F32, kn.F16, kn.BF16, kn.Q4_0, kn.Q4_1, kn.Q8_0, kn.Q4_K, kn.Q5_K, kn.Q6_K]
+ALL = [kn.F32, kn.F16, kn.BF16, kn.Q4_0, kn.Q4_1, kn.Q5_0, kn.Q5_1, kn.Q8_0, kn.Q4_K, kn.Q5_K,
+       kn.Q6_K]
 NAMES = {kn.F32: "F32", kn.F16: "F16", kn.BF16: "BF16", kn.Q4_0: "Q4_0", kn.Q4_1: "Q4_1",
-         kn.Q8_0: "Q8_0", kn.Q4_K: "Q4_K", kn.Q5_K: "Q5_K", kn.Q6_K: "Q6_K"}
+         kn.Q5_0: "Q5_0", kn.Q5_1: "Q5_1", kn.Q8_0: "Q8_0", kn.Q4_K: "Q4_K", kn.Q5_K: "Q5_K", kn.Q6_K: "Q6_K"}
 K_QUANTS = (kn.Q4_K, kn.Q5_K, kn.Q6_K)
 FLOATS = (kn.F32, kn.F16, kn.BF16)
 needs_c = pytest.mark.skipif(not kn.available(), reason="the C extension did not build")
@@ -88,8 +89,8 @@ def parts(w: QMatrix) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     part of each weight that multiplies the quantized x, and the sum of the
     magnitudes of a weight's scale and min parts."""
     full = gguf_dequantize(w.data, w.ggml_type).astype(np.float64).reshape(w.rows, w.cols)
-    if w.ggml_type == kn.Q4_1:
-        blocks = w.data.reshape(-1, 20)
+    if w.ggml_type in (kn.Q4_1, kn.Q5_1):
+        blocks = w.data.reshape(-1, kn.block_shape(w.ggml_type)[1])
         m = blocks[:, 2:4].copy().view(np.float16).astype(np.float64)
         m = np.repeat(m.reshape(-1), 32).reshape(w.rows, w.cols)
         c = full - m
@@ -192,6 +193,30 @@ def test_dequantize_and_take_rows_match_gguf_bit_for_bit(each_isa: str, ggml_typ
     ids = np.array([69, 0, 5, 5, 33])
     assert np.array_equal(kn.take_rows(w, ids), expected[ids])
     assert np.array_equal(kn.dequantize(w.rows_view(10, 20)), expected[10:20])
+
+
+@pytest.mark.parametrize("ggml_type", [kn.Q5_0, kn.Q5_1], ids=["Q5_0", "Q5_1"])
+def test_q5_blocks_of_random_bytes(each_isa: str, ggml_type: int) -> None:
+    """Every fifth-bit pattern and sign of d and m, not only what gguf's
+    quantizer writes: random block bytes with sane fp16 scales."""
+    rows, K = 37, 160
+    rng = np.random.default_rng(ggml_type)
+    nbytes = kn.block_shape(ggml_type)[1]
+    blocks = rng.integers(0, 256, (rows * K // 32, nbytes), dtype=np.uint8)
+    for offset in (0, 2) if ggml_type == kn.Q5_1 else (0,):
+        scales = rng.uniform(-0.05, 0.05, len(blocks)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(-1, 2)
+    blocks[0, 2 + 2 * (ggml_type == kn.Q5_1):][:4] = 255   # all fifth bits set
+    blocks[1, 2 + 2 * (ggml_type == kn.Q5_1):][:4] = 0     # none
+    w = QMatrix(blocks.reshape(rows, -1), ggml_type, rows, K)
+    expected = gguf_dequantize(w.data, ggml_type).reshape(rows, K)
+    assert np.array_equal(kn.dequantize(w, threads=2), expected)
+    assert np.array_equal(kn.take_rows(w, np.array([36, 0])), expected[[36, 0]])
+    if each_isa == "numpy":
+        return
+    x = random_x(6, K)
+    y = kn.matmul(x, [w], threads=2)[0]
+    assert (np.abs(y - reference(w, x)) <= bound(w, x)).all()
 
 
 @needs_c
@@ -364,15 +389,16 @@ def test_block_shape() -> None:
     assert kn.block_shape(kn.Q4_1) == (32, 20)
     assert kn.block_shape(kn.Q6_K) == (256, 210)
     assert kn.SUPPORTED == frozenset(ALL)
-    with pytest.raises(kn.KernelError, match="ggml type 6 is not supported"):
-        kn.block_shape(6)
+    assert kn.block_shape(kn.Q5_0) == (32, 22) and kn.block_shape(kn.Q5_1) == (32, 24)
+    with pytest.raises(kn.KernelError, match="ggml type 10 is not supported"):
+        kn.block_shape(10)
     assert issubclass(kn.KernelError, PMetalValueError) and issubclass(kn.KernelError, ValueError)
 
 
 def test_bad_matrices_are_refused_with_the_reason() -> None:
     good = random_matrix(kn.Q8_0, 4, 64).data
     cases = [
-        (lambda: QMatrix(good, 7, 4, 64), "not supported"),
+        (lambda: QMatrix(good, 10, 4, 64), "not supported"),
         (lambda: QMatrix(good, kn.Q8_0, 4, 48), "multiple of the block size 32"),
         (lambda: QMatrix(good, kn.Q8_0, 5, 64), r"shape \(4, 68\), expected \(5, 68\)"),
         (lambda: QMatrix(good.view(np.int8), kn.Q8_0, 4, 64), "uint8"),

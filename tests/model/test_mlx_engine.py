@@ -65,8 +65,8 @@ def test_codes_are_packed_as_mlx_reads_them(bits: int) -> None:
     assert np.array_equal(np.array(got), codes.astype(np.float32))
 
 
-@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.F16, T.BF16, T.F32],
-                         ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.F16,
+                                  T.BF16, T.F32], ids=lambda k: k.name)
 def test_exact_types_convert_to_the_same_values(kind: T) -> None:
     rng = np.random.default_rng(int(kind))
     data = blocks(kind, rng)
@@ -75,9 +75,19 @@ def test_exact_types_convert_to_the_same_values(kind: T) -> None:
     assert np.array_equal(as_float32(converted), reference(data, kind))
 
 
+@pytest.mark.parametrize("kind", [T.Q5_0, T.Q5_1], ids=lambda k: k.name)
+def test_q5_blocks_of_random_bytes_convert_exactly(kind: T) -> None:
+    """Every pattern of fifth bits, not only what gguf's quantizer writes."""
+    data = random_blocks(kind, ROWS, COLS, np.random.default_rng(int(kind)))
+    converted = convert(QMatrix(data, int(kind), ROWS, COLS))
+    assert isinstance(converted, Affine) and converted.bits == 5
+    assert np.array_equal(as_float32(converted), reference(data, kind))
+
+
 def test_scales_are_float16_where_that_is_exact() -> None:
     rng = np.random.default_rng(5)
     for kind, bits, scale_type in ((T.Q4_0, 4, np.float16), (T.Q4_1, 4, np.float16),
+                                   (T.Q5_0, 5, np.float16), (T.Q5_1, 5, np.float16),
                                    (T.Q8_0, 8, np.float16), (T.Q4_K, 4, np.float32),
                                    (T.Q5_K, 5, np.float32)):
         converted = convert(QMatrix(blocks(kind, rng), int(kind), ROWS, COLS))
@@ -101,12 +111,11 @@ def test_q6_k_is_float16_within_its_rounding() -> None:
 
 
 def test_a_type_the_engines_do_not_read_is_refused_by_name() -> None:
-    """Q5_0 and the other legacy types have no kernel: a matrix of one is
+    """Q2_K and the other types without a kernel: a matrix of one is
     refused where it is loaded, naming the type and what is supported."""
-    data = quantize(np.random.default_rng(8).standard_normal((ROWS, COLS)).astype(np.float32),
-                    T.Q5_0)
-    with pytest.raises(KernelError, match="ggml type 6 is not supported"):
-        QMatrix(data, int(T.Q5_0), ROWS, COLS)
+    data = random_blocks(T.Q2_K, ROWS, COLS, np.random.default_rng(8))
+    with pytest.raises(KernelError, match="ggml type 10 is not supported.*Q5_0, Q5_1"):
+        QMatrix(data, int(T.Q2_K), ROWS, COLS)
 
 
 def test_q6_k_float16_beats_8_bit_requantization() -> None:
@@ -151,7 +160,14 @@ class Model:
     growth: float     # the most bytes in MLX over bytes in the file
 
 
-@pytest.fixture(scope="module", params=["q8_0-tied", "q8_0-untied", "mixed", "bf16"])
+# Q5_0 and Q5_1, as Q4_K_M/Q5_K_M files keep them for rows not a multiple of
+# 256, with Q8_0: every matrix converts exactly.
+Q5_TYPES = {"token_embd": T.Q5_1, "attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.Q8_0,
+            "attn_output": T.Q5_1, "ffn_gate": T.Q5_0, "ffn_up": T.Q5_1, "ffn_down": T.Q5_0,
+            "output": T.Q5_0}
+
+
+@pytest.fixture(scope="module", params=["q8_0-tied", "q8_0-untied", "mixed", "bf16", "q5"])
 def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Model:
     path = tmp_path_factory.mktemp("mlx") / f"{request.param}.gguf"
     if request.param == "mixed":  # K quants need rows of 256
@@ -164,6 +180,9 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
                  "ffn_up", "ffn_down")
         write_tiny_gguf(path, tiny_config(), seed=3, types=dict.fromkeys(names, T.BF16))
         return Model(path, BFLOAT16, 1.0)
+    if request.param == "q5":
+        write_tiny_gguf(path, tiny_config(tied=False), seed=3, types=Q5_TYPES)
+        return Model(path, EXACT, 1.1)  # 6 bits a weight, 5.5-6 in the file
     write_tiny_gguf(path, tiny_config(tied=request.param.endswith("-tied")), seed=3,
                     quantize=True)
     return Model(path, EXACT, 1.1)  # Q8_0: 9 bits a weight, 8.5 in the file

@@ -23,6 +23,7 @@ from pmetal.model.ops import Rotary
 from pmetal.model.quantized import QuantizedStage, QuantizedWeights
 from pmetal.pipeline.llama import LlamaStage, LlamaWeights
 from pmetal.pipeline.loader import load_quantized, load_weights
+from tests.pipeline.kquants import T
 from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77]
@@ -32,18 +33,37 @@ PROMPT = [5, 17, 42, 9, 100, 3, 77]
 # logits' scale measured over seeds 3-5. The wrong rotary layout is off by
 # 11-68% (test_a_wrong_rotary_layout_is_caught).
 AGREEMENT = 0.06
+# The same rounding on the Q5_0/Q5_1 model below moves its logits further:
+# 5.4-9.7% over seeds 3-7 (its wrong rotary: 44-88%). A numpy emulation of
+# the activation rounding alone (x rounded to int8 per 32-block, products in
+# float64 of gguf's dequantized weights) moves the prefill logits as far as
+# the kernels do (3.6-4.1% against 3.6-4.3%, seeds 3, 5, 6), so the gap is
+# that rounding, not the Q5 kernels, which test_kernels.py bounds product by
+# product.
+Q5_AGREEMENT = 0.12
 
 
-def close_to_reference(got: np.ndarray, want: np.ndarray) -> None:
+def close_to_reference(got: np.ndarray, want: np.ndarray, tolerance: float = AGREEMENT) -> None:
     scale = float(np.abs(want).max())
     error = float(np.abs(got - want).max())
-    assert error <= AGREEMENT * scale, f"error {error:.4g} beyond {AGREEMENT} of {scale:.4g}"
+    assert error <= tolerance * scale, f"error {error:.4g} beyond {tolerance} of {scale:.4g}"
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
+# What llama.cpp's Q4_K_M/Q5_K_M keep for matrices whose rows are not a
+# multiple of 256 (Qwen2.5-0.5B's 896): Q5_0 and Q5_1, here on rows of 64 and
+# 96 (ffn_down), mixed with Q8_0.
+Q5_TYPES = {"token_embd": T.Q5_1, "attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.Q8_0,
+            "attn_output": T.Q5_1, "ffn_gate": T.Q5_0, "ffn_up": T.Q5_1, "ffn_down": T.Q5_0,
+            "output": T.Q5_0}
+
+
+@pytest.fixture(scope="module", params=["tied", "untied", "q5"])
 def gguf_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("q") / "tiny.gguf"
-    write_tiny_gguf(path, tiny_config(tied=request.param), seed=3, quantize=True)
+    path = tmp_path_factory.mktemp("q") / f"tiny-{request.param}.gguf"
+    if request.param == "q5":
+        write_tiny_gguf(path, tiny_config(tied=False), seed=3, types=Q5_TYPES)
+    else:
+        write_tiny_gguf(path, tiny_config(tied=request.param == "tied"), seed=3, quantize=True)
     return path
 
 
@@ -70,8 +90,9 @@ def test_the_engine_agrees_with_the_reference_on_the_same_file(gguf_model: Path)
     for token in tokens[:-1]:
         want.append(reference.logits(reference.forward_batch(reference.embed([token]),
                                                              [cache]))[0])
+    tolerance = Q5_AGREEMENT if gguf_model.stem.endswith("q5") else AGREEMENT
     for g, w in zip(got, want, strict=True):
-        close_to_reference(g, w)
+        close_to_reference(g, w, tolerance)
 
 
 def test_a_wrong_rotary_layout_is_caught(gguf_model: Path) -> None:
@@ -90,7 +111,8 @@ def test_the_matrices_are_views_of_the_file(gguf_model: Path) -> None:
     layer = weights.layers[0]
     mapped = weights.keepalive.raw("blk.0.attn_q.weight")
     assert np.shares_memory(layer.wq.data, mapped)
-    assert layer.wq.ggml_type == kernels.Q8_0
+    assert layer.wq.ggml_type == weights.keepalive.tensors["blk.0.attn_q.weight"].ggml_type
+    assert layer.wq.ggml_type in (kernels.Q8_0, kernels.Q5_0)
     # The stage's bytes are the file's tensor bytes: nothing expanded.
     file_bytes = sum(info.nbytes for info in weights.keepalive.tensors.values())
     assert weights.nbytes == file_bytes

@@ -1,8 +1,8 @@
 /* Fused quantized matrix products for GGUF block formats: shared declarations.
  *
  * The weights stay in their GGUF blocks.  Each x row is quantized once per
- * call to the activation format its weight type needs (qk_a32 for Q4_0, Q4_1
- * and Q8_0; qk_a256, llama.cpp's Q8_K, for the K-quants; plain float32 for
+ * call to the activation format its weight type needs (qk_a32 for Q4_0, Q4_1,
+ * Q5_0, Q5_1 and Q8_0; qk_a256, llama.cpp's Q8_K, for the K-quants; plain float32 for
  * F32, F16 and BF16), then every weight row is dotted with it by an integer
  * kernel that applies the block scales inside the dot product.
  *
@@ -20,14 +20,14 @@
 
 /* ggml type ids */
 enum {
-    QK_F32 = 0, QK_F16 = 1, QK_Q4_0 = 2, QK_Q4_1 = 3, QK_Q8_0 = 8,
+    QK_F32 = 0, QK_F16 = 1, QK_Q4_0 = 2, QK_Q4_1 = 3, QK_Q5_0 = 6, QK_Q5_1 = 7, QK_Q8_0 = 8,
     QK_Q4_K = 12, QK_Q5_K = 13, QK_Q6_K = 14, QK_BF16 = 30,
     QK_NTYPES = 31
 };
 
-/* Activation block for Q4_0, Q4_1 and Q8_0 weights: q = round(x / d) with
- * d = max|x| / 127, and s = the sum of the original float x of the block
- * (Q4_1's min term is m * s). */
+/* Activation block for Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 weights: q = round(x / d)
+ * with d = max|x| / 127, and s = the sum of the original float x of the block
+ * (the min term of Q4_1 and Q5_1 is m * s). */
 typedef struct { float d; float s; int8_t q[32]; } qk_a32;
 
 /* Activation block for the K-quants (llama.cpp's Q8_K): 256 values,
@@ -119,6 +119,12 @@ static inline float qk_bf16_to_fp32(uint16_t h) {
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
 #error "the kernels read GGUF's little-endian blocks with native loads"
 #endif
+/* Q5_0 and Q5_1 keep the fifth bit of their 32 values in one little-endian
+ * uint32 (bit j for value j), after the fp16 scale (and min). */
+static inline uint32_t qk_u32(const uint8_t *p) {
+    uint32_t v; memcpy(&v, p, 4); return v;
+}
+
 static inline void qk_k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
     uint32_t w[3], o[4];
     memcpy(w, s, 12);

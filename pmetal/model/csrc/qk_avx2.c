@@ -45,6 +45,16 @@ static inline QK_AVX2 __m256i nibbles(const uint8_t *p) {
     return _mm256_and_si256(b, _mm256_set1_epi8(0x0f));
 }
 
+/* The 32 bits of a Q5 block's qh as 32 bytes, 0xff where bit j is set
+ * (llama.cpp's bytes_from_bits_32): byte j of the result is bit j. */
+static inline QK_AVX2 __m256i bits32(const uint8_t *p) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                           0x0101010101010101, 0x0000000000000000);
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qk_u32(p)), shuf);
+    const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);   /* every bit but bit j % 8 */
+    return _mm256_cmpeq_epi8(_mm256_or_si256(bytes, others), _mm256_set1_epi64x(-1));
+}
+
 /* Sum of products of unsigned bytes u with signed bytes s, as 8 int32 lanes. */
 static inline QK_AVX2 __m256i dot_us(__m256i u, __m256i s) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
@@ -133,6 +143,54 @@ QK_ROWS rows_q4_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *ou
         out[r * os] = hsum(acc[r]) + _mm_cvtss_f32(_mm_shuffle_ps(accm[r], accm[r], 1));
 }
 QK_ROWS_ENTRY_POINTS(q4_1)
+
+/* Q5_0: q - 16 as a signed byte is the nibble with 0xf0 or'd in where the
+ * fifth bit is clear (nibble - 16), the bare nibble where it is set; then
+ * Q4_0's sign trick. */
+QK_ROWS rows_q5_0(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    __m256 acc[QK_MAXR];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, w += 22) {
+        const __m256i hi = _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xf0));
+        const __m256i qw = _mm256_or_si256(nibbles(w + 6), hi);
+        const __m256i aw = _mm256_sign_epi8(qw, qw);
+        const float dw = fp16(w);
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            const __m256i qx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x->q), qw);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->d), _mm256_cvtepi32_ps(dot_us(aw, qx)), acc[r]);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r * os] = hsum(acc[r]);
+}
+QK_ROWS_ENTRY_POINTS(q5_0)
+
+/* Q5_1: Q4_1 with 16 or'd into the nibbles whose fifth bit is set (maddubs
+ * pair sums stay below 2 * 31 * 128 < 2^15). */
+QK_ROWS rows_q5_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    __m256 acc[QK_MAXR];
+    __m128 accm[QK_MAXR];   /* lane 1: the sum of m * s */
+    for (int r = 0; r < NR; r++) { acc[r] = _mm256_setzero_ps(); accm[r] = _mm_setzero_ps(); }
+    for (int b = 0; b < nb; b++, w += 24) {
+        const __m256i hi = _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10));
+        const __m256i qw = _mm256_or_si256(nibbles(w + 8), hi);
+        uint32_t dm_bits;
+        memcpy(&dm_bits, w, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128((int)dm_bits));   /* d, m */
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            const __m256i qx = _mm256_loadu_si256((const __m256i *)x->q);
+            const __m128 p = _mm_mul_ps(dm, _mm_castpd_ps(_mm_load_sd((const double *)(const void *)&x->d)));
+            acc[r] = _mm256_fmadd_ps(_mm256_broadcastss_ps(p), _mm256_cvtepi32_ps(dot_us(qw, qx)), acc[r]);
+            accm[r] = _mm_add_ps(accm[r], p);
+        }
+    }
+    for (int r = 0; r < NR; r++)
+        out[r * os] = hsum(acc[r]) + _mm_cvtss_f32(_mm_shuffle_ps(accm[r], accm[r], 1));
+}
+QK_ROWS_ENTRY_POINTS(q5_1)
 
 /* K-quants: per super-block, the eight (Q4_K, Q5_K) or sixteen (Q6_K)
  * sub-block scales multiply int32 lanes (madd with the scale as int16), the
@@ -346,6 +404,22 @@ static QK_AVX2 void dq_q4_1(int nb, const uint8_t *w, float *y) {
     }
 }
 
+static QK_AVX2 void dq_q5_0(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 22, y += 32) {
+        const __m256 d = _mm256_set1_ps(fp16(w));
+        const __m256i hi = _mm256_andnot_si256(bits32(w + 2), _mm256_set1_epi8((char)0xf0));
+        store32_mul(y, _mm256_or_si256(nibbles(w + 6), hi), d, d);
+    }
+}
+
+static QK_AVX2 void dq_q5_1(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 24, y += 32) {
+        const __m256 d = _mm256_set1_ps(fp16(w)), m = _mm256_set1_ps(fp16(w + 2));
+        const __m256i hi = _mm256_and_si256(bits32(w + 4), _mm256_set1_epi8(0x10));
+        store32(y, _mm256_or_si256(nibbles(w + 8), hi), d, d, m, m);
+    }
+}
+
 static QK_AVX2 void dq_q4_k(int nb, const uint8_t *w, float *y) {
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int b = 0; b < nb; b++, w += 144, y += 256) {
@@ -480,6 +554,8 @@ void qk_fill_avx2(qk_isa *isa) {
     isa->dot[QK_BF16] = dot_bf16; isa->dequant[QK_BF16] = dq_bf16;
     isa->dot[QK_Q4_0] = dot_q4_0; isa->dotn[QK_Q4_0] = dotn_q4_0; isa->dequant[QK_Q4_0] = dq_q4_0;
     isa->dot[QK_Q4_1] = dot_q4_1; isa->dotn[QK_Q4_1] = dotn_q4_1; isa->dequant[QK_Q4_1] = dq_q4_1;
+    isa->dot[QK_Q5_0] = dot_q5_0; isa->dotn[QK_Q5_0] = dotn_q5_0; isa->dequant[QK_Q5_0] = dq_q5_0;
+    isa->dot[QK_Q5_1] = dot_q5_1; isa->dotn[QK_Q5_1] = dotn_q5_1; isa->dequant[QK_Q5_1] = dq_q5_1;
     isa->dot[QK_Q8_0] = dot_q8_0; isa->dotn[QK_Q8_0] = dotn_q8_0; isa->dequant[QK_Q8_0] = dq_q8_0;
     isa->dot[QK_Q4_K] = dot_q4_k; isa->dotn[QK_Q4_K] = dotn_q4_k; isa->dequant[QK_Q4_K] = dq_q4_k;
     isa->dot[QK_Q5_K] = dot_q5_k; isa->dotn[QK_Q5_K] = dotn_q5_k; isa->dequant[QK_Q5_K] = dq_q5_k;

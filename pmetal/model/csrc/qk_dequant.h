@@ -51,6 +51,32 @@ static inline void qk_dq_q4_1(int nb, const uint8_t *w, float *y) {
     }
 }
 
+/* Q5_0: value j = (low nibble of qs[j] | bit j of qh << 4) - 16, value
+ * j + 16 from the high nibble and bit j + 16; times d.  Q5_1: d q + m. */
+static inline void qk_dq_q5_0(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 22, y += 32) {
+        const float d = qk_fp16_to_fp32(qk_u16(w));
+        const uint32_t qh = qk_u32(w + 2);
+        const uint8_t *q = w + 6;
+        for (int i = 0; i < 16; i++) {
+            y[i] = d * (float)(((q[i] & 15) | (int)(((qh >> i) & 1) << 4)) - 16);
+            y[i + 16] = d * (float)(((q[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) - 16);
+        }
+    }
+}
+
+static inline void qk_dq_q5_1(int nb, const uint8_t *w, float *y) {
+    for (int b = 0; b < nb; b++, w += 24, y += 32) {
+        const float d = qk_fp16_to_fp32(qk_u16(w)), m = qk_fp16_to_fp32(qk_u16(w + 2));
+        const uint32_t qh = qk_u32(w + 4);
+        const uint8_t *q = w + 8;
+        for (int i = 0; i < 16; i++) {
+            y[i] = d * (float)((q[i] & 15) | (int)(((qh >> i) & 1) << 4)) + m;
+            y[i + 16] = d * (float)((q[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) + m;
+        }
+    }
+}
+
 static inline void qk_dq_q4_k(int nb, const uint8_t *w, float *y) {
     for (int b = 0; b < nb; b++, w += 144, y += 256) {
         const float d = qk_fp16_to_fp32(qk_u16(w)), dmin = qk_fp16_to_fp32(qk_u16(w + 2));

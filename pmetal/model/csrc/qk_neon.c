@@ -108,6 +108,55 @@ QK_ROWS rows_q4_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *ou
 }
 QK_ROWS_ENTRY_POINTS(q4_1)
 
+/* The fifth bits of values 16 h .. 16 h + 15 of a Q5 block, as 0x10 where
+ * set and 0 where not: byte j of each 8-byte half tests bit j % 8 of the
+ * qh byte that half repeats. */
+static inline uint8x16_t bits16(uint32_t qh, int h) {
+    static const uint8_t bit[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t v = vcombine_u8(vdup_n_u8((uint8_t)(qh >> (16 * h))), vdup_n_u8((uint8_t)(qh >> (16 * h + 8))));
+    return vandq_u8(vtstq_u8(v, vld1q_u8(bit)), vdupq_n_u8(0x10));
+}
+
+QK_ROWS rows_q5_0(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    const uint8x16_t m4 = vdupq_n_u8(0x0f);
+    const int8x16_t sixteen = vdupq_n_s8(16);
+    float acc[QK_MAXR] = {0};
+    for (int b = 0; b < nb; b++, w += 22) {
+        const uint32_t qh = qk_u32(w + 2);
+        const uint8x16_t v = vld1q_u8(w + 6);
+        const int8x16_t lo = vsubq_s8(s8(vorrq_u8(vandq_u8(v, m4), bits16(qh, 0))), sixteen);
+        const int8x16_t hi = vsubq_s8(s8(vorrq_u8(vshrq_n_u8(v, 4), bits16(qh, 1))), sixteen);
+        const float dw = qk_fp16_to_fp32(qk_u16(w));
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            acc[r] += (dw * x->d) * (float)dot32(lo, hi, x->q);
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r];
+}
+QK_ROWS_ENTRY_POINTS(q5_0)
+
+QK_ROWS rows_q5_1(int nb, const uint8_t *w, const void *xv, size_t xs, float *out, size_t os, const int NR) {
+    const uint8_t *xb = xv;
+    const uint8x16_t m4 = vdupq_n_u8(0x0f);
+    float acc[QK_MAXR] = {0}, accm[QK_MAXR] = {0};
+    for (int b = 0; b < nb; b++, w += 24) {
+        const uint32_t qh = qk_u32(w + 4);
+        const uint8x16_t v = vld1q_u8(w + 8);
+        const int8x16_t lo = s8(vorrq_u8(vandq_u8(v, m4), bits16(qh, 0)));
+        const int8x16_t hi = s8(vorrq_u8(vshrq_n_u8(v, 4), bits16(qh, 1)));
+        const float dw = qk_fp16_to_fp32(qk_u16(w)), mw = qk_fp16_to_fp32(qk_u16(w + 2));
+        for (int r = 0; r < NR; r++) {
+            const qk_a32 *x = XROW(qk_a32, r, b);
+            acc[r] += (dw * x->d) * (float)dot32(lo, hi, x->q);
+            accm[r] += mw * x->s;
+        }
+    }
+    for (int r = 0; r < NR; r++) out[r * os] = acc[r] + accm[r];
+}
+QK_ROWS_ENTRY_POINTS(q5_1)
+
 static inline int k_mins(const uint8_t mn[8], const int16_t *bsums) {
     int s = 0;
     for (int j = 0; j < 8; j++) s += mn[j] * (bsums[2 * j] + bsums[2 * j + 1]);
@@ -290,6 +339,8 @@ void qk_fill_neon(qk_isa *isa) {
     isa->dot[QK_BF16] = dot_bf16;
     isa->dot[QK_Q4_0] = dot_q4_0; isa->dotn[QK_Q4_0] = dotn_q4_0;
     isa->dot[QK_Q4_1] = dot_q4_1; isa->dotn[QK_Q4_1] = dotn_q4_1;
+    isa->dot[QK_Q5_0] = dot_q5_0; isa->dotn[QK_Q5_0] = dotn_q5_0;
+    isa->dot[QK_Q5_1] = dot_q5_1; isa->dotn[QK_Q5_1] = dotn_q5_1;
     isa->dot[QK_Q8_0] = dot_q8_0; isa->dotn[QK_Q8_0] = dotn_q8_0;
     isa->dot[QK_Q4_K] = dot_q4_k; isa->dotn[QK_Q4_K] = dotn_q4_k;
     isa->dot[QK_Q5_K] = dot_q5_k; isa->dotn[QK_Q5_K] = dotn_q5_k;

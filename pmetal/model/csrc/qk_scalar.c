@@ -47,6 +47,37 @@ static float dot_q4_1(int nb, const uint8_t *w, const void *xv) {
     return acc + accm;
 }
 
+static float dot_q5_0(int nb, const uint8_t *w, const void *xv) {
+    const qk_a32 *x = xv;
+    float acc = 0.0f;
+    for (int b = 0; b < nb; b++, w += 22) {
+        const uint32_t qh = qk_u32(w + 2);
+        const uint8_t *q = w + 6;
+        int s = 0;
+        for (int i = 0; i < 16; i++)
+            s += (((q[i] & 15) | (int)(((qh >> i) & 1) << 4)) - 16) * x[b].q[i]
+               + (((q[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) - 16) * x[b].q[i + 16];
+        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)s;
+    }
+    return acc;
+}
+
+static float dot_q5_1(int nb, const uint8_t *w, const void *xv) {
+    const qk_a32 *x = xv;
+    float acc = 0.0f, accm = 0.0f;
+    for (int b = 0; b < nb; b++, w += 24) {
+        const uint32_t qh = qk_u32(w + 4);
+        const uint8_t *q = w + 8;
+        int s = 0;
+        for (int i = 0; i < 16; i++)
+            s += ((q[i] & 15) | (int)(((qh >> i) & 1) << 4)) * x[b].q[i]
+               + ((q[i] >> 4) | (int)(((qh >> (i + 16)) & 1) << 4)) * x[b].q[i + 16];
+        acc += (qk_fp16_to_fp32(qk_u16(w)) * x[b].d) * (float)s;
+        accm += qk_fp16_to_fp32(qk_u16(w + 2)) * x[b].s;
+    }
+    return acc + accm;
+}
+
 static float dot_q4_k(int nb, const uint8_t *w, const void *xv) {
     const qk_a256 *x = xv;
     float acc = 0.0f, accm = 0.0f;
@@ -145,6 +176,8 @@ static void dq_f16(int n, const uint8_t *w, float *y) { qk_dq_f16(n, w, y); }
 static void dq_bf16(int n, const uint8_t *w, float *y) { qk_dq_bf16(n, w, y); }
 static void dq_q4_0(int n, const uint8_t *w, float *y) { qk_dq_q4_0(n, w, y); }
 static void dq_q4_1(int n, const uint8_t *w, float *y) { qk_dq_q4_1(n, w, y); }
+static void dq_q5_0(int n, const uint8_t *w, float *y) { qk_dq_q5_0(n, w, y); }
+static void dq_q5_1(int n, const uint8_t *w, float *y) { qk_dq_q5_1(n, w, y); }
 static void dq_q8_0(int n, const uint8_t *w, float *y) { qk_dq_q8_0(n, w, y); }
 static void dq_q4_k(int n, const uint8_t *w, float *y) { qk_dq_q4_k(n, w, y); }
 static void dq_q5_k(int n, const uint8_t *w, float *y) { qk_dq_q5_k(n, w, y); }
@@ -160,6 +193,8 @@ void qk_fill_scalar(qk_isa *isa) {
     isa->dot[QK_BF16] = dot_bf16; isa->dequant[QK_BF16] = dq_bf16;
     isa->dot[QK_Q4_0] = dot_q4_0; isa->dequant[QK_Q4_0] = dq_q4_0;
     isa->dot[QK_Q4_1] = dot_q4_1; isa->dequant[QK_Q4_1] = dq_q4_1;
+    isa->dot[QK_Q5_0] = dot_q5_0; isa->dequant[QK_Q5_0] = dq_q5_0;
+    isa->dot[QK_Q5_1] = dot_q5_1; isa->dequant[QK_Q5_1] = dq_q5_1;
     isa->dot[QK_Q8_0] = dot_q8_0; isa->dequant[QK_Q8_0] = dq_q8_0;
     isa->dot[QK_Q4_K] = dot_q4_k; isa->dequant[QK_Q4_K] = dq_q4_k;
     isa->dot[QK_Q5_K] = dot_q5_k; isa->dequant[QK_Q5_K] = dq_q5_k;
