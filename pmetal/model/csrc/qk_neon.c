@@ -6,7 +6,7 @@
  * accumulation; both give the same exact int32 block sums.  Each block's
  * float step is the scalar kernel's expression, so on the quantized formats
  * these kernels return the scalar kernels' bits exactly (tests/model/
- * neon_check.c checks that under qemu).  Float weights keep eight partial
+ * isa_check.c checks that under qemu).  Float weights keep eight partial
  * sums in two float32x4 FMA accumulators.  The quantized kernels unpack a
  * weight block once for up to 4 x rows, like the AVX2 ones.
  */
