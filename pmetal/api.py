@@ -17,12 +17,13 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.handles import ActorHandle
-from pmetal.config import PMetalConfig, load_config
+from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
 from pmetal.security import NetworkNamespace
@@ -54,6 +55,9 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
                 peers: list[str] | None = None, discovery: bool = False) -> tuple[Any, str]:
     env = dict(os.environ)
     env.pop("PMETAL_PSK", None)
+    # The node runs with the caller's settings (pmetal.init(config=...)),
+    # not only with what this process's environment says.
+    env.update(config_env(config))
     env["PMETAL_PSK_HEX"] = namespace.psk.hex()
     env["PMETAL_SECURITY_NAMESPACE"] = namespace.name
     # Workers import user code by reference: give them the driver's import
@@ -147,10 +151,12 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 raise PMetalValueError(f"peers: {exc}") from exc
         if not isinstance(discovery, bool):
             raise PMetalTypeError(f"discovery must be True or False, not {discovery!r:.40}")
+        if config is not None and not isinstance(config, PMetalConfig):
+            raise PMetalTypeError(f"config must be a PMetalConfig (pmetal.config.load_config "
+                                  f"makes one), not {type(config).__name__}")
         cfg = config or load_config()
         if namespace is not None:
-            cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
-                              transport=cfg.transport.__dict__, actors=cfg.actors.__dict__)
+            cfg = replace(cfg, security=replace(cfg.security, namespace=namespace))
         node_proc = None
         if address is None:
             ns = (NetworkNamespace(cfg.security.namespace,
@@ -180,8 +186,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
                             "namespace": info.get("namespace") or cfg.security.namespace}
                 if info.get("psk_file"):
                     security["psk_file"] = info["psk_file"]
-                cfg = load_config(security=security, transport=cfg.transport.__dict__,
-                                  actors=cfg.actors.__dict__)
+                cfg = replace(cfg, security=replace(cfg.security, **security))
                 if psk is None and info.get("psk_file"):
                     from pathlib import Path
                     try:

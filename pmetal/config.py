@@ -35,6 +35,7 @@ __all__ = [
     "SecurityConfig",
     "TransportConfig",
     "config_as_dict",
+    "config_env",
     "load_config",
     "log_level",
     "pmetal_home",
@@ -432,3 +433,17 @@ def _known_env(classes: dict[str, type]) -> set[str]:
 def config_as_dict(cfg: PMetalConfig) -> dict[str, dict[str, Any]]:
     """The configuration as plain dicts, for printing (``pmetal config``)."""
     return dataclasses.asdict(cfg)
+
+
+def config_env(cfg: PMetalConfig) -> dict[str, str]:
+    """``cfg`` as ``PMETAL_<SECTION>_<FIELD>`` variables: what a process
+    started with them loads (:func:`load_config`) is ``cfg`` again. How a
+    driver hands its settings to the node it starts."""
+    env = {}
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            text = ("true" if value else "false") if isinstance(value, bool) else repr(value) \
+                if isinstance(value, float) else str(value)
+            env[f"PMETAL_{section.name.upper()}_{f.name.upper()}"] = text
+    return env

@@ -24,8 +24,6 @@ def _node_config(pid: int) -> object:
     return load_config(env=env)
 
 
-@pytest.mark.xfail(strict=True, reason="api.init rebuilds the config for the namespace and "
-                   "drops health, election, discovery and collectives")
 def test_init_with_config_and_namespace_keeps_every_setting() -> None:
     if pmetal.is_initialized():
         shutdown_quietly()
