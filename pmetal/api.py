@@ -399,10 +399,11 @@ def get_actor(name: str) -> ActorHandle:
                               f"{type(name).__name__}")
     if not name:
         raise PMetalValueError("pmetal.get_actor needs a non-empty name")
-    loc = client().lookup(name=name)
+    current = client()
+    loc = current.lookup(name=name)
     if loc.state == "dead":
         raise PMetalValueError(f"actor {name!r} is dead: {loc.reason}")
-    return ActorHandle(loc)
+    return ActorHandle(loc, current)
 
 
 def nodes() -> list[dict[str, Any]]:
