@@ -68,6 +68,28 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "meant", "usage"), [
+    (["stauts"], "'status'", "usage: pmetal "),
+    (["lanch", "-n", "2"], "'launch'", "usage: pmetal "),
+    (["status", "--jsno"], "'--json'", "usage: pmetal status"),
+    (["start", "--prot", "6000"], "'--port'", "usage: pmetal start"),
+    (["kill", "x", "--restrat"], "'--restart'", "usage: pmetal kill"),
+    (["status", "--probbe=1"], "'--probe'", "usage: pmetal status"),
+])
+def test_a_typo_gets_the_closest_command_or_option(argv: list[str], meant: str, usage: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"did you mean {meant}?" in err and usage in err, err
+
+
+def test_a_word_like_nothing_known_gets_no_suggestion(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--zzzzqqq"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzqqq" in err and "did you mean" not in err
+
+
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out

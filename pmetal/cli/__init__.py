@@ -18,11 +18,14 @@ traceback), 2 a usage or configuration error, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 from pmetal._version import __version__
 from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_arguments,
@@ -83,8 +86,38 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors for a mistyped command, choice or option name
+    the closest known one (Python 3.11's argparse does not)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + _did_you_mean(self, message))
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:
+        known = re.findall(r"'([^']*)'", choice.group(2))
+        close = difflib.get_close_matches(choice.group(1), known, n=1, cutoff=0.5)
+        return f"; did you mean '{close[0]}'?" if close else ""
+    unknown = re.match(r"unrecognized arguments: (.*)$", message)
+    if not unknown:
+        return ""
+    options = [o for action in parser._actions for o in action.option_strings]
+    hints = {}
+    for word in unknown.group(1).split():
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.partition("=")[0], options, n=1, cutoff=0.5)
+            if close:
+                hints[word] = close[0]
+    if len(hints) == 1:
+        return f"; did you mean '{next(iter(hints.values()))}'?"
+    return ("; did you mean " + ", ".join(f"'{o}' for '{w}'" for w, o in hints.items()) + "?"
+            if hints else "")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pmetal", description="Ray-style actor clusters for the machines you own.")
     parser.add_argument("--version", action="version", version=f"pmetal {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
@@ -95,6 +128,13 @@ def _parser() -> argparse.ArgumentParser:
         child = sub.add_parser(name, help=command.help, description=command.help)
         command.arguments(child)
     return parser
+
+
+def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return None
 
 
 def _log_level(verbose: int, env: Mapping[str, str]) -> int | None:
@@ -124,7 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            # Report them with the subcommand's options, the ones meant.
+            command = _subcommand(parser, getattr(args, "command", None))
+            (command or parser).error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as exc:  # --help, --version, usage errors: keep main() returning
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if args.command is None:
