@@ -25,6 +25,7 @@ import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NoReturn
 
 from pmetal._version import __version__
@@ -37,6 +38,7 @@ from pmetal.cli.generate import _generate_arguments, _run_generate
 from pmetal.cli.launch import _launch_arguments, _run_launch
 from pmetal.cli.models import _models_arguments, _run_models
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
+from pmetal.config import pmetal_home
 from pmetal.errors import ConfigError, PMetalError
 
 __all__ = ["COMMANDS", "Command", "main"]
@@ -130,6 +132,22 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _home_error(exc: OSError) -> str | None:
+    """What to do about ``exc`` when it concerns a file under PMETAL_HOME (a
+    folder that is read-only, full, or another user's); None otherwise."""
+    home = pmetal_home()
+    where = next((Path(f) for f in (exc.filename, exc.filename2)
+                  if isinstance(f, (str, os.PathLike)) and Path(f).is_relative_to(home)), None)
+    if where is None:
+        return None
+    if where.name.startswith("."):   # a temporary file, made to be renamed
+        where = where.parent
+    return (f"cannot write in {where}: {exc.strerror or exc}. pmetal keeps this machine's state "
+            f"in PMETAL_HOME ({home}: the node key pair, node.json, models); make that folder "
+            f"writable by this user, or point PMETAL_HOME at one that is "
+            f"(export PMETAL_HOME=/a/writable/folder)")
+
+
 def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and name in action.choices:
@@ -185,6 +203,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        message = _home_error(exc)
+        if message is None:
+            raise
+        print(f"pmetal {args.command}: {message}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # 'pmetal status | head': the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
