@@ -167,33 +167,16 @@ def init(address: str | None = None, *, namespace: str | None = None,
                                                   peers=peers, discovery=discovery)
         else:
             if address == "auto":
-                from pmetal.actors.node import node_file
-                path = node_file()
-                try:
-                    info = json.loads(path.read_text())
-                except (OSError, ValueError) as exc:
-                    raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
-                                    f"start one with 'pmetal start'") from exc
-                from pmetal.actors.node import is_node_process
-                if not isinstance(info, dict) or not is_node_process(info.get("pid")):
-                    raise PeerError(f"address='auto': the node recorded in {path} (pid "
-                                    f"{info.get('pid') if isinstance(info, dict) else '?'}) is "
-                                    f"not running; start one with 'pmetal start'")
-                node_address = info["address"]
+                local = local_node()
+                node_address = local["address"]
                 # The running node's own namespace and key file win over this
                 # process's environment; an explicit psk= argument wins over both.
-                security = {**cfg.security.__dict__,
-                            "namespace": info.get("namespace") or cfg.security.namespace}
-                if info.get("psk_file"):
-                    security["psk_file"] = info["psk_file"]
+                security = {"namespace": local["namespace"] or cfg.security.namespace}
+                if local["psk_file"]:
+                    security["psk_file"] = local["psk_file"]
                 cfg = replace(cfg, security=replace(cfg.security, **security))
-                if psk is None and info.get("psk_file"):
-                    from pathlib import Path
-                    try:
-                        psk = Path(info["psk_file"]).expanduser().read_bytes().strip()
-                    except OSError as exc:
-                        raise ConfigError(f"cannot read the node's PSK file "
-                                          f"{info['psk_file']}: {exc}") from exc
+                if psk is None:
+                    psk = local["psk"]
             else:
                 from pmetal.transport import normalize_address
                 node_address = normalize_address(address)
@@ -208,6 +191,34 @@ def init(address: str | None = None, *, namespace: str | None = None,
         _node_proc = node_proc
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
+
+
+def local_node() -> dict[str, Any]:
+    """The node ``pmetal start`` runs on this machine, from its record
+    (``$PMETAL_HOME/node.json``): its ``address``, ``namespace``,
+    ``psk_file`` and ``psk`` (the key, None without a file). PeerError when
+    none runs, ConfigError when its key file cannot be read."""
+    from pmetal.actors.node import is_node_process, node_file
+    path = node_file()
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
+                        f"start one with 'pmetal start'") from exc
+    if not isinstance(info, dict) or not is_node_process(info.get("pid")):
+        raise PeerError(f"address='auto': the node recorded in {path} (pid "
+                        f"{info.get('pid') if isinstance(info, dict) else '?'}) is "
+                        f"not running; start one with 'pmetal start'")
+    psk = None
+    if info.get("psk_file"):
+        from pathlib import Path
+        try:
+            psk = Path(info["psk_file"]).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the node's PSK file "
+                              f"{info['psk_file']}: {exc}") from exc
+    return {"address": info["address"], "namespace": info.get("namespace") or "",
+            "psk_file": info.get("psk_file") or "", "psk": psk}
 
 
 def wait_for_peers(n: int, timeout: float = 30.0) -> list[str]:
