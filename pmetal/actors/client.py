@@ -6,12 +6,15 @@ placement, lookups) and one :class:`PeerLink` per worker it calls (data: calls
 and results go straight to the worker, never through a node). Each link
 watches its TCP connection: when the worker's process dies the connection
 drops, and every call pending on that link fails with
-:class:`~pmetal.errors.ActorDiedError` within one wait slice (50 ms)
+:class:`~pmetal.errors.ActorDiedError` within one wait slice (10 ms)
 instead of waiting for a timeout. The next call on the handle asks the node where the actor lives
 now (it may have been restarted) and carries on.
 
 Sockets are used under one lock, so a client may be shared by threads; a
-``get`` that waits holds it, so other threads' calls wait too.
+``get`` that waits holds it for one 10 ms slice at a time. Finding an actor
+again (a lookup that waits for its restart, a session with a worker that
+does not answer yet) happens without it, under a lock of that actor's own:
+it holds up later calls to that actor, never calls to other actors.
 
 The control channel to the node (requests, telling the node's death from
 its silence, the lease a client on another machine holds on its actors) is
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import socket
 import threading
 import time
 from typing import Any
@@ -34,13 +36,13 @@ from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals, Retry
 from pmetal.actors.links import _TASKS, NodeLink, PeerLink
+from pmetal.actors.locate import ActorCall, ActorLocator
 from pmetal.actors.watch import ClusterWatch, peers_missing
 from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
 from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerError,
-                           PMetalError, PMetalTimeoutError, PMetalValueError, PlacementError,
-                           TransportError)
+                           PMetalError, PMetalTimeoutError, PlacementError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -76,41 +78,6 @@ _CLOSED = ("the result was still pending when pmetal.shutdown() closed the clien
            "made the call; it will never arrive")
 
 
-_SHUT_DOWN = "pmetal is shut down: pmetal.shutdown() closed this client; call pmetal.init() first"
-
-
-def _accepts(address: str) -> bool:
-    """False when the TCP port at ``address`` refuses a connection at once
-    (the process that listened there exited); True when it accepts, or
-    when we cannot tell within a short time (a host that does not answer)."""
-    host, _, port = address.partition("://")[2].rpartition(":")
-    if not port.isdigit():
-        return True
-    try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
-    except ConnectionRefusedError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-class _ActorCall:
-    """How a deferred or retried actor call is sent (deferred.Submit): its
-    actor is found first, without the client lock (``prepare``)."""
-
-    __slots__ = ("client", "handle", "method")
-
-    def __init__(self, client: CoreClient, handle: Any, method: str) -> None:
-        self.client, self.handle, self.method = client, handle, method
-
-    def prepare(self) -> BaseException | None:
-        return self.client.prepare_call(self.handle)
-
-    def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
-        return self.client._call_now(self.handle, self.method, args, kwargs)
-
-
 class CoreClient:
     """One process's connection to the cluster."""
 
@@ -124,9 +91,7 @@ class CoreClient:
         self.lock = threading.RLock()
         self.node_link = NodeLink(self.transport, self.identity, namespace, config, node_address,
                                   threading.RLock(), self._SLICE_MS / 1000)
-        # One lock per actor whose new home a call is finding (see _actor_link):
-        # that wait holds up later calls to the same actor, never the others.
-        self._locating: dict[str, threading.Lock] = {}
+        self.locator = ActorLocator(self)
         self.closed = False
         self.node = self.node_link.channel
         self.node_id = self.node_link.node_id
@@ -255,27 +220,32 @@ class CoreClient:
         plain = not kwargs and _plain(args)
         retry = None
         if handle._max_task_retries:   # resubmitted if the actor dies (deferred.Retry)
-            retry = Retry(_ActorCall(self, handle, method), args, kwargs,
+            retry = Retry(ActorCall(self, handle, method), args, kwargs,
                           handle._actor_id, handle._max_task_retries)
         if ((deferrals.actors and handle._actor_id in deferrals.actors)
                 or (not plain and Deferrals.unready(args, kwargs))):
-            return deferrals.add(_ActorCall(self, handle, method),
+            return deferrals.add(ActorCall(self, handle, method),
                                  args, kwargs, handle._actor_id, (handle, method), retry)
         if not plain:
             args, kwargs = self._resolve_args(args, kwargs)
         return self._call_now(handle, method, args, kwargs, retry)
 
     def _call_now(self, handle: Any, method: str, args: list[Any],
-                  kwargs: dict[str, Any], retry: Retry | None = None) -> ObjectRef:
+                  kwargs: dict[str, Any], retry: Retry | None = None,
+                  locate: bool = True) -> ObjectRef:
         """Send a call whose arguments are packed (or queue it behind calls in
         flight). A call whose actor must be found again (its process or node
         died, or we have no link to it yet) waits for that without the
         client's lock: calls to other actors go on meanwhile."""
         with self.lock:
-            link = self._ready_link(handle)
+            link = self.locator.ready(handle)
             if link is not None:
                 return self._submit(link, handle, method, args, kwargs, retry)
-        found = self._actor_link(handle)
+            if not locate:   # the caller holds the lock: never wait for a location under it
+                return ObjectRef.of_error(ActorDiedError(
+                    f"{call_name(handle, method)}: its worker went away while the call was "
+                    f"being sent"))
+        found = self.locator.find(handle)
         if isinstance(found, BaseException):
             return ObjectRef.of_error(found)
         with self.lock:
@@ -364,134 +334,6 @@ class CoreClient:
                     return
                 self.flush()
             self.node_link.renew()
-
-    def prepare_call(self, handle: Any) -> BaseException | None:
-        """Find a live link to ``handle``'s actor now, without the client
-        lock (what a deferred call does before it is sent under the lock);
-        the error its call would get, if any."""
-        with self.lock:
-            if self._ready_link(handle) is not None:
-                return None
-        found = self._actor_link(handle)
-        return found if isinstance(found, BaseException) else None
-
-    def _ready_link(self, handle: Any) -> PeerLink | None:
-        """Our live link to ``handle``'s actor, if we have one (lock held)."""
-        link = self._link_for(handle._address, handle._actor_id)
-        if link is None or link.dead:
-            return None
-        # With calls in flight, a death shows up while waiting for their
-        # results (the monitor is polled with the data socket). An idle
-        # link may have died unnoticed: look before sending to it.
-        if link.channel.pending() or link.outbox:
-            return link
-        link.check()
-        return None if link.dead else link
-
-    def _actor_link(self, handle: Any) -> PeerLink | BaseException:
-        """A live link to ``handle``'s actor, found without the client lock:
-        opening a session (a worker busy in a long call answers only after
-        it) and waiting for a restart take as long as they take, and only
-        calls to this actor wait behind them."""
-        with self.lock:
-            locating = self._locating.setdefault(handle._actor_id, threading.Lock())
-        with locating:
-            with self.lock:
-                if self.closed:
-                    return ClosedError(_SHUT_DOWN)
-                link = self._ready_link(handle)   # another thread found it meanwhile
-                if link is not None:
-                    return link
-                fresh = (self._link_for(handle._address, handle._actor_id) is None
-                         and handle._state == "alive"
-                         and not (self._watch is not None and handle._node_id in self._watch.dead))
-            if fresh:
-                link = self._open_link(handle._address, handle._actor_id, handle)
-                if not link.dead:
-                    return link
-            return self._relocate(handle)
-
-    def _relocate(self, handle: Any) -> PeerLink | BaseException:
-        """Ask our node where ``handle``'s actor lives now: the worker we
-        knew died, or its node did. Waits up to ``actors.restart_wait`` for
-        its restart; a call to an actor that cannot come back (it is dead
-        for good, or its node is cut off from a master that could restart
-        it) fails within that bound with ActorDiedError."""
-        # A handle that never saw its actor alive (found by name while its
-        # creator was still making it) waits for that same incarnation: the
-        # next one would come only with a restart.
-        incarnation = handle._incarnation + (0 if handle._state == "pending" else 1)
-        bound = self.config.actors.restart_wait
-        deadline = time.monotonic() + bound
-        while True:
-            remaining = deadline - time.monotonic()
-            try:
-                loc = self.lookup(handle._actor_id, min_incarnation=incarnation,
-                                  wait=max(0.0, remaining))
-            except PMetalValueError as exc:   # no such actor: not (yet) restarted anywhere
-                # The master that placed it died with its node: its restart
-                # comes from the next master, once elected. A call that may
-                # be retried waits for it; others fail now.
-                if handle._max_task_retries == 0 or remaining <= 0 or self.closed:
-                    return ActorDiedError(f"actor {handle._class_name}"
-                                          f"({handle._actor_id[-8:]}) is unreachable: {exc}")
-                self._closing.wait(min(0.1, remaining))
-                continue
-            except PMetalError as exc:
-                return ActorDiedError(f"actor {handle._actor_id} is unreachable: {exc}")
-            if loc.state == "dead":
-                handle._update(loc)
-                return ActorDiedError(f"actor {handle._class_name}({handle._actor_id[-8:]}) "
-                                      f"is dead: {loc.reason or loc.state}")
-            if loc.state == "alive" and loc.incarnation >= incarnation:
-                handle._update(loc)
-                link = self._open_link(loc.address, handle._actor_id, handle)
-                if link.dead:
-                    return ActorDiedError(f"actor {handle._class_name}"
-                                          f"({handle._actor_id[-8:]}): {link.dead}")
-                return link
-            if time.monotonic() >= deadline:
-                return ActorDiedError(
-                    f"actor {handle._class_name}({handle._actor_id[-8:]}) did not come back "
-                    f"within actors.restart_wait={bound:g} s (last seen {loc.state} on node "
-                    f"{loc.node_id[:8]}); if its node is cut off from this one, this node may "
-                    f"be on the minority side of a partition")
-            # Answered before its wait was up, without the new incarnation
-            # (a member that knows only the old one): ask again shortly.
-            self._closing.wait(min(0.05, max(0.0, deadline - time.monotonic())))
-
-    def _open_link(self, address: str, owner: str, handle: Any) -> PeerLink:
-        """A link to the worker at ``address`` hosting ``owner``: ours if it
-        is live, else a new one, whose session is opened without the
-        client lock. Dead when nothing listens there any more (the worker's
-        process exited: the port refuses at once) or it never answers."""
-        with self.lock:
-            link = self._link_for(address, owner)
-            if link is not None and not link.dead:
-                return self._on(link, handle)
-            link = PeerLink(self.transport, self.identity, self.namespace, self.config,
-                            address, self.node_link)
-        if not _accepts(address):
-            link.die(f"nothing listens at {address} any more (its process exited)")
-        else:
-            # A worker busy in a long call answers the handshake only after
-            # it: wait as long as for a request, not the short handshake time.
-            try:
-                link.channel.open(timeout=self.config.transport.request_timeout)
-            except PMetalError as exc:
-                link.die(f"cannot open a session with {address}: {exc}")
-        with self.lock:
-            old = self.links.get(address)
-            if old is not None and old is not link:
-                if not old.dead and old.owner == owner:
-                    link.close()   # another thread opened one meanwhile
-                    return self._on(old, handle)
-                old.die(f"the worker at {address} is gone")
-                old.close()
-            if self.closed:
-                link.die(_SHUT_DOWN)
-            self.links[address] = link
-            return self._on(self._own(link, owner), handle)
 
     def _on(self, link: PeerLink, handle: Any) -> PeerLink:
         """``link`` serves an actor of node ``handle._node_id``: on another
@@ -635,7 +477,7 @@ class CoreClient:
 
     # A waiting get/wait holds the client lock for at most this long at a
     # time, so other threads (or an async actor's other calls) can submit.
-    _SLICE_MS = 50
+    _SLICE_MS = 10
 
     def get(self, refs: list[ObjectRef], timeout: float | None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -268,10 +268,8 @@ def _after_shutdown(handle: ActorHandle) -> Any:
             f"pmetal is shut down: {handle!r} belongs to the session that "
             f"pmetal.shutdown() ended; call pmetal.init() first (its actor ended with that "
             f"session unless it was created with lifetime='detached')")
-    client = _client()
-    handle._origin = client
-    handle._state = "pending"   # unknown to this session: look it up, same incarnation
-    return client
+    handle._origin = None   # unknown to this session: its client looks it up first
+    return _client()
 
 
 def _rebuild_handle(actor_id: str, state: str, address: str, node_id: str, incarnation: int,

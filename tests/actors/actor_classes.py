@@ -227,10 +227,11 @@ class Parent:
         return os.getpid()
 
 
-@pmetal.remote(max_restarts=1)
+@pmetal.remote(max_restarts=1, max_task_retries=1)
 class SlowRestart:
     """An actor whose restart takes ``delay`` seconds: its constructor
-    finds the marker file its first incarnation left."""
+    finds the marker file its first incarnation left. A call its death
+    failed is sent again to the restarted actor."""
 
     def __init__(self, marker: str, delay: float) -> None:
         if os.path.exists(marker):
