@@ -110,25 +110,27 @@ class ActorLocator:
         opening a session (a worker busy in a long call answers only after
         it) and waiting for a restart take as long as they take, and only
         calls to this actor wait behind them."""
-        with self.client.lock:
+        client = self.client
+        with client.lock:
             locating = self._locating.setdefault(handle._actor_id, threading.Lock())
         with locating:
-            with self.client.lock:
-                if self.client.closed:
+            with client.lock:
+                if client.closed:
                     return ClosedError(SHUT_DOWN)
                 link = self.ready(handle)   # another thread found it meanwhile
                 if link is not None:
                     return link
-                fresh = (self.client._link_for(handle._address, handle._actor_id) is None
+                watch = client._watch
+                fresh = (client._link_for(handle._address, handle._actor_id) is None
                          and handle._state == "alive"
-                         and not (self.client._watch is not None and handle._node_id in self.client._watch.dead))
-                if fresh and handle._origin is not self.client:
+                         and not (watch is not None and handle._node_id in watch.dead))
+                if fresh and handle._origin is not client:
                     # A handle from elsewhere (pickled, or from a shut-down
                     # session): its actor may have died since, and the OS
                     # may have given its port to another worker already
                     # (seen in 5 of 25 tries on one machine). Ask our node
                     # where it lives before dialing anything.
-                    handle._origin = self.client
+                    handle._origin = client
                     handle._state = "pending"
                     fresh = False
             if fresh:
@@ -146,22 +148,23 @@ class ActorLocator:
         # A handle that never saw its actor alive (found by name while its
         # creator was still making it) waits for that same incarnation: the
         # next one would come only with a restart.
+        client = self.client
         incarnation = handle._incarnation + (0 if handle._state == "pending" else 1)
-        bound = self.client.config.actors.restart_wait
+        bound = client.config.actors.restart_wait
         deadline = time.monotonic() + bound
         while True:
             remaining = deadline - time.monotonic()
             try:
-                loc = self.client.lookup(handle._actor_id, min_incarnation=incarnation,
-                                  wait=max(0.0, remaining))
+                loc = client.lookup(handle._actor_id, min_incarnation=incarnation,
+                                    wait=max(0.0, remaining))
             except PMetalValueError as exc:   # no such actor: not (yet) restarted anywhere
                 # The master that placed it died with its node: its restart
                 # comes from the next master, once elected. A call that may
                 # be retried waits for it; others fail now.
-                if handle._max_task_retries == 0 or remaining <= 0 or self.client.closed:
+                if handle._max_task_retries == 0 or remaining <= 0 or client.closed:
                     return ActorDiedError(f"actor {handle._class_name}"
                                           f"({handle._actor_id[-8:]}) is unreachable: {exc}")
-                self.client._closing.wait(min(0.1, remaining))
+                client._closing.wait(min(0.1, remaining))
                 continue
             except PMetalError as exc:
                 return ActorDiedError(f"actor {handle._actor_id} is unreachable: {exc}")
@@ -189,37 +192,38 @@ class ActorLocator:
                     f"be on the minority side of a partition")
             # Answered before its wait was up, without the new incarnation
             # (a member that knows only the old one): ask again shortly.
-            self.client._closing.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            client._closing.wait(min(0.05, max(0.0, deadline - time.monotonic())))
 
     def _open_link(self, address: str, owner: str, handle: Any) -> PeerLink:
         """A link to the worker at ``address`` hosting ``owner``: ours if it
         is live, else a new one, whose session is opened without the
         client lock. Dead when nothing listens there any more (the worker's
         process exited: the port refuses at once) or it never answers."""
-        with self.client.lock:
-            link = self.client._link_for(address, owner)
+        client = self.client
+        with client.lock:
+            link = client._link_for(address, owner)
             if link is not None and not link.dead:
-                return self.client._on(link, handle)
-            link = PeerLink(self.client.transport, self.client.identity, self.client.namespace, self.client.config,
-                            address, self.client.node_link)
+                return client._on(link, handle)
+            link = PeerLink(client.transport, client.identity, client.namespace, client.config,
+                            address, client.node_link)
         if not _accepts(address):
             link.die(f"nothing listens at {address} any more (its process exited)")
         else:
             # A worker busy in a long call answers the handshake only after
             # it: wait as long as for a request, not the short handshake time.
             try:
-                link.channel.open(timeout=self.client.config.transport.request_timeout)
+                link.channel.open(timeout=client.config.transport.request_timeout)
             except PMetalError as exc:
                 link.die(f"cannot open a session with {address}: {exc}")
-        with self.client.lock:
-            old = self.client.links.get(address)
+        with client.lock:
+            old = client.links.get(address)
             if old is not None and old is not link:
                 if not old.dead and old.owner == owner:
                     link.close()   # another thread opened one meanwhile
-                    return self.client._on(old, handle)
+                    return client._on(old, handle)
                 old.die(f"the worker at {address} is gone")
                 old.close()
-            if self.client.closed:
+            if client.closed:
                 link.die(SHUT_DOWN)
-            self.client.links[address] = link
-            return self.client._on(self.client._own(link, owner), handle)
+            client.links[address] = link
+            return client._on(client._own(link, owner), handle)

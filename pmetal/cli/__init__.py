@@ -148,7 +148,8 @@ def _home_error(exc: OSError) -> str | None:
             f"(export PMETAL_HOME=/a/writable/folder)")
 
 
-def _subcommand(parser: argparse.ArgumentParser, name: str | None) -> argparse.ArgumentParser | None:
+def _subcommand(parser: argparse.ArgumentParser,
+                name: str | None) -> argparse.ArgumentParser | None:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction) and name in action.choices:
             return action.choices[name]
