@@ -27,7 +27,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.links import PeerLink
-from pmetal.errors import ActorDiedError, ClosedError, PMetalError, PMetalValueError
+from pmetal.errors import (
+    ActorDiedError,
+    ClosedError,
+    PMetalError,
+    PMetalValueError,
+    RequestTimeoutError,
+)
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
@@ -204,17 +210,7 @@ class ActorLocator:
             link = client._link_for(address, owner)
             if link is not None and not link.dead:
                 return client._on(link, handle)
-            link = PeerLink(client.transport, client.identity, client.namespace, client.config,
-                            address, client.node_link)
-        if not _accepts(address):
-            link.die(f"nothing listens at {address} any more (its process exited)")
-        else:
-            # A worker busy in a long call answers the handshake only after
-            # it: wait as long as for a request, not the short handshake time.
-            try:
-                link.channel.open(timeout=client.config.transport.request_timeout)
-            except PMetalError as exc:
-                link.die(f"cannot open a session with {address}: {exc}")
+        link = self._session(address, handle)
         with client.lock:
             old = client.links.get(address)
             if old is not None and old is not link:
@@ -227,3 +223,43 @@ class ActorLocator:
                 link.die(SHUT_DOWN)
             client.links[address] = link
             return client._on(client._own(link, owner), handle)
+
+    def _session(self, address: str, handle: Any) -> PeerLink:
+        """A new link with a session open to the worker at ``address``, or a
+        dead one saying why not. A worker busy in a long call answers the
+        handshake only after it, so the wait may last ``request_timeout``;
+        but a worker that does not answer may also be a new one, not ready
+        yet, that the OS gave the port of the actor's dead worker: the wait
+        goes in growing slices (0.5 s, 1 s, 2 s, ...), each on a connection
+        of its own, and between two the node is asked whether the actor
+        still lives there."""
+        client = self.client
+        deadline = time.monotonic() + client.config.transport.request_timeout
+        slice_s = min(0.5, client.config.transport.handshake_timeout)
+        while True:
+            link = PeerLink(client.transport, client.identity, client.namespace, client.config,
+                            address, client.node_link)
+            if not _accepts(address):
+                link.die(f"nothing listens at {address} any more (its process exited)")
+                return link
+            try:
+                link.channel.open(timeout=max(0.0, min(slice_s, deadline - time.monotonic())))
+                return link
+            except RequestTimeoutError as exc:
+                if time.monotonic() >= deadline or not self._still_at(handle, address):
+                    link.die(f"cannot open a session with {address}: {exc}")
+                    return link
+            except PMetalError as exc:
+                link.die(f"cannot open a session with {address}: {exc}")
+                return link
+            link.die("its handshake took too long; trying again on a new connection")
+            link.close()
+            slice_s *= 2
+
+    def _still_at(self, handle: Any, address: str) -> bool:
+        """Whether our node still places ``handle``'s actor at ``address``."""
+        try:
+            loc = self.client.lookup(handle._actor_id)
+        except PMetalError:
+            return False
+        return loc.state == "alive" and loc.address == address
