@@ -17,12 +17,13 @@ import os
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.handles import ActorHandle
-from pmetal.config import PMetalConfig, load_config
+from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
 from pmetal.security import NetworkNamespace
@@ -54,6 +55,9 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
                 peers: list[str] | None = None, discovery: bool = False) -> tuple[Any, str]:
     env = dict(os.environ)
     env.pop("PMETAL_PSK", None)
+    # The node runs with the caller's settings (pmetal.init(config=...)),
+    # not only with what this process's environment says.
+    env.update(config_env(config))
     env["PMETAL_PSK_HEX"] = namespace.psk.hex()
     env["PMETAL_SECURITY_NAMESPACE"] = namespace.name
     # Workers import user code by reference: give them the driver's import
@@ -147,10 +151,12 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 raise PMetalValueError(f"peers: {exc}") from exc
         if not isinstance(discovery, bool):
             raise PMetalTypeError(f"discovery must be True or False, not {discovery!r:.40}")
+        if config is not None and not isinstance(config, PMetalConfig):
+            raise PMetalTypeError(f"config must be a PMetalConfig (pmetal.config.load_config "
+                                  f"makes one), not {type(config).__name__}")
         cfg = config or load_config()
         if namespace is not None:
-            cfg = load_config(security={**cfg.security.__dict__, "namespace": namespace},
-                              transport=cfg.transport.__dict__, actors=cfg.actors.__dict__)
+            cfg = replace(cfg, security=replace(cfg.security, namespace=namespace))
         node_proc = None
         if address is None:
             ns = (NetworkNamespace(cfg.security.namespace,
@@ -161,34 +167,16 @@ def init(address: str | None = None, *, namespace: str | None = None,
                                                   peers=peers, discovery=discovery)
         else:
             if address == "auto":
-                from pmetal.actors.node import node_file
-                path = node_file()
-                try:
-                    info = json.loads(path.read_text())
-                except (OSError, ValueError) as exc:
-                    raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
-                                    f"start one with 'pmetal start'") from exc
-                from pmetal.actors.node import is_node_process
-                if not isinstance(info, dict) or not is_node_process(info.get("pid")):
-                    raise PeerError(f"address='auto': the node recorded in {path} (pid "
-                                    f"{info.get('pid') if isinstance(info, dict) else '?'}) is "
-                                    f"not running; start one with 'pmetal start'")
-                node_address = info["address"]
+                local = local_node()
+                node_address = local["address"]
                 # The running node's own namespace and key file win over this
                 # process's environment; an explicit psk= argument wins over both.
-                security = {**cfg.security.__dict__,
-                            "namespace": info.get("namespace") or cfg.security.namespace}
-                if info.get("psk_file"):
-                    security["psk_file"] = info["psk_file"]
-                cfg = load_config(security=security, transport=cfg.transport.__dict__,
-                                  actors=cfg.actors.__dict__)
-                if psk is None and info.get("psk_file"):
-                    from pathlib import Path
-                    try:
-                        psk = Path(info["psk_file"]).expanduser().read_bytes().strip()
-                    except OSError as exc:
-                        raise ConfigError(f"cannot read the node's PSK file "
-                                          f"{info['psk_file']}: {exc}") from exc
+                security = {"namespace": local["namespace"] or cfg.security.namespace}
+                if local["psk_file"]:
+                    security["psk_file"] = local["psk_file"]
+                cfg = replace(cfg, security=replace(cfg.security, **security))
+                if psk is None:
+                    psk = local["psk"]
             else:
                 from pmetal.transport import normalize_address
                 node_address = normalize_address(address)
@@ -203,6 +191,34 @@ def init(address: str | None = None, *, namespace: str | None = None,
         _node_proc = node_proc
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
+
+
+def local_node() -> dict[str, Any]:
+    """The node ``pmetal start`` runs on this machine, from its record
+    (``$PMETAL_HOME/node.json``): its ``address``, ``namespace``,
+    ``psk_file`` and ``psk`` (the key, None without a file). PeerError when
+    none runs, ConfigError when its key file cannot be read."""
+    from pmetal.actors.node import is_node_process, node_file
+    path = node_file()
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PeerError(f"address='auto' found no running node ({path}: {exc}); "
+                        f"start one with 'pmetal start'") from exc
+    if not isinstance(info, dict) or not is_node_process(info.get("pid")):
+        raise PeerError(f"address='auto': the node recorded in {path} (pid "
+                        f"{info.get('pid') if isinstance(info, dict) else '?'}) is "
+                        f"not running; start one with 'pmetal start'")
+    psk = None
+    if info.get("psk_file"):
+        from pathlib import Path
+        try:
+            psk = Path(info["psk_file"]).expanduser().read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the node's PSK file "
+                              f"{info['psk_file']}: {exc}") from exc
+    return {"address": info["address"], "namespace": info.get("namespace") or "",
+            "psk_file": info.get("psk_file") or "", "psk": psk}
 
 
 def wait_for_peers(n: int, timeout: float = 30.0) -> list[str]:
@@ -395,10 +411,11 @@ def get_actor(name: str) -> ActorHandle:
                               f"{type(name).__name__}")
     if not name:
         raise PMetalValueError("pmetal.get_actor needs a non-empty name")
-    loc = client().lookup(name=name)
+    current = client()
+    loc = current.lookup(name=name)
     if loc.state == "dead":
         raise PMetalValueError(f"actor {name!r} is dead: {loc.reason}")
-    return ActorHandle(loc)
+    return ActorHandle(loc, current)
 
 
 def nodes() -> list[dict[str, Any]]:

@@ -35,6 +35,7 @@ __all__ = [
     "SecurityConfig",
     "TransportConfig",
     "config_as_dict",
+    "config_env",
     "load_config",
     "log_level",
     "pmetal_home",
@@ -140,9 +141,18 @@ class ActorsConfig:
     at least every quarter of this many seconds (a one-way Ping when idle),
     and the node ends its non-detached actors once it has heard nothing for
     this long. The node's value is the one that counts; it tells the driver.
+
+    ``restart_wait``: the longest a call waits for the actor it is made to
+    when that actor's process or node died: for its restart (a retried call,
+    ``max_task_retries``, included), or to learn that it is dead for good.
+    Past it the call fails with ActorDiedError. It bounds every call of a
+    driver on the minority side of a partition to an actor it cannot reach.
+    The default leaves room for a master's loss on a wired LAN (declared
+    dead in under 1 s, a new master in about 1 s, the restart).
     """
 
     owner_lease: float = 30.0
+    restart_wait: float = 5.0
     # Bytes of memory this node advertises to the cluster (the "memory"
     # resource that pipeline placement divides among stages); 0: the
     # machine's physical memory. A budget for a machine that does other work.
@@ -151,6 +161,8 @@ class ActorsConfig:
     def __post_init__(self) -> None:
         _require(self.owner_lease > 0, "actors", "owner_lease",
                  "must be a positive number of seconds")
+        _require(self.restart_wait >= 0, "actors", "restart_wait",
+                 "must be a number of seconds, 0 or more")
         _require(type(self.memory) is int and self.memory >= 0, "actors", "memory",
                  "must be a whole number of bytes >= 0 (0: the machine's physical memory)")
 
@@ -432,3 +444,17 @@ def _known_env(classes: dict[str, type]) -> set[str]:
 def config_as_dict(cfg: PMetalConfig) -> dict[str, dict[str, Any]]:
     """The configuration as plain dicts, for printing (``pmetal config``)."""
     return dataclasses.asdict(cfg)
+
+
+def config_env(cfg: PMetalConfig) -> dict[str, str]:
+    """``cfg`` as ``PMETAL_<SECTION>_<FIELD>`` variables: what a process
+    started with them loads (:func:`load_config`) is ``cfg`` again. How a
+    driver hands its settings to the node it starts."""
+    env = {}
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            value = getattr(getattr(cfg, section.name), f.name)
+            text = ("true" if value else "false") if isinstance(value, bool) else repr(value) \
+                if isinstance(value, float) else str(value)
+            env[f"PMETAL_{section.name.upper()}_{f.name.upper()}"] = text
+    return env

@@ -68,6 +68,28 @@ def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) ->
     assert "invalid choice" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "meant", "usage"), [
+    (["stauts"], "'status'", "usage: pmetal "),
+    (["lanch", "-n", "2"], "'launch'", "usage: pmetal "),
+    (["status", "--jsno"], "'--json'", "usage: pmetal status"),
+    (["start", "--prot", "6000"], "'--port'", "usage: pmetal start"),
+    (["kill", "x", "--restrat"], "'--restart'", "usage: pmetal kill"),
+    (["status", "--probbe=1"], "'--probe'", "usage: pmetal status"),
+])
+def test_a_typo_gets_the_closest_command_or_option(argv: list[str], meant: str, usage: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"did you mean {meant}?" in err and usage in err, err
+
+
+def test_a_word_like_nothing_known_gets_no_suggestion(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--zzzzqqq"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzzqqq" in err and "did you mean" not in err
+
+
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -306,3 +328,48 @@ def test_status_text_reads_for_a_person(capsys: pytest.CaptureFixture[str]) -> N
     assert actors.index("trainer") < actors.index("old14")       # live first
     assert "old4 " not in actors and "old5 " in actors            # the latest dead only
     assert "5 older dead actors left out" in actors
+
+
+# ------------------------------------------------------ a read-only home
+
+def _in_read_only(home: Path, argv: list[str], env: dict[str, str]) -> list[str]:
+    """``argv`` run with ``home`` read-only: a read-only bind mount in a
+    mount namespace of its own for root (whom file modes do not stop), the
+    folder's mode for anyone else."""
+    home.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        home.chmod(0o555)
+        return argv
+    if shutil.which("unshare") is None:
+        pytest.skip("root needs unshare(1) to make a read-only folder")
+    script = 'mount --bind -o ro "$0" "$0" && exec "$@"'
+    return ["unshare", "-m", "sh", "-c", script, str(home), *argv]
+
+
+@pytest.mark.parametrize("command", [
+    ["identity"],
+    ["start", "--no-discovery", "--port", "0"],
+    ["start", "--block", "--no-discovery", "--port", "0"],
+    ["generate", "--prompt", "hi", "--max-tokens", "1"],
+])
+def test_a_read_only_home_is_one_clear_line_naming_it(command: list[str], home: Path) -> None:
+    env = _clean_env(home)
+    argv = _in_read_only(home, [sys.executable, "-m", "pmetal", *command], env)
+    try:
+        done = _run(argv, env)
+    finally:
+        home.chmod(0o755)
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"PMETAL_HOME ({home}" in done.stderr and "writable" in done.stderr, done.stderr
+    assert done.stderr.startswith(f"pmetal {command[0]}: cannot write in {home}")
+    # Nothing was left running for it.
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and f"PMETAL_HOME={home}\0".encode() in (
+                    entry / "environ").read_bytes():
+                left.append(int(entry.name))
+        except OSError:
+            continue
+    assert not left, left

@@ -650,3 +650,34 @@ def test_start_for_wifi_uses_the_wifi_timeouts_and_discovery_on_loopback(home: P
         assert pmetal(home, "stop").returncode == 0
     finally:
         _kill_recorded_node(home)
+
+
+def test_generate_with_address_finds_the_key_of_the_node_running_here(
+        home: Path, tmp_path: Path) -> None:
+    from pipeline.tinymodel import tiny_config, write_tiny_gguf
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config(layers=2), seed=3)
+    key = tmp_path / "lab.psk"
+    assert main(["keygen", "--out", str(key)]) == 0
+    port = free_port()
+    started = pmetal(home, "start", "--port", str(port), "--namespace", "lab",
+                     "--psk-file", str(key), "--no-discovery")
+    assert started.returncode == 0, started.stderr
+    record = json.loads((home / "node.json").read_text())
+    ask = ("generate", "--model", str(model), "--prompt", "hi", "--raw", "--max-tokens", "3",
+           "--stages", "1")
+    try:
+        # As documented: no PMETAL_PSK, the node of this machine knows the key.
+        for address in (f"tcp://127.0.0.1:{port}", f"127.0.0.1:{port}", "auto"):
+            done = pmetal(home, *ask, "--address", address)
+            assert done.returncode == 0, (address, done.stderr)
+            assert f"on node {record['node_id'][:8]}" in done.stderr, done.stderr
+        # Without a node here nor a key, one line says where the key comes from.
+        elsewhere = tmp_path / "elsewhere"
+        done = pmetal(elsewhere, *ask, "--address", f"tcp://127.0.0.1:{port}")
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert f"--address tcp://127.0.0.1:{port}: no PSK" in done.stderr
+        assert "PMETAL_PSK" in done.stderr and "pmetal start" in done.stderr
+    finally:
+        assert pmetal(home, "stop").returncode == 0
+        assert _wait_gone(record["pid"])

@@ -18,6 +18,7 @@ from pmetal.config import (
     SecurityConfig,
     TransportConfig,
     config_as_dict,
+    config_env,
     load_config,
     pmetal_home,
 )
@@ -236,3 +237,12 @@ def test_pmetal_home_honours_the_variable(tmp_path: Path) -> None:
 def test_pmetal_home_defaults_to_dot_pmetal() -> None:
     assert pmetal_home({}) == Path.home() / ".pmetal"
     assert pmetal_home({"PMETAL_HOME": ""}) == Path.home() / ".pmetal"
+
+
+def test_config_env_round_trips_every_section() -> None:
+    cfg = load_config(env={}, transport={"request_timeout": 7.5, "port": 6001},
+                      health={"dead_after": 1.7}, election={"timeout": 1.3},
+                      discovery={"enabled": True, "interfaces": "127.0.0.9"},
+                      collectives={"compression_ratio": 1e-05, "shared_memory": False},
+                      security={"namespace": "lab", "bulk_auth": False})
+    assert load_config(env=config_env(cfg)) == cfg

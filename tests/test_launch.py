@@ -33,7 +33,7 @@ from netlab import NetLab
 
 import pmetal
 from pmetal.cli import main
-from pmetal.cli.launch import GRACE, parse_hosts, place
+from pmetal.cli.launch import BLAS_THREADS, GRACE, parse_hosts, place
 from pmetal.collectives.launchenv import (
     LAUNCH_VARIABLES,
     LaunchEnv,
@@ -58,7 +58,8 @@ if rank in json.loads(sys.argv[2]):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 report = {"rank": rank, "pid": os.getpid(), "cwd": os.getcwd(), "args": sys.argv[3:],
           "netns": os.stat("/proc/self/ns/net").st_ino,
-          "env": {k: v for k, v in os.environ.items() if k.startswith("PMETAL_")}}
+          "env": {k: v for k, v in os.environ.items() if k.startswith("PMETAL_")},
+          "threads": {k: v for k, v in os.environ.items() if k.endswith("_THREADS")}}
 line = (json.dumps(report) + "\n").encode()
 if sys.argv[1] == "-":  # no reporter to reach: print the report and stop
     os.write(1, line)
@@ -134,7 +135,8 @@ class Job:
     """``pmetal launch`` started in the background, with the ranks' reports."""
 
     def __init__(self, folder: Path, launch_args: Sequence[str], *, n: int,
-                 ignore_term: Sequence[int] = (), script_args: Sequence[str] = ()) -> None:
+                 ignore_term: Sequence[int] = (), script_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> None:
         script = folder / "rank.py"
         script.write_text(RANK_SCRIPT)
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -143,7 +145,7 @@ class Job:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pmetal", "launch", *launch_args, "rank.py", str(port),
              json.dumps(list(ignore_term)), *script_args],
-            cwd=folder, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            cwd=folder, env={**_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.conns: dict[int, socket.socket] = {}
         self.reports: dict[int, dict[str, Any]] = {}
         # Wait for the next report or for the launcher's exit, whichever comes first:
@@ -226,6 +228,22 @@ def test_every_rank_gets_its_own_rank_and_the_same_nodes(job: Callable[..., Job]
         assert parse_node(entries[rank])[0] == "127.0.0.1"
         # pmetal.init() in a launched script reads the config: it must take these
         assert load_config(env=report["env"]) == PMetalConfig()
+
+
+def test_every_rank_gets_one_blas_and_openmp_thread_unless_the_user_chose(
+        job: Callable[..., Job], monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in BLAS_THREADS:   # whatever the developer's shell set
+        monkeypatch.delenv(name, raising=False)
+    run = job(["-n", "2"], n=2, env={"OPENBLAS_NUM_THREADS": "3"})
+    for rank in range(2):
+        run.order(rank, 0)
+    code, _, err = run.finish()
+    assert code == 0, err
+    # As torchrun does: N ranks on one machine each with a thread per core
+    # would fight over the cores (the training example ran 5x slower).
+    want = {name: "1" for name in BLAS_THREADS} | {"OPENBLAS_NUM_THREADS": "3"}
+    for report in run.reports.values():
+        assert {k: report["threads"].get(k) for k in BLAS_THREADS} == want
 
 
 def test_base_port_gives_rank_r_port_p_plus_r(job: Callable[..., Job]) -> None:

@@ -6,12 +6,15 @@ placement, lookups) and one :class:`PeerLink` per worker it calls (data: calls
 and results go straight to the worker, never through a node). Each link
 watches its TCP connection: when the worker's process dies the connection
 drops, and every call pending on that link fails with
-:class:`~pmetal.errors.ActorDiedError` within one wait slice (50 ms)
+:class:`~pmetal.errors.ActorDiedError` within one wait slice (10 ms)
 instead of waiting for a timeout. The next call on the handle asks the node where the actor lives
 now (it may have been restarted) and carries on.
 
 Sockets are used under one lock, so a client may be shared by threads; a
-``get`` that waits holds it, so other threads' calls wait too.
+``get`` that waits holds it for one 10 ms slice at a time. Finding an actor
+again (a lookup that waits for its restart, a session with a worker that
+does not answer yet) happens without it, under a lock of that actor's own:
+it holds up later calls to that actor, never calls to other actors.
 
 The control channel to the node (requests, telling the node's death from
 its silence, the lease a client on another machine holds on its actors) is
@@ -33,6 +36,7 @@ from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals, Retry
 from pmetal.actors.links import _TASKS, NodeLink, PeerLink
+from pmetal.actors.locate import ActorCall, ActorLocator
 from pmetal.actors.watch import ClusterWatch, peers_missing
 from pmetal.actors.refs import ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
@@ -86,7 +90,9 @@ class CoreClient:
         self.node_address = node_address
         self.lock = threading.RLock()
         self.node_link = NodeLink(self.transport, self.identity, namespace, config, node_address,
-                                  self.lock, self._SLICE_MS / 1000)
+                                  threading.RLock(), self._SLICE_MS / 1000)
+        self.locator = ActorLocator(self)
+        self.closed = False
         self.node = self.node_link.channel
         self.node_id = self.node_link.node_id
         self.links: dict[str, PeerLink] = {}
@@ -214,45 +220,66 @@ class CoreClient:
         plain = not kwargs and _plain(args)
         retry = None
         if handle._max_task_retries:   # resubmitted if the actor dies (deferred.Retry)
-            retry = Retry(lambda a, kw: self._call_now(handle, method, a, kw), args, kwargs,
+            retry = Retry(ActorCall(self, handle, method), args, kwargs,
                           handle._actor_id, handle._max_task_retries)
         if ((deferrals.actors and handle._actor_id in deferrals.actors)
                 or (not plain and Deferrals.unready(args, kwargs))):
-            return deferrals.add(lambda a, kw: self._call_now(handle, method, a, kw),
+            return deferrals.add(ActorCall(self, handle, method),
                                  args, kwargs, handle._actor_id, (handle, method), retry)
         if not plain:
             args, kwargs = self._resolve_args(args, kwargs)
         return self._call_now(handle, method, args, kwargs, retry)
 
     def _call_now(self, handle: Any, method: str, args: list[Any],
-                  kwargs: dict[str, Any], retry: Retry | None = None) -> ObjectRef:
-        """Send a call whose arguments are packed (or queue it behind calls in flight)."""
+                  kwargs: dict[str, Any], retry: Retry | None = None,
+                  locate: bool = True) -> ObjectRef:
+        """Send a call whose arguments are packed (or queue it behind calls in
+        flight). A call whose actor must be found again (its process or node
+        died, or we have no link to it yet) waits for that without the
+        client's lock: calls to other actors go on meanwhile."""
         with self.lock:
-            link = self._actor_link(handle)
-            if isinstance(link, BaseException):
-                return ObjectRef.of_error(link)
-            if link.outbox or link.channel.pending():
-                # Calls in flight already: queue this one; queued calls leave
-                # together (at get/wait, when the batch is full, or within
-                # _FLUSH_DELAY), in order. A lone call is never delayed.
-                ref = ObjectRef(self, None, 0, (handle, method), retry)
-                ref._link = link
-                link.outbox.append((ref, [method, args, kwargs]))
-                link.outbox_actor = handle._actor_id
-                self.calls += 1
-                if len(link.outbox) >= _BATCH_MAX:
-                    self._flush(link)
-                else:
-                    self._wake_flusher()
-                return ref
-            body = Call(handle._actor_id, method, args, kwargs)
-            try:
-                corr = link.channel.submit(body, timeout=self._send_timeout)
-            except PeerError as exc:
-                link.die(str(exc))
-                return ObjectRef.of_error(ActorDiedError(f"{call_name(handle, method)}: {exc}"))
+            link = self.locator.ready(handle)
+            if link is not None:
+                return self._submit(link, handle, method, args, kwargs, retry)
+            if not locate:   # the caller holds the lock: never wait for a location under it
+                return ObjectRef.of_error(ActorDiedError(
+                    f"{call_name(handle, method)}: its worker went away while the call was "
+                    f"being sent"))
+        found = self.locator.find(handle)
+        if isinstance(found, BaseException):
+            return ObjectRef.of_error(found)
+        with self.lock:
+            return self._submit(found, handle, method, args, kwargs, retry)
+
+    def _submit(self, link: PeerLink, handle: Any, method: str, args: list[Any],
+                kwargs: dict[str, Any], retry: Retry | None) -> ObjectRef:
+        """Send (or queue) a call on ``link`` (lock held)."""
+        if link.dead:   # died since it was found: fail the call as its calls failed
+            ref = ObjectRef(self, None, 0, (handle, method), retry)
+            ref._fail_link(link.dead)
+            return ref
+        if link.outbox or link.channel.pending():
+            # Calls in flight already: queue this one; queued calls leave
+            # together (at get/wait, when the batch is full, or within
+            # _FLUSH_DELAY), in order. A lone call is never delayed.
+            ref = ObjectRef(self, None, 0, (handle, method), retry)
+            ref._link = link
+            link.outbox.append((ref, [method, args, kwargs]))
+            link.outbox_actor = handle._actor_id
             self.calls += 1
-            return ObjectRef(self, link, corr, (handle, method), retry)
+            if len(link.outbox) >= _BATCH_MAX:
+                self._flush(link)
+            else:
+                self._wake_flusher()
+            return ref
+        body = Call(handle._actor_id, method, args, kwargs)
+        try:
+            corr = link.channel.submit(body, timeout=self._send_timeout)
+        except PeerError as exc:
+            link.die(str(exc))
+            return ObjectRef.of_error(ActorDiedError(f"{call_name(handle, method)}: {exc}"))
+        self.calls += 1
+        return ObjectRef(self, link, corr, (handle, method), retry)
 
     def _flush(self, link: PeerLink) -> None:
         """Send the calls queued on ``link`` (lock held)."""
@@ -307,37 +334,6 @@ class CoreClient:
                     return
                 self.flush()
             self.node_link.renew()
-
-    def _actor_link(self, handle: Any) -> PeerLink | BaseException:
-        link = self._link_for(handle._address, handle._actor_id)
-        if link is not None and not link.dead:
-            # With calls in flight, a death shows up while waiting for their
-            # results (the monitor is polled with the data socket). An idle
-            # link may have died unnoticed: look before sending to it.
-            if link.channel.pending() or link.outbox:
-                return link
-            link.check()
-            if not link.dead:
-                return link
-        if link is None and handle._state == "alive" and not (
-                self._watch is not None and handle._node_id in self._watch.dead):
-            return self._on(self._own(self.link(handle._address), handle._actor_id), handle)
-        # The worker we knew died: ask the node for the actor's new home. A
-        # handle that never saw its actor alive (found by name while its
-        # creator was still making it) waits for that same incarnation: the
-        # next one would come only with a restart, after the whole wait.
-        incarnation = handle._incarnation + (0 if handle._state == "pending" else 1)
-        try:
-            loc = self.lookup(handle._actor_id, min_incarnation=incarnation,
-                              wait=self.config.transport.connect_timeout)
-        except PMetalError as exc:
-            return ActorDiedError(f"actor {handle._actor_id} is unreachable: {exc}")
-        handle._update(loc)
-        if loc.state != "alive":
-            return ActorDiedError(f"actor {handle._class_name}({handle._actor_id[-8:]}) is "
-                                  f"dead: {loc.reason or loc.state}")
-        self._link_for(loc.address, handle._actor_id)   # drops a stale link there
-        return self._on(self._own(self.link(loc.address), handle._actor_id), handle)
 
     def _on(self, link: PeerLink, handle: Any) -> PeerLink:
         """``link`` serves an actor of node ``handle._node_id``: on another
@@ -481,7 +477,7 @@ class CoreClient:
 
     # A waiting get/wait holds the client lock for at most this long at a
     # time, so other threads (or an async actor's other calls) can submit.
-    _SLICE_MS = 50
+    _SLICE_MS = 10
 
     def get(self, refs: list[ObjectRef], timeout: float | None) -> list[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -646,6 +642,7 @@ class CoreClient:
         self.request_node(Shutdown("driver shut down"), timeout=timeout)
 
     def close(self) -> None:
+        self.closed = True
         self._deferrals.close()
         self._closing.set()
         self._flush_wanted.set()

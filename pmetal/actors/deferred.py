@@ -227,11 +227,22 @@ class Deferrals:
 
     def _send(self, item: _Waiting) -> None:
         ref = item.ref
+        # An actor call first finds its actor (it may wait for a restart)
+        # without the client lock, so that other threads' calls go on.
+        prepare = getattr(item.submit, "prepare", None)
+        unsendable = None
+        if prepare is not None and not any(d._error is not None for d in item.deps):
+            try:
+                unsendable = prepare()
+            except Exception as exc:  # noqa: BLE001 - the caller sees why at get
+                unsendable = exc
         with self._client.lock:
             try:
                 failed = next((d for d in item.deps if d._error is not None), None)
                 if failed is not None:
                     ref._error = failed._error
+                elif unsendable is not None:
+                    ref._error = unsendable
                 else:
                     args = [pack_value(a.result()) if type(a) is ObjectRef else a
                             for a in item.args]

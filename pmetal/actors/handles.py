@@ -6,7 +6,7 @@ import inspect
 from typing import Any
 
 from pmetal.actors import context
-from pmetal.errors import PMetalTypeError, PMetalValueError
+from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
 __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
@@ -178,7 +178,7 @@ class ActorClass:
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)
-        return ActorHandle(loc)
+        return ActorHandle(loc, client)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"actor class {self.__name__} cannot be instantiated directly; use "
@@ -193,7 +193,10 @@ class ActorMethod:
         self._name = name
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
-        return _client().call(self._handle, self._name, list(args), kwargs)
+        handle = self._handle
+        origin = handle._origin
+        client = _client() if origin is None or not origin.closed else _after_shutdown(handle)
+        return client.call(handle, self._name, list(args), kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"actor method {self._name} cannot be called directly; use "
@@ -203,8 +206,12 @@ class ActorMethod:
 class ActorHandle:
     """A reference to a live actor; can be passed to other actors and tasks."""
 
-    def __init__(self, loc: ActorLocation) -> None:
+    def __init__(self, loc: ActorLocation, origin: Any = None) -> None:
         self._actor_id = loc.actor_id
+        # The client this handle came from in this process (None: it came
+        # from elsewhere, pickled): a call after that client's shutdown
+        # raises at once instead of reaching for a worker that is gone.
+        self._origin = origin
         # Calls that fail because the actor died are sent again to its next
         # incarnation this many times (Ray's max_task_retries; -1: no limit).
         # The actor's node keeps it, so a handle from get_actor has it too.
@@ -247,6 +254,22 @@ class ActorHandle:
 
     def __hash__(self) -> int:
         return hash(self._actor_id)
+
+
+def _after_shutdown(handle: ActorHandle) -> Any:
+    """The client for a call on ``handle`` whose client was shut down:
+    NotInitializedError at once when nothing is connected (auto-init would
+    start a node that does not know the actor); else the client of the new
+    session, which asks its node where the actor is (it may be a detached
+    actor still alive) before it dials any address."""
+    client = context.current_or_none()
+    if client is None and not context.in_worker():
+        raise NotInitializedError(
+            f"pmetal is shut down: {handle!r} belongs to the session that "
+            f"pmetal.shutdown() ended; call pmetal.init() first (its actor ended with that "
+            f"session unless it was created with lifetime='detached')")
+    handle._origin = None   # unknown to this session: its client looks it up first
+    return _client()
 
 
 def _rebuild_handle(actor_id: str, state: str, address: str, node_id: str, incarnation: int,

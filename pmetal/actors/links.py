@@ -67,7 +67,9 @@ _NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing liste
 
 
 class NodeLink:
-    """The authenticated channel to our node, used under the client's lock."""
+    """The authenticated channel to our node, used under a lock of its own
+    (never held while taking the client's: the client's lock may be held
+    while taking this one)."""
 
     def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
                  namespace: NetworkNamespace, config: PMetalConfig, address: str,
@@ -101,21 +103,28 @@ class NodeLink:
             self.check()
             corr = channel.submit(body, timeout=min(timeout, self._send_timeout))
             self._sent = time.monotonic()
-            while (env := channel.take(corr)) is None:
+        # The lock is held for one slice at a time: requests of several
+        # threads wait together (a lookup waiting for a restart does not
+        # hold up another actor's lookup), each reading whichever reply
+        # comes and filing it for its own request.
+        while True:
+            with self._lock:
+                env = channel.take(corr)
+                if env is not None:
+                    return env.body
                 # A creation may wait in the queue longer than our lease.
                 self.renew()
                 remaining = deadline - time.monotonic()
                 try:
                     if remaining <= 0:
-                        env = channel.result(corr, 0.0)   # releases corr, raises
-                        break
+                        return channel.result(corr, 0.0).body   # releases corr, raises
                     channel.pump(min(self._slice, remaining))
                 except RequestTimeoutError as exc:
                     raise RequestTimeoutError(f"no reply from the node at {self.address} "
                                               f"within {timeout:.3g} s") from exc
                 except PMetalTimeoutError:
                     self.check()
-            return env.body
+            time.sleep(0)   # let a thread queued on the lock in
 
     def _listening(self) -> bool:
         """Whether something accepts TCP connections at the node's address

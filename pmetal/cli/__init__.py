@@ -18,11 +18,15 @@ traceback), 2 a usage or configuration error, 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import NoReturn
 
 from pmetal._version import __version__
 from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_arguments,
@@ -34,6 +38,7 @@ from pmetal.cli.generate import _generate_arguments, _run_generate
 from pmetal.cli.launch import _launch_arguments, _run_launch
 from pmetal.cli.models import _models_arguments, _run_models
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
+from pmetal.config import pmetal_home
 from pmetal.errors import ConfigError, PMetalError
 
 __all__ = ["COMMANDS", "Command", "main"]
@@ -83,8 +88,38 @@ COMMANDS: dict[str, Command] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors for a mistyped command, choice or option name
+    the closest known one (Python 3.11's argparse does not)."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + _did_you_mean(self, message))
+
+
+def _did_you_mean(parser: argparse.ArgumentParser, message: str) -> str:
+    choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if choice:
+        known = re.findall(r"'([^']*)'", choice.group(2))
+        close = difflib.get_close_matches(choice.group(1), known, n=1, cutoff=0.5)
+        return f"; did you mean '{close[0]}'?" if close else ""
+    unknown = re.match(r"unrecognized arguments: (.*)$", message)
+    if not unknown:
+        return ""
+    options = [o for action in parser._actions for o in action.option_strings]
+    hints = {}
+    for word in unknown.group(1).split():
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.partition("=")[0], options, n=1, cutoff=0.5)
+            if close:
+                hints[word] = close[0]
+    if len(hints) == 1:
+        return f"; did you mean '{next(iter(hints.values()))}'?"
+    return ("; did you mean " + ", ".join(f"'{o}' for '{w}'" for w, o in hints.items()) + "?"
+            if hints else "")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pmetal", description="Ray-style actor clusters for the machines you own.")
     parser.add_argument("--version", action="version", version=f"pmetal {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0,
@@ -95,6 +130,30 @@ def _parser() -> argparse.ArgumentParser:
         child = sub.add_parser(name, help=command.help, description=command.help)
         command.arguments(child)
     return parser
+
+
+def _home_error(exc: OSError) -> str | None:
+    """What to do about ``exc`` when it concerns a file under PMETAL_HOME (a
+    folder that is read-only, full, or another user's); None otherwise."""
+    home = pmetal_home()
+    where = next((Path(f) for f in (exc.filename, exc.filename2)
+                  if isinstance(f, (str, os.PathLike)) and Path(f).is_relative_to(home)), None)
+    if where is None:
+        return None
+    if where.name.startswith("."):   # a temporary file, made to be renamed
+        where = where.parent
+    return (f"cannot write in {where}: {exc.strerror or exc}. pmetal keeps this machine's state "
+            f"in PMETAL_HOME ({home}: the node key pair, node.json, models); make that folder "
+            f"writable by this user, or point PMETAL_HOME at one that is "
+            f"(export PMETAL_HOME=/a/writable/folder)")
+
+
+def _subcommand(parser: argparse.ArgumentParser,
+                name: str | None) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and name in action.choices:
+            return action.choices[name]
+    return None
 
 
 def _log_level(verbose: int, env: Mapping[str, str]) -> int | None:
@@ -124,7 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     parser = _parser()
     try:
-        args = parser.parse_args(argv)
+        args, extras = parser.parse_known_args(argv)
+        if extras:
+            # Report them with the subcommand's options, the ones meant.
+            command = _subcommand(parser, getattr(args, "command", None))
+            (command or parser).error(f"unrecognized arguments: {' '.join(extras)}")
     except SystemExit as exc:  # --help, --version, usage errors: keep main() returning
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if args.command is None:
@@ -141,6 +204,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except OSError as exc:
+        message = _home_error(exc)
+        if message is None:
+            raise
+        print(f"pmetal {args.command}: {message}", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # 'pmetal status | head': the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

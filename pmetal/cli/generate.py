@@ -38,8 +38,10 @@ def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--codec", default="none", choices=("none", "fp16", "bf16", "int8"),
                         help="how activations travel between stages (default none)")
     parser.add_argument("--address", default=None, metavar="A",
-                        help="join this node's cluster (tcp://host:port) instead of starting "
-                             "a local one")
+                        help="join this node's cluster (tcp://host:port, or auto: the node "
+                             "'pmetal start' runs here) instead of starting a local one; the "
+                             "key is PMETAL_PSK, else security.psk_file, else that of the "
+                             "node running here")
     parser.add_argument("--temperature", type=float, default=0.0, metavar="T",
                         help="0 is greedy (default)")
     parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0: off")
@@ -72,7 +74,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     err = sys.stderr
     started = time.perf_counter()
     if args.address:
-        pmetal.init(address=args.address)
+        _join(pmetal, args.address)
     else:
         pmetal.init(num_workers=max(args.stages, 2))
     try:
@@ -102,6 +104,35 @@ def _run_generate(args: argparse.Namespace) -> int:
     finally:
         pmetal.shutdown()
     return 0
+
+
+def _join(pmetal: Any, address: str) -> None:
+    """``pmetal.init(address=...)`` with the cluster's PSK: PMETAL_PSK or
+    ``security.psk_file`` when set, else the key of the node ``pmetal start``
+    runs on this machine (a machine of that cluster, as a rule)."""
+    from pmetal.api import local_node
+    from pmetal.config import load_config
+    from pmetal.errors import PeerError
+    from pmetal.security import NetworkNamespace
+
+    if address == "auto":
+        pmetal.init(address="auto")
+        return
+    try:
+        NetworkNamespace.resolve(load_config().security)
+    except ConfigError as exc:
+        try:
+            local = local_node()
+        except PeerError:
+            raise ConfigError(
+                f"--address {address}: {exc}; that is the cluster's key: 'pmetal start' "
+                f"keeps it in $PMETAL_HOME/psk on the machine that made it") from exc
+        if local["psk"] is None:
+            raise ConfigError(f"--address {address}: {exc}") from exc
+        pmetal.init(address=address, psk=local["psk"],
+                    namespace=local["namespace"] or None)
+        return
+    pmetal.init(address=address)
 
 
 def _report(result: Any, stats: dict[str, Any], out: Any) -> None:

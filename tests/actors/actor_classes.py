@@ -213,3 +213,31 @@ def call_actor(handle: Any, k: int) -> int:
 def nested(x: int, timeout: float = WAIT) -> int:
     """A remote function that runs another remote function."""
     return pmetal.get(square.remote(x), timeout=timeout) + 1
+
+
+@pmetal.remote
+class Parent:
+    """An actor that creates an actor of its own (it owns it: the child
+    ends when this actor's process does)."""
+
+    def make_child(self, start: int = 0) -> Any:
+        return Counter.remote(start)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@pmetal.remote(max_restarts=1, max_task_retries=1)
+class SlowRestart:
+    """An actor whose restart takes ``delay`` seconds: its constructor
+    finds the marker file its first incarnation left. A call its death
+    failed is sent again to the restarted actor."""
+
+    def __init__(self, marker: str, delay: float) -> None:
+        if os.path.exists(marker):
+            threading.Event().wait(delay)
+        else:
+            open(marker, "w").close()
+
+    def pid(self) -> int:
+        return os.getpid()

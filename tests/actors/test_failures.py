@@ -388,19 +388,25 @@ def test_a_link_serves_only_the_actor_it_was_opened_for(reap: list[Any]) -> None
     whose location names the same address: ZeroMQ would have reconnected it
     to the new worker, with A's worker's session. Here B's handle is pointed
     at A's worker (standing in for a reused port): the client opens a fresh
-    link there, and A's next call does the same again."""
+    link there, and A's next call does the same again. A handle from
+    elsewhere (unpickled) is looked up at the node before anything is
+    dialed, so the same stale address reaches B where it lives."""
     a, b = Counter.remote(), Counter.remote()
     reap.extend([a, b])
     assert pmetal.get(a.inc.remote(), timeout=WAIT) == 1
     client = api.client()
     first = client.links[a._address]
-    moved = ActorHandle(ActorLocation(b._actor_id, "alive", a._address, b._node_id, 0, "", "",
-                                      "Counter", ("inc",), False))
+    location = ActorLocation(b._actor_id, "alive", a._address, b._node_id, 0, "", "",
+                             "Counter", ("inc",), False)
+    moved = ActorHandle(location, client)   # as if this client had made it there
     with pytest.raises(ActorDiedError, match="does not live in this worker"):
         pmetal.get(moved.inc.remote(), timeout=WAIT)
     assert client.links[a._address] is not first and first.dead
     assert pmetal.get(a.inc.remote(), timeout=WAIT) == 2
     assert client.links[a._address].owner == a._actor_id
+    unpickled = ActorHandle(location)
+    assert pmetal.get(unpickled.inc.remote(), timeout=WAIT) == 1
+    assert unpickled._address == b._address
 
 
 def test_named_actor_restarted_after_kill_9_is_found_by_name(reap: list[Any]) -> None:
