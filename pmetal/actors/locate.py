@@ -86,7 +86,7 @@ class ActorLocator:
         self.client = client
         # One lock per actor being found: that wait holds up later calls to
         # the same actor, never the others.
-        self._locating: dict[str, threading.Lock] = {}
+        self._locating: dict[str, list[Any]] = {}   # actor id -> [lock, threads using it]
 
     def prepare(self, handle: Any) -> BaseException | None:
         """Find a live link to ``handle``'s actor now, without the client
@@ -118,32 +118,45 @@ class ActorLocator:
         calls to this actor wait behind them."""
         client = self.client
         with client.lock:
-            locating = self._locating.setdefault(handle._actor_id, threading.Lock())
-        with locating:
+            # One lock per actor being found, dropped when no thread needs it
+            # (a long-lived driver meets many actors).
+            entry = self._locating.setdefault(handle._actor_id, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                return self._find(handle)
+        finally:
             with client.lock:
-                if client.closed:
-                    return ClosedError(SHUT_DOWN)
-                link = self.ready(handle)   # another thread found it meanwhile
-                if link is not None:
-                    return link
-                watch = client._watch
-                fresh = (client._link_for(handle._address, handle._actor_id) is None
-                         and handle._state == "alive"
-                         and not (watch is not None and handle._node_id in watch.dead))
-                if fresh and handle._origin is not client:
-                    # A handle from elsewhere (pickled, or from a shut-down
-                    # session): its actor may have died since, and the OS
-                    # may have given its port to another worker already
-                    # (seen in 5 of 25 tries on one machine). Ask our node
-                    # where it lives before dialing anything.
-                    handle._origin = client
-                    handle._state = "pending"
-                    fresh = False
-            if fresh:
-                link = self._open_link(handle._address, handle._actor_id, handle)
-                if not link.dead:
-                    return link
-            return self._relocate(handle)
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._locating[handle._actor_id]
+
+    def _find(self, handle: Any) -> PeerLink | BaseException:
+        client = self.client
+        with client.lock:
+            if client.closed:
+                return ClosedError(SHUT_DOWN)
+            link = self.ready(handle)   # another thread found it meanwhile
+            if link is not None:
+                return link
+            watch = client._watch
+            fresh = (client._link_for(handle._address, handle._actor_id) is None
+                     and handle._state == "alive"
+                     and not (watch is not None and handle._node_id in watch.dead))
+            if fresh and handle._origin is not client:
+                # A handle from elsewhere (pickled, or from a shut-down
+                # session): its actor may have died since, and the OS
+                # may have given its port to another worker already
+                # (seen in 5 of 25 tries on one machine). Ask our node
+                # where it lives before dialing anything.
+                handle._origin = client
+                handle._state = "pending"
+                fresh = False
+        if fresh:
+            link = self._open_link(handle._address, handle._actor_id, handle)
+            if not link.dead:
+                return link
+        return self._relocate(handle)
 
     def _relocate(self, handle: Any) -> PeerLink | BaseException:
         """Ask our node where ``handle``'s actor lives now: the worker we

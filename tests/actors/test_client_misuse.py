@@ -170,6 +170,9 @@ def test_an_actor_waiting_for_its_restart_holds_up_no_call_to_another(
     # Was the whole restart (the lookup held the client-wide lock). The
     # issue's bound is 50 ms; a generous margin holds at load 4 on 2 cores.
     assert max(latencies) < min(0.5, delay / 2), latencies
+    # The per-actor lock of the lookup is gone with the lookup.
+    from pmetal.actors import context
+    assert context.current().locator._locating == {}
 
 
 def test_an_unreachable_actor_holds_up_no_call_to_another(
