@@ -59,9 +59,13 @@ no master made, which loses every vote against one a master made). An
 election over such a list (a *founding* election) jumps to a random term
 above every term seen, so that clusters founded apart (a partition at
 start, a node restarted without memory alone) practically never share a
-term. Two masters that meet merge: the one with fewer members (tie: the
-larger node id) yields, sends its members to the other in a JoinCluster
-and becomes a follower; the winner adds them and runs an election in a
+term. Two masters that meet merge. Within one lineage (each lists the
+other's incarnation) Raft's rule holds: the older term follows the newer.
+Otherwise the master in the lower term (tie: the smaller node id) yields:
+the term is all that both sides see alike (each may list the other or not,
+under an old incarnation: a rule on list sizes had two masters of two each
+waiting for the other to yield). It sends its members to the other in a
+JoinCluster and becomes a follower; the winner adds them and runs an election in a
 term above both, by a random jump too: two masters that take in the same
 masterless nodes at once must not pick the same term. Until the winner's
 view arrives the yielding side campaigns for no one and votes only for the
@@ -159,6 +163,7 @@ class ElectionManager(Roster):
         self._pre_term = 0              # term of the pre-vote round under way (0: none)
         self._heard: dict[str, float] = {}
         self._dead_since: dict[str, float] = {}
+        self._removed: dict[str, int] = {}   # node id -> the last incarnation removed dead
         self._known: dict[str, dict[str, Any]] = {}   # discovered nodes by id
         self._reachable: set[str] = set()            # ... that discovery says answer
         self._beats: dict[str, Beat] = {}            # last Beat of each node
