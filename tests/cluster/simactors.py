@@ -211,6 +211,8 @@ class SimActors:
     # ------------------------------------------------------------- failures
 
     def _tick(self, node_id: str) -> None:
+        if not self.placed[node_id]:
+            return
         node = self.net.nodes[node_id]
         listed = {e["node_id"]: e["state"] for e in node.manager.state.members}
         for actor, (host, incarnation) in list(self.placed[node_id].items()):

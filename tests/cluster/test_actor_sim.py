@@ -1,7 +1,7 @@
 """At most one live copy of any actor, under seeded schedules of partitions
 that heal while restarts are in flight.
 
-Each schedule (one seed) forms a cluster of 2 to 5 nodes
+Each schedule (one seed) forms a cluster of 2 to 4 nodes
 (tests/cluster/simnet.py: the real election on simulated time), places a
 few restartable actors from random owners (tests/cluster/simactors.py: the
 scheduler's rules, each await a message delay), then cuts the network
@@ -15,7 +15,7 @@ whole for :data:`STABLE` seconds: at most one copy of each actor runs in
 the whole cluster.
 
 ``PMETAL_SIM_SEED=1234 pytest tests/cluster/test_actor_sim.py`` reruns one
-seed; ``PMETAL_SIM_SCHEDULES`` sets how many run (default 3,000).
+seed; ``PMETAL_SIM_SCHEDULES`` sets how many run (default 2,000).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pmetal.config import ElectionConfig, HealthConfig
 from tests.cluster.simactors import SimActors
 from tests.cluster.simnet import SimNet
 
-SCHEDULES = int(os.environ.get("PMETAL_SIM_SCHEDULES", "3000"))
-CHUNKS = 6
+SCHEDULES = int(os.environ.get("PMETAL_SIM_SCHEDULES", "2000"))
+CHUNKS = 4
 STABLE = 8.0
 HEALTH = HealthConfig(interval=0.25, degraded_after=0.5, suspect_after=0.75, dead_after=1.0,
                       remove_after=3.0)
@@ -49,11 +49,11 @@ def _split(rng: random.Random, ids: list[str]) -> list[list[str]]:
 
 def run_schedule(seed: int) -> tuple[SimNet, SimActors]:
     rng = random.Random(seed)
-    n = rng.randint(2, 5)
+    n = rng.randint(2, 4)
     net = SimNet(n, seed, loss=rng.uniform(0, 0.1), max_delay=rng.uniform(0.001, 0.05),
                  election=ELECTION, health=HEALTH)
     actors = SimActors(net)
-    net.run_until_true(lambda: net.agreement() == "", 10.0, step=0.05)
+    net.run_until_true(lambda: net.agreement() == "", 10.0, step=0.1)
     names = [f"a{i}" for i in range(rng.randint(1, 4))]
     for name in names:
         actors.create(name, rng.choice(net.ids))
@@ -79,7 +79,7 @@ def run_schedule(seed: int) -> tuple[SimNet, SimActors]:
             raise AssertionError(f"seed {seed}: {STABLE} s after the faults ended: copies "
                                  f"{copies}, {net.agreement() or 'one master'}; rerun with "
                                  f"PMETAL_SIM_SEED={seed}")
-        net.run_for(0.1)
+        net.run_for(0.25)
     return net, actors
 
 
