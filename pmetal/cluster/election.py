@@ -555,6 +555,12 @@ class ElectionManager(Roster):
                 if self._joining != sender:
                     self._join(sender, b.address, now)
                 out.append(self._join_message(sender, b.address))
+            elif self._master == sender and self._view_term < b.term:
+                # We hold no view of this master's term: ask for it. Its
+                # epochs may equal those of the list we hold (a deposed
+                # master numbers its own), so it cannot tell from our Beat
+                # that we lack its view, which may hold us dead (fenced).
+                out.append(self._join_message(sender, b.address))
         elif sender == self._master:
             self._lose_master(now, f"master {sender} says it is not master")
             if b.master:

@@ -59,6 +59,7 @@ class Request:
     deadline: float
     done: bool = False
     asked: str = ""           # the master asked, until it answers or is lost
+    node: str = ""            # options.node: where the first creation must go
 
 
 @dataclass
@@ -69,6 +70,7 @@ class SimActors:
     placed: dict[str, dict[str, tuple[str, int]]] = field(default_factory=dict)
     deciding: dict[tuple[str, str], bool] = field(default_factory=dict)   # (master, actor)
     created: int = 0
+    constructed: list[tuple[float, str, str, int]] = field(default_factory=list)
     refused_stale: int = 0
     gave_up: int = 0
     restarts: int = 0
@@ -106,9 +108,9 @@ class SimActors:
 
     # ------------------------------------------------------------- creation
 
-    def create(self, actor: str, owner: str) -> None:
+    def create(self, actor: str, owner: str, node: str = "") -> None:
         self.owners[actor] = owner
-        self._ask(Request(actor, owner, 0, False, self.net.now + _PATIENCE))
+        self._ask(Request(actor, owner, 0, False, self.net.now + _PATIENCE, node=node))
 
     def _ask(self, r: Request) -> None:
         """The creator's node asks its master, and asks the next one when
@@ -182,11 +184,13 @@ class SimActors:
         self.deciding.pop((master, r.actor), None)
         state = self.net.nodes[master].manager.state
         voters = [e["node_id"] for e in state.members]
-        heard = {n for n in voters if self._reach(master, n)}
+        # Asked: the members its list holds alive (Membership holds no other).
+        heard = {e["node_id"] for e in state.members
+                 if e["state"] != "dead" and self._reach(master, e["node_id"])}
         if not has_quorum(heard, voters, self.net.nodes[master].dead):
             self._refuse(master, r)   # a minority side places nothing
             return
-        target = self.net.rng.choice(sorted(heard))
+        target = r.node if r.node in heard else self.net.rng.choice(sorted(heard))
         self._hop(master, target, lambda: self._construct(target, master, r, term))
 
     def _construct(self, target: str, master: str, r: Request, term: int) -> None:
@@ -198,6 +202,7 @@ class SimActors:
         if r.actor not in here:
             here[r.actor] = Copy(r.incarnation, r.replaced)
             self.created += 1
+            self.constructed.append((self.net.now, target, r.actor, term))
         self._answer(target, r, target, here[r.actor].incarnation)
 
     def _answer(self, src: str, r: Request, host: str, incarnation: int) -> None:
