@@ -342,7 +342,7 @@ class Scheduler:
                 continue
             log.info("node %s is dead: restarting actor %s (incarnation %d) elsewhere",
                      p.node_id[:8], p.spec.actor_id, p.incarnation + 1)
-            self._start_restart(_again(p.spec, p.incarnation + 1, p.restarts_left))
+            self._start_restart(_again(p.spec, p.incarnation + 1, p.restarts_left), lost=p)
 
     def place_again(self, record: ActorRecord) -> None:
         """This node was fenced while it ran ``record``, an actor it owns
@@ -355,12 +355,14 @@ class Scheduler:
         self._start_restart(_again(record.spec, record.incarnation + 1, record.restarts_left),
                             after=record)
 
-    def _start_restart(self, spec: CreateActor, after: ActorRecord | None = None) -> None:
+    def _start_restart(self, spec: CreateActor, after: ActorRecord | None = None,
+                       lost: _Placed | None = None) -> None:
         self.restarts += 1
         self._restarting.setdefault(spec.actor_id, asyncio.Event())
-        self.node._cancellable_task(self._restart(spec, after))
+        self.node._cancellable_task(self._restart(spec, after, lost))
 
-    async def _restart(self, spec: CreateActor, after: ActorRecord | None = None) -> None:
+    async def _restart(self, spec: CreateActor, after: ActorRecord | None = None,
+                       lost: _Placed | None = None) -> None:
         try:
             if after is not None:
                 # The copy here must be gone before the master looks for one.
@@ -379,6 +381,12 @@ class Scheduler:
         if not isinstance(reply, ActorLocation):
             log.warning("could not restart actor %s: %s", spec.actor_id,
                         getattr(reply, "message", reply))
+            if lost is not None and spec.actor_id not in self.elsewhere:
+                # (No master would place it: a minority side, whose copy
+                # may well live on.) Keep it, so that the next change of the
+                # member list decides again: restart if its node is still
+                # held dead, nothing if the node is back.
+                self.elsewhere[spec.actor_id] = lost
 
     async def lookup(self, body: LookupActor) -> Message:
         """A lookup that waits (up to ``body.wait``) for the restart of an
