@@ -8,7 +8,10 @@ could ever hold it, where the creation waits in that node's queue) and
 stamps the creation with its term; the chosen node constructs it
 (:meth:`Scheduler.placed`) unless the term is older than the newest it
 knows, which it refuses (fencing: a deposed master's late decision is
-void). A node alone decides for itself.
+void). The master checks after each await of a decision that it is still
+master in the term it began in, and places only when a quorum of its
+member list answered it during the decision. A node alone decides for
+itself.
 
 If the master dies mid-decision, the creator's node sees it (its detector
 declares the master dead, or a new master is elected) and asks the new

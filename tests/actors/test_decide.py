@@ -17,8 +17,15 @@ from typing import Any
 
 from pmetal.actors.scheduler import Scheduler
 from pmetal.config import load_config
-from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
-                         ResourcesRequest)
+from pmetal.wire import (
+    ActorLocation,
+    CreateActor,
+    Failure,
+    LookupActor,
+    Message,
+    Resources,
+    ResourcesRequest,
+)
 
 ME, OTHER, THIRD = "a" * 32, "b" * 32, "c" * 32
 

@@ -13,14 +13,13 @@ beside these on two cores, and the figures are printed (``-s``).
 
 from __future__ import annotations
 
-import subprocess
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from netlab import lab_available
 
 from .lab import ROOT, LabCluster, formed_cluster
