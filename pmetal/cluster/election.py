@@ -35,10 +35,11 @@ The rules are Raft's leader election with pre-vote and check-quorum:
   practically never share one). **A healed split**: each master sees the
   other's Beat; the higher term wins (Raft's rule, below) and the other
   follows it. The winner's list holds the loser dead, so the loser is
-  *fenced*: every actor it hosts ends, and the restartable ones its own
-  owners created are placed again through the winner, which looks each up
-  first and keeps a surviving copy (pmetal.actors.scheduler). One copy of
-  each actor remains.
+  *fenced*: every actor it hosts ends; those its own owners created that
+  may restart start again, in place, or, where the copy replaced one on
+  the winner's side, through the winner, which looks it up first and keeps
+  the surviving copy (pmetal.actors.scheduler). One copy of each actor
+  remains.
 
 What changes the member list: only the master (:mod:`pmetal.cluster.roster`).
 It adds a node that asks (:class:`~pmetal.wire.JoinCluster`) or that beats
