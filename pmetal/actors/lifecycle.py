@@ -65,6 +65,9 @@ class ActorLifecycle:
         self._spawn = spawn
         self._on_forwarded = on_forwarded
         self._counts = {"created": 0, "restarts": 0}
+        # The newest election term this node knows (the node sets it): a
+        # creation a master stamped with an older term is refused.
+        self.current_term: Callable[[], int] = lambda: 0
 
     @property
     def created(self) -> int:
@@ -123,6 +126,9 @@ class ActorLifecycle:
             # the actor is created once; this is it.
             return await self.lookup(LookupActor(actor_id=spec.actor_id, wait=float(
                 options.get("timeout") or self.config.transport.request_timeout)))
+        stale = self._stale(spec)
+        if stale is not None:
+            return stale
         target = options.get("node") or ""
         need = needs(options)
         if target and target != self.node_id:
@@ -180,7 +186,25 @@ class ActorLifecycle:
             return Failure("actor_died", "ActorDiedError", record.reason)
         record.held = need
         record.reason = ""
+        stale = self._stale(spec)
+        if stale is not None:
+            # Placed by a master that was deposed while the creation waited
+            # for resources: its decision is void (the creator asks the
+            # current master, which may place it elsewhere).
+            self._mark_dead(record, stale.message)
+            return stale
         return await self._construct(record)
+
+    def _stale(self, spec: CreateActor) -> Failure | None:
+        """A StaleTermError when a master placed ``spec`` in a term older
+        than the newest this node knows (None when it did not, or is current)."""
+        placed = spec.options.get("term")
+        if placed is None or int(placed) >= self.current_term():
+            return None
+        return Failure("placement", "StaleTermError",
+                       f"refused a placement of actor {spec.actor_id} decided in term {placed}: "
+                       f"the current term is {self.current_term()} (the master that decided "
+                       f"was deposed); ask the current master")
 
     def _holders(self) -> str:
         held = [f"{a.spec.options.get('name') or a.spec.options.get('class_name') or ''} "

@@ -47,7 +47,7 @@ from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read
 from pmetal.actors.owners import Owners
 from pmetal.actors.placement import check_options, check_resources
 from pmetal.actors.pool import WorkerPool, WorkerProc
-from pmetal.actors.scheduler import Scheduler
+from pmetal.actors.scheduler import Scheduler, restarted_elsewhere
 from pmetal.actors.zygote import ForkServer
 from pmetal.cluster.election import ElectionState
 from pmetal.cluster.service import ClusterService
@@ -159,6 +159,7 @@ class NodeDaemon:
                                      self.membership, self._cancellable_task,
                                      on_forwarded=lambda options, member:
                                          self.owners.forwarded(options, member))
+        self.actors.current_term = lambda: self.cluster.term
         self.owners = Owners(self.node_id, config.actors.owner_lease, self.membership,
                              self.actors.kill_owned, self._cancellable_task)
         # The cluster: heartbeats, health, election, the master's member list
@@ -422,7 +423,14 @@ class NodeDaemon:
             if record.state == "dead":
                 continue
             local_owner = record.owner[0] == self.node_id
-            if local_owner and record.restarts_left != 0:
+            if local_owner and record.restarts_left != 0 and restarted_elsewhere(record.spec):
+                # This copy replaced one on a node held dead, which may have
+                # been merely cut off and still runs it: the master (of the
+                # side that won) looks it up before placing it again.
+                self.actors.kill_record(record, True, f"fenced: {why}")
+                self.scheduler.place_again(record)
+                restarted += 1
+            elif local_owner and record.restarts_left != 0:
                 self.actors.kill_record(record, False, f"fenced: {why}")
                 restarted += 1
             else:

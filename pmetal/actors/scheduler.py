@@ -8,7 +8,10 @@ could ever hold it, where the creation waits in that node's queue) and
 stamps the creation with its term; the chosen node constructs it
 (:meth:`Scheduler.placed`) unless the term is older than the newest it
 knows, which it refuses (fencing: a deposed master's late decision is
-void). A node alone decides for itself.
+void). The master checks after each await of a decision that it is still
+master in the term it began in, and places only when a quorum of its
+member list answered it during the decision. A node alone decides for
+itself.
 
 If the master dies mid-decision, the creator's node sees it (its detector
 declares the master dead, or a new master is elected) and asks the new
@@ -28,15 +31,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.placement import fits, needs
+from pmetal.cluster.view import has_quorum
 from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
                          ResourcesRequest)
 
 if TYPE_CHECKING:
     from pmetal.actors.node import NodeDaemon
+    from pmetal.actors.records import ActorRecord
     from pmetal.cluster.election import ElectionState
 
 __all__ = ["Scheduler"]
@@ -61,6 +66,47 @@ class _Placed:
     restarts_left: int     # -1: without limit
 
 
+def restarted_elsewhere(spec: CreateActor) -> bool:
+    """Whether ``spec`` restarts an actor whose node was held dead (the
+    scheduler gave it a new incarnation): the old copy may still run there,
+    if that node was merely cut off."""
+    return int(spec.options.get("incarnation") or 0) > 0
+
+
+def _again(spec: CreateActor, incarnation: int, restarts_left: int) -> CreateActor:
+    """``spec`` as a restart: the next incarnation, one restart fewer, and
+    no node or term (the master decides again)."""
+    options = dict(spec.options)
+    options.pop("term", None)
+    options.pop("node", None)
+    options["incarnation"] = incarnation
+    options["restarts_left"] = restarts_left - 1 if restarts_left > 0 else -1
+    return replace(spec, options=options)
+
+
+@dataclass
+class _Deciding:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: int = 0
+
+
+def _choose(free: dict[str, tuple[dict[str, float], dict[str, float], int]],
+            need: dict[str, float], origin: str) -> str:
+    """The node for a creation: the creator's node if it has room now,
+    else any with room now (the master first), else one that could ever
+    hold it (it waits in that node's queue); "" if none could."""
+    order = [origin] if origin in free else []
+    order += [n for n in free if n not in order]
+    for n in order:
+        available, _, queued = free[n]
+        if not queued and fits(need, available):
+            return n
+    for n in order:
+        if fits(need, free[n][1]):
+            return n
+    return ""
+
+
 class Scheduler:
     def __init__(self, node: NodeDaemon) -> None:
         self.node = node
@@ -69,6 +115,7 @@ class Scheduler:
         self.refused_stale = 0
         # Actors whose restart elsewhere is due or under way: set when done.
         self._restarting: dict[str, asyncio.Event] = {}
+        self._deciding: dict[str, _Deciding] = {}   # actor id -> its decisions under way
 
     # ------------------------------------------------------------ creator
 
@@ -146,20 +193,57 @@ class Scheduler:
     # ------------------------------------------------------------- master
 
     async def decide(self, spec: CreateActor, origin: str) -> Message:
+        """Place ``spec`` as master, under the term this node is master in.
+
+        Every await gives the election a chance to move on: after each one
+        the decision checks that this node is still master in the same term
+        (a master that stepped down, or one re-elected in a newer term, must
+        not carry out a decision it began in an older one). The members'
+        answers about their resources double as a quorum check made for
+        this decision: a master that cannot reach a quorum of its member
+        list now (the minority side of a partition that check-quorum has
+        not stepped down yet) places nothing. Decisions for one actor id run
+        one at a time, so the second finds what the first placed."""
         node = self.node
-        if not node.cluster.is_master():
-            return Failure("placement", "NotMasterError",
-                           f"node {node.node_id[:8]} is not the master (the master is "
-                           f"{node.cluster.master[:8] or 'not known'}); ask the master")
+        refused = self._not_master(None)
+        if refused is not None:
+            return refused
         term = node.cluster.term
+        deciding = self._deciding.setdefault(spec.actor_id, _Deciding())
+        deciding.waiting += 1
+        try:
+            async with deciding.lock:
+                return await self._decide(spec, origin, term)
+        finally:
+            deciding.waiting -= 1
+            if not deciding.waiting:
+                del self._deciding[spec.actor_id]
+
+    async def _decide(self, spec: CreateActor, origin: str, term: int) -> Message:
+        node = self.node
+        if (refused := self._not_master(term)) is not None:
+            return refused
         # Exactly once: a previous master may have placed it already (then
         # wait for its constructor, as the creator would have).
         timeout = float(spec.options.get("timeout") or node.config.transport.request_timeout)
         existing = await self._existing(spec.actor_id, timeout)
+        if (refused := self._not_master(term)) is not None:
+            return refused
         if existing is not None:
             return existing
         options = dict(spec.options)
-        target = options.get("node") or await self._choose(needs(options), origin)
+        free = await self._free()
+        if (refused := self._not_master(term)) is not None:
+            return refused
+        heard = set(free)
+        voters = [m["node_id"] for m in node.cluster.state.members] or [node.node_id]
+        if not has_quorum(heard, voters, node.cluster.dead()):
+            return Failure("placement", "NotMasterError",
+                           f"node {node.node_id[:8]} is master in term {term} but only "
+                           f"{len(heard & set(voters))} of its {len(voters)} members answered "
+                           f"it now (a minority side places nothing); ask again once a master "
+                           f"with a majority is elected")
+        target = options.get("node") or _choose(free, needs(options), origin)
         if not target:
             total = node.membership.total_resources(node.resources)
             return Failure("placement", "PlacementError",
@@ -179,6 +263,20 @@ class Scheduler:
             return await node.actors.create(placed)
         return await node.membership.ask(member, placed)
 
+    def _not_master(self, term: int | None) -> Failure | None:
+        """Why this node may not (go on to) decide in ``term``, or None."""
+        cluster = self.node.cluster
+        if not cluster.is_master():
+            return Failure("placement", "NotMasterError",
+                           f"node {self.node.node_id[:8]} is not the master (the master is "
+                           f"{cluster.master[:8] or 'not known'}); ask the master")
+        if term is not None and cluster.term != term:
+            self.refused_stale += 1
+            return Failure("placement", "StaleTermError",
+                           f"node {self.node.node_id[:8]} began this decision as master in "
+                           f"term {term} and is now in term {cluster.term}; ask again")
+        return None
+
     async def _existing(self, actor_id: str, wait: float) -> Message | None:
         node = self.node
         record = node.actors.actors.get(actor_id)
@@ -189,10 +287,9 @@ class Scheduler:
             return found
         return None
 
-    async def _choose(self, need: dict[str, float], origin: str) -> str:
-        """The node for a creation: the creator's node if it has room now,
-        else any with room now (this node first), else one that could ever
-        hold it (it waits in that node's queue); "" if none could."""
+    async def _free(self) -> dict[str, tuple[dict[str, float], dict[str, float], int]]:
+        """What each node that answers has: free, total and queued, by node
+        id (this node first); a member that does not answer is left out."""
         node = self.node
         members = list(node.membership.members.values())
         answers = await asyncio.gather(*(
@@ -202,18 +299,7 @@ class Scheduler:
         for m, a in zip(members, answers):
             if isinstance(a, Resources):
                 free[m.node_id] = (a.available, a.total, a.queued)
-            else:
-                free[m.node_id] = ({}, m.resources, 0)
-        order = [origin] if origin in free else []
-        order += [n for n in free if n not in order]
-        for n in order:
-            available, _, queued = free[n]
-            if not queued and fits(need, available):
-                return n
-        for n in order:
-            if fits(need, free[n][1]):
-                return n
-        return ""
+        return free
 
     # ---------------------------------------------------------- placed here
 
@@ -257,20 +343,39 @@ class Scheduler:
                 continue
             if p.restarts_left == 0:
                 continue
-            self.restarts += 1
-            self._restarting.setdefault(p.spec.actor_id, asyncio.Event())
-            options = dict(p.spec.options)
-            options.pop("term", None)
-            options.pop("node", None)
-            options["incarnation"] = p.incarnation + 1
-            options["restarts_left"] = p.restarts_left - 1 if p.restarts_left > 0 else -1
-            spec = replace(p.spec, options=options)
             log.info("node %s is dead: restarting actor %s (incarnation %d) elsewhere",
-                     p.node_id[:8], spec.actor_id, p.incarnation + 1)
-            self.node._cancellable_task(self._restart(spec))
+                     p.node_id[:8], p.spec.actor_id, p.incarnation + 1)
+            self._start_restart(_again(p.spec, p.incarnation + 1, p.restarts_left), lost=p)
 
-    async def _restart(self, spec: CreateActor) -> None:
+    def place_again(self, record: ActorRecord) -> None:
+        """This node was fenced while it ran ``record``, an actor it owns
+        that replaced a copy on a node then held dead (which may have been
+        merely cut off): once the record is dead, ask the master to place
+        it again. The master looks it up first and answers with the copy
+        that survived on its side, if any; else it is restarted."""
+        log.info("fenced: placing actor %s again through the master (a copy may survive "
+                 "elsewhere)", record.spec.actor_id)
+        self._start_restart(_again(record.spec, record.incarnation + 1, record.restarts_left),
+                            after=record)
+
+    def _start_restart(self, spec: CreateActor, after: ActorRecord | None = None,
+                       lost: _Placed | None = None) -> None:
+        self.restarts += 1
+        self._restarting.setdefault(spec.actor_id, asyncio.Event())
+        self.node._cancellable_task(self._restart(spec, after, lost))
+
+    async def _restart(self, spec: CreateActor, after: ActorRecord | None = None,
+                       lost: _Placed | None = None) -> None:
         try:
+            if after is not None:
+                # The copy here must be gone before the master looks for one.
+                deadline = time.monotonic() + self.node.config.transport.request_timeout
+                while after.state != "dead" and time.monotonic() < deadline:
+                    try:
+                        await asyncio.wait_for(after.changed.wait(),
+                                               deadline - time.monotonic())
+                    except asyncio.TimeoutError:
+                        break
             reply = await self.place(spec)
         finally:
             done = self._restarting.pop(spec.actor_id, None)
@@ -279,6 +384,12 @@ class Scheduler:
         if not isinstance(reply, ActorLocation):
             log.warning("could not restart actor %s: %s", spec.actor_id,
                         getattr(reply, "message", reply))
+            if lost is not None and spec.actor_id not in self.elsewhere:
+                # (No master would place it: a minority side, whose copy
+                # may well live on.) Keep it, so that the next change of the
+                # member list decides again: restart if its node is still
+                # held dead, nothing if the node is back.
+                self.elsewhere[spec.actor_id] = lost
 
     async def lookup(self, body: LookupActor) -> Message:
         """A lookup that waits (up to ``body.wait``) for the restart of an

@@ -24,13 +24,22 @@ The rules are Raft's leader election with pre-vote and check-quorum:
   steps down, so a minority side never keeps a master.
 - Quorum (:func:`pmetal.cluster.view.has_quorum`): over the member list,
   dead members included until removed; more than half, or exactly half
-  holding the smallest node id. **Two nodes**: the lower id alone is a
-  quorum and the higher id is not. When they cannot hear each other, the
-  lower id keeps (or becomes) master and the higher id has none; when the
-  lower id dies, the higher id stays without a master until it returns.
-  Two nodes cannot survive the loss of the lower id without risking two
-  masters when they are merely cut off from each other, and a cut-off
-  network is far more common at home than a machine that never returns.
+  holding the smallest node id.
+- **Two nodes**: a quorum is both, or one alone once its failure detector
+  holds the other dead; and a master of two never steps down for want of
+  a quorum. So the survivor of either machine's loss is (or becomes) master
+  within ``health.dead_after`` plus up to ``timeout / 2``, and a sitting
+  master keeps its role. Two machines cannot tell a dead peer from a cut
+  cable: while cut off, each side has a master, in different terms (the
+  one that campaigns alone takes a random term above its own, so the two
+  practically never share one). **A healed split**: each master sees the
+  other's Beat; the higher term wins (Raft's rule, below) and the other
+  follows it. The winner's list holds the loser dead, so the loser is
+  *fenced*: every actor it hosts ends; those its own owners created that
+  may restart start again, in place, or, where the copy replaced one on
+  the winner's side, through the winner, which looks it up first and keeps
+  the surviving copy (pmetal.actors.scheduler). One copy of each actor
+  remains.
 
 What changes the member list: only the master (:mod:`pmetal.cluster.roster`).
 It adds a node that asks (:class:`~pmetal.wire.JoinCluster`) or that beats
@@ -51,9 +60,13 @@ no master made, which loses every vote against one a master made). An
 election over such a list (a *founding* election) jumps to a random term
 above every term seen, so that clusters founded apart (a partition at
 start, a node restarted without memory alone) practically never share a
-term. Two masters that meet merge: the one with fewer members (tie: the
-larger node id) yields, sends its members to the other in a JoinCluster
-and becomes a follower; the winner adds them and runs an election in a
+term. Two masters that meet merge. Within one lineage (each lists the
+other's incarnation) Raft's rule holds: the older term follows the newer.
+Otherwise the master in the lower term (tie: the smaller node id) yields:
+the term is all that both sides see alike (each may list the other or not,
+under an old incarnation: a rule on list sizes had two masters of two each
+waiting for the other to yield). It sends its members to the other in a
+JoinCluster and becomes a follower; the winner adds them and runs an election in a
 term above both, by a random jump too: two masters that take in the same
 masterless nodes at once must not pick the same term. Until the winner's
 view arrives the yielding side campaigns for no one and votes only for the
@@ -151,6 +164,7 @@ class ElectionManager(Roster):
         self._pre_term = 0              # term of the pre-vote round under way (0: none)
         self._heard: dict[str, float] = {}
         self._dead_since: dict[str, float] = {}
+        self._removed: dict[str, int] = {}   # node id -> the last incarnation removed dead
         self._known: dict[str, dict[str, Any]] = {}   # discovered nodes by id
         self._reachable: set[str] = set()            # ... that discovery says answer
         self._beats: dict[str, Beat] = {}            # last Beat of each node
@@ -300,6 +314,9 @@ class ElectionManager(Roster):
         beat = self._beats.get(node_id)
         return beat.address if beat is not None else ""
 
+    def _quorum(self, granted: set[str]) -> bool:
+        return has_quorum(granted, self._members.ids(), self._dead_since)
+
     def _others(self) -> list[str]:
         return [n for n in self._members.ids() if n != self.node_id]
 
@@ -379,8 +396,14 @@ class ElectionManager(Roster):
         self._fresh_granted = {self.node_id} if self._fresh else set()
         self._counts["pre_votes"] += 1
         self._deadline = now + self._jitter(self._config.timeout)
-        if has_quorum(self._granted, self._members.ids()):
-            self._start_candidacy(now, out, self._pre_term)
+        if self._quorum(self._granted):
+            term = self._pre_term
+            if len(self._members) == 2:
+                # The survivor of two, alone: the other may be cut off
+                # rather than dead, and campaigning alone in our next term
+                # too. A random term keeps the two masters apart.
+                term += self._rng.randrange(1, TERM_JUMP)
+            self._start_candidacy(now, out, term)
             return
         request = VoteRequest(self._pre_term, self.node_id, self._members.epoch, True)
         out.extend(Outgoing(n, self._address(n), request) for n in self._others())
@@ -399,7 +422,7 @@ class ElectionManager(Roster):
             self._event("no_master", now, "new election")
         self._counts["elections"] += 1
         self._deadline = now + self._jitter(self._config.timeout)
-        if has_quorum(self._granted, self._members.ids()):
+        if self._quorum(self._granted):
             self._become_master(now, out)
             return
         request = VoteRequest(term, self.node_id, self._members.epoch, False)
@@ -484,10 +507,9 @@ class ElectionManager(Roster):
                 self._granted.add(sender)
                 if v.reason == _FRESH:
                     self._fresh_granted.add(sender)
-                if has_quorum(self._granted, self._members.ids()):
+                if self._quorum(self._granted):
                     term = self._pre_term
-                    jump = not has_quorum(self._granted - self._fresh_granted,
-                                          self._members.ids())
+                    jump = not self._quorum(self._granted - self._fresh_granted)
                     if jump:
                         term += self._rng.randrange(0, TERM_JUMP)
                     jump = jump or self._members.epoch == 0   # founders' terms are random
@@ -497,7 +519,7 @@ class ElectionManager(Roster):
             if v.reason == _FRESH and not self._jumped:
                 return   # its old life may have voted in this very term
             self._granted.add(sender)
-            if has_quorum(self._granted, self._members.ids()):
+            if self._quorum(self._granted):
                 self._become_master(now, out)
 
     # ---------------------------------------------------------------- beats
@@ -533,6 +555,12 @@ class ElectionManager(Roster):
                 # joining it, whatever lists we held before.
                 if self._joining != sender:
                     self._join(sender, b.address, now)
+                out.append(self._join_message(sender, b.address))
+            elif self._master == sender and self._view_term < b.term:
+                # We hold no view of this master's term: ask for it. Its
+                # epochs may equal those of the list we hold (a deposed
+                # master numbers its own), so it cannot tell from our Beat
+                # that we lack its view, which may hold us dead (fenced).
                 out.append(self._join_message(sender, b.address))
         elif sender == self._master:
             self._lose_master(now, f"master {sender} says it is not master")

@@ -4,8 +4,9 @@ A part of :class:`pmetal.cluster.election.ElectionManager`, kept apart for
 size: these methods run on its state (see that module for the rules). The
 master adds nodes that ask (``JoinCluster``) or that beat with no master,
 replaces a member whose Beat shows a new incarnation, marks members dead
-and drops them after ``health.remove_after``, meets other masters (a merge:
-the smaller cluster yields) and sends every change to every member as a
+and drops them after ``health.remove_after`` (that incarnation may not
+come back: it is sent the view that fences it), meets other masters (a merge:
+the one in the lower term yields) and sends every change to every member as a
 ``ClusterView``. Followers adopt views in :meth:`Roster._on_view`, and learn
 there when the master fenced them.
 """
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pmetal.cluster.events import ElectionEvent, Outgoing, Role
-from pmetal.cluster.view import ALIVE, MemberList, entry, has_quorum, valid
+from pmetal.cluster.view import ALIVE, DEAD, MemberList, entry, has_quorum, valid
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, ClusterView, JoinCluster
 
@@ -29,6 +30,8 @@ log = logging.getLogger("pmetal.cluster.election")
 # Elections over lists from different lineages (founding, merging) move the
 # term up by a random amount below this: see pmetal.cluster.election.
 TERM_JUMP = 2 ** 31
+
+_TOMBSTONES = 256   # removed members remembered (the oldest go first)
 
 
 def _described(member: Mapping[str, Any]) -> dict[str, Any]:
@@ -55,6 +58,7 @@ class Roster:
     _master_since: float
     _heard: dict[str, float]
     _dead_since: dict[str, float]
+    _removed: dict[str, int]
     _known: dict[str, dict[str, Any]]
     _beats: dict[str, Beat]
     _events: list[ElectionEvent]
@@ -76,6 +80,9 @@ class Roster:
             self._meet_master(sender, b, now, out)
             return
         if member is None:
+            if self._relist_dead(sender, b.incarnation, b.address, now):
+                self._view_changed(now, f"{sender} back as a removed incarnation", out)
+                return
             if b.master in ("", self.node_id):
                 # A node with no master, or one that follows us unlisted: take it in.
                 self._add(now, out, [entry({"node_id": sender, "address": b.address,
@@ -115,12 +122,13 @@ class Roster:
                 self._in_view = False
                 out.append(self._join_message(other, b.address))
             return
-        mine = (len(self._members), other)
-        theirs = (b.size, self.node_id)
-        if mine >= theirs:
+        # Lists from different lineages, or one that lists the other as an
+        # older incarnation: each side may list the other or not, so the
+        # rule reads only what both see alike, the two terms (then ids).
+        if (self._term, self.node_id) >= (b.term, other):
             return   # it yields to us when it sees our Beat
-        log.info("master %s yields to master %s (%d members against %d)", self.node_id[:8],
-                 other[:8], len(self._members), b.size)
+        log.info("master %s yields to master %s (term %d against %d)", self.node_id[:8],
+                 other[:8], self._term, b.term)
         joining = [self._me] + [e for e in self._members.entries() if e["node_id"] != self.node_id]
         out.append(Outgoing(other, b.address, JoinCluster(self._term, joining)))
         self._step_down(now, f"merging into the cluster of {other}")
@@ -130,7 +138,8 @@ class Roster:
 
     def _master_tick(self, now: float, out: list[Outgoing]) -> None:
         timeout = self._config.timeout
-        if now - self._master_since >= timeout:
+        if now - self._master_since >= timeout and len(self._members) != 2:
+            # (A master of two keeps its role: see the election's docstring.)
             recent = {n for n, t in self._heard.items() if now - t < timeout}
             recent.add(self.node_id)
             if not has_quorum(recent, self._members.ids()):
@@ -140,6 +149,7 @@ class Roster:
         gone = [n for n, t in self._dead_since.items()
                 if now - t >= remove_after and n in self._members and n != self.node_id]
         for node_id in gone:
+            self._tombstone(self._members.get(node_id))
             self._members.remove(node_id)
         if gone:
             self._view_changed(now, "removed " + ",".join(gone), out)
@@ -168,6 +178,9 @@ class Roster:
              epoch: int, answer: str = "") -> None:
         changed = False
         for m in members:
+            if self._relist_dead(m["node_id"], m["incarnation"], m["address"], now):
+                changed = True
+                continue
             cur = self._members.get(m["node_id"])
             if cur is not None and cur["incarnation"] >= m["incarnation"]:
                 if (cur["incarnation"] == m["incarnation"] and cur["state"] == ALIVE
@@ -196,6 +209,27 @@ class Roster:
             self._view_changed(now, "joined " + ",".join(m["node_id"] for m in members), out)
         elif answer:
             self._send_view(answer, out)
+
+    def _relist_dead(self, node_id: str, incarnation: int, address: str, now: float) -> bool:
+        """A removed incarnation is back: it may have missed the view that
+        dropped it and still run actors that were restarted elsewhere. List
+        it dead again (removed again in due course): the view fences it,
+        whatever it believes, and only a new incarnation comes back."""
+        if incarnation > self._removed.get(node_id, -1) or node_id in self._members:
+            return False
+        self._members.put({"node_id": node_id, "address": address,
+                           "incarnation": incarnation}, DEAD)
+        self._dead_since.setdefault(node_id, now)
+        return True
+
+    def _tombstone(self, e: Mapping[str, Any] | None) -> None:
+        """Remember a member removed while dead: that incarnation may not
+        come back (its actors were restarted elsewhere); a new one may."""
+        if e is None or e["node_id"] == self.node_id:
+            return
+        self._removed[e["node_id"]] = max(e["incarnation"], self._removed.get(e["node_id"], -1))
+        while len(self._removed) > _TOMBSTONES:
+            del self._removed[next(iter(self._removed))]
 
     def _view_changed(self, now: float, why: str, out: list[Outgoing]) -> None:
         self._event("view", now, why)
@@ -233,6 +267,10 @@ class Roster:
         if (v.term, v.epoch) <= (self._view_term, self._members.epoch):
             return
         members = [m for m in v.members if valid(m)]
+        listed = {m["node_id"] for m in members}
+        for e in self._members.entries():
+            if e["state"] != ALIVE and e["node_id"] not in listed:
+                self._tombstone(e)   # so that we refuse it too, should we lead
         self._members.replace(members, v.epoch)
         self._view_term = v.term
         self._joining = ""

@@ -10,8 +10,13 @@ is the only writer.
 Quorum: more than half of the members (dead or alive: a member counts as a
 voter until the master removes it), or exactly half when that half holds
 the member with the smallest node id. The tie-breaker decides even splits,
-so that one side of a 2-2 partition keeps a master; in a two-node cluster
-the node with the lower id is a quorum on its own and the other is not.
+so that one side of a 2-2 partition keeps a master.
+
+Two members are the exception: both, or one alone once its failure
+detector holds the other dead. Either machine of a two-machine cluster
+survives the other's loss; the price (two masters, in different terms,
+while the two are merely cut off from each other) and how a healed split
+resolves are in :mod:`pmetal.cluster.election`.
 """
 
 from __future__ import annotations
@@ -25,10 +30,16 @@ ALIVE = "alive"
 DEAD = "dead"
 
 
-def has_quorum(granted: Collection[str], voters: Collection[str]) -> bool:
-    """Whether ``granted`` is a quorum of ``voters`` (see the module docstring)."""
+def has_quorum(granted: Collection[str], voters: Collection[str],
+               dead: Collection[str] = ()) -> bool:
+    """Whether ``granted`` is a quorum of ``voters`` (see the module
+    docstring); ``dead``: the voters the deciding node's detector holds
+    dead (they matter only to a list of two)."""
     if not voters:
         return False
+    if len(voters) == 2:
+        return all(v in granted or v in dead for v in voters) and any(
+            v in granted for v in voters)
     count = sum(1 for v in voters if v in granted)
     twice = 2 * count
     return twice > len(voters) or (twice == len(voters) and min(voters) in granted)

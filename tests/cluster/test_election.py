@@ -45,8 +45,9 @@ def events(net: SimNet, node_id: str, kind: str) -> list:
 
 @pytest.mark.parametrize(("granted", "voters", "expected"), [
     ({"a"}, ["a"], True),
-    ({"a"}, ["a", "b"], True),          # two nodes: the lower id alone is a quorum
-    ({"b"}, ["a", "b"], False),         # ... and the higher id alone is not
+    ({"a"}, ["a", "b"], False),         # two nodes: one alone is not a quorum...
+    ({"b"}, ["a", "b"], False),
+    ({"a", "b"}, ["a", "b"], True),
     ({"a", "b"}, ["a", "b", "c"], True),
     ({"c"}, ["a", "b", "c"], False),
     ({"a", "d"}, ["a", "b", "c", "d"], True),   # an even split: the half with "a"
@@ -56,6 +57,18 @@ def events(net: SimNet, node_id: str, kind: str) -> list:
 ])
 def test_quorum(granted: set[str], voters: list[str], expected: bool) -> None:
     assert has_quorum(granted, voters) is expected
+
+
+@pytest.mark.parametrize(("granted", "voters", "dead", "expected"), [
+    ({"b"}, ["a", "b"], {"a"}, True),   # ... unless it holds the other dead
+    ({"a"}, ["a", "b"], {"b"}, True),
+    ({"a"}, ["a", "b"], {"a"}, False),
+    (set(), ["a", "b"], {"a", "b"}, False),
+    ({"b"}, ["a", "b", "c"], {"a", "c"}, False),   # dead voters count only in a list of two
+])
+def test_quorum_of_two_with_a_dead_member(granted: set[str], voters: list[str], dead: set[str],
+                                          expected: bool) -> None:
+    assert has_quorum(granted, voters, dead) is expected
 
 
 # ----------------------------------------------------------------- election
@@ -137,16 +150,39 @@ def test_a_master_cut_off_from_the_majority_steps_down() -> None:
     assert net.masters_now()[0].node_id in others
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_two_nodes_the_lower_id_keeps_the_master(seed: int) -> None:
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize("lose", ["master", "follower"])
+def test_two_nodes_the_survivor_of_either_is_master_soon(seed: int, lose: str) -> None:
     net = network(2, seed, ids=["a", "b"])
-    formed(net)
+    master = formed(net)
+    gone = master if lose == "master" else next(i for i in net.ids if i != master)
+    survivor = next(i for i in net.ids if i != gone)
+    net.crash(gone)
+    took = net.run_until_true(lambda: state(net, survivor).role is Role.MASTER, 3.0)
+    # Declared dead, then up to half a timeout of random wait, and a tick.
+    assert took <= HEALTH.dead_after + ELECTION.timeout / 2 + 2 * HEALTH.interval + DELAY
+    if lose == "follower":
+        assert not events(net, survivor, "no_master")   # a sitting master keeps its role
+    net.restart(gone)
+    assert formed(net, ELECTION.bootstrap + 3.0) == survivor
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_two_nodes_cut_apart_each_has_a_master_and_the_higher_term_wins_the_heal(
+        seed: int) -> None:
+    net = network(2, seed, ids=["a", "b"])
+    master = formed(net)
+    other = next(i for i in net.ids if i != master)
+    term = state(net, master).term
     net.partition(["a"], ["b"])
-    net.run_for(4.0)
-    assert state(net, "a").role is Role.MASTER
-    assert state(net, "b").role is not Role.MASTER and state(net, "b").master == ""
+    net.run_for(2.0)
+    assert state(net, master).role is Role.MASTER and state(net, master).term == term
+    assert state(net, other).role is Role.MASTER and state(net, other).term > term
     net.heal()
-    assert formed(net, 3.0) == "a"
+    assert formed(net, 3.0) == other
+    # The loser's list held it alive; the winner's holds it dead: fenced.
+    assert events(net, master, "fenced")
+    assert not events(net, other, "fenced")
 
 
 def test_four_nodes_split_two_two_the_half_with_the_smallest_id_keeps_a_master() -> None:
@@ -213,18 +249,49 @@ def test_a_node_declared_dead_is_fenced_and_rejoins_as_a_new_incarnation() -> No
     assert net.masters_now()[0].node_id == master
 
 
-def test_two_clusters_formed_apart_merge_into_the_larger() -> None:
-    net = network(5, seed=12)
+@pytest.mark.parametrize("new_master", [False, True])
+def test_a_node_removed_while_cut_off_is_fenced_when_it_returns(new_master: bool) -> None:
+    """It missed the view that dropped it (its actors were restarted
+    elsewhere meanwhile): back as the same incarnation it is fenced, not
+    taken in again; also by a master elected after the removal."""
+    net = network(3, seed=16)
+    master = formed(net)
+    away = next(i for i in net.ids if i != master)
+    net.partition([away])
+    net.run_until_true(lambda: away not in [m["node_id"] for m in state(net, master).members],
+                       HEALTH.dead_after + HEALTH.remove_after + 1.0)
+    if new_master:
+        net.crash(master)
+        rest = [i for i in net.ids if i not in (master, away)]
+        net.partition([away], rest)
+        net.run_until_true(lambda: state(net, rest[0]).role is Role.MASTER, 5.0)
+        net.restart(master)
+    net.heal()
+    net.run_until_true(lambda: bool(events(net, away, "fenced")), 2.0)
+
+    def listed() -> dict[str, int]:
+        return {m["node_id"]: m["incarnation"]
+                for m in net.masters_now()[0].manager.state.members if m["state"] == "alive"}
+
+    net.run_until_true(lambda: net.agreement() == "" and away in listed(),
+                       ELECTION.bootstrap + 3.0)
+    assert listed()[away] == 2 == net.nodes[away].incarnation
+
+
+@pytest.mark.parametrize("seed", [12, 13, 14, 15])
+def test_two_clusters_formed_apart_merge_under_the_higher_term(seed: int) -> None:
+    net = network(5, seed=seed)
     net.partition(["n0", "n1", "n2"], ["n3", "n4"])
     net.run_for(ELECTION.bootstrap + 2.0)
     big = next(i for i in ("n0", "n1", "n2") if state(net, i).role is Role.MASTER)
     small = next(i for i in ("n3", "n4") if state(net, i).role is Role.MASTER)
     terms = state(net, big).term, state(net, small).term
+    winner, loser = (big, small) if terms[0] > terms[1] else (small, big)
     net.heal()
-    assert formed(net, 3.0) == big
-    assert state(net, big).term > max(terms)
-    assert [m["node_id"] for m in state(net, big).members] == net.ids
-    assert events(net, small, "no_master")
+    assert formed(net, 3.0) == winner
+    assert state(net, winner).term > max(terms)
+    assert sorted(m["node_id"] for m in state(net, winner).members) == net.ids
+    assert events(net, loser, "no_master")
 
 
 def test_a_join_that_claims_the_masters_own_id_is_refused() -> None:
