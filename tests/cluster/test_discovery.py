@@ -76,9 +76,9 @@ class Node:
         self.ignored[peer.node_id] = peer
         self._changed.set()
 
-    def _gone(self, node_id: str) -> None:
-        self.peers.pop(node_id, None)
-        self.gone.append(node_id)
+    def _gone(self, peer: DiscoveredPeer) -> None:
+        self.peers.pop(peer.node_id, None)
+        self.gone.append(peer.node_id)
         self._changed.set()
 
     async def until(self, what: str, predicate: Callable[[], bool],
