@@ -12,7 +12,14 @@ member list and discovery, around the pure state machines.
   Beats, votes, views and joins; their outputs are sent here, their events
   turned into the node's callbacks (``on_view``: the member list changed;
   ``on_fenced``: this node was declared dead, so its actors must go);
-* discovery (:mod:`pmetal.cluster.discovery`) when asked for;
+* discovery (:mod:`pmetal.cluster.discovery`) when asked for, and the
+  :class:`~pmetal.cluster.candidates.Candidates` its records (and members'
+  words about third nodes) propose: a hint never moves, replaces, refuses
+  or fences a member. A candidate address is dialled (with backoff, given
+  up in the end) and the node there is taken in once the handshake proved
+  its id, at that address; a member moves to a new address only that way,
+  or by its own authenticated word (a Beat, from a session it opened),
+  and only when it is not alive at the old one (the clone rule);
 * the version of what a client must know (dead nodes, master, term, epoch),
   answered to :class:`~pmetal.wire.WatchCluster` long polls.
 
@@ -41,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pmetal.cluster.candidates import Candidates, LogLimiter
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.probe import follow_members, probe_bandwidth
@@ -67,10 +75,16 @@ def cluster_clock() -> float:
 
 
 _SEND_TIMEOUT = 1.0   # s a vote or view may wait for a peer's socket
+_CANDIDATE_DIALS = 4  # candidate handshakes under way at most (each holds a socket)
+_RESCAN = 1.0         # s between offers of the current mDNS records to the candidates
 
 
 @dataclass
 class _Peer:
+    """A node whose id a handshake proved at ``address`` (or that said so in
+    its own authenticated Beat), or a static peer (id unknown until its
+    first handshake)."""
+
     address: str
     node_id: str = ""
     channel: Channel | None = None
@@ -87,6 +101,12 @@ class ClusterStatistics:
     fenced: int
     clones_refused: int
     version: int
+    candidates: int = 0        # addresses hinted, not yet proven
+    candidate_dials: int = 0
+    candidate_failures: int = 0
+    candidates_proven: int = 0
+    candidates_given_up: int = 0
+    hints_left_out: int = 0
 
 
 class ClusterService:
@@ -124,7 +144,10 @@ class ClusterService:
         self.topology.add_node(NodeProfile.from_dict(profile, node_id=self.node_id))
         self._rtts: dict[str, collections.deque[float]] = {}   # node id -> recent round trips
         self.peers: dict[str, _Peer] = {}      # address -> peer
-        self._by_id: dict[str, str] = {}       # node id -> address
+        self._by_id: dict[str, str] = {}       # node id -> address (proven)
+        self.candidates = Candidates(config.discovery)
+        self._warn = LogLimiter(log)
+        self._rescanned = now
         self.version = 0
         self._changed = asyncio.Event()
         self._last_tick = now
@@ -176,7 +199,11 @@ class ClusterService:
                             members)
 
     def statistics(self) -> ClusterStatistics:
-        return ClusterStatistics(**self._counts, version=self.version)
+        c = self.candidates.statistics()
+        return ClusterStatistics(**self._counts, version=self.version, candidates=c.candidates,
+                                 candidate_dials=c.dials, candidate_failures=c.failures,
+                                 candidates_proven=c.proven, candidates_given_up=c.given_up,
+                                 hints_left_out=c.left_out)
 
     def describe(self) -> dict[str, Any]:
         """The cluster for ``pmetal status``: master, term, epoch, every member
@@ -205,6 +232,9 @@ class ClusterService:
                              "interval": self.config.health.interval,
                              "election": self.config.election.timeout},
                 "discovered": sorted(self._by_id),
+                "candidates": self.candidates.addresses(),
+                "discovery_statistics": (self.discovery.statistics().__dict__
+                                         if self.discovery is not None else None),
                 "found": {n: round(t - self.started, 3) for n, t in self.first_seen.items()},
                 "topology": self.topology.to_dict(),
                 "ring": self.topology.best_ring(),
@@ -298,6 +328,7 @@ class ClusterService:
                 if not peer.beating:
                     peer.beating = True
                     self._spawn(self._beat(peer))
+            self._dial_candidates(now)
             try:
                 await asyncio.wait_for(stopping.wait(), interval)
             except asyncio.TimeoutError:
@@ -432,6 +463,7 @@ class ClusterService:
             if clone:
                 return Failure("bad_request", "PeerError", clone)
             self._peer(body.address, sender)  # type: ignore[attr-defined]
+            self.candidates.discard(_tcp(body.address))  # type: ignore[attr-defined]
             if not known:
                 self._discovered({"node_id": sender, "address": body.address,  # type: ignore[attr-defined]
                                   "incarnation": body.incarnation}, now)  # type: ignore[attr-defined]
@@ -473,12 +505,88 @@ class ClusterService:
 
     def discovered(self, node_id: str, address: str, incarnation: int = 0,
                    resources: dict[str, Any] | None = None) -> None:
-        """A node found by discovery (mDNS) or answering as a static peer."""
-        if node_id == self.node_id:
+        """A hint that ``node_id`` answers at ``address``: an mDNS record, a
+        NodeJoin, a member naming its master. Believed once a handshake
+        there proves an id (:meth:`_try_candidate`); until then it touches
+        no member, whatever id it names."""
+        address = _tcp(address)
+        if node_id == self.node_id or address == _tcp(self.address) or address in self.peers:
+            return   # this node, or a node proven there already
+        self.candidates.hint(address, node_id, cluster_clock(),
+                             {"incarnation": incarnation, "resources": resources or {}})
+
+    def withdrawn(self, record: Any) -> None:
+        """The mDNS record (a DiscoveredPeer) was withdrawn (a goodbye) or
+        expired: its hint ends; a member it named stays (heartbeats tell
+        whether a member lives)."""
+        self.candidates.withdraw(_tcp(record.address), record.node_id)
+
+    def _dial_candidates(self, now: float) -> None:
+        if self.discovery is not None and now - self._rescanned >= _RESCAN:
+            # Records left out while the table was full, or whose address
+            # has rested, are offered again for as long as they are current.
+            self._rescanned = now
+            for record in self.discovery.peers():
+                self.discovered(record.node_id, record.address, record.incarnation,
+                                dict(record.resources))
+        room = _CANDIDATE_DIALS - self.candidates.dialing()
+        if room > 0 and len(self.candidates):
+            for address in self.candidates.due(now, room):
+                self._spawn(self._try_candidate(address))
+
+    async def _try_candidate(self, address: str) -> None:
+        """Dial a candidate address: take in the node whose id the handshake
+        proves there, or back off."""
+        channel: Channel | None = None
+        try:
+            channel = Channel(self._transport.dial(address), self._identity, self._namespace,
+                              self.config)
+            proven = await channel.aopen(timeout=self.config.health.dead_after)
+        except BaseException as exc:
+            if channel is not None:
+                channel.close()
+            now = cluster_clock()
+            cand = self.candidates.get(address)
+            claims = sorted(cand.claims) if cand is not None else []
+            tries = cand.failures + 1 if cand is not None else 1
+            if self.candidates.failed(address, now):
+                self._warn.log(now, _host(address), logging.WARNING,
+                               "mDNS records say node(s) %s of this namespace answer at %s, "
+                               "but no handshake there proved it (%d tries, last: %s); given "
+                               "up: a forged record, or a node this one cannot reach",
+                               ",".join(c[:8] for c in claims[:4]) +
+                               (f" and {len(claims) - 4} more" if len(claims) > 4 else ""),
+                               address, tries, exc)
+            else:
+                log.debug("candidate %s: no handshake (%s)", address, exc)
+            if not isinstance(exc, PMetalError):
+                raise
             return
-        self._peer(address, node_id)
-        self._discovered({"node_id": node_id, "address": address, "incarnation": incarnation,
-                          "resources": resources or {}}, cluster_clock())
+        self._admit(address, proven, channel)
+
+    def _admit(self, address: str, proven: str, channel: Channel) -> None:
+        """A handshake at ``address`` proved ``proven``: a member now, there,
+        unless that id is alive elsewhere (a clone: refused) or is ours."""
+        now = cluster_clock()
+        claims = self.candidates.proven(address)
+        if proven == self.node_id or address in self.peers:
+            channel.close()
+            if proven == self.node_id:
+                self.candidates.give_up(address, now)
+            return
+        if self._clone(proven, address):
+            channel.close()
+            self.candidates.give_up(address, now)
+            return
+        peer = self._peer(address, proven)
+        if peer.channel is None:
+            peer.channel = channel
+        else:
+            channel.close()
+        claim = claims.get(proven, {})
+        self._discovered({"node_id": proven, "address": address,
+                          "incarnation": claim.get("incarnation", 0),
+                          "resources": claim.get("resources", {})}, now)
 
     def _discovered(self, member: dict[str, Any], now: float) -> None:
         node_id = member["node_id"]
@@ -579,6 +687,11 @@ class ClusterService:
 def _tcp(address: str) -> str:
     """``address`` as peers advertise it: ``tcp://host:port``."""
     return address if "://" in address else f"tcp://{address}"
+
+
+def _host(address: str) -> str:
+    """The host of ``tcp://host:port``: the source a log rate limit counts by."""
+    return address.partition("://")[2].rpartition(":")[0] or address
 
 
 class _Stopped(Exception):
