@@ -229,8 +229,8 @@ class DiscoveryConfig:
     node's id. ``max_candidates``: addresses waiting for that proof, at
     most (more are left for later). A candidate that fails is dialled again
     after ``backoff`` seconds, doubling (with jitter) up to ``backoff_max``,
-    and given up ``give_up`` seconds after its first failure; it then rests
-    for ``give_up`` seconds before a record may bring it back. A withdrawn
+    and given up ``give_up`` seconds after its first failure; it stays given
+    up until no record has named it for ``give_up`` seconds. A withdrawn
     record (an mDNS goodbye) ends its candidate at once. ``max_records``:
     records of this namespace kept at most (a home cluster has a few; the
     rest of a flood is dropped).
