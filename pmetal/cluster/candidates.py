@@ -41,7 +41,7 @@ from typing import Any
 
 from pmetal.config import DiscoveryConfig
 
-__all__ = ["Candidate", "Candidates", "CandidateStatistics", "LogLimiter"]
+__all__ = ["Candidate", "CandidateStatistics", "Candidates", "LogLimiter"]
 
 _MEMORY = 1024
 """Addresses that failed, remembered at most (oldest forgotten first)."""

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pmetal.cluster.candidates import Candidates, LogLimiter
+from pmetal.cluster.hints import Hints, tcp as _tcp
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.probe import follow_members, probe_bandwidth
@@ -75,8 +76,6 @@ def cluster_clock() -> float:
 
 
 _SEND_TIMEOUT = 1.0   # s a vote or view may wait for a peer's socket
-_CANDIDATE_DIALS = 4  # candidate handshakes under way at most (each holds a socket)
-_RESCAN = 1.0         # s between offers of the current mDNS records to the candidates
 
 
 @dataclass
@@ -109,7 +108,7 @@ class ClusterStatistics:
     hints_left_out: int = 0
 
 
-class ClusterService:
+class ClusterService(Hints):
     def __init__(self, *, config: PMetalConfig, identity: NodeIdentity,
                  namespace: NetworkNamespace, transport: ZmqTransport, address: str,
                  resources: dict[str, float], profile: dict[str, Any],
@@ -147,6 +146,7 @@ class ClusterService:
         self._by_id: dict[str, str] = {}       # node id -> address (proven)
         self.candidates = Candidates(config.discovery)
         self._warn = LogLimiter(log)
+        self._clock = cluster_clock
         self._rescanned = now
         self.version = 0
         self._changed = asyncio.Event()
@@ -491,10 +491,9 @@ class ClusterService:
         not): that id is a live member at another address, so two nodes
         share one identity. (A member that restarted elsewhere is silent at
         its old address, hence Dead, and is let in.)"""
-        known = self._by_id.get(node_id)
-        if (not known or known == _tcp(address) or node_id not in self.health
-                or self.health.status(node_id) is HealthStatus.DEAD):
+        if not self._alive_elsewhere(node_id, address):
             return ""
+        known = self._by_id.get(node_id)
         self._counts["clones_refused"] += 1
         if self._counts["clones_refused"] == 1 or log.isEnabledFor(logging.DEBUG):
             log.warning("refused node %s at %s: that id is a live member at %s (a cloned "
@@ -502,91 +501,6 @@ class ClusterService:
         return (f"refused: node id {node_id} is already a live member at {known}: two nodes "
                 f"share one identity (a cloned disk, VM or PMETAL_HOME?); give each node its "
                 f"own ~/.pmetal/node_keypair")
-
-    def discovered(self, node_id: str, address: str, incarnation: int = 0,
-                   resources: dict[str, Any] | None = None) -> None:
-        """A hint that ``node_id`` answers at ``address``: an mDNS record, a
-        NodeJoin, a member naming its master. Believed once a handshake
-        there proves an id (:meth:`_try_candidate`); until then it touches
-        no member, whatever id it names."""
-        address = _tcp(address)
-        if node_id == self.node_id or address == _tcp(self.address) or address in self.peers:
-            return   # this node, or a node proven there already
-        self.candidates.hint(address, node_id, cluster_clock(),
-                             {"incarnation": incarnation, "resources": resources or {}})
-
-    def withdrawn(self, record: Any) -> None:
-        """The mDNS record (a DiscoveredPeer) was withdrawn (a goodbye) or
-        expired: its hint ends; a member it named stays (heartbeats tell
-        whether a member lives)."""
-        self.candidates.withdraw(_tcp(record.address), record.node_id)
-
-    def _dial_candidates(self, now: float) -> None:
-        if self.discovery is not None and now - self._rescanned >= _RESCAN:
-            # Records left out while the table was full, or whose address
-            # has rested, are offered again for as long as they are current.
-            self._rescanned = now
-            for record in self.discovery.peers():
-                self.discovered(record.node_id, record.address, record.incarnation,
-                                dict(record.resources))
-        room = _CANDIDATE_DIALS - self.candidates.dialing()
-        if room > 0 and len(self.candidates):
-            for address in self.candidates.due(now, room):
-                self._spawn(self._try_candidate(address))
-
-    async def _try_candidate(self, address: str) -> None:
-        """Dial a candidate address: take in the node whose id the handshake
-        proves there, or back off."""
-        channel: Channel | None = None
-        try:
-            channel = Channel(self._transport.dial(address), self._identity, self._namespace,
-                              self.config)
-            proven = await channel.aopen(timeout=self.config.health.dead_after)
-        except BaseException as exc:
-            if channel is not None:
-                channel.close()
-            now = cluster_clock()
-            cand = self.candidates.get(address)
-            claims = sorted(cand.claims) if cand is not None else []
-            tries = cand.failures + 1 if cand is not None else 1
-            if self.candidates.failed(address, now):
-                self._warn.log(now, _host(address), logging.WARNING,
-                               "mDNS records say node(s) %s of this namespace answer at %s, "
-                               "but no handshake there proved it (%d tries, last: %s); given "
-                               "up: a forged record, or a node this one cannot reach",
-                               ",".join(c[:8] for c in claims[:4]) +
-                               (f" and {len(claims) - 4} more" if len(claims) > 4 else ""),
-                               address, tries, exc)
-            else:
-                log.debug("candidate %s: no handshake (%s)", address, exc)
-            if not isinstance(exc, PMetalError):
-                raise
-            return
-        self._admit(address, proven, channel)
-
-    def _admit(self, address: str, proven: str, channel: Channel) -> None:
-        """A handshake at ``address`` proved ``proven``: a member now, there,
-        unless that id is alive elsewhere (a clone: refused) or is ours."""
-        now = cluster_clock()
-        claims = self.candidates.proven(address)
-        if proven == self.node_id or address in self.peers:
-            channel.close()
-            if proven == self.node_id:
-                self.candidates.give_up(address, now)
-            return
-        if self._clone(proven, address):
-            channel.close()
-            self.candidates.give_up(address, now)
-            return
-        peer = self._peer(address, proven)
-        if peer.channel is None:
-            peer.channel = channel
-        else:
-            channel.close()
-        claim = claims.get(proven, {})
-        self._discovered({"node_id": proven, "address": address,
-                          "incarnation": claim.get("incarnation", 0),
-                          "resources": claim.get("resources", {})}, now)
 
     def _discovered(self, member: dict[str, Any], now: float) -> None:
         node_id = member["node_id"]
@@ -682,16 +596,6 @@ class ClusterService:
                 log.debug("could not update the announcement: %s", exc)
         self._events(now)
         self._bump()
-
-
-def _tcp(address: str) -> str:
-    """``address`` as peers advertise it: ``tcp://host:port``."""
-    return address if "://" in address else f"tcp://{address}"
-
-
-def _host(address: str) -> str:
-    """The host of ``tcp://host:port``: the source a log rate limit counts by."""
-    return address.partition("://")[2].rpartition(":")[0] or address
 
 
 class _Stopped(Exception):

@@ -33,8 +33,14 @@ import sys
 import threading
 import time
 
-from zeroconf import (DNSOutgoing, IPVersion, ServiceBrowser, ServiceInfo, ServiceStateChange,
-                      Zeroconf)
+from zeroconf import (
+    DNSOutgoing,
+    IPVersion,
+    ServiceBrowser,
+    ServiceInfo,
+    ServiceStateChange,
+    Zeroconf,
+)
 
 SERVICE_TYPE = "_pmetal._tcp.local."
 _FLAGS_RESPONSE = 0x8400   # QR + AA
