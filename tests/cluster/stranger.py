@@ -15,8 +15,12 @@ JSON line on stdout:
     ("random": a new one each); TTL in seconds for every record ("-":
     zeroconf's). Each record goes out in one packet of its own.
     ``{"forged": COUNT, "names": [...]}``
+``register COUNT PORT ID TXT``
+    as ``forge``, but registered with zeroconf, which also answers the
+    queries of nodes that start later: ``{"registered": COUNT}``
 ``withdraw``
-    goodbye packets (TTL 0) for every record forged so far: ``{"withdrawn": N}``
+    goodbye packets (TTL 0) for every record forged or registered so far:
+    ``{"withdrawn": N}``
 ``quit``
     close zeroconf (without goodbyes of its own: it registered nothing).
 
@@ -55,6 +59,7 @@ class Stranger:
         self.address = address
         self.zc = Zeroconf(interfaces=[address], ip_version=IPVersion.V4Only)
         self.forged: list[ServiceInfo] = []
+        self.registered: list[ServiceInfo] = []
 
     def copy(self, count: int, seconds: float) -> list[dict[str, object]]:
         seen: dict[str, dict[str, object]] = {}
@@ -85,6 +90,13 @@ class Stranger:
 
     def forge(self, count: int, port: int, node_id: str, ttl: int | None,
               template: dict[str, str]) -> list[str]:
+        made = self._infos(count, port, node_id, ttl, template)
+        self.forged.extend(made)
+        self._send(made, None)
+        return [i.name for i in made]
+
+    def _infos(self, count: int, port: int, node_id: str, ttl: int | None,
+               template: dict[str, str]) -> list[ServiceInfo]:
         made = []
         for _ in range(count):
             claimed = os.urandom(16).hex() if node_id == "random" else node_id
@@ -97,14 +109,22 @@ class Stranger:
                                port=port, properties=txt,
                                server=f"s{os.urandom(6).hex()}.local.", **kwargs)
             made.append(info)
-        self.forged.extend(made)
-        self._send(made, None)
-        return [i.name for i in made]
+        return made
+
+    def register(self, count: int, port: int, node_id: str, template: dict[str, str]) -> int:
+        infos = self._infos(count, port, node_id, None, template)
+        for info in infos:
+            self.zc.register_service(info, cooperating_responders=True)
+        self.registered.extend(infos)
+        return len(infos)
 
     def withdraw(self) -> int:
         forged, self.forged = self.forged, []
         self._send(forged, 0)
-        return len(forged)
+        registered, self.registered = self.registered, []
+        for info in registered:
+            self.zc.unregister_service(info)
+        return len(forged) + len(registered)
 
     def _send(self, infos: list[ServiceInfo], ttl: int | None) -> None:
         for i, info in enumerate(infos):
@@ -137,6 +157,10 @@ def main() -> None:
                 names = stranger.forge(int(count), int(port), node_id,
                                        None if ttl == "-" else int(ttl), json.loads(txt))
                 _say({"forged": len(names), "names": names})
+            elif words[0] == "register":
+                count, port, node_id, txt = line.split(maxsplit=4)[1:]
+                _say({"registered": stranger.register(int(count), int(port), node_id,
+                                                      json.loads(txt))})
             elif words[0] == "withdraw":
                 _say({"withdrawn": stranger.withdraw()})
             elif words[0] == "quit":

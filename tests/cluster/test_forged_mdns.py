@@ -350,3 +350,26 @@ def test_a_member_that_moves_is_followed_once_it_proves_its_id(lab) -> None:
 
     _until(moved, BOUND, "every node lists the moved node at its new address", every=1.0)
     print(f"\n[forged] a node restarted at another port is a member there after {took:.2f} s")
+
+
+def test_nodes_that_start_among_forged_records_form_their_cluster(lab) -> None:
+    """A node founds its cluster among the nodes it found when bootstrap
+    ends: forged records there would be members no one can outvote, and no
+    master could ever be elected. Only proven nodes count."""
+    c, stranger, _victim = lab
+    txt, _ = _cluster_template(stranger)
+    for i in HOSTS:
+        c.kill(i)
+    # Registered: the stranger answers the new nodes' first queries with them.
+    assert stranger.ask(f"register 20 {PORT} random {json.dumps(txt)}",
+                        timeout=60)["registered"] == 20
+    c.start_many(HOSTS)
+    took = c.wait(lambda: c.agreed(HOSTS, HOSTS), 2 * BOUND,
+                  "three nodes started among 20 forged records agree on the three")
+    print(f"\n[forged] three nodes started among 20 forged records agreed in {took:.2f} s")
+    for i in HOSTS:
+        status = _status(c, i)
+        assert len(status["members"]) == len(HOSTS), status["members"]
+        assert status["discovery_statistics"]["peers"] >= 20, status["discovery_statistics"]
+        assert status["statistics"]["candidate_dials"] >= 1, status["statistics"]
+    assert stranger.ask("withdraw")["withdrawn"] == 20
