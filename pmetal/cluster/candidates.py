@@ -68,13 +68,13 @@ class Candidate:
 class CandidateStatistics:
     candidates: int          # addresses waiting to be proven now
     resting: int             # addresses given up, resting
-    hints: int               # hints received (records, member words)
+    hints: int               # hints received (a current record is offered again every second)
     dials: int               # dials started
     failures: int            # dials that proved nothing
     proven: int              # dials that proved an id
     given_up: int            # addresses given up
     withdrawn: int           # candidates ended by the withdrawal of their records
-    left_out: int            # hints left out: the table was full, or the address rests
+    left_out: int            # hints left out (table full, or address at rest), every offer
 
 
 class Candidates:

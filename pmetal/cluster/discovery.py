@@ -20,8 +20,8 @@ believes an address once a handshake there proved the node's id
 
 What a stranger's records can cost, bounded: at most ``max_records``
 records of our namespace are kept (256 by default) and 64 of the others
-(``ignored``); the zeroconf cache entries of an ignored record are dropped
-once it is judged. Log lines about records are rate-limited per source
+(``ignored``); the zeroconf cache entries of an ignored record, or of one
+beyond ``max_records``, are dropped once it is judged. Log lines about records are rate-limited per source
 address (2 a minute) and in all (10 a minute); the next line says how many
 were held back.
 
@@ -358,6 +358,7 @@ class _Watcher:
                                      "mDNS: more than %d records of this namespace; left out "
                                      "%s at %s (a flood of forged records?)",
                                      self._max_records, seen.node_id, seen.address)
+                    self._forget(name, info)
                     return
                 self._peers[name] = seen
                 if old is None:

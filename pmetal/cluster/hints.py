@@ -136,8 +136,9 @@ class Hints:
         self._admit(address, proven, channel)
 
     def _admit(self, address: str, proven: str, channel: Channel) -> None:
-        """A handshake at ``address`` proved ``proven``: a member now, there,
-        unless that id is alive elsewhere (a clone: refused) or is ours."""
+        """A handshake at ``address`` proved ``proven``: a peer now, there,
+        unless that id is ours (the address is given up) or is alive at
+        another address (asked again later, with backoff)."""
         now = self._clock()
         if address in self.peers:      # proven meanwhile (its Beat, a view)
             channel.close()

@@ -301,6 +301,32 @@ def test_a_good_raw_record_is_a_peer(ns, raw_records):
     scenario(run())
 
 
+def test_records_beyond_max_records_are_dropped_and_counted(ns, raw_records, caplog):
+    caplog.set_level(logging.INFO, logger="pmetal.cluster.discovery")
+    names = [new_id() for _ in range(5)]
+    host = loopback()   # one source for all five: the log limit counts by it
+    for name in names:
+        raw_records(good_txt(ns, name), address=host, name=name)
+
+    async def run() -> None:
+        a = Node(ns, max_records=2)
+        await a.discovery.start()
+        try:
+            await a.until("keeping two records", lambda: len(a.peers) == 2)
+            deadline = time.monotonic() + WAIT   # drops call nobody back: poll
+            while a.discovery.statistics().dropped < 3:
+                assert time.monotonic() < deadline, a.discovery.statistics()
+                await asyncio.sleep(0.05)
+            assert len(a.discovery.peers()) == 2 and len(a.peers) == 2
+            assert set(a.peers) <= set(names)
+            lines = [r for r in caplog.records if host in r.getMessage()]
+            assert len(lines) <= 2, [r.getMessage() for r in lines]   # 2 a minute per source
+        finally:
+            await a.discovery.close()
+
+    scenario(run())
+
+
 def test_a_second_process_with_this_nodes_id_is_flagged(ns):
     async def run() -> None:
         a = Node(ns)
