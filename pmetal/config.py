@@ -235,12 +235,35 @@ class DiscoveryConfig:
     ``pmetal.init()`` only with ``discovery=True``. ``interfaces``: comma-
     separated IPv4 addresses to announce and browse on ("" = the address
     the node listens on, or every interface when it listens on 0.0.0.0).
+
+    A record is only a hint (docs/security.md, "Forged mDNS records"): its
+    address is dialled, and believed once a handshake there proves the
+    node's id. ``max_candidates``: addresses waiting for that proof, at
+    most (more are left for later). A candidate that fails is dialled again
+    after ``backoff`` seconds, doubling (with jitter) up to ``backoff_max``,
+    and given up ``give_up`` seconds after its first failure; it stays given
+    up until no record has named it for ``give_up`` seconds. A withdrawn
+    record (an mDNS goodbye) ends its candidate at once. ``max_records``:
+    records of this namespace kept at most (a home cluster has a few; the
+    rest of a flood is dropped).
     """
 
     enabled: bool = False
     interfaces: str = ""
+    max_candidates: int = 64
+    backoff: float = 0.5
+    backoff_max: float = 30.0
+    give_up: float = 60.0
+    max_records: int = 256
 
     def __post_init__(self) -> None:
+        s = "discovery"
+        for name in ("max_candidates", "max_records"):
+            _require(type(getattr(self, name)) is int and getattr(self, name) > 0, s, name,
+                     "must be a whole number > 0")
+        for name in ("backoff", "backoff_max", "give_up"):
+            _require(getattr(self, name) > 0, s, name, "must be a positive number of seconds")
+        _require(self.backoff <= self.backoff_max, s, "backoff_max", "must be at least backoff")
         for part in (p.strip() for p in self.interfaces.split(",") if p.strip()):
             import ipaddress
             try:

@@ -400,7 +400,8 @@ class NodeDaemon:
             interfaces=discovery_interfaces(self.interfaces, self.listener.address),
             incarnation=cluster.incarnation, resources=self.resources,
             on_peer=lambda p: cluster.discovered(p.node_id, p.address, p.incarnation,
-                                                 dict(p.resources)))
+                                                 dict(p.resources)),
+            on_gone=cluster.withdrawn, max_records=self.config.discovery.max_records)
 
     def _view_changed(self, state: ElectionState) -> None:
         """The master's member list changed: members are its live nodes."""

@@ -5,14 +5,25 @@ event loop, that announces one service of type ``_pmetal._tcp.local.`` for
 this node and browses for the others. What it hands out: a
 :class:`DiscoveredPeer` for every node of our namespace and protocol version
 (``on_peer``, again when its record changes), an :class:`IgnoredPeer` with the
-reason for any other pmetal node (``on_ignored``, logged once per node and
-reason, never once per packet), and the node id of a peer whose record was
-withdrawn (``on_gone``). Callbacks run on the caller's asyncio loop
-(``loop.call_soon_threadsafe``), never on zeroconf's thread.
+reason for any other pmetal node (``on_ignored``), and the
+:class:`DiscoveredPeer` whose record was withdrawn (``on_gone``). Callbacks
+run on the caller's asyncio loop (``loop.call_soon_threadsafe``), never on
+zeroconf's thread.
 
-What it does not tell: whether a peer is alive. A node that crashed sends no
-goodbye and its record lingers in caches for minutes; liveness comes from
-heartbeats (pmetal.cluster.health). Discovery only says where to knock.
+What it does not tell: whether a peer is alive, nor whether a record is
+true. A node that crashed sends no goodbye and its record lingers in caches
+for minutes; liveness comes from heartbeats (pmetal.cluster.health). And
+anyone on the LAN can announce a record: the namespace tag and the node ids
+are public. Discovery only says where to knock; the cluster service
+believes an address once a handshake there proved the node's id
+(pmetal.cluster.candidates).
+
+What a stranger's records can cost, bounded: at most ``max_records``
+records of our namespace are kept (256 by default) and 64 of the others
+(``ignored``); the zeroconf cache entries of an ignored record, or of one
+beyond ``max_records``, are dropped once it is judged. Log lines about records are rate-limited per source
+address (2 a minute) and in all (10 a minute); the next line says how many
+were held back.
 
 The record (one per node)::
 
@@ -66,6 +77,7 @@ from zeroconf import (
 )
 from zeroconf.asyncio import AsyncServiceBrowser, AsyncServiceInfo
 
+from pmetal.cluster.candidates import LogLimiter
 from pmetal.errors import PMetalValueError, TransportError
 from pmetal.security import NetworkNamespace
 from pmetal.wire import PROTOCOL_VERSION
@@ -93,9 +105,16 @@ _ZEROCONF_TIMEOUT = 5.0
 _RESOLVE_TIMEOUT_MS = 3000
 """How long to ask for a record whose announcement arrived incomplete."""
 _GIB = float(1 << 30)
-_TYPE_PTR, _CLASS_IN, _FLAGS_QUERY = 12, 1, 0x0000   # DNS constants (RFC 1035)
+_TYPE_A, _TYPE_PTR, _TYPE_TXT, _TYPE_SRV = 1, 12, 16, 33   # DNS constants (RFC 1035)
+_CLASS_IN, _FLAGS_QUERY = 1, 0x0000
 REFRESH_INTERVAL = 15.0
 """Seconds between our own queries for pmetal records (see :class:`Discovery`)."""
+MAX_RECORDS = 256
+"""Records of our namespace kept at most (DiscoveryConfig.max_records)."""
+_MAX_IGNORED = 64
+"""Ignored records kept (for ``pmetal status`` and ``discover``) at most."""
+_MAX_LOOKUPS = 64
+"""Lookups of incomplete records under way at most (each one sends queries)."""
 
 
 @dataclass(frozen=True)
@@ -121,8 +140,8 @@ class IgnoredPeer:
 
     ``kind``: "namespace" (another namespace or PSK), "version" (another
     protocol version), "malformed" (an unreadable record) or "duplicate"
-    (announces this node's id from another address); each is logged once
-    per node and reason, at WARNING."""
+    (announces this node's id from another address); each is logged at
+    WARNING once per node and reason, within the rate limit per source."""
 
     node_id: str
     address: str
@@ -141,6 +160,8 @@ class DiscoveryStatistics:
     resolve_failures: int    # announcements whose full record never arrived
     announcements: int       # our own record, announced or re-announced
     queries: int = 0         # our refresh queries (every refresh_interval, or refresh())
+    dropped: int = 0         # records not kept: beyond max_records, or ignored beyond 64
+    held_back: int = 0       # log lines about records held back by the rate limit
 
 
 def discovery_interfaces(configured: str, listen_address: str) -> list[str] | Literal["all"]:
@@ -222,11 +243,14 @@ class _Watcher:
 
     Every method but :meth:`peers`, :meth:`ignored` and :meth:`counts` runs
     on zeroconf's loop. ``deliver(kind, item)`` is called there for each
-    change: ("peer", DiscoveredPeer), ("ignored", IgnoredPeer), ("gone", id)."""
+    change: ("peer", DiscoveredPeer), ("ignored", IgnoredPeer), ("gone", DiscoveredPeer)."""
 
     def __init__(self, zc: Zeroconf, own_tag: str | None, deliver: Deliver,
-                 own_id: str = "", own_address: str = "", refresh: float = 0.0) -> None:
+                 own_id: str = "", own_address: str = "", refresh: float = 0.0,
+                 max_records: int = MAX_RECORDS) -> None:
         self._zc = zc
+        self._max_records = max_records
+        self.limiter = LogLimiter(log)
         self._refresh = refresh
         self._timer: asyncio.TimerHandle | None = None
         self._own_tag = own_tag
@@ -241,7 +265,7 @@ class _Watcher:
         # Lookups of records that arrived incomplete: owned here, cancelled by stop().
         self._lookups: set[asyncio.Task[None]] = set()
         self.records = self.found = self.updated = self.gone = self.resolve_failures = 0
-        self.queries = 0
+        self.queries = self.dropped = 0
 
     async def start(self) -> None:
         self._browser = AsyncServiceBrowser(self._zc, [SERVICE_TYPE],
@@ -296,6 +320,9 @@ class _Watcher:
         if info.load_from_cache(self._zc):
             self._judge(name, info)
             return
+        if len(self._lookups) >= _MAX_LOOKUPS:
+            self.resolve_failures += 1
+            return
         task = asyncio.get_running_loop().create_task(self._lookup(name, info))
         self._lookups.add(task)
         task.add_done_callback(self._lookups.discard)
@@ -318,32 +345,69 @@ class _Watcher:
                                "identity, or this node's earlier run at another address)",
                                "duplicate")
         gone = None
+        now = time.monotonic()
         with self._lock:
             if isinstance(seen, DiscoveredPeer):
                 self._ignored.pop(name, None)
                 old = self._peers.get(name)
                 if old == seen:
                     return
+                if old is None and len(self._peers) >= self._max_records:
+                    self.dropped += 1
+                    self.limiter.log(now, _host(seen.address), logging.WARNING,
+                                     "mDNS: more than %d records of this namespace; left out "
+                                     "%s at %s (a flood of forged records?)",
+                                     self._max_records, seen.node_id, seen.address)
+                    self._forget(name, info)
+                    return
                 self._peers[name] = seen
                 if old is None:
                     self.found += 1
-                    log.info("discovered node %s at %s", seen.node_id, seen.address)
+                    self.limiter.log(now, _host(seen.address), logging.INFO,
+                                     "discovered node %s at %s", seen.node_id, seen.address)
                 else:
                     self.updated += 1
             else:
                 gone = self._peers.pop(name, None)
-                if self._ignored.get(name) == seen:
+                known = self._ignored.get(name)
+                if known == seen:
                     return
-                self._ignored[name] = seen
-                # A WARNING, once per node and reason: a node that cannot join
-                # is what a user who expected it to must see (pmetal discover and
-                # pmetal status list it too).
-                log.warning("ignoring pmetal node %s at %s: %s", seen.node_id, seen.address,
-                            seen.reason)
+                if known is None and len(self._ignored) >= _MAX_IGNORED:
+                    self.dropped += 1
+                else:
+                    self._ignored[name] = seen
+                # A WARNING: a node that cannot join is what a user who
+                # expected it to must see (pmetal discover and pmetal status
+                # list it too); rate-limited, as records cost a stranger nothing.
+                self.limiter.log(now, _host(seen.address), logging.WARNING,
+                                 "ignoring pmetal node %s at %s: %s", seen.node_id,
+                                 seen.address, seen.reason)
+                if gone is None:
+                    # Nothing of it is ours to keep: zeroconf's copy of the
+                    # record goes too (2,500 of them held 12 MB).
+                    self._forget(name, info)
             self.changed.notify_all()
         if isinstance(seen, IgnoredPeer) and gone is not None:
-            self._deliver("gone", gone.node_id)
+            self._deliver("gone", gone)
         self._deliver("peer" if isinstance(seen, DiscoveredPeer) else "ignored", seen)
+
+    def _forget(self, name: str, info: ServiceInfo) -> None:
+        """Drop an ignored record from zeroconf's cache, and the browser's
+        refresh of it: nothing of it is kept (a later announcement is judged
+        again, and costs a packet's work)."""
+        cache = self._zc.cache
+        records = [r for t in (_TYPE_SRV, _TYPE_TXT)
+                   for r in cache.async_all_by_details(name, t, _CLASS_IN)]
+        pointer = cache.current_entry_with_name_and_alias(SERVICE_TYPE, name)
+        if pointer is not None:
+            records.append(pointer)
+            scheduler = getattr(self._browser, "query_scheduler", None)
+            if scheduler is not None and hasattr(scheduler, "cancel_ptr_refresh"):
+                scheduler.cancel_ptr_refresh(pointer)
+        cache.async_remove_records(records)
+        server = info.server
+        if server and not cache.async_entries_with_server(server):
+            cache.async_remove_records(cache.async_all_by_details(server, _TYPE_A, _CLASS_IN))
 
     def _remove(self, name: str) -> None:
         with self._lock:
@@ -353,8 +417,14 @@ class _Watcher:
                 return
             self.gone += 1
             self.changed.notify_all()
-        log.info("node %s withdrew its mDNS record", peer.node_id)
-        self._deliver("gone", peer.node_id)
+        self.limiter.log(time.monotonic(), _host(peer.address), logging.INFO,
+                         "node %s withdrew its mDNS record", peer.node_id)
+        self._deliver("gone", peer)
+
+
+def _host(address: str) -> str:
+    """The IP of ``tcp://ip:port``: the source a rate limit counts by."""
+    return address.partition("://")[2].rpartition(":")[0] or address
 
 
 def _open(interfaces: Interfaces) -> Zeroconf:
@@ -411,9 +481,10 @@ class Discovery:
                  resources: Mapping[str, float] | None = None,
                  on_peer: Callable[[DiscoveredPeer], None],
                  on_ignored: Callable[[IgnoredPeer], None] | None = None,
-                 on_gone: Callable[[str], None] | None = None,
+                 on_gone: Callable[[DiscoveredPeer], None] | None = None,
                  loop: asyncio.AbstractEventLoop | None = None,
-                 refresh_interval: float = REFRESH_INTERVAL) -> None:
+                 refresh_interval: float = REFRESH_INTERVAL,
+                 max_records: int = MAX_RECORDS) -> None:
         host, _, port = address.partition("://")[2].rpartition(":")
         try:
             self._host = str(ipaddress.IPv4Address(host))
@@ -430,6 +501,7 @@ class Discovery:
         self._on = {"peer": on_peer, "ignored": on_ignored, "gone": on_gone}
         self._loop = loop
         self.refresh_interval = refresh_interval
+        self.max_records = max_records
         self._zc: Zeroconf | None = None
         self._watcher: _Watcher | None = None
         self._info: ServiceInfo | None = None
@@ -449,7 +521,7 @@ class Discovery:
         self._loop = self._loop or asyncio.get_running_loop()
         zc = await asyncio.to_thread(_open, self.interfaces)
         self._watcher = _Watcher(zc, self._tag, self._deliver, self.node_id, self.address,
-                                 self.refresh_interval)
+                                 self.refresh_interval, self.max_records)
         try:
             await asyncio.wait_for(asyncio.wrap_future(_run(zc, self._start_in_zeroconf(zc))),
                                    _ZEROCONF_TIMEOUT)
@@ -518,7 +590,7 @@ class Discovery:
             return DiscoveryStatistics(0, 0, 0, 0, 0, 0, 0, self.announcements)
         return DiscoveryStatistics(len(w.peers()), len(w.ignored()), w.records, w.found,
                                    w.updated, w.gone, w.resolve_failures, self.announcements,
-                                   w.queries)
+                                   w.queries, w.dropped, w.limiter.held_total)
 
     def update(self, *, incarnation: int | None = None,
                resources: Mapping[str, float] | None = None) -> Future[None]:

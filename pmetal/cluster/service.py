@@ -12,7 +12,14 @@ member list and discovery, around the pure state machines.
   Beats, votes, views and joins; their outputs are sent here, their events
   turned into the node's callbacks (``on_view``: the member list changed;
   ``on_fenced``: this node was declared dead, so its actors must go);
-* discovery (:mod:`pmetal.cluster.discovery`) when asked for;
+* discovery (:mod:`pmetal.cluster.discovery`) when asked for, and the
+  :class:`~pmetal.cluster.candidates.Candidates` its records (and members'
+  words about third nodes) propose: a hint never moves, replaces, refuses
+  or fences a member. A candidate address is dialled (with backoff, given
+  up in the end) and the node there is taken in once the handshake proved
+  its id, at that address; a member moves to a new address only that way,
+  or by its own authenticated word (a Beat, from a session it opened),
+  and only when it is not alive at the old one (the clone rule);
 * the version of what a client must know (dead nodes, master, term, epoch),
   answered to :class:`~pmetal.wire.WatchCluster` long polls.
 
@@ -41,6 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pmetal.cluster.candidates import Candidates, LogLimiter
+from pmetal.cluster.hints import Hints, tcp as _tcp
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.probe import follow_members, probe_bandwidth
@@ -71,6 +80,10 @@ _SEND_TIMEOUT = 1.0   # s a vote or view may wait for a peer's socket
 
 @dataclass
 class _Peer:
+    """A node whose id a handshake proved at ``address`` (or that said so in
+    its own authenticated Beat), or a static peer (id unknown until its
+    first handshake)."""
+
     address: str
     node_id: str = ""
     channel: Channel | None = None
@@ -87,9 +100,15 @@ class ClusterStatistics:
     fenced: int
     clones_refused: int
     version: int
+    candidates: int = 0        # addresses hinted, not yet proven
+    candidate_dials: int = 0
+    candidate_failures: int = 0
+    candidates_proven: int = 0
+    candidates_given_up: int = 0
+    hints_left_out: int = 0
 
 
-class ClusterService:
+class ClusterService(Hints):
     def __init__(self, *, config: PMetalConfig, identity: NodeIdentity,
                  namespace: NetworkNamespace, transport: ZmqTransport, address: str,
                  resources: dict[str, float], profile: dict[str, Any],
@@ -124,7 +143,11 @@ class ClusterService:
         self.topology.add_node(NodeProfile.from_dict(profile, node_id=self.node_id))
         self._rtts: dict[str, collections.deque[float]] = {}   # node id -> recent round trips
         self.peers: dict[str, _Peer] = {}      # address -> peer
-        self._by_id: dict[str, str] = {}       # node id -> address
+        self._by_id: dict[str, str] = {}       # node id -> address (proven)
+        self.candidates = Candidates(config.discovery)
+        self._warn = LogLimiter(log)
+        self._clock = cluster_clock
+        self._rescanned = now
         self.version = 0
         self._changed = asyncio.Event()
         self._last_tick = now
@@ -176,7 +199,11 @@ class ClusterService:
                             members)
 
     def statistics(self) -> ClusterStatistics:
-        return ClusterStatistics(**self._counts, version=self.version)
+        c = self.candidates.statistics()
+        return ClusterStatistics(**self._counts, version=self.version, candidates=c.candidates,
+                                 candidate_dials=c.dials, candidate_failures=c.failures,
+                                 candidates_proven=c.proven, candidates_given_up=c.given_up,
+                                 hints_left_out=c.left_out)
 
     def describe(self) -> dict[str, Any]:
         """The cluster for ``pmetal status``: master, term, epoch, every member
@@ -205,6 +232,9 @@ class ClusterService:
                              "interval": self.config.health.interval,
                              "election": self.config.election.timeout},
                 "discovered": sorted(self._by_id),
+                "candidates": self.candidates.addresses(),
+                "discovery_statistics": (self.discovery.statistics().__dict__
+                                         if self.discovery is not None else None),
                 "found": {n: round(t - self.started, 3) for n, t in self.first_seen.items()},
                 "topology": self.topology.to_dict(),
                 "ring": self.topology.best_ring(),
@@ -298,6 +328,7 @@ class ClusterService:
                 if not peer.beating:
                     peer.beating = True
                     self._spawn(self._beat(peer))
+            self._dial_candidates(now)
             try:
                 await asyncio.wait_for(stopping.wait(), interval)
             except asyncio.TimeoutError:
@@ -432,6 +463,7 @@ class ClusterService:
             if clone:
                 return Failure("bad_request", "PeerError", clone)
             self._peer(body.address, sender)  # type: ignore[attr-defined]
+            self.candidates.discard(_tcp(body.address))  # type: ignore[attr-defined]
             if not known:
                 self._discovered({"node_id": sender, "address": body.address,  # type: ignore[attr-defined]
                                   "incarnation": body.incarnation}, now)  # type: ignore[attr-defined]
@@ -459,10 +491,9 @@ class ClusterService:
         not): that id is a live member at another address, so two nodes
         share one identity. (A member that restarted elsewhere is silent at
         its old address, hence Dead, and is let in.)"""
-        known = self._by_id.get(node_id)
-        if (not known or known == _tcp(address) or node_id not in self.health
-                or self.health.status(node_id) is HealthStatus.DEAD):
+        if not self._alive_elsewhere(node_id, address):
             return ""
+        known = self._by_id.get(node_id)
         self._counts["clones_refused"] += 1
         if self._counts["clones_refused"] == 1 or log.isEnabledFor(logging.DEBUG):
             log.warning("refused node %s at %s: that id is a live member at %s (a cloned "
@@ -470,15 +501,6 @@ class ClusterService:
         return (f"refused: node id {node_id} is already a live member at {known}: two nodes "
                 f"share one identity (a cloned disk, VM or PMETAL_HOME?); give each node its "
                 f"own ~/.pmetal/node_keypair")
-
-    def discovered(self, node_id: str, address: str, incarnation: int = 0,
-                   resources: dict[str, Any] | None = None) -> None:
-        """A node found by discovery (mDNS) or answering as a static peer."""
-        if node_id == self.node_id:
-            return
-        self._peer(address, node_id)
-        self._discovered({"node_id": node_id, "address": address, "incarnation": incarnation,
-                          "resources": resources or {}}, cluster_clock())
 
     def _discovered(self, member: dict[str, Any], now: float) -> None:
         node_id = member["node_id"]
@@ -574,11 +596,6 @@ class ClusterService:
                 log.debug("could not update the announcement: %s", exc)
         self._events(now)
         self._bump()
-
-
-def _tcp(address: str) -> str:
-    """``address`` as peers advertise it: ``tcp://host:port``."""
-    return address if "://" in address else f"tcp://{address}"
 
 
 class _Stopped(Exception):

@@ -67,6 +67,7 @@ class Node:
     started: float        # wall clock when the process was started
     log: Path
     state: dict[str, Any] = field(default_factory=dict)   # the probe's latest line
+    history: list[dict[str, Any]] = field(default_factory=list)  # every line, in order
     probe: subprocess.Popen[Any] | None = None
 
 
@@ -150,6 +151,7 @@ class LabCluster:
                 continue
             with self._changed:
                 node.state = msg
+                node.history.append(msg)
                 self._changed.notify_all()
 
     # ----------------------------------------------------------- conditions

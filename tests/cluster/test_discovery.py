@@ -76,9 +76,9 @@ class Node:
         self.ignored[peer.node_id] = peer
         self._changed.set()
 
-    def _gone(self, node_id: str) -> None:
-        self.peers.pop(node_id, None)
-        self.gone.append(node_id)
+    def _gone(self, peer: DiscoveredPeer) -> None:
+        self.peers.pop(peer.node_id, None)
+        self.gone.append(peer.node_id)
         self._changed.set()
 
     async def until(self, what: str, predicate: Callable[[], bool],
@@ -295,6 +295,32 @@ def test_a_good_raw_record_is_a_peer(ns, raw_records):
         try:
             await a.until("seeing the record", lambda: name in a.peers)
             assert a.peers[name].resources == {"CPU": 2.0, "memory": float(1 << 30), "GPU": 0.0}
+        finally:
+            await a.discovery.close()
+
+    scenario(run())
+
+
+def test_records_beyond_max_records_are_dropped_and_counted(ns, raw_records, caplog):
+    caplog.set_level(logging.INFO, logger="pmetal.cluster.discovery")
+    names = [new_id() for _ in range(5)]
+    host = loopback()   # one source for all five: the log limit counts by it
+    for name in names:
+        raw_records(good_txt(ns, name), address=host, name=name)
+
+    async def run() -> None:
+        a = Node(ns, max_records=2)
+        await a.discovery.start()
+        try:
+            await a.until("keeping two records", lambda: len(a.peers) == 2)
+            deadline = time.monotonic() + WAIT   # drops call nobody back: poll
+            while a.discovery.statistics().dropped < 3:
+                assert time.monotonic() < deadline, a.discovery.statistics()
+                await asyncio.sleep(0.05)
+            assert len(a.discovery.peers()) == 2 and len(a.peers) == 2
+            assert set(a.peers) <= set(names)
+            lines = [r for r in caplog.records if host in r.getMessage()]
+            assert len(lines) <= 2, [r.getMessage() for r in lines]   # 2 a minute per source
         finally:
             await a.discovery.close()
 
