@@ -60,7 +60,6 @@ class ClusterWatch:
             self._watch()
         finally:
             self._channel.close()
-            os.close(self._wake_r)
 
     def _watch(self) -> None:
         poller = zmq.Poller()
@@ -120,9 +119,14 @@ class ClusterWatch:
         if self._closing.is_set():
             return
         self._closing.set()
+        # The pipe's read end stays open until the thread is gone: a thread
+        # that ended by itself (a node that knows no cluster) closed nothing,
+        # so this write cannot meet a closed pipe (it raised BrokenPipeError).
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=2.0 + self._handshake)
         os.close(self._wake_w)
+        if not self._thread.is_alive():
+            os.close(self._wake_r)
 
 
 def peers_missing(cluster: dict[str, Any], own: str, n: int, timeout: float) -> PMetalTimeoutError:
