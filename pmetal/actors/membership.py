@@ -43,6 +43,10 @@ class Member:
     channel: Channel | None = None
 
 
+# Addresses listed as having refused us: bounded, whoever the addresses are.
+MAX_REFUSED = 256
+
+
 @dataclass(frozen=True)
 class MembershipStatistics:
     members: int          # including this node
@@ -129,7 +133,10 @@ class Membership:
         if self.refused.get(address) != reason:
             log.warning("peer %s: %s", address, reason)
             self._counts["refused"] += 1
+        self.refused.pop(address, None)
         self.refused[address] = reason
+        while len(self.refused) > MAX_REFUSED:   # the oldest go first
+            del self.refused[next(iter(self.refused))]
 
     # ------------------------------------------------------------- requests
 
