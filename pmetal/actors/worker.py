@@ -129,7 +129,8 @@ class Worker:
 
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
-                "refused": self.refused, "held": self.held, "withheld": self.withheld, "listener": self.listener.statistics()}
+                "refused": self.refused, "held": self.held, "withheld": self.withheld,
+                "listener": self.listener.statistics()}
 
     # ------------------------------------------------------------- serving
 

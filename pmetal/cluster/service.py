@@ -29,10 +29,15 @@ wait of anything else: votes and views to it are sent by tasks of their own
 with a deadline.
 
 Time comes from one clock that keeps counting while the machine sleeps
-(CLOCK_BOOTTIME on Linux): a node that finds a gap longer than
-``health.dead_after`` between two of its own ticks was suspended (a laptop
-lid closed, SIGSTOP) and may have been declared dead meanwhile, so it fences
-itself: its actors go, and it rejoins as a new incarnation.
+(CLOCK_BOOTTIME on Linux; :mod:`pmetal.cluster.clock`). A gap longer than
+half of ``health.dead_after`` between two of its own ticks is a pause: the
+others may have declared this node dead meanwhile. If the machine slept
+(the suspension clocks parted) longer than ``dead_after``, it fences at
+once: its actors go, and it rejoins as a new incarnation. Otherwise (starved
+of CPU, stopped with SIGSTOP) it does not hold the gap against its peers,
+shuts the gate its workers read before every call and every result, and
+asks the members whether it is still one: confirmed, it opens the gate;
+declared dead or deposed, it fences.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Ro
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.probe import follow_members, probe_bandwidth
 from pmetal.cluster.topology import ClusterTopology, NodeProfile
+from pmetal.cluster.view import has_quorum
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -311,6 +317,8 @@ class ClusterService(Hints):
 
     async def _ticks(self, stopping: asyncio.Event) -> None:
         interval = self.config.health.interval
+        # Time between construction and the first tick is not a pause.
+        self._last_tick, self._slept = cluster_clock(), slept()
         while not stopping.is_set():
             now = cluster_clock()
             self._paused(now - self._last_tick)
@@ -356,8 +364,10 @@ class ClusterService(Hints):
                 else "the machine did not sleep: this process was starved of CPU or stopped"
                 if asleep is not None else "this platform cannot tell a sleep")
         if self._unconfirmed is None:
-            log.warning("this node did not run for %.1f s (%s); it executes nothing until the "
-                        "cluster confirms it is still a member", gap, what)
+            # WARNING where the others may well have declared it dead.
+            log.log(logging.WARNING if gap > dead_after else logging.INFO,
+                    "this node did not run for %.1f s (%s); it executes nothing until the "
+                    "cluster confirms it is still a member", gap, what)
             self._unconfirmed = cluster_clock()
             if self.gate is not None:
                 self.gate.hold()
@@ -389,7 +399,9 @@ class ClusterService(Hints):
             if verdict:
                 self.fence(verdict)
                 return
-            await asyncio.sleep(interval)   # no answer settled it: ask again
+            # No answer settled it (no master reachable, an election under
+            # way): ask again after a tick's time; the gate stays shut.
+            await asyncio.sleep(interval)
 
     async def _membership(self) -> str:
         """"member", "" (not settled yet) or why this node must fence."""
@@ -412,7 +424,6 @@ class ClusterService(Hints):
                         f"others follow another master now")
             backing = {n for n, a in answers if a.master == me and a.term == term and
                        me in a.members}
-            from pmetal.cluster.view import has_quorum
             if has_quorum(backing | {me}, [m["node_id"] for m in state.members], {}):
                 return "member"
             return ""

@@ -247,6 +247,7 @@ def test_every_host_paused_at_once_fences_none(cluster: LabCluster) -> None:
     dead meanwhile. Each asks, is confirmed and carries on: no fence, and
     every actor answers from the process it started in."""
     cluster.wait(lambda: cluster.agreed(HOSTS, members=HOSTS), STEP, "agreement")
+    reign = (cluster.nodes[1].state["master"], cluster.nodes[1].state["term"])
     logs = {i: len(cluster.nodes[i].log.read_bytes()) for i in HOSTS}
     ids = ",".join(cluster.nodes[i].node_id for i in HOSTS)
     with cluster.driver(1, STARVED, [cluster.nodes[1].address, cluster.psk.hex(),
@@ -272,4 +273,7 @@ def test_every_host_paused_at_once_fences_none(cluster: LabCluster) -> None:
         assert "membership confirmed" in text, text[-3000:]
         assert "fencing this node" not in text, text[-3000:]
         assert " is dead" not in text, text[-3000:]
+        assert "no master" not in text, text[-3000:]
     cluster.wait(lambda: cluster.agreed(HOSTS, members=HOSTS), STEP, "agreement after")
+    # Nobody held the others' silence against them: the master reigns on.
+    assert (cluster.nodes[1].state["master"], cluster.nodes[1].state["term"]) == reign
