@@ -80,14 +80,49 @@ _LAYOUT = struct.Struct("<B7xQd")
 OPEN, HELD = 0, 1
 
 
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _sweep(directory: str, prefix: str) -> None:
+    """Unlink the pages of nodes of this pid namespace that died without
+    closing theirs (``kill -9``): named ``<prefix><pid>-...``."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(prefix):
+            continue
+        pid = entry[len(prefix):].partition("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+        except OSError:
+            pass
+
+
 class Gate:
     """The node's side: creates the page, writes it; :attr:`path` goes to
-    workers (``PMETAL_GATE``)."""
+    its workers (``--gate``)."""
 
     def __init__(self, directory: str | None = None) -> None:
         directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else
                                   tempfile.gettempdir())
-        fd, self.path = tempfile.mkstemp(prefix=f"pmetal-gate-{os.getpid()}-", dir=directory)
+        prefix = f"pmetal-gate-{_pid_namespace()}-"
+        _sweep(directory, prefix)
+        fd, self.path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=directory)
         try:
             os.ftruncate(fd, _LAYOUT.size)
             self._map = mmap.mmap(fd, _LAYOUT.size)

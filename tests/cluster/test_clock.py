@@ -102,3 +102,25 @@ def test_a_pause_of_this_node_is_not_held_against_its_peers() -> None:
     # Silence after the pause counts as usual.
     health.tick(4.0 + config.dead_after + 0.1)
     assert health.status("a") is HealthStatus.DEAD
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="gates live in /dev/shm here")
+def test_a_gate_left_by_a_dead_node_is_swept_by_the_next() -> None:
+    dead = multiprocessing.get_context("fork").Process(target=_leave_a_gate)
+    dead.start()
+    dead.join(10)
+    assert dead.exitcode == 0
+    left = [e for e in os.listdir("/dev/shm") if e.startswith("pmetal-gate-")
+            and f"-{dead.pid}-" in e]
+    assert left, "the child left no gate behind"
+    gate = Gate()
+    try:
+        assert not [e for e in left if os.path.exists(f"/dev/shm/{e}")]
+        assert os.path.exists(gate.path)   # the live one stays
+    finally:
+        gate.close()
+
+
+def _leave_a_gate() -> None:
+    Gate()   # never closed: as a node killed with SIGKILL
+    os._exit(0)
