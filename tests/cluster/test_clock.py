@@ -124,3 +124,66 @@ def test_a_gate_left_by_a_dead_node_is_swept_by_the_next() -> None:
 def _leave_a_gate() -> None:
     Gate()   # never closed: as a node killed with SIGKILL
     os._exit(0)
+
+
+# ------------------------------------------------- the service's pause rule
+
+def _service(fenced: list[str]):  # noqa: ANN202 - ClusterService
+    from pmetal.cluster.service import ClusterService
+    from pmetal.config import load_config
+    from pmetal.identity import NodeIdentity
+    from pmetal.security import NetworkNamespace
+    from pmetal.transport import ZmqTransport
+    config = load_config(env={})
+    return ClusterService(
+        config=config, identity=NodeIdentity.generate(),
+        namespace=NetworkNamespace("clock-test", b"clock-test-psk-not-secret-0123456789"),
+        transport=ZmqTransport(config.transport), address="tcp://127.0.0.1:1",
+        resources={}, profile={}, static_peers=[], on_view=lambda state: None,
+        on_fenced=fenced.append, on_dead=lambda node_id: None, gate=Gate())
+
+
+def test_a_real_sleep_fences_at_once_and_a_stop_asks_first(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The suspension clocks decide (a system suspend cannot be caused in a
+    test, so their reading is injected): slept past ``dead_after``, the node
+    fences at once; paused as long without sleeping, it holds its workers
+    and asks; a gap under ``dead_after / 2`` is no pause."""
+    import pmetal.cluster.service as service
+    fenced: list[str] = []
+    svc = _service(fenced)
+    assert svc.gate is not None
+    dead_after = svc.config.health.dead_after
+    reading = [100.0]
+    monkeypatch.setattr(service, "slept", lambda: reading[0])
+    svc._slept = reading[0]
+    try:
+        svc._paused(dead_after * 0.4)
+        assert not fenced and svc.confirmed and not svc.gate.held
+        # SIGSTOP or starvation: the suspension clocks did not part.
+        with caplog.at_level("INFO", logger="pmetal.cluster.service"):
+            svc._paused(3.0)
+        assert not fenced and not svc.confirmed and svc.gate.held
+        assert "the machine did not sleep" in caplog.text
+        generation = svc.gate.generation
+        # The machine slept 3 s: fenced at once, a new generation, open.
+        reading[0] += 3.0
+        svc._paused(3.2)
+        assert len(fenced) == 1 and "slept for 3.0 s" in fenced[0], fenced
+        assert svc.confirmed and not svc.gate.held and svc.gate.generation == generation + 1
+        # A short sleep inside a long pause is no reason to fence at once.
+        reading[0] += dead_after / 2
+        svc._paused(3.0)
+        assert len(fenced) == 1 and not svc.confirmed
+    finally:
+        svc.gate.close()
+
+
+def test_a_node_alone_is_confirmed_at_once() -> None:
+    import asyncio
+    svc = _service([])
+    assert svc.gate is not None
+    try:
+        assert asyncio.run(svc._membership()) == "member"
+    finally:
+        svc.gate.close()
