@@ -114,15 +114,21 @@ def _wait(cond, timeout: float, what: str) -> float:  # type: ignore[no-untyped-
     return time.monotonic() - start
 
 
+@pytest.mark.parametrize("victim", ["follower", "master"])
 def test_a_stopped_host_woken_runs_no_call_and_delivers_no_result(
-        cluster: LabCluster, tmp_path: Path) -> None:
-    master = cluster.nodes[1].state["master"]
-    host = next(i for i in HOSTS if i != 1 and cluster.nodes[i].node_id != master)
+        cluster: LabCluster, tmp_path: Path, victim: str) -> None:
+    """The actor's host is a follower, or the master (then the others elect
+    another, and the old master, woken, finds itself deposed)."""
+    cluster.wait(lambda: cluster.agreed(HOSTS, members=HOSTS), STEP, "agreement")
+    master = cluster.nodes[HOSTS[0]].state["master"]
+    master_host = next(i for i in HOSTS if cluster.nodes[i].node_id == master)
+    host = master_host if victim == "master" else next(i for i in HOSTS if i != master_host)
+    at = next(i for i in HOSTS if i != host)    # the driver's host
     marks = tmp_path / "marks"
     node = cluster.nodes[host]
-    with cluster.driver(1, DRIVER, [cluster.nodes[1].address, cluster.psk.hex(),
-                                    cluster.namespace, node.node_id, str(marks)],
-                        "suspension-driver", stdin=True) as driver:
+    with cluster.driver(at, DRIVER, [cluster.nodes[at].address, cluster.psk.hex(),
+                                     cluster.namespace, node.node_id, str(marks)],
+                        f"suspension-driver-{victim}", stdin=True) as driver:
         assert driver.stdin is not None
         pid0 = read_line(driver, STEP, "started")["pid"]
         cluster.signal(host, signal.SIGSTOP)     # every process of the host
@@ -143,7 +149,7 @@ def test_a_stopped_host_woken_runs_no_call_and_delivers_no_result(
         # The node asks the cluster, is told it was declared dead, and
         # fences: the old copy's worker ends.
         took = _wait(lambda: _gone(pid0), STEP, f"the old copy (pid {pid0}) ending")
-        print(f"\n[lab] SIGCONT to the old copy's end: {took:.3f} s", flush=True)
+        print(f"\n[lab] {victim}: SIGCONT to the old copy's end: {took:.3f} s", flush=True)
         driver.stdin.write(b"go\n")
         driver.stdin.flush()
         after = read_line(driver, STEP, "after")
