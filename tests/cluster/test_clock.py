@@ -11,12 +11,16 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 from pmetal.cluster.clock import Gate, GateView, cluster_clock, slept
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.config import HealthConfig
+
+if TYPE_CHECKING:
+    from pmetal.cluster.service import ClusterService
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux clocks")
@@ -128,7 +132,7 @@ def _leave_a_gate() -> None:
 
 # ------------------------------------------------- the service's pause rule
 
-def _service(fenced: list[str]):  # noqa: ANN202 - ClusterService
+def _service(fenced: list[str]) -> ClusterService:
     from pmetal.cluster.service import ClusterService
     from pmetal.config import load_config
     from pmetal.identity import NodeIdentity
@@ -149,7 +153,7 @@ def test_a_real_sleep_fences_at_once_and_a_stop_asks_first(
     test, so their reading is injected): slept past ``dead_after``, the node
     fences at once; paused as long without sleeping, it holds its workers
     and asks; a gap under ``dead_after / 2`` is no pause."""
-    import pmetal.cluster.service as service
+    from pmetal.cluster import service
     fenced: list[str] = []
     svc = _service(fenced)
     assert svc.gate is not None
