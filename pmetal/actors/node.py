@@ -49,6 +49,7 @@ from pmetal.actors.placement import check_options, check_resources
 from pmetal.actors.pool import WorkerPool, WorkerProc
 from pmetal.actors.scheduler import Scheduler, restarted_elsewhere
 from pmetal.actors.zygote import ForkServer
+from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
 from pmetal.cluster.service import ClusterService
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
@@ -146,12 +147,16 @@ class NodeDaemon:
         # bound to a wildcard would take 0.0.0.0 for its own address (which
         # it compares with the addresses its node hands out).
         worker_host = self.address.partition("://")[2].rpartition(":")[0]
+        # Workers start no call and send no result while the node's
+        # membership is unconfirmed after a pause (pmetal.cluster.clock).
+        self.gate = Gate()
         self.pool = WorkerPool(
             node_id=self.node_id, host=worker_host, identity=identity, namespace=namespace,
             config=config, transport=self.transport,
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
             num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
-            on_exit=self._worker_exited, fork_server=fork_server)
+            on_exit=self._worker_exited, fork_server=fork_server,
+            gate=(self.gate.path, config.health.dead_after / 2))
         self.membership = Membership(identity, namespace, config, self.transport)
         # Two components hold the node's state: the actors (placement,
         # construction, restarts, kills) and their owners (who they die with).
@@ -173,7 +178,7 @@ class NodeDaemon:
             profile=_profile(self.node_id, measure=not alone),
             static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
             on_dead=self._node_dead, on_refused=self.membership.refuse,
-            bootstrap=0.0 if alone else None)
+            bootstrap=0.0 if alone else None, gate=self.gate)
         self.scheduler = Scheduler(self)
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
@@ -215,6 +220,7 @@ class NodeDaemon:
             self.listener.close()
             self.membership.close()
             self.pool.close()
+            self.gate.close()
 
     def stop(self) -> None:
         self._stopping.set()

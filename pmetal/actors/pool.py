@@ -76,8 +76,10 @@ class WorkerPool:
                  namespace: NetworkNamespace, config: PMetalConfig, transport: ZmqTransport,
                  num_actor: int, num_task: int,
                  on_exit: Callable[[WorkerProc, int], Awaitable[None]],
-                 fork_server: ForkServer | None = None) -> None:
+                 fork_server: ForkServer | None = None,
+                 gate: tuple[str, float] | None = None) -> None:
         self._node_id = node_id
+        self._gate = gate   # (path, stale): the node's gate (pmetal.cluster.clock)
         self._host = host
         self._identity = identity
         self._namespace = namespace
@@ -180,6 +182,8 @@ class WorkerPool:
 
     async def _start(self, worker_id: str) -> asyncio.subprocess.Process | ForkedProcess:
         argv = ["--node", self._node_address, "--worker-id", worker_id, "--host", self._host]
+        if self._gate is not None:
+            argv += ["--gate", self._gate[0], "--gate-stale", repr(self._gate[1])]
         extra = {"PMETAL_PSK_HEX": self._namespace.psk.hex(),
                  "PMETAL_SECURITY_NAMESPACE": self._namespace.name}
         if self._fork_server is not None and self._fork_server.alive:

@@ -38,6 +38,7 @@ from pmetal.actors import context
 from pmetal.actors.client import CoreClient
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
                                          unpack_values)
+from pmetal.cluster.clock import GateView
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
@@ -61,6 +62,12 @@ def failure_from(exc: BaseException, kind: str = "user") -> Failure:
 
 _MAX_REFUSALS = 10_000
 """Ids of a malformed batch answered at most (each is one small message)."""
+
+_HOLD = 5.0
+"""Seconds a call (or a result) waits for the node's gate to open after a
+pause of the node before it is refused (or withheld)."""
+
+_GATED = (Call, RunTask, InitActor)   # what executes user code
 
 _BAD_ENTRY = Failure("bad_request", "ProtocolError",
                      "a batch entry is not [method, args, kwargs]")
@@ -90,8 +97,15 @@ def _user_traceback(exc: BaseException) -> BaseException:
 
 class Worker:
     def __init__(self, node_address: str, namespace: NetworkNamespace, config: PMetalConfig,
-                 *, worker_id: str, host: str = "127.0.0.1") -> None:
+                 *, worker_id: str, host: str = "127.0.0.1",
+                 gate: GateView | None = None) -> None:
         self.config = config
+        # The node's gate (pmetal.cluster.clock): no call starts and no
+        # result leaves while the node's membership is unconfirmed.
+        self.gate = gate
+        self._generation: int | None = None   # of the node, when this actor was built
+        self.held = 0       # calls and results that waited at the gate
+        self.withheld = 0   # ... refused or never delivered
         self.worker_id = worker_id
         self.node_address = node_address
         self.identity = NodeIdentity.generate()
@@ -115,7 +129,8 @@ class Worker:
 
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
-                "refused": self.refused, "listener": self.listener.statistics()}
+                "refused": self.refused, "held": self.held, "withheld": self.withheld,
+                "listener": self.listener.statistics()}
 
     # ------------------------------------------------------------- serving
 
@@ -144,14 +159,72 @@ class Worker:
         listener = self.listener
         while not self._stop:
             incoming = listener.recv()
-            if type(incoming.body) is CallBatch:
+            kind = type(incoming.body)
+            if kind is CallBatch:
                 self._call_batch(incoming)
                 continue
-            reply = self._handle_safely(incoming)
+            if kind in _GATED:
+                reply = self._admit()
+                if reply is None:
+                    reply = self._deliverable(self._handle_safely(incoming))
+            else:
+                reply = self._handle_safely(incoming)
             if incoming.envelope.corr and reply is not None:
                 self._reply(incoming, reply)
             if self.needs_loop:
                 return
+
+    # ------------------------------------------------------------------ gate
+
+    def _admit(self) -> Failure | None:
+        """None if a call may start now; else the refusal (retryable: the
+        call did not run) once the gate stayed shut for ``_HOLD`` s or the
+        node was fenced."""
+        gate = self.gate
+        if gate is None or not gate.check(self._generation):
+            return None
+        self.held += 1
+        reason = gate.wait(self._generation, _HOLD)
+        if not reason:
+            return None
+        self.withheld += 1
+        return Failure("actor_died", "ActorDiedError",
+                       "this copy's node was fenced after a pause (it was declared dead); the "
+                       "call did not run here" if reason == "fenced" else
+                       f"this actor's node has not confirmed its membership within {_HOLD:g} s "
+                       f"after a pause; the call did not run")
+
+    def _deliverable(self, reply: Message | None) -> Message | None:
+        """``reply`` if it may leave now; else what replaces it: a copy on a
+        fenced node, or one still unconfirmed after ``_HOLD`` s, never
+        delivers a result (another copy may have run the call)."""
+        gate = self.gate
+        if gate is None or reply is None or not gate.check(self._generation):
+            return reply
+        self.held += 1
+        reason = gate.wait(self._generation, _HOLD)
+        if not reason:
+            return reply
+        self.withheld += 1
+        if reason == "fenced":
+            return Failure("actor_died", "ActorDiedError",
+                           "this copy's node was fenced after a pause (it was declared dead, "
+                           "the actor restarted elsewhere); the result of this copy is not "
+                           "delivered")
+        return Failure("timeout", "PMetalTimeoutError",
+                       f"the call ran, but its node did not confirm its membership within "
+                       f"{_HOLD:g} s after a pause, so the result is withheld (the actor may "
+                       f"have restarted elsewhere)")
+
+    async def _admit_async(self) -> Failure | None:
+        if self.gate is None or not self.gate.check(self._generation):
+            return None
+        return await asyncio.to_thread(self._admit)
+
+    async def _deliverable_async(self, reply: Message) -> Message:
+        if self.gate is None or not self.gate.check(self._generation):
+            return reply
+        return await asyncio.to_thread(self._deliverable, reply)  # type: ignore[return-value]
 
     def _reply(self, incoming: Incoming, reply: Message) -> None:
         try:
@@ -208,6 +281,9 @@ class Worker:
             self.actor_id = body.actor_id
             # Before the constructor: it may join a collective group.
             context.set_actor_id(body.actor_id)
+            if self.gate is not None:
+                self.gate.adopt()
+                self._generation = self.gate.generation
             self.max_concurrency = int(body.options.get("max_concurrency") or 1)
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})
@@ -260,7 +336,11 @@ class Worker:
             self._refuse_batch(incoming)
             return
         for entry, corr in zip(body.calls, body.corrs):
-            reply = self._invoke(body.actor_id, *entry) if _well_formed(entry) else _BAD_ENTRY
+            reply: Message | None = self._admit()
+            if reply is None:
+                reply = self._deliverable(self._invoke(body.actor_id, *entry)
+                                          if _well_formed(entry) else _BAD_ENTRY)
+            assert reply is not None
             self._send_reply(incoming, reply, corr)
 
     def _mismatched_batch(self, incoming: Incoming) -> Failure:
@@ -369,8 +449,11 @@ class Worker:
                                  threads: concurrent.futures.Executor) -> None:
         try:
             body = incoming.body
-            reply = (await self._invoke_async(body.actor_id, *entry, threads)  # type: ignore[attr-defined]
-                     if _well_formed(entry) else _BAD_ENTRY)
+            reply: Message | None = await self._admit_async()
+            if reply is None:
+                reply = await self._deliverable_async(
+                    await self._invoke_async(body.actor_id, *entry, threads)  # type: ignore[attr-defined]
+                    if _well_formed(entry) else _BAD_ENTRY)
             try:
                 await self.listener.asend(incoming.route, reply, corr=corr)
             except (TypeError, ProtocolError) as exc:
@@ -386,8 +469,10 @@ class Worker:
         try:
             body = incoming.body
             if type(body) is Call:
-                reply: Message = await self._invoke_async(
-                    body.actor_id, body.method, body.args, body.kwargs, threads)  # type: ignore[attr-defined]
+                reply: Message | None = await self._admit_async()
+                if reply is None:
+                    reply = await self._deliverable_async(await self._invoke_async(
+                        body.actor_id, body.method, body.args, body.kwargs, threads))  # type: ignore[attr-defined]
             else:
                 reply = self._handle_safely(incoming) or Ack()
             if incoming.envelope.corr:
@@ -418,6 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--no-watch-stdin", action="store_true")
+    parser.add_argument("--gate", default="", help="the node's gate page (shared memory)")
+    parser.add_argument("--gate-stale", type=float, default=0.4,
+                        help="seconds without a tick of the node after which calls wait")
     args = parser.parse_args(argv)
     try:
         setup_process_logging("worker")
@@ -429,7 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config()
         namespace = NetworkNamespace.resolve(config.security)
-        Worker(args.node, namespace, config, worker_id=args.worker_id, host=args.host).run()
+        gate = GateView(args.gate, args.gate_stale) if args.gate else None
+        Worker(args.node, namespace, config, worker_id=args.worker_id, host=args.host,
+               gate=gate).run()
     except PMetalError as exc:
         print(f"pmetal worker: {exc}", file=sys.stderr)
         return 1

@@ -251,6 +251,15 @@ class ElectionManager(Roster):
             out.append(self._join_message(self._master, self._master_address))
         return out
 
+    def paused(self, gap: float) -> None:
+        """This node did not run for ``gap`` seconds: the others' silence
+        over it is not theirs (a master that wakes must not step down for
+        want of a quorum it could not hear, a follower not campaign
+        against a master it could not hear)."""
+        self._heard = {n: t + gap for n, t in self._heard.items()}
+        self._master_seen += gap
+        self._deadline += gap
+
     def tick(self, now: float) -> list[Outgoing]:
         """Called every ``health.interval``: timeouts, check-quorum, removals."""
         out: list[Outgoing] = []

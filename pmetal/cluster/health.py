@@ -172,6 +172,15 @@ class HealthMonitor:
         event = self._update(node_id, peer, now)
         return self._deliver([dataclasses.replace(event, silent_for=gap)] if event else [])
 
+    def paused(self, gap: float) -> None:
+        """This node did not run for ``gap`` seconds (slept, starved,
+        stopped): the silence of its peers over that time is its own, not
+        theirs, so it is not held against them (a node that wakes must not
+        declare every other node dead). Peers already Dead stay Dead."""
+        for peer in self._peers.values():
+            if peer.status is not HealthStatus.DEAD:
+                peer.last += gap
+
     def tick(self, now: float) -> list[HealthEvent]:
         """Re-judge every peer's silence at ``now`` (call every interval)."""
         self._advance(now)

@@ -29,10 +29,15 @@ wait of anything else: votes and views to it are sent by tasks of their own
 with a deadline.
 
 Time comes from one clock that keeps counting while the machine sleeps
-(CLOCK_BOOTTIME on Linux): a node that finds a gap longer than
-``health.dead_after`` between two of its own ticks was suspended (a laptop
-lid closed, SIGSTOP) and may have been declared dead meanwhile, so it fences
-itself: its actors go, and it rejoins as a new incarnation.
+(CLOCK_BOOTTIME on Linux; :mod:`pmetal.cluster.clock`). A gap longer than
+half of ``health.dead_after`` between two of its own ticks is a pause: the
+others may have declared this node dead meanwhile. If the machine slept
+(the suspension clocks parted) longer than ``dead_after``, it fences at
+once: its actors go, and it rejoins as a new incarnation. Otherwise (starved
+of CPU, stopped with SIGSTOP) it does not hold the gap against its peers,
+shuts the gate its workers read before every call and every result, and
+asks the members whether it is still one: confirmed, it opens the gate;
+declared dead or deposed, it fences.
 """
 
 from __future__ import annotations
@@ -49,11 +54,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pmetal.cluster.candidates import Candidates, LogLimiter
+from pmetal.cluster.clock import Gate, cluster_clock, slept
 from pmetal.cluster.hints import Hints, tcp as _tcp
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.probe import follow_members, probe_bandwidth
 from pmetal.cluster.topology import ClusterTopology, NodeProfile
+from pmetal.cluster.view import has_quorum
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -66,14 +73,6 @@ from pmetal.wire import (Ack, Beat, BeatEcho, ClusterState, ClusterView, Failure
 __all__ = ["ClusterService", "ClusterStatistics", "cluster_clock"]
 
 log = logging.getLogger(__name__)
-
-_CLOCK = getattr(time, "CLOCK_BOOTTIME", None) or time.CLOCK_MONOTONIC
-
-
-def cluster_clock() -> float:
-    """Seconds on a clock that counts while the machine sleeps."""
-    return time.clock_gettime(_CLOCK)
-
 
 _SEND_TIMEOUT = 1.0   # s a vote or view may wait for a peer's socket
 
@@ -106,6 +105,8 @@ class ClusterStatistics:
     candidates_proven: int = 0
     candidates_given_up: int = 0
     hints_left_out: int = 0
+    pauses: int = 0            # tick gaps over dead_after / 2 (slept, starved, stopped)
+    confirmed: int = 0         # pauses after which the cluster confirmed this node
 
 
 class ClusterService(Hints):
@@ -115,7 +116,7 @@ class ClusterService(Hints):
                  static_peers: list[str], on_view: Callable[[ElectionState], None],
                  on_fenced: Callable[[str], None], on_dead: Callable[[str], None],
                  on_refused: Callable[[str, str], None] | None = None,
-                 bootstrap: float | None = None) -> None:
+                 bootstrap: float | None = None, gate: Gate | None = None) -> None:
         self.config = config
         self.node_id = identity.node_id
         self._identity = identity
@@ -151,10 +152,13 @@ class ClusterService(Hints):
         self.version = 0
         self._changed = asyncio.Event()
         self._last_tick = now
+        self._slept = slept()
+        self.gate = gate
+        self._unconfirmed: float | None = None   # when a pause was found, until confirmed
         self._group: asyncio.TaskGroup | None = None
         self._counts = {"beats_sent": 0, "beats_failed": 0, "beats_received": 0,
                         "messages_sent": 0, "sends_failed": 0, "fenced": 0,
-                        "clones_refused": 0}
+                        "clones_refused": 0, "pauses": 0, "confirmed": 0}
         self.discovery: Any = None
         self.first_seen: dict[str, float] = {}   # node id -> when we first heard of it
         self.elected_at: float | None = None
@@ -313,14 +317,14 @@ class ClusterService(Hints):
 
     async def _ticks(self, stopping: asyncio.Event) -> None:
         interval = self.config.health.interval
+        # Time between construction and the first tick is not a pause.
+        self._last_tick, self._slept = cluster_clock(), slept()
         while not stopping.is_set():
             now = cluster_clock()
-            gap = now - self._last_tick
+            self._paused(now - self._last_tick)
             self._last_tick = now
-            if gap > self.config.health.dead_after:
-                self.fence(f"this node was suspended for {gap:.1f} s (longer than "
-                           f"health.dead_after = {self.config.health.dead_after:g} s), so "
-                           f"the others may have declared it dead")
+            if self.gate is not None:
+                self.gate.tick(now)
             self._handle_health(self.health.tick(now), now)
             self._send_all(self.election.tick(now))
             self._events(now)
@@ -333,6 +337,117 @@ class ClusterService(Hints):
                 await asyncio.wait_for(stopping.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+
+    # --------------------------------------------------------------- pauses
+
+    def _paused(self, gap: float) -> None:
+        """After a gap between two ticks: a machine that slept longer than
+        ``dead_after`` fences at once; a node that did not run long enough
+        for the others to start doubting it (half of ``dead_after``: its
+        last Beat may be that old already) holds its workers until the
+        cluster confirms it is still a member (:meth:`_confirm`)."""
+        dead_after = self.config.health.dead_after
+        before, self._slept = self._slept, slept()
+        asleep = (self._slept - before) if before is not None and self._slept is not None \
+            else None
+        if gap <= dead_after / 2:
+            return
+        self._counts["pauses"] += 1
+        missed = gap - self.config.health.interval
+        self.health.paused(missed)
+        self.election.paused(missed)
+        if asleep is not None and asleep > dead_after:
+            self.fence(f"this machine slept for {asleep:.1f} s (longer than health.dead_after "
+                       f"= {dead_after:g} s), so the others may have declared it dead")
+            return
+        what = (f"the machine slept {asleep:.1f} s of it" if asleep is not None and asleep > 0.05
+                else "the machine did not sleep: this process was starved of CPU or stopped"
+                if asleep is not None else "this platform cannot tell a sleep")
+        if self._unconfirmed is None:
+            # WARNING where the others may well have declared it dead.
+            log.log(logging.WARNING if gap > dead_after else logging.INFO,
+                    "this node did not run for %.1f s (%s); it executes nothing until the "
+                    "cluster confirms it is still a member", gap, what)
+            self._unconfirmed = cluster_clock()
+            if self.gate is not None:
+                self.gate.hold()
+            self._spawn(self._confirm())
+
+    @property
+    def confirmed(self) -> bool:
+        """False from a pause until the cluster confirmed this node."""
+        return self._unconfirmed is None
+
+    async def _confirm(self) -> None:
+        """Ask the members, until one answer settles it, whether this node is
+        still a member: the master's word (a master's: a quorum's) in the
+        highest term heard. Still one: open the gate; not: fence."""
+        interval = self.config.health.interval
+        while self._unconfirmed is not None:
+            verdict = await self._membership()
+            if self._unconfirmed is None:    # fenced meanwhile
+                return
+            if verdict == "member":
+                took = cluster_clock() - self._unconfirmed
+                self._unconfirmed = None
+                self._counts["confirmed"] += 1
+                if self.gate is not None:
+                    self.gate.open()
+                log.info("membership confirmed %.2f s after the pause; this node carries on",
+                         took)
+                return
+            if verdict:
+                self.fence(verdict)
+                return
+            # No answer settled it (no master reachable, an election under
+            # way): ask again after a tick's time; the gate stays shut.
+            await asyncio.sleep(interval)
+
+    async def _membership(self) -> str:
+        """"member", "" (not settled yet) or why this node must fence."""
+        me, state = self.node_id, self.election.state
+        others = [m for m in state.members if m.get("node_id") and m["node_id"] != me]
+        if not others:
+            return "member"   # alone: nobody could have declared it dead
+        asks = []
+        for m in others:
+            address = self._by_id.get(m["node_id"]) or m.get("address", "")
+            if address:
+                asks.append(self._ask_state(self._peer(address, m["node_id"])))
+        answers = [a for a in await asyncio.gather(*asks) if a is not None]
+        term = state.term
+        masters = [(n, a) for n, a in answers if a.master == n]
+        if state.role is Role.MASTER:
+            if any(a.term > term or (a.term == term and a.master not in ("", me))
+                   for _, a in answers):
+                return (f"this node was master in term {term} before a pause, and the "
+                        f"others follow another master now")
+            backing = {n for n, a in answers if a.master == me and a.term == term and
+                       me in a.members}
+            if has_quorum(backing | {me}, [m["node_id"] for m in state.members], {}):
+                return "member"
+            return ""
+        if not masters:
+            return ""
+        master, answer = max(masters, key=lambda na: na[1].term)
+        if me in answer.members and me not in answer.dead:
+            return "member"
+        return (f"the master {master[:8]} (term {answer.term}) no longer holds this node a "
+                f"live member after its pause")
+
+    async def _ask_state(self, peer: _Peer) -> tuple[str, ClusterState] | None:
+        timeout = self.config.health.dead_after
+        try:
+            channel = self._channel(peer)
+            if channel.session is None:
+                await channel.aopen(timeout=timeout)
+            reply = (await channel.arequest(WatchCluster(-1, 0.0), timeout=timeout)).body
+        except PMetalError as exc:
+            log.debug("no membership answer from %s: %s", peer.address, exc)
+            return None
+        if isinstance(reply, ClusterState) and peer.node_id:
+            return peer.node_id, reply
+        return None
 
     def _spawn(self, coro: Any) -> None:
         if self._group is None:
@@ -583,6 +698,9 @@ class ClusterService(Hints):
         """This node may have been declared dead: its actors go (the
         node's ``on_fenced``) and it continues as a new incarnation."""
         self._counts["fenced"] += 1
+        self._unconfirmed = None
+        if self.gate is not None:
+            self.gate.fence()
         log.warning("fencing this node: %s; its actors are stopped and it rejoins as a new "
                     "incarnation", why)
         self._on_fenced(why)

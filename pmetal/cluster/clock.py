@@ -1,0 +1,220 @@
+"""The clocks a node tells a pause by, and the gate its workers obey.
+
+Two questions after a gap between a node's ticks (pmetal.cluster.service):
+
+* **Did the machine sleep?** :func:`slept` reads the seconds the machine
+  has spent suspended since boot: on Linux the gap between CLOCK_BOOTTIME
+  (counts suspension) and CLOCK_MONOTONIC (does not); on macOS between
+  CLOCK_MONOTONIC (there it counts sleep) and CLOCK_UPTIME_RAW (does not).
+  It grows only across a system suspend: a process starved of CPU (load 12
+  on two cores) or stopped with SIGSTOP sees the same gap on both clocks.
+  Where no pair of such clocks exists it is ``None`` (a gap is then never
+  taken for a sleep).
+* **May this node run its actors?** A node that did not run for a while
+  (slept, starved, stopped) may have been declared dead meanwhile, its
+  actors restarted elsewhere. Until the cluster confirms it is still a
+  member, it must execute nothing and deliver no result. Its workers are
+  separate processes that callers reach directly, so the node tells them
+  through :class:`Gate`: one small page of shared memory (a file in
+  /dev/shm) that the node writes and every worker reads before it starts a
+  call and before it sends a result:
+
+  ====== ====== ==========================================================
+  offset type   meaning
+  ====== ====== ==========================================================
+  0      u8     0: open; 1: held (the node's membership is unconfirmed)
+  8      u64    generation: grows at every fence (a worker whose actor
+                was built in an older generation never answers again)
+  16     f64    the node's last tick, on :func:`cluster_clock`
+  ====== ====== ==========================================================
+
+  A worker also holds while the node's last tick is older than
+  ``stale`` seconds: when a whole machine is stopped and continued, every
+  process resumes at once, and a worker must not reply before its node has
+  ticked, seen the gap and closed the gate.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import tempfile
+import time
+
+__all__ = ["Gate", "GateView", "cluster_clock", "slept"]
+
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", None) or time.CLOCK_MONOTONIC
+
+_LINUX_PAIR = (getattr(time, "CLOCK_BOOTTIME", None), getattr(time, "CLOCK_MONOTONIC", None))
+_MAC_PAIR = (getattr(time, "CLOCK_MONOTONIC", None), getattr(time, "CLOCK_UPTIME_RAW", None))
+
+
+def cluster_clock() -> float:
+    """Seconds on a clock that counts while the machine sleeps."""
+    return time.clock_gettime(_CLOCK)
+
+
+def _pair() -> tuple[int, int] | None:
+    import sys
+    pair = _LINUX_PAIR if sys.platform.startswith("linux") else (
+        _MAC_PAIR if sys.platform == "darwin" else (None, None))
+    if pair[0] is None or pair[1] is None:
+        return None
+    return pair  # type: ignore[return-value]
+
+
+_PAIR = _pair()
+
+
+def slept() -> float | None:
+    """Seconds this machine has been suspended since boot (compare two
+    readings: only a system sleep moves it); None where it cannot tell."""
+    if _PAIR is None:
+        return None
+    counting, not_counting = _PAIR
+    return time.clock_gettime(counting) - time.clock_gettime(not_counting)
+
+
+_LAYOUT = struct.Struct("<B7xQd")
+OPEN, HELD = 0, 1
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _sweep(directory: str, prefix: str) -> None:
+    """Unlink the pages of nodes of this pid namespace that died without
+    closing theirs (``kill -9``): named ``<prefix><pid>-...``."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return
+    for entry in entries:
+        if not entry.startswith(prefix):
+            continue
+        pid = entry[len(prefix):].partition("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink(os.path.join(directory, entry))
+        except OSError:
+            pass
+
+
+class Gate:
+    """The node's side: creates the page, writes it; :attr:`path` goes to
+    its workers (``--gate``)."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        directory = directory or ("/dev/shm" if os.path.isdir("/dev/shm") else
+                                  tempfile.gettempdir())
+        prefix = f"pmetal-gate-{_pid_namespace()}-"
+        _sweep(directory, prefix)
+        fd, self.path = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}-", dir=directory)
+        try:
+            os.ftruncate(fd, _LAYOUT.size)
+            self._map = mmap.mmap(fd, _LAYOUT.size)
+        finally:
+            os.close(fd)
+        self.state = OPEN
+        self.generation = 1
+        self._write(cluster_clock())
+
+    def _write(self, tick: float) -> None:
+        _LAYOUT.pack_into(self._map, 0, self.state, self.generation, tick)
+
+    def tick(self, now: float) -> None:
+        _LAYOUT.pack_into(self._map, 0, self.state, self.generation, now)
+
+    def hold(self) -> None:
+        """Workers start nothing and deliver nothing until :meth:`open`."""
+        self.state = HELD
+        self._write(cluster_clock())
+
+    def open(self) -> None:
+        self.state = OPEN
+        self._write(cluster_clock())
+
+    def fence(self) -> None:
+        """A new generation: actors built before never answer again."""
+        self.generation += 1
+        self.state = OPEN
+        self._write(cluster_clock())
+
+    @property
+    def held(self) -> bool:
+        return self.state == HELD
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass
+        try:
+            os.unlink(self.path)
+        except OSError:
+            pass
+
+
+class GateView:
+    """A worker's side: reads the page its node writes."""
+
+    def __init__(self, path: str, stale: float) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(fd, _LAYOUT.size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        self.stale = stale
+        self.generation = self.read()[1]
+
+    def read(self) -> tuple[int, int, float]:
+        return _LAYOUT.unpack_from(self._map, 0)  # type: ignore[return-value]
+
+    def adopt(self) -> None:
+        """The actor being built belongs to the current generation."""
+        self.generation = self.read()[1]
+
+    def check(self, generation: int | None) -> str:
+        """"" when open; else why not: "fenced" (``generation`` is past:
+        never again), "held" (unconfirmed, or the node has not ticked for
+        ``stale`` s)."""
+        state, current, tick = _LAYOUT.unpack_from(self._map, 0)
+        if generation is not None and current != generation:
+            return "fenced"
+        if state != OPEN or cluster_clock() - tick > self.stale:
+            return "held"
+        return ""
+
+    def wait(self, generation: int | None, timeout: float) -> str:
+        """Until open ("") or fenced, or ``timeout`` s ("held"). Polls
+        every 5 ms: the page is written by another process, and a held gate
+        is rare (after a pause of the node), so a plain poll costs less
+        than a wake-up channel on the path of every call."""
+        reason = self.check(generation)
+        if not reason or reason == "fenced":
+            return reason
+        deadline = time.monotonic() + timeout
+        while True:
+            time.sleep(0.005)
+            reason = self.check(generation)
+            if not reason or reason == "fenced" or time.monotonic() >= deadline:
+                return reason
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except (BufferError, ValueError):
+            pass
