@@ -1,0 +1,1 @@
+"""Ray's ``ray.util`` paths, for code ported from Ray."""
