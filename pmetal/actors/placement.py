@@ -20,7 +20,11 @@ utilized nodes with room (the best :data:`TOP_K_FRACTION` of them, at least
 one, ties included). A node's utilization is the largest used share of any
 of its resources and of its actor count per CPU: every actor is a process,
 so 200 actors of ``num_cpus=0.01`` load a node even though they reserve
-only 2 CPUs. The master counts the creations it sent to a node and has not
+only 2 CPUs. Unlike Ray, the creator's node is preferred only while it
+also hosts no more actors than any other node with room: on a home
+cluster of a few machines the actors are mostly training ranks and model
+stages, which belong one per machine before any machine takes a second
+(Ray would keep up to half a 16-core machine's worth on the creator's). The master counts the creations it sent to a node and has not
 yet heard back about (:class:`NodeLoad` ``actors`` and ``available``), so a
 burst of concurrent creations spreads instead of all reading the same
 stale view. ``strategy="SPREAD"`` skips the creator's preference and takes
@@ -173,7 +177,8 @@ def choose(loads: Mapping[str, NodeLoad], need: Mapping[str, float], origin: str
         if strategy == "SPREAD":
             fewest = min(loads[n].actors for n in room)
             return pick(sorted(n for n in room if loads[n].actors == fewest))
-        if origin in room and utilization(loads[origin]) < LOCAL_THRESHOLD:
+        if (origin in room and utilization(loads[origin]) < LOCAL_THRESHOLD
+                and loads[origin].actors <= min(loads[n].actors for n in room)):
             return origin
         ranked = sorted(room, key=lambda n: utilization(loads[n]))
         k = min(len(ranked), max(1, math.ceil(TOP_K_FRACTION * len(loads))))

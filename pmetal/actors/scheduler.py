@@ -99,7 +99,8 @@ class Scheduler:
         self.refused_stale = 0
         # Actors whose restart elsewhere is due or under way: set when done.
         self._restarting: dict[str, asyncio.Event] = {}
-        self._deciding: dict[str, _Deciding] = {}   # actor id -> its decisions under way
+        # Actor id (or "name:" and its name) -> the decisions under way for it.
+        self._deciding: dict[str, _Deciding] = {}
         # Node id -> the needs of creations this master sent there and has
         # not heard back about: counted as placed, so that concurrent
         # decisions do not all read the same stale resources.
@@ -195,13 +196,18 @@ class Scheduler:
         this decision: a master that cannot reach a quorum of its member
         list now (the minority side of a partition that check-quorum has
         not stepped down yet) places nothing. Decisions for one actor id run
-        one at a time, so the second finds what the first placed."""
+        one at a time, so the second finds what the first placed; so do
+        decisions for one actor name, whatever nodes they choose, so that
+        the second one's node finds the first's actor by that name and
+        refuses (two nodes asked at once would both take it)."""
         node = self.node
         refused = self._not_master(None)
         if refused is not None:
             return refused
         term = node.cluster.term
-        deciding = self._deciding.setdefault(spec.actor_id, _Deciding())
+        name = spec.options.get("name") or ""
+        key = f"name:{name}" if name else spec.actor_id
+        deciding = self._deciding.setdefault(key, _Deciding())
         deciding.waiting += 1
         try:
             async with deciding.lock:
@@ -209,7 +215,7 @@ class Scheduler:
         finally:
             deciding.waiting -= 1
             if not deciding.waiting:
-                del self._deciding[spec.actor_id]
+                del self._deciding[key]
 
     async def _decide(self, spec: CreateActor, origin: str, term: int) -> Message:
         node = self.node

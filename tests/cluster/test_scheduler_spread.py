@@ -97,3 +97,19 @@ def test_node_affinity(driver: list[dict[str, Any]]) -> None:
     soft = Tiny.options(scheduling_strategy=pmetal.NodeAffinitySchedulingStrategy(
         far, soft=True)).remote()
     assert soft._node_id in {driver[0]["node_id"], driver[1]["node_id"]}
+
+
+def test_a_collective_groups_ranks_go_one_per_machine(driver: list[dict[str, Any]]) -> None:
+    """docs/collectives.md's example: 4 ranks on 3 machines, created with no
+    option, land 2-1-1 (the first 3 on distinct machines), and reduce."""
+    np = pytest.importorskip("numpy")
+    from pmetal import collective
+    from tests.collectives.group_actors import Member
+
+    workers = [Member.remote() for _ in range(4)]
+    assert len({w._node_id for w in workers[:3]}) == 3
+    assert sorted(Counter(w._node_id for w in workers).values()) == [1, 1, 2]
+    collective.create_group(workers, name="spread")
+    sums = pmetal.get([w.all_reduce.remote("spread", np.ones(3)) for w in workers], timeout=WAIT)
+    for s in sums:
+        assert s.tolist() == [10.0, 10.0, 10.0]   # ranks 0-3 contribute 1, 2, 3, 4
