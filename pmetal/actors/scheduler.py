@@ -114,9 +114,10 @@ class Scheduler:
         if not node.membership.members and (not node.cluster.master or
                                             node.cluster.is_master()):
             target = spec.options.get("node") or ""
-            if target and spec.options.get("soft") and not node.node_id.startswith(target):
-                # Alone, a soft affinity to another node falls back here.
-                spec = replace(spec, options={**spec.options, "node": ""})
+            if target and (node.node_id.startswith(target) or spec.options.get("soft")):
+                # Alone: this node (named by a prefix), or a soft affinity
+                # to another node, which falls back here.
+                spec = replace(spec, options={**spec.options, "node": node.node_id})
             return await node.actors.create(spec)   # alone: nobody else to decide
         timeout = float(spec.options.get("timeout") or node.config.transport.request_timeout)
         deadline = time.monotonic() + timeout

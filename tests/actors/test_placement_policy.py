@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
+import pmetal
+from pmetal import NodeAffinitySchedulingStrategy
 from pmetal.actors.placement import NodeLoad, choose, utilization
+from pmetal.errors import PlacementError, PMetalTypeError, PMetalValueError
+from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy as RayPath
 
 CPU2 = {"CPU": 2.0}
 
@@ -87,3 +92,46 @@ def test_a_pipeline_puts_one_stage_per_machine_first(stages: int, per_node: list
              for c in "abc"]
     placed = Counter(p.node_id for p in place_stages(config, stages, nodes))
     assert sorted(placed.values()) == per_node
+
+
+# ------------------------------------------------ the options, as Ray's
+
+
+@pmetal.remote
+class Plain:
+    def node(self) -> str:
+        return "here"
+
+
+def test_a_misspelt_or_mistyped_strategy_is_refused_when_given() -> None:
+    with pytest.raises(PMetalValueError, match="did you mean 'SPREAD'"):
+        Plain.options(scheduling_strategy="SPRAED")
+    with pytest.raises(PMetalValueError, match="did you mean 'SPREAD'"):
+        Plain.options(scheduling_strategy="spread")
+    with pytest.raises(PMetalTypeError, match="NodeAffinitySchedulingStrategy, not dict"):
+        Plain.options(scheduling_strategy={"node_id": "x"})
+    with pytest.raises(PMetalValueError, match="both choose the node"):
+        Plain.options(node="abc", scheduling_strategy="SPREAD")
+    with pytest.raises(PMetalTypeError, match="only for actors"):
+        pmetal.remote(scheduling_strategy="SPREAD")(lambda: 1)
+    with pytest.raises(PMetalTypeError, match="node_id must be a non-empty str"):
+        NodeAffinitySchedulingStrategy("")
+    with pytest.raises(PMetalTypeError, match="soft must be True or False"):
+        NodeAffinitySchedulingStrategy("abc", soft="yes")  # type: ignore[arg-type]
+    assert RayPath is NodeAffinitySchedulingStrategy is pmetal.NodeAffinitySchedulingStrategy
+
+
+def test_affinity_on_a_node_alone(cluster: dict[str, Any]) -> None:
+    """A node alone decides for itself: hard affinity to another node is
+    a PlacementError naming it; soft falls back to this node."""
+    me = cluster["node_id"]
+    here = Plain.options(scheduling_strategy=NodeAffinitySchedulingStrategy(me[:8])).remote()
+    assert here._node_id == me
+    with pytest.raises(PlacementError, match="no node 0123456789abcdef"):
+        Plain.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            "0123456789abcdef")).remote()
+    soft = Plain.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+        "0123456789abcdef", soft=True)).remote()
+    assert soft._node_id == me and pmetal.get(soft.node.remote(), timeout=20.0) == "here"
+    for a in (here, soft):
+        pmetal.kill(a)
