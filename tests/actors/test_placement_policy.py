@@ -1,5 +1,7 @@
 """The master's choice of node (pmetal.actors.placement.choose), as a table:
-Ray's hybrid policy, SPREAD, and the creations sent but not yet reported."""
+Ray's hybrid policy, SPREAD, and the creations sent but not yet reported;
+a pipeline's stages one per machine; the placement options as Ray's, and
+their misuse. (The same on three real nodes: tests/cluster/test_scheduler_spread.py.)"""
 
 from __future__ import annotations
 
