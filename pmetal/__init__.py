@@ -8,6 +8,7 @@ import logging as _logging
 from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
+from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
 from pmetal.api import (available_resources, cluster_resources, get, get_actor, init,
                         is_initialized, kill, nodes, put, shutdown, wait,
                         wait_for_peers)
@@ -74,6 +75,7 @@ __all__ = [
     "HandshakeError",
     "IdentityError",
     "NetworkNamespace",
+    "NodeAffinitySchedulingStrategy",
     "NodeIdentity",
     "NotInitializedError",
     "ObjectRef",

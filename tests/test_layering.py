@@ -86,6 +86,7 @@ ALLOWED = {
     "actors": {"core", "cluster"},
     "collectives": {"core", "cluster", "actors"},
     "pipeline": {"core", "cluster", "actors", "collectives", "model"},
+    "util": {"core", "actors"},   # Ray's import paths (ray.util.*), re-exported
     "front": {"core", "cluster", "actors", "collectives"},
     "bench": {"core", "cluster", "actors", "collectives", "model", "pipeline", "front"},
     "cli": {"core", "cluster", "actors", "collectives", "model", "pipeline", "front", "bench"},

@@ -6,6 +6,7 @@ import inspect
 from typing import Any
 
 from pmetal.actors import context
+from pmetal.actors.strategies import placement_options
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
@@ -16,7 +17,7 @@ __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT
 # for compatibility (see docs/api.md for what each does today).
 _COMMON = frozenset({"num_cpus", "num_gpus", "resources", "num_returns", "name"})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
-                           "lifetime", "namespace"}
+                           "lifetime", "namespace", "scheduling_strategy"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
 
 DEFAULT_MAX_RETRIES = 3
@@ -80,6 +81,8 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
         if options.get(key) is not None and type(options[key]) is not str:
             raise PMetalTypeError(f"{where}: {key} must be a str, not "
                                   f"{type(options[key]).__name__}")
+    if "scheduling_strategy" in options:
+        placement_options(options, where)
     retry_on = options.get("retry_exceptions")
     if retry_on is not None and type(retry_on) is not bool and not (
             isinstance(retry_on, (list, tuple)) and all(
@@ -166,7 +169,8 @@ class ActorClass:
         resources = dict(opts.get("resources") or {})
         if opts.get("num_gpus"):
             resources["GPU"] = float(opts["num_gpus"])
-        options = {"name": opts.get("name") or "", "node": opts.get("node") or "",
+        options = {"name": opts.get("name") or "",
+                   **placement_options(opts, f"{cls.__qualname__}.remote()"),
                    "num_cpus": opts.get("num_cpus") or 0,
                    "resources": resources,
                    "max_restarts": int(opts.get("max_restarts") or 0),

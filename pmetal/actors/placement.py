@@ -12,23 +12,50 @@ that fits no node now but would fit one of them when empty waits, first come
 first served, in that node's :class:`PlacementQueue` until actors free
 enough or its creation deadline passes; only what no node could ever hold is
 a :class:`~pmetal.errors.PlacementError` at once.
+
+Which node with room (:func:`choose`, pure, run by the master) follows
+Ray's default hybrid policy: the creator's node while its utilization is
+below :data:`LOCAL_THRESHOLD`, else one picked at random among the least
+utilized nodes with room (the best :data:`TOP_K_FRACTION` of them, at least
+one, ties included). A node's utilization is the largest used share of any
+of its resources and of its actor count per CPU: every actor is a process,
+so 200 actors of ``num_cpus=0.01`` load a node even though they reserve
+only 2 CPUs. Unlike Ray, the creator's node is preferred only while it
+also hosts no more actors than any other node with room: on a home
+cluster of a few machines the actors are mostly training ranks and model
+stages, which belong one per machine before any machine takes a second
+(Ray would keep up to half a 16-core machine's worth on the creator's). The master counts the creations it sent to a node and has not
+yet heard back about (:class:`NodeLoad` ``actors`` and ``available``), so a
+burst of concurrent creations spreads instead of all reading the same
+stale view. ``strategy="SPREAD"`` skips the creator's preference and takes
+the node with the fewest actors (random among equals): round robin in
+effect.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pmetal.errors import PMetalTimeoutError
 
-__all__ = ["PlacementQueue", "check_options", "check_resources", "fits", "needs",
-           "resources_text"]
+__all__ = ["LOCAL_THRESHOLD", "STRATEGIES", "TOP_K_FRACTION", "NodeLoad", "PlacementQueue",
+           "check_options", "check_resources", "choose", "fits", "needs", "resources_text",
+           "utilization"]
 
 LIFETIMES = ("", "non_detached", "detached")
+STRATEGIES = ("DEFAULT", "SPREAD")
+LOCAL_THRESHOLD = 0.5
+"""The creator's node is preferred while its utilization is below this (Ray's
+``scheduler_spread_threshold``)."""
+TOP_K_FRACTION = 0.2
+"""Above the threshold, a node is picked at random among this share of the
+least utilized nodes with room (at least one; Ray's ``scheduler_top_k_fraction``)."""
 
 
 def _is_number(value: Any) -> bool:
@@ -75,6 +102,12 @@ def check_options(options: dict[str, Any]) -> None:
         value = options.get(key)
         if value is not None and not isinstance(value, str):
             raise TypeError(f"{where}: {key} must be a string, not {type(value).__name__}")
+    strategy = options.get("strategy") or "DEFAULT"
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{where}: strategy must be one of {list(STRATEGIES)}, not "
+                         f"{strategy!r:.40}")
+    if type(options.get("soft", False)) is not bool:
+        raise TypeError(f"{where}: soft must be a bool, not {type(options['soft']).__name__}")
     if (options.get("lifetime") or "") not in LIFETIMES:
         raise ValueError(f"{where}: lifetime must be 'detached' or None, not "
                          f"{options['lifetime']!r:.40}")
@@ -101,8 +134,58 @@ def needs(options: dict[str, Any]) -> dict[str, float]:
     return need
 
 
-def fits(need: dict[str, float], pool: dict[str, float]) -> bool:
+def fits(need: Mapping[str, float], pool: Mapping[str, float]) -> bool:
     return all(pool.get(k, 0.0) >= v for k, v in need.items() if v)
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """What the master knows of one node when it places: its free and total
+    resources, how many creations wait in its queue, and how many actors it
+    hosts (with what the master placed there since it last heard)."""
+    available: Mapping[str, float]
+    total: Mapping[str, float]
+    queued: int = 0
+    actors: int = 0
+
+    def plus(self, need: Mapping[str, float]) -> NodeLoad:
+        """This load once one more actor needing ``need`` is placed here."""
+        available = dict(self.available)
+        for k, v in need.items():
+            available[k] = available.get(k, 0.0) - v
+        return replace(self, available=available, actors=self.actors + 1)
+
+
+def utilization(load: NodeLoad) -> float:
+    """The largest used share of the node's resources, counting its actors
+    per CPU as one of them (0: idle, 1: full)."""
+    shares = [(total - load.available.get(k, 0.0)) / total
+              for k, total in load.total.items() if total > 0]
+    shares.append(load.actors / max(load.total.get("CPU", 0.0), 1.0))
+    return max(shares)
+
+
+def choose(loads: Mapping[str, NodeLoad], need: Mapping[str, float], origin: str,
+           strategy: str = "DEFAULT", rng: random.Random | None = None) -> str:
+    """The node for a creation needing ``need`` (see the module doc): ""
+    when no node could ever hold it. Without room now anywhere, the node
+    that could hold it with the shortest queue, the creator's first (the
+    creation waits there)."""
+    pick = (rng or random).choice
+    room = [n for n, load in loads.items() if not load.queued and fits(need, load.available)]
+    if room:
+        if strategy == "SPREAD":
+            fewest = min(loads[n].actors for n in room)
+            return pick(sorted(n for n in room if loads[n].actors == fewest))
+        if (origin in room and utilization(loads[origin]) < LOCAL_THRESHOLD
+                and loads[origin].actors <= min(loads[n].actors for n in room)):
+            return origin
+        ranked = sorted(room, key=lambda n: utilization(loads[n]))
+        k = min(len(ranked), max(1, math.ceil(TOP_K_FRACTION * len(loads))))
+        cut = utilization(loads[ranked[k - 1]])
+        return pick([n for n in ranked if utilization(loads[n]) <= cut])
+    ever = [n for n, load in loads.items() if fits(need, load.total)]
+    return min(ever, key=lambda n: (loads[n].queued, n != origin), default="")
 
 
 @dataclass

@@ -2,9 +2,10 @@
 
 A creation travels three legs at most: the creator's node names the owner
 and asks the master (:meth:`Scheduler.place`); the master picks the node
-(:meth:`Scheduler.decide`: ``options.node`` if given, else the creator's
-node when it has room now, else any member with room now, else a node that
-could ever hold it, where the creation waits in that node's queue) and
+(:meth:`Scheduler.decide`: ``options.node`` if given, a node affinity, else
+by :func:`~pmetal.actors.placement.choose`: Ray's hybrid policy, or SPREAD;
+without room now anywhere, a node that could ever hold it, where the
+creation waits in that node's queue) and
 stamps the creation with its term; the chosen node constructs it
 (:meth:`Scheduler.placed`) unless the term is older than the newest it
 knows, which it refuses (fencing: a deposed master's late decision is
@@ -34,7 +35,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pmetal.actors.placement import fits, needs
+from pmetal.actors.placement import NodeLoad, choose, fits, needs
 from pmetal.cluster.view import has_quorum
 from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
                          ResourcesRequest)
@@ -90,23 +91,6 @@ class _Deciding:
     waiting: int = 0
 
 
-def _choose(free: dict[str, tuple[dict[str, float], dict[str, float], int]],
-            need: dict[str, float], origin: str) -> str:
-    """The node for a creation: the creator's node if it has room now,
-    else any with room now (the master first), else one that could ever
-    hold it (it waits in that node's queue); "" if none could."""
-    order = [origin] if origin in free else []
-    order += [n for n in free if n not in order]
-    for n in order:
-        available, _, queued = free[n]
-        if not queued and fits(need, available):
-            return n
-    for n in order:
-        if fits(need, free[n][1]):
-            return n
-    return ""
-
-
 class Scheduler:
     def __init__(self, node: NodeDaemon) -> None:
         self.node = node
@@ -115,7 +99,12 @@ class Scheduler:
         self.refused_stale = 0
         # Actors whose restart elsewhere is due or under way: set when done.
         self._restarting: dict[str, asyncio.Event] = {}
-        self._deciding: dict[str, _Deciding] = {}   # actor id -> its decisions under way
+        # Actor id (or "name:" and its name) -> the decisions under way for it.
+        self._deciding: dict[str, _Deciding] = {}
+        # Node id -> the needs of creations this master sent there and has
+        # not heard back about: counted as placed, so that concurrent
+        # decisions do not all read the same stale resources.
+        self._sent: dict[str, list[dict[str, float]]] = {}
 
     # ------------------------------------------------------------ creator
 
@@ -124,6 +113,11 @@ class Scheduler:
         node = self.node
         if not node.membership.members and (not node.cluster.master or
                                             node.cluster.is_master()):
+            target = spec.options.get("node") or ""
+            if target and (node.node_id.startswith(target) or spec.options.get("soft")):
+                # Alone: this node (named by a prefix), or a soft affinity
+                # to another node, which falls back here.
+                spec = replace(spec, options={**spec.options, "node": node.node_id})
             return await node.actors.create(spec)   # alone: nobody else to decide
         timeout = float(spec.options.get("timeout") or node.config.transport.request_timeout)
         deadline = time.monotonic() + timeout
@@ -203,13 +197,18 @@ class Scheduler:
         this decision: a master that cannot reach a quorum of its member
         list now (the minority side of a partition that check-quorum has
         not stepped down yet) places nothing. Decisions for one actor id run
-        one at a time, so the second finds what the first placed."""
+        one at a time, so the second finds what the first placed; so do
+        decisions for one actor name, whatever nodes they choose, so that
+        the second one's node finds the first's actor by that name and
+        refuses (two nodes asked at once would both take it)."""
         node = self.node
         refused = self._not_master(None)
         if refused is not None:
             return refused
         term = node.cluster.term
-        deciding = self._deciding.setdefault(spec.actor_id, _Deciding())
+        name = spec.options.get("name") or ""
+        key = f"name:{name}" if name else spec.actor_id
+        deciding = self._deciding.setdefault(key, _Deciding())
         deciding.waiting += 1
         try:
             async with deciding.lock:
@@ -217,7 +216,7 @@ class Scheduler:
         finally:
             deciding.waiting -= 1
             if not deciding.waiting:
-                del self._deciding[spec.actor_id]
+                del self._deciding[key]
 
     async def _decide(self, spec: CreateActor, origin: str, term: int) -> Message:
         node = self.node
@@ -243,25 +242,57 @@ class Scheduler:
                            f"{len(heard & set(voters))} of its {len(voters)} members answered "
                            f"it now (a minority side places nothing); ask again once a master "
                            f"with a majority is elected")
-        target = options.get("node") or _choose(free, needs(options), origin)
-        if not target:
-            total = node.membership.total_resources(node.resources)
-            return Failure("placement", "PlacementError",
-                           f"no node of this cluster could ever hold the actor: it needs "
-                           f"{needs(options)}; the cluster has {total}")
+        target = self._target(options, free, origin)
+        if isinstance(target, Failure):
+            return target
         member = node.membership.find(target) if target != node.node_id else None
-        if target != node.node_id and member is None:
-            return Failure("placement", "PlacementError",
-                           f"no node {target} in this cluster; members: "
-                           f"{[node.node_id, *node.membership.members]}")
-        options["node"] = target if member is None else member.node_id
+        options["node"] = target
         options["term"] = term
         log.info("master places actor %s on node %s (term %d)", spec.actor_id,
                  options["node"][:8], term)
         placed = replace(spec, options=options)
-        if member is None:
-            return await node.actors.create(placed)
-        return await node.membership.ask(member, placed)
+        need = needs(options)
+        sent = self._sent.setdefault(target, [])
+        sent.append(need)
+        try:
+            if member is None:
+                return await node.actors.create(placed)
+            return await node.membership.ask(member, placed)
+        finally:
+            sent.remove(need)
+            if not sent:
+                self._sent.pop(target, None)
+
+    def _target(self, options: dict[str, Any], free: dict[str, NodeLoad],
+                origin: str) -> str | Failure:
+        """The node for a creation with ``options``, given what the nodes
+        that answered have ``free``: its node affinity (``node``, with
+        ``soft`` falling back to the policy when that node is unknown, dead
+        or full), else :func:`choose`."""
+        node = self.node
+        need = needs(options)
+        wanted = options.get("node") or ""
+        if wanted:
+            member = node.membership.find(wanted)
+            found = node.node_id if node.node_id.startswith(wanted) else (
+                member.node_id if member is not None else "")
+            dead = next((n for n in node.cluster.dead() if n.startswith(wanted)), "")
+            if found and not dead and not (options.get("soft") and not (
+                    found in free and fits(need, free[found].available))):
+                return found
+            if not options.get("soft"):
+                why = "is dead" if dead else "is not a member of this cluster"
+                return Failure("placement", "PlacementError",
+                               f"node affinity: node {wanted} {why}; live nodes: {sorted(free)} "
+                               f"(pmetal.nodes() lists them; soft=True falls back to another "
+                               f"node)")
+        target = choose(free, need, origin, str(options.get("strategy") or "DEFAULT"))
+        if not target:
+            total = node.membership.total_resources(node.resources)
+            return Failure("placement", "PlacementError",
+                           f"no node of this cluster could ever hold the actor: it needs "
+                           f"{need}; the cluster has {total}")
+        return target
 
     def _not_master(self, term: int | None) -> Failure | None:
         """Why this node may not (go on to) decide in ``term``, or None."""
@@ -287,18 +318,24 @@ class Scheduler:
             return found
         return None
 
-    async def _free(self) -> dict[str, tuple[dict[str, float], dict[str, float], int]]:
-        """What each node that answers has: free, total and queued, by node
-        id (this node first); a member that does not answer is left out."""
+    async def _free(self) -> dict[str, NodeLoad]:
+        """What each node that answers has (this node first; a member that
+        does not answer is left out), with the creations this master sent
+        it and has not heard back about counted as placed."""
         node = self.node
         members = list(node.membership.members.values())
         answers = await asyncio.gather(*(
             asyncio.wait_for(node.membership.ask(m, ResourcesRequest()), _ASK_RESOURCES)
             for m in members), return_exceptions=True)
-        free = {node.node_id: (node.actors.available, node.resources, len(node.actors.queue))}
+        free = {node.node_id: NodeLoad(dict(node.actors.available), node.resources,
+                                       len(node.actors.queue), node.actors.alive())}
         for m, a in zip(members, answers):
             if isinstance(a, Resources):
-                free[m.node_id] = (a.available, a.total, a.queued)
+                free[m.node_id] = NodeLoad(a.available, a.total, a.queued, a.actors)
+        for node_id, sent in self._sent.items():
+            if node_id in free:
+                for need in sent:
+                    free[node_id] = free[node_id].plus(need)
         return free
 
     # ---------------------------------------------------------- placed here

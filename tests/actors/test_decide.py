@@ -105,6 +105,9 @@ class _Actors:
         self.queue: list[Any] = []
         self.created: list[CreateActor] = []
 
+    def alive(self) -> int:
+        return 0
+
     async def create(self, spec: CreateActor) -> Message:
         self.created.append(spec)
         return ActorLocation(spec.actor_id, "alive", "tcp://x:1", ME)
