@@ -66,6 +66,12 @@ _NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing liste
               "pmetal.init() again")
 
 
+# After the connection to our node drops, how long and how often its address
+# is probed before a listener there is taken for a live node.
+_SUSPECT_FOR = 5.0
+_PROBE_EVERY = 0.2
+
+
 class NodeLink:
     """The authenticated channel to our node, used under a lock of its own
     (never held while taking the client's: the client's lock may be held
@@ -90,6 +96,8 @@ class NodeLink:
         self._monitor = dialer.monitor_disconnects()
         self.renew_every = 0.0   # s between lease renewals (0: the node watches our pid)
         self._sent = 0.0         # when we last sent the node something
+        self._suspect_until = 0.0   # after a dropped connection: probe until then
+        self._next_probe = 0.0
         self.closed = False
 
     def request(self, body: Message, timeout: float | None = None) -> Message:
@@ -151,13 +159,23 @@ class NodeLink:
         return bool(self.dead)
 
     def check(self) -> None:
-        """Raise PeerError if the connection to our node has dropped."""
+        """Raise PeerError if the connection to our node has dropped and
+        nothing listens at its address any more. Something may still
+        listen there for a moment after the node's death (a child that
+        inherited its socket has not exited yet), so after a drop the
+        address is probed again every ``_PROBE_EVERY`` for ``_SUSPECT_FOR``."""
         if not self.dead:
+            now = time.monotonic()
             while self._monitor.getsockopt(_EVENTS) & _POLLIN:
                 frames = self._monitor.recv_multipart()
-                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED \
-                        and not self._listening():
+                if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                    self._suspect_until, self._next_probe = now + _SUSPECT_FOR, now
+            if self._suspect_until and now >= self._next_probe:
+                self._next_probe = now + _PROBE_EVERY
+                if not self._listening():
                     self.dead = _NODE_DEAD.format(self.address)
+                elif now > self._suspect_until:
+                    self._suspect_until = 0.0   # a live node: ZeroMQ reconnects
         if self.dead:
             raise PeerError(self.dead)
 
