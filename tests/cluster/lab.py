@@ -169,6 +169,23 @@ class LabCluster:
                 self._changed.wait(min(remaining, 0.2))
         return time.monotonic() - start
 
+    def status(self, index: int, probe: bool = False) -> dict[str, Any]:
+        """``status()`` of node ``index``, asked by a client on its host."""
+        code = ("import json, sys\n"
+                "from pmetal.actors.client import CoreClient\n"
+                "from pmetal.config import load_config\n"
+                "from pmetal.security import NetworkNamespace\n"
+                "ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
+                "c = CoreClient(sys.argv[1], ns, load_config())\n"
+                f"print(json.dumps(c.status(probe={probe}), default=str))\n"
+                "c.close()\n")
+        proc = self.lab.python(index, code, self.nodes[index].address, self.namespace,
+                               self.psk.hex(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=self._env(index, self.psk), cwd=ROOT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 0, err.decode()
+        return json.loads(out)
+
     def describe(self) -> str:
         return json.dumps({i: {k: (v[:8] if isinstance(v, str) else
                                    [x[:8] for x in v] if isinstance(v, list) else v)

@@ -117,21 +117,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LabCluster, 
 
 
 def _status(c: LabCluster, index: int) -> dict[str, Any]:
-    node = c.nodes[index]
-    code = ("import json, sys\n"
-            "from pmetal.actors.client import CoreClient\n"
-            "from pmetal.config import load_config\n"
-            "from pmetal.security import NetworkNamespace\n"
-            "ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
-            "c = CoreClient(sys.argv[1], ns, load_config())\n"
-            "print(json.dumps(c.status()['cluster'], default=str))\n"
-            "c.close()\n")
-    proc = c.lab.python(index, code, node.address, c.namespace, c.psk.hex(),
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        env=c._env(index, c.psk), cwd=ROOT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err.decode()
-    return json.loads(out)
+    return c.status(index)["cluster"]
 
 
 def _until(cond: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:

@@ -50,22 +50,7 @@ def _index_of(c: LabCluster, node_id: str) -> int:
 
 
 def _status(c: LabCluster, index: int, probe: bool = False) -> dict:
-    """``status()`` of node ``index``, asked by a client on its host."""
-    node = c.nodes[index]
-    code = ("import json, sys\n"
-            "from pmetal.actors.client import CoreClient\n"
-            "from pmetal.config import load_config\n"
-            "from pmetal.security import NetworkNamespace\n"
-            "ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
-            "c = CoreClient(sys.argv[1], ns, load_config())\n"
-            f"print(json.dumps(c.status(probe={probe}), default=str))\n"
-            "c.close()\n")
-    proc = c.lab.python(index, code, node.address, c.namespace, c.psk.hex(),
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=c._env(index, c.psk),
-                        cwd=ROOT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err.decode()
-    return json.loads(out)
+    return c.status(index, probe)
 
 
 def test_four_hosts_discover_each_other_and_elect_one_master(cluster: LabCluster) -> None:

@@ -13,7 +13,6 @@ beside these on two cores, and the figures are printed (``-s``).
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 from collections.abc import Iterator
@@ -103,21 +102,7 @@ def _report(what: str, seconds: float) -> None:
 
 
 def _status(c: LabCluster, index: int) -> dict:
-    node = c.nodes[index]
-    code = ("import json, sys\n"
-            "from pmetal.actors.client import CoreClient\n"
-            "from pmetal.config import load_config\n"
-            "from pmetal.security import NetworkNamespace\n"
-            "ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
-            "c = CoreClient(sys.argv[1], ns, load_config())\n"
-            "print(json.dumps(c.status(), default=str))\n"
-            "c.close()\n")
-    proc = c.lab.python(index, code, node.address, c.namespace, c.psk.hex(),
-                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=c._env(index, c.psk),
-                        cwd=ROOT)
-    out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 0, err.decode()
-    return json.loads(out)
+    return c.status(index)
 
 
 def _copies(c: LabCluster, name: str, hosts: list[int]) -> list[int]:
