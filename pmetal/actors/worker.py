@@ -176,18 +176,24 @@ class Worker:
 
     # ------------------------------------------------------------------ gate
 
+    def _hold(self) -> str:
+        """Wait while the gate is shut (up to ``_HOLD`` s): "" when it opens
+        (or was open), else why not ("fenced", or the gate stayed shut)."""
+        gate = self.gate
+        if gate is None or not gate.check(self._generation):
+            return ""
+        self.held += 1
+        reason = gate.wait(self._generation, _HOLD)
+        self.withheld += bool(reason)
+        return reason
+
     def _admit(self) -> Failure | None:
         """None if a call may start now; else the refusal (retryable: the
         call did not run) once the gate stayed shut for ``_HOLD`` s or the
         node was fenced."""
-        gate = self.gate
-        if gate is None or not gate.check(self._generation):
-            return None
-        self.held += 1
-        reason = gate.wait(self._generation, _HOLD)
+        reason = self._hold()
         if not reason:
             return None
-        self.withheld += 1
         return Failure("actor_died", "ActorDiedError",
                        "this copy's node was fenced after a pause (it was declared dead); the "
                        "call did not run here" if reason == "fenced" else
@@ -198,14 +204,9 @@ class Worker:
         """``reply`` if it may leave now; else what replaces it: a copy on a
         fenced node, or one still unconfirmed after ``_HOLD`` s, never
         delivers a result (another copy may have run the call)."""
-        gate = self.gate
-        if gate is None or reply is None or not gate.check(self._generation):
-            return reply
-        self.held += 1
-        reason = gate.wait(self._generation, _HOLD)
+        reason = self._hold() if reply is not None else ""
         if not reason:
             return reply
-        self.withheld += 1
         if reason == "fenced":
             return Failure("actor_died", "ActorDiedError",
                            "this copy's node was fenced after a pause (it was declared dead, "
