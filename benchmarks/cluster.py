@@ -49,7 +49,7 @@ class _Node:
         self.host = host
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pmetal.actors.node", "--host", host, "--port", str(PORT),
+            [sys.executable, "-m", "pmetal.node", "--host", host, "--port", str(PORT),
              "--discovery", "--interfaces", host, "--num-workers", "1",
              "--num-task-workers", "1"],
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
@@ -60,7 +60,7 @@ class _Node:
 
     def wait_ready(self, psk: bytes) -> None:
         from pmetal.actors.client import CoreClient
-        from pmetal.actors.node import read_ready_line
+        from pmetal.node.daemon import read_ready_line
         from pmetal.config import load_config
         from pmetal.security import NetworkNamespace
         _head, self.address, self.node_id = read_ready_line(self.proc, DEADLINE).split()[:3]

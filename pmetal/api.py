@@ -67,7 +67,7 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     # Alone, an embedded node listens on 127.0.0.1 whatever the config says:
     # a plain script never opens a port to the network.
     host = config.transport.host if (peers or discovery) else "127.0.0.1"
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--embedded", "--host", host,
+    cmd = [sys.executable, "-m", "pmetal.node", "--embedded", "--host", host,
            "--port", "0", "--resources", json.dumps(resources or {})]
     if peers:
         cmd += ["--peers", ",".join(peers)]
@@ -77,7 +77,7 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     if num_workers is not None:
         cmd += ["--num-workers", str(num_workers)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    from pmetal.actors.node import read_ready_line
+    from pmetal.node.daemon import read_ready_line
     _head, address, _node_id = read_ready_line(proc, timeout).split()[:3]
     # Workers print to the node's stdout, a pipe to us: keep draining it (to
     # our stdout, as Ray forwards its workers' output), or a chatty actor
@@ -122,7 +122,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
     global _node_proc
     _check_init_arguments(num_workers)
     if resources is not None:
-        from pmetal.actors.placement import check_resources
+        from pmetal.node.placement import check_resources
         try:
             resources = check_resources(resources, "pmetal.init(resources=...)")
         except TypeError as exc:
@@ -198,7 +198,7 @@ def local_node() -> dict[str, Any]:
     (``$PMETAL_HOME/node.json``): its ``address``, ``namespace``,
     ``psk_file`` and ``psk`` (the key, None without a file). PeerError when
     none runs, ConfigError when its key file cannot be read."""
-    from pmetal.actors.node import is_node_process, node_file
+    from pmetal.node.daemon import is_node_process, node_file
     path = node_file()
     try:
         info = json.loads(path.read_text())

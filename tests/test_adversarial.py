@@ -1,6 +1,6 @@
 """Attacks on a live node daemon and a live worker, from loopback.
 
-One daemon (``python -m pmetal.actors.node``) runs for the module, started
+One daemon (``python -m pmetal.node``) runs for the module, started
 with its soft open-file limit lowered to 1,024 (the usual default, and what
 a thousand idle connections exhausted before). A legitimate driver connects
 to it with ``pmetal.init`` and keeps one actor; each test attacks the daemon
@@ -104,7 +104,7 @@ class Daemon:
         self.log_path = home / "node.log"
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
+                [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1",
                  "--port", str(self.port), "--num-workers", "2", "--num-task-workers", "1"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
                 preexec_fn=_lower_nofile)

@@ -299,7 +299,7 @@ def test_psk_file_of_another_user_is_refused(tmp_path: Path) -> None:
 
 
 def test_node_record_writable_by_others_is_refused(tmp_path: Path) -> None:
-    from pmetal.actors.node import node_file
+    from pmetal.node.daemon import node_file
     from pmetal.cli.daemon import _read_node_file
     home = tmp_path / "home"
     home.mkdir(mode=0o700)

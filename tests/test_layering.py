@@ -84,12 +84,14 @@ ALLOWED = {
     "cluster": {"core"},
     "model": {"core"},
     "actors": {"core", "cluster"},
+    "node": {"core", "cluster", "actors"},   # the daemon; the client side never imports it
     "collectives": {"core", "cluster", "actors"},
     "pipeline": {"core", "cluster", "actors", "collectives", "model"},
     "util": {"core", "actors"},   # Ray's import paths (ray.util.*), re-exported
-    "front": {"core", "cluster", "actors", "collectives"},
-    "bench": {"core", "cluster", "actors", "collectives", "model", "pipeline", "front"},
-    "cli": {"core", "cluster", "actors", "collectives", "model", "pipeline", "front", "bench"},
+    "front": {"core", "cluster", "actors", "node", "collectives"},
+    "bench": {"core", "cluster", "actors", "node", "collectives", "model", "pipeline", "front"},
+    "cli": {"core", "cluster", "actors", "node", "collectives", "model", "pipeline", "front",
+            "bench"},
 }
 
 
@@ -137,6 +139,7 @@ def test_the_contract_knows_every_layer() -> None:
     assert layers == set(ALLOWED), f"layers without a rule: {layers ^ set(ALLOWED)}"
     assert layer("pmetal.api") == "front" and layer("pmetal.wire") == "core"
     assert layer("pmetal.actors.client") == "actors"
+    assert layer("pmetal.node.scheduler") == "node"
     # the resolution the rules depend on
     source = ("import pmetal\nfrom pmetal import shm, init\nimport numpy\n"
               "def f():\n    from pmetal.actors.client import CoreClient\n")

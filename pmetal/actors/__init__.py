@@ -1,5 +1,4 @@
-"""System actors (Node, Health, Election), workers and actor handles.
-
-Filled by the actor runtime issue; the package exists so the layout is fixed."""
+"""The client side of the actor runtime: handles, refs, calls and the worker
+process that runs an actor. The node daemon's side is :mod:`pmetal.node`."""
 
 __all__: list[str] = []

@@ -10,7 +10,7 @@ node died: ``kill -9``), and with :class:`~pmetal.errors.RequestTimeoutError`
 when the node is alive but silent past the deadline.
 
 A client whose node cannot watch its process (another machine) holds a
-lease on the actors it creates (see :mod:`pmetal.actors.owners`): once a
+lease on the actors it creates (see :mod:`pmetal.node.owners`): once a
 creation's answer carries one, :meth:`NodeLink.renew` sends a one-way Ping
 whenever the node has heard nothing from us for a quarter of it. It is
 called from the client's flush thread and from a request that waits long

@@ -2,7 +2,7 @@
 
 ``"DEFAULT"`` (or None) is the hybrid policy, ``"SPREAD"`` spreads the
 actors over the nodes with room, and :class:`NodeAffinitySchedulingStrategy`
-pins one to a node (see :mod:`pmetal.actors.placement` for the policy and
+pins one to a node (see :mod:`pmetal.node.placement` for the policy and
 ``docs/api.md`` for the rules).
 """
 

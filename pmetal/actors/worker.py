@@ -1,7 +1,7 @@
 """Worker process: runs user code (one actor, or remote-function tasks).
 
 A node daemon pre-starts workers so that creating an actor costs one message,
-not a process start: forks of its fork server (:mod:`pmetal.actors.zygote`),
+not a process start: forks of its fork server (:mod:`pmetal.node.zygote`),
 which calls :func:`main` in the child, or ``python -m pmetal.actors.worker``. A worker listens on
 its own ROUTER socket; callers reach it directly, peer to peer. It announces
 itself to its node with :class:`~pmetal.wire.WorkerReady`, then serves:

@@ -1,6 +1,6 @@
 """``pmetal start`` and ``pmetal stop``: the node daemon's lifecycle.
 
-``pmetal start`` runs ``python -m pmetal.actors.node`` and records it in
+``pmetal start`` runs ``python -m pmetal.node`` and records it in
 $PMETAL_HOME/node.json (address, node id, pid, namespace, PSK file), where
 ``pmetal status``, ``pmetal stop`` and ``pmetal.init(address="auto")`` find it.
 In the background the node gets a session of its own and writes its output to
@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pmetal.actors.node import READY_LINE, is_node_process, node_file
+from pmetal.node.daemon import READY_LINE, is_node_process, node_file
 from pmetal.cli.basic import _fail, _write_new_key
 from pmetal.config import (DEFAULT_PORT, DiscoveryConfig, ElectionConfig, HealthConfig,
                            load_config, pmetal_home)
@@ -106,7 +106,7 @@ def _run_start(args: argparse.Namespace) -> int:
     level = logging.getLogger("pmetal").level
     if level and level < logging.WARNING:  # -v / -vv reach the node's log too
         env["PMETAL_LOG_LEVEL"] = logging.getLevelName(level)
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", cfg.transport.host,
+    cmd = [sys.executable, "-m", "pmetal.node", "--host", cfg.transport.host,
            "--port", str(cfg.transport.port)]
     if peers:
         cmd += ["--peers", ",".join(peers)]
@@ -262,7 +262,7 @@ def _start_foreground(cmd: list[str], env: dict[str, str], home: Path,
 
 
 def _read_ready_line(proc: subprocess.Popen[bytes]) -> str:
-    from pmetal.actors.node import read_ready_line
+    from pmetal.node.daemon import read_ready_line
     return read_ready_line(proc, _READY_TIMEOUT)
 
 

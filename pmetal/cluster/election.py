@@ -38,7 +38,7 @@ The rules are Raft's leader election with pre-vote and check-quorum:
   *fenced*: every actor it hosts ends; those its own owners created that
   may restart start again, in place, or, where the copy replaced one on
   the winner's side, through the winner, which looks it up first and keeps
-  the surviving copy (pmetal.actors.scheduler). One copy of each actor
+  the surviving copy (pmetal.node.scheduler). One copy of each actor
   remains.
 
 What changes the member list: only the master (:mod:`pmetal.cluster.roster`).

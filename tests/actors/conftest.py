@@ -98,7 +98,7 @@ def ancestors(pid: int) -> list[int]:
 
 def descendants(pid: int) -> list[int]:
     """Live processes descended from ``pid``: a node's workers, and the fork
-    server that forks them (pmetal.actors.zygote)."""
+    server that forks them (pmetal.node.zygote)."""
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():

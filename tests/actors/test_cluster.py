@@ -1,6 +1,6 @@
 """Several node daemons on one machine forming one cluster.
 
-Three ``python -m pmetal.actors.node`` processes on loopback, each with its
+Three ``python -m pmetal.node`` processes on loopback, each with its
 own ``PMETAL_HOME`` (so its own identity) and the others as static peers,
 one actor worker and one task worker each. The driver joins the first one
 with ``pmetal.init(address=..., psk=...)``.
@@ -83,7 +83,7 @@ def start_node(home: Path, port: int, peers: list[int],
     env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
                PMETAL_TRANSPORT_REQUEST_TIMEOUT=str(REQUEST_TIMEOUT),
                PMETAL_ACTORS_OWNER_LEASE=str(OWNER_LEASE))
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1",
            "--port", str(port), "--peers", ",".join(f"127.0.0.1:{p}" for p in peers),
            "--num-workers", "1", "--num-task-workers", "1"]
     if resources:
@@ -543,7 +543,7 @@ makes: it exists only inside that namespace."""
 WILDCARD_SCRIPT = """
 import json, os, subprocess, sys, time
 from pmetal.actors.client import CoreClient
-from pmetal.actors.node import read_ready_line
+from pmetal.node.daemon import read_ready_line
 from pmetal.actors.serialization import code_ref
 from pmetal.config import load_config
 from pmetal.security import NetworkNamespace
@@ -554,7 +554,7 @@ def own_address():
 
 secret, start_wait = sys.argv[1], float(sys.argv[2])
 env = dict(os.environ, PMETAL_PSK=secret)
-node = subprocess.Popen([sys.executable, "-m", "pmetal.actors.node", "--host", "0.0.0.0",
+node = subprocess.Popen([sys.executable, "-m", "pmetal.node", "--host", "0.0.0.0",
                          "--port", "0", "--num-workers", "1", "--num-task-workers", "1"],
                         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
 try:

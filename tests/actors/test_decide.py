@@ -1,4 +1,4 @@
-"""The master's decision (pmetal.actors.scheduler.Scheduler.decide) carries
+"""The master's decision (pmetal.node.scheduler.Scheduler.decide) carries
 out nothing once its master has lost the role or the term it began in.
 
 The scheduler here is the real one; the node around it is a stand-in whose
@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
-from pmetal.actors.scheduler import Scheduler
+from pmetal.node.scheduler import Scheduler
 from pmetal.config import load_config
 from pmetal.wire import (
     ActorLocation,

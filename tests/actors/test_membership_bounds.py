@@ -3,7 +3,7 @@ the addresses (static peers, nodes that dial us with another key)."""
 
 from __future__ import annotations
 
-from pmetal.actors.membership import MAX_REFUSED, Membership
+from pmetal.node.membership import MAX_REFUSED, Membership
 from pmetal.config import PMetalConfig
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace

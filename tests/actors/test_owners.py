@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from pmetal.actors.owners import LeaseStatistics, OwnerLeases
+from pmetal.node.owners import LeaseStatistics, OwnerLeases
 
 
 def test_a_lease_lapses_only_after_its_timeout_without_a_message() -> None:

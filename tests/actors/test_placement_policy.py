@@ -1,4 +1,4 @@
-"""The master's choice of node (pmetal.actors.placement.choose), as a table:
+"""The master's choice of node (pmetal.node.placement.choose), as a table:
 Ray's hybrid policy, SPREAD, and the creations sent but not yet reported;
 a pipeline's stages one per machine; the placement options as Ray's, and
 their misuse. (The same on three real nodes: tests/cluster/test_scheduler_spread.py.)"""
@@ -13,7 +13,7 @@ import pytest
 
 import pmetal
 from pmetal import NodeAffinitySchedulingStrategy
-from pmetal.actors.placement import NodeLoad, choose, utilization
+from pmetal.node.placement import NodeLoad, choose, utilization
 from pmetal.errors import PlacementError, PMetalTypeError, PMetalValueError
 from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy as RayPath
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from pmetal.actors.pool import WorkerPool
+from pmetal.node.pool import WorkerPool
 from pmetal.config import load_config
 from pmetal.errors import PMetalTimeoutError
 from pmetal.identity import NodeIdentity

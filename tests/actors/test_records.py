@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pmetal.actors.records import DEAD_TAIL, ActorRecord, ActorTable, exit_text
+from pmetal.node.records import DEAD_TAIL, ActorRecord, ActorTable, exit_text
 from pmetal.wire import CreateActor
 
 

@@ -1,4 +1,4 @@
-"""The fork server (pmetal.actors.zygote): a node's workers are forks of a
+"""The fork server (pmetal.node.zygote): a node's workers are forks of a
 warm process, and the node copes when that process dies.
 
 Real node, fork server and worker processes; the module's cluster (an
@@ -21,7 +21,7 @@ import pytest
 
 import pmetal
 from pmetal import api
-from pmetal.actors.zygote import UNKNOWN_EXIT
+from pmetal.node.zygote import UNKNOWN_EXIT
 from pmetal.errors import ActorDiedError
 
 from .actor_classes import Counter

@@ -1,7 +1,7 @@
 """pmetal nodes on the hosts of a network-namespace lab (tests/netlab.py).
 
 :class:`LabCluster` starts one node daemon per host (``python -m
-pmetal.actors.node`` on the host's address, discovering with mDNS on that
+pmetal.node.daemon`` on the host's address, discovering with mDNS on that
 address only) and one *probe* per node: a client on the same host that
 prints the node's :class:`~pmetal.wire.ClusterState` as a JSON line each
 time it changes (a WatchCluster long poll, no polling). The test reads every
@@ -110,7 +110,7 @@ class LabCluster:
             host = self.lab.host(index)
             log = self.tmp / f"node-h{index}-{len(list(self.tmp.glob(f'node-h{index}-*')))}.log"
             started = time.time()
-            proc = self.lab.run(host, [sys.executable, "-m", "pmetal.actors.node",
+            proc = self.lab.run(host, [sys.executable, "-m", "pmetal.node",
                                        "--host", host.address, "--port", str(PORT),
                                        *(["--discovery", "--interfaces", host.address]
                                          if self.discovery else
@@ -122,7 +122,7 @@ class LabCluster:
                                 stdout=subprocess.PIPE, stderr=log.open("wb"),
                                 stdin=subprocess.DEVNULL, env=self._env(index, psk), cwd=ROOT)
             spawned.append((index, proc, started, log))
-        from pmetal.actors.node import read_ready_line
+        from pmetal.node.daemon import read_ready_line
         nodes = []
         for index, proc, started, log in spawned:
             _head, address, node_id = read_ready_line(proc, 30.0).split()[:3]

@@ -1,7 +1,7 @@
 """Actors placed and restarted over a :class:`~tests.cluster.simnet.SimNet`.
 
 The election is the real :class:`~pmetal.cluster.election.ElectionManager`;
-placement follows the rules of :mod:`pmetal.actors.scheduler`, step by
+placement follows the rules of :mod:`pmetal.node.scheduler`, step by
 step, with every await of the real code a message delay here:
 
 * the creator's node asks the master in its group (a hop);
@@ -18,7 +18,7 @@ step, with every await of the real code a message delay here:
   detector holds it dead;
 * a fenced node ends every copy it hosts; the restartable ones its own
   owner created are restarted in place, except those that replaced a copy
-  on a node held dead (:func:`pmetal.actors.scheduler.restarted_elsewhere`),
+  on a node held dead (:func:`pmetal.node.scheduler.restarted_elsewhere`),
   which are placed again through the master, which looks them up first.
 
 :meth:`SimActors.check` runs after every event of the network and raises

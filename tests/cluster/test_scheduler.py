@@ -23,7 +23,7 @@ import pytest
 
 import pmetal
 from pmetal.actors.client import CoreClient
-from pmetal.actors.node import read_ready_line
+from pmetal.node.daemon import read_ready_line
 from pmetal.config import load_config
 from pmetal.security import NetworkNamespace
 from pmetal.wire import CreateActor, Failure
@@ -52,7 +52,7 @@ def three(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
                        PMETAL_LOG_LEVEL="INFO")
             peers = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
             proc = subprocess.Popen(
-                [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1", "--port",
+                [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1", "--port",
                  str(port), "--peers", peers, "--num-workers", "2", "--num-task-workers", "1"],
                 stdout=subprocess.PIPE, stderr=(tmp_path / f"n{i}.log").open("wb"),
                 stdin=subprocess.DEVNULL, env=env, start_new_session=True)

@@ -45,7 +45,7 @@ def _start_node(home: Path, port: int, peer: int) -> subprocess.Popen[bytes]:
     env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(home),
                PMETAL_TRANSPORT_REQUEST_TIMEOUT="8",
                PYTHONPATH=os.pathsep.join(p for p in (tests_root, env.get("PYTHONPATH")) if p))
-    cmd = [sys.executable, "-m", "pmetal.actors.node", "--host", "127.0.0.1", "--port",
+    cmd = [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1", "--port",
            str(port), "--peers", f"127.0.0.1:{peer}", "--num-workers", "2",
            "--num-task-workers", "1"]
     with open(home / "node.log", "ab") as log:

@@ -3,7 +3,7 @@
 A creation travels three legs at most: the creator's node names the owner
 and asks the master (:meth:`Scheduler.place`); the master picks the node
 (:meth:`Scheduler.decide`: ``options.node`` if given, a node affinity, else
-by :func:`~pmetal.actors.placement.choose`: Ray's hybrid policy, or SPREAD;
+by :func:`~pmetal.node.placement.choose`: Ray's hybrid policy, or SPREAD;
 without room now anywhere, a node that could ever hold it, where the
 creation waits in that node's queue) and
 stamps the creation with its term; the chosen node constructs it
@@ -35,14 +35,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pmetal.actors.placement import NodeLoad, choose, fits, needs
+from pmetal.node.placement import NodeLoad, choose, fits, needs
 from pmetal.cluster.view import has_quorum
 from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
                          ResourcesRequest)
 
 if TYPE_CHECKING:
-    from pmetal.actors.node import NodeDaemon
-    from pmetal.actors.records import ActorRecord
+    from pmetal.node.daemon import NodeDaemon
+    from pmetal.node.records import ActorRecord
     from pmetal.cluster.election import ElectionState
 
 __all__ = ["Scheduler"]

@@ -4,7 +4,7 @@ The node starts ``num_actor`` actor workers and ``num_task`` task workers as
 soon as it serves, and keeps both counts up: taking an idle actor worker
 starts its replacement, a creation that finds no idle worker starts one of
 its own at once, and a task worker that dies is replaced. Workers are forked
-by the node's fork server (:mod:`pmetal.actors.zygote`: a few milliseconds
+by the node's fork server (:mod:`pmetal.node.zygote`: a few milliseconds
 each) or, where there is none or it died, started as interpreters
 (``python -m pmetal.actors.worker``: a few hundred). Each worker announces
 itself with ``WorkerReady``; until then it is "starting". The node's channel
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pmetal import shm
-from pmetal.actors.zygote import ForkedProcess, ForkServer, ForkServerError
+from pmetal.node.zygote import ForkedProcess, ForkServer, ForkServerError
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import PMetalError, PMetalTimeoutError

@@ -4,15 +4,15 @@ User code never runs here (it runs in workers), so the node stays responsive
 whatever actors do. The daemon is an asyncio program (uvloop when
 installed) around one :class:`~pmetal.endpoint.SecureListener`:
 
-* it pre-starts a pool of actor workers (:mod:`pmetal.actors.pool`), so
+* it pre-starts a pool of actor workers (:mod:`pmetal.node.pool`), so
   creating an actor is one message to an idle worker, and a few task workers
   for remote functions;
 * it places actors (resources, a chosen node, a name), re-runs an actor's
   constructor in a fresh worker when its process dies and restarts remain,
-  and answers where an actor lives now (:mod:`pmetal.actors.lifecycle`);
+  and answers where an actor lives now (:mod:`pmetal.node.lifecycle`);
 * it names the owner of each actor a client creates and ends the actors of
-  owners that go (:mod:`pmetal.actors.owners`);
-* it keeps the member list of the cluster (:mod:`pmetal.actors.membership`:
+  owners that go (:mod:`pmetal.node.owners`);
+* it keeps the member list of the cluster (:mod:`pmetal.node.membership`:
   static peers now; discovery and election join later through the same
   component), versioned by an epoch, and forwards placements and kills aimed
   at other nodes.
@@ -40,15 +40,15 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pmetal.actors.lifecycle import ActorLifecycle
-from pmetal.actors.membership import Membership
-from pmetal.actors.nodeproc import (READY_LINE, is_node_process, node_file, read_ready_line,
+from pmetal.node.lifecycle import ActorLifecycle
+from pmetal.node.membership import Membership
+from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
-from pmetal.actors.owners import Owners
-from pmetal.actors.placement import check_options, check_resources
-from pmetal.actors.pool import WorkerPool, WorkerProc
-from pmetal.actors.scheduler import Scheduler, restarted_elsewhere
-from pmetal.actors.zygote import ForkServer
+from pmetal.node.owners import Owners
+from pmetal.node.placement import check_options, check_resources
+from pmetal.node.pool import WorkerPool, WorkerProc
+from pmetal.node.scheduler import Scheduler, restarted_elsewhere
+from pmetal.node.zygote import ForkServer
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
 from pmetal.cluster.service import ClusterService
@@ -66,7 +66,7 @@ from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor, Det
                          Status, StatusRequest, Vote, VoteRequest, WatchCluster, WorkerReady)
 
 # READY_LINE, node_file, read_ready_line, is_node_process and routable_address
-# live in pmetal.actors.nodeproc and stay importable from here.
+# live in pmetal.node.process and stay importable from here.
 __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "main", "node_file",
            "read_ready_line", "routable_address"]
 
@@ -168,7 +168,7 @@ class NodeDaemon:
         self.owners = Owners(self.node_id, config.actors.owner_lease, self.membership,
                              self.actors.kill_owned, self._cancellable_task)
         # The cluster: heartbeats, health, election, the master's member list
-        # (pmetal.cluster.service); the master places actors (pmetal.actors.scheduler).
+        # (pmetal.cluster.service); the master places actors (pmetal.node.scheduler).
         self.discover = config.discovery.enabled if discovery is None else discovery
         self.interfaces = config.discovery.interfaces if interfaces is None else interfaces
         alone = not self.peers and not self.discover
@@ -508,7 +508,7 @@ def _watch_stdin(loop: asyncio.AbstractEventLoop, daemon: NodeDaemon) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pmetal.actors.node")
+    parser = argparse.ArgumentParser(prog="python -m pmetal.node")
     parser.add_argument("--host", default=None)
     parser.add_argument("--port", type=int, default=None)
     parser.add_argument("--num-workers", type=int, default=None)
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     # First, while this process has one thread and no ZeroMQ context, and
     # before it loads its key pair (workers run user code): the fork server
-    # that starts workers in milliseconds (pmetal.actors.zygote).
+    # that starts workers in milliseconds (pmetal.node.zygote).
     fork_server = ForkServer.fork_here()
     try:
         setup_process_logging("node")
@@ -570,10 +570,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         loop.close()
     return 0
-
-
-if __name__ == "__main__":
-    # Run main() of the imported module, not of __main__, so that module
-    # state lives in one module object.
-    from pmetal.actors import node as _node
-    sys.exit(_node.main())

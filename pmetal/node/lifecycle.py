@@ -1,13 +1,13 @@
 """The life of the actors a node hosts: placement, construction, restarts,
 lookups and kills.
 
-:class:`ActorLifecycle` owns the node's actor records (:mod:`pmetal.actors.records`),
+:class:`ActorLifecycle` owns the node's actor records (:mod:`pmetal.node.records`),
 its resources and the queue of creations waiting for them
-(:mod:`pmetal.actors.placement`). A creation is placed here if it fits
+(:mod:`pmetal.node.placement`). A creation is placed here if it fits
 (queued while it fits this node but not now), else on a member with room,
 else queued where it could ever fit; the constructor runs in an idle worker
 of the pool, and a worker's death restarts the actor it hosted while
-restarts remain. The node daemon (:mod:`pmetal.actors.node`) decides who
+restarts remain. The node daemon (:mod:`pmetal.node.daemon`) decides who
 owns a creation and hands requests here; it never touches a record itself.
 """
 
@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from pmetal.actors.membership import Member, Membership
-from pmetal.actors.placement import PlacementQueue, fits, needs, resources_text
-from pmetal.actors.pool import WorkerPool, WorkerProc
-from pmetal.actors.records import ActorRecord, ActorTable, exit_text
+from pmetal.node.membership import Member, Membership
+from pmetal.node.placement import PlacementQueue, fits, needs, resources_text
+from pmetal.node.pool import WorkerPool, WorkerProc
+from pmetal.node.records import ActorRecord, ActorTable, exit_text
 from pmetal.config import PMetalConfig
 from pmetal.errors import PMetalError, PMetalTimeoutError
 from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,

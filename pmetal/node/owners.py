@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pmetal import shm
-from pmetal.actors.membership import Member, Membership
-from pmetal.actors.records import ActorRecord
+from pmetal.node.membership import Member, Membership
+from pmetal.node.records import ActorRecord
 from pmetal.wire import Failure, OwnerDied
 
 __all__ = ["LeaseStatistics", "OwnerLeases", "OwnerWatch", "Owners", "POLL_INTERVAL"]

@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from pmetal.actors.placement import needs
-from pmetal.actors.zygote import UNKNOWN_EXIT
+from pmetal.node.placement import needs
+from pmetal.node.zygote import UNKNOWN_EXIT
 from pmetal.wire import ActorLocation, CreateActor
 
 __all__ = ["DEAD_TAIL", "ActorRecord", "ActorTable", "exit_text"]

@@ -73,7 +73,7 @@ def is_node_process(pid: Any) -> bool:
         try:
             if proc.joinpath("stat").read_text().rpartition(")")[2].split()[0] == "Z":
                 return False
-            return b"pmetal.actors.node" in proc.joinpath("cmdline").read_bytes()
+            return b"pmetal.node" in proc.joinpath("cmdline").read_bytes()
         except OSError:
             return False
     try:  # macOS and other systems without /proc
@@ -81,7 +81,7 @@ def is_node_process(pid: Any) -> bool:
                              capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return True  # cannot tell: trust the record
-    return bool(out) and not out.startswith("Z") and "pmetal.actors.node" in out
+    return bool(out) and not out.startswith("Z") and "pmetal.node" in out
 
 
 def routable_address(address: str) -> str:
