@@ -197,6 +197,10 @@ class Worker:
         return Failure("actor_died", "ActorDiedError",
                        "this copy's node was fenced after a pause (it was declared dead); the "
                        "call did not run here" if reason == "fenced" else
+                       f"this actor's node lost touch with a quorum of the cluster (cut off "
+                       f"from the others?) and was not confirmed a member within {_HOLD:g} s; "
+                       f"the actor may restart on their side, so the call did not run here"
+                       if reason == "lapsed" else
                        f"this actor's node has not confirmed its membership within {_HOLD:g} s "
                        f"after a pause; the call did not run")
 
@@ -212,6 +216,12 @@ class Worker:
                            "this copy's node was fenced after a pause (it was declared dead, "
                            "the actor restarted elsewhere); the result of this copy is not "
                            "delivered")
+        if reason == "lapsed":
+            return Failure("timeout", "PMetalTimeoutError",
+                           f"the call ran, but its node then lost touch with a quorum of the "
+                           f"cluster and was not confirmed a member within {_HOLD:g} s, so the "
+                           f"result is withheld (the actor may have restarted on the others' "
+                           f"side)")
         return Failure("timeout", "PMetalTimeoutError",
                        f"the call ran, but its node did not confirm its membership within "
                        f"{_HOLD:g} s after a pause, so the result is withheld (the actor may "
@@ -285,6 +295,11 @@ class Worker:
             if self.gate is not None:
                 self.gate.adopt()
                 self._generation = self.gate.generation
+                # A copy that may restart elsewhere obeys the node's lease
+                # (pmetal.cluster.clock): it must not run on beside its successor.
+                options = body.options
+                self.gate.leased = int(options.get("restarts_left",
+                                                   options.get("max_restarts") or 0)) != 0
             self.max_concurrency = int(body.options.get("max_concurrency") or 1)
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})

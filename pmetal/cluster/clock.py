@@ -26,12 +26,22 @@ Two questions after a gap between a node's ticks (pmetal.cluster.service):
   8      u64    generation: grows at every fence (a worker whose actor
                 was built in an older generation never answers again)
   16     f64    the node's last tick, on :func:`cluster_clock`
+  24     f64    the lease: until when the node's restartable actors may
+                run, on :func:`cluster_clock` (``inf``: no limit)
   ====== ====== ==========================================================
 
   A worker also holds while the node's last tick is older than
   ``stale`` seconds: when a whole machine is stopped and continued, every
   process resumes at once, and a worker must not reply before its node has
   ticked, seen the gap and closed the gate.
+
+  The lease is for an actor that can restart elsewhere: cut off from a
+  quorum (a partition, a dropped Wi-Fi link), its node stops renewing it,
+  and its copy starts nothing and delivers nothing past that time, before a
+  master can have held the node dead and restarted the actor on another
+  (pmetal.cluster.view, ``LEASE_SHARE``). The lease is written by the node
+  but expires by itself: a starved or stopped node cannot keep it alive.
+  Actors that never restart, and tasks, run on: no second copy can exist.
 """
 
 from __future__ import annotations
@@ -76,7 +86,7 @@ def slept() -> float | None:
     return time.clock_gettime(counting) - time.clock_gettime(not_counting)
 
 
-_LAYOUT = struct.Struct("<B7xQd")
+_LAYOUT = struct.Struct("<B7xQdd")
 OPEN, HELD = 0, 1
 
 
@@ -130,13 +140,17 @@ class Gate:
             os.close(fd)
         self.state = OPEN
         self.generation = 1
+        self.lease = float("inf")
         self._write(cluster_clock())
 
     def _write(self, tick: float) -> None:
-        _LAYOUT.pack_into(self._map, 0, self.state, self.generation, tick)
+        _LAYOUT.pack_into(self._map, 0, self.state, self.generation, tick, self.lease)
 
-    def tick(self, now: float) -> None:
-        _LAYOUT.pack_into(self._map, 0, self.state, self.generation, now)
+    def tick(self, now: float, lease: float | None = None) -> None:
+        """The node ran at ``now``; ``lease``, if given, replaces the lease."""
+        if lease is not None:
+            self.lease = lease
+        self._write(now)
 
     def hold(self) -> None:
         """Workers start nothing and deliver nothing until :meth:`open`."""
@@ -179,8 +193,9 @@ class GateView:
             os.close(fd)
         self.stale = stale
         self.generation = self.read()[1]
+        self.leased = False   # True for an actor that may restart elsewhere: it obeys the lease
 
-    def read(self) -> tuple[int, int, float]:
+    def read(self) -> tuple[int, int, float, float]:
         return _LAYOUT.unpack_from(self._map, 0)  # type: ignore[return-value]
 
     def adopt(self) -> None:
@@ -190,12 +205,16 @@ class GateView:
     def check(self, generation: int | None) -> str:
         """"" when open; else why not: "fenced" (``generation`` is past:
         never again), "held" (unconfirmed, or the node has not ticked for
-        ``stale`` s)."""
-        state, current, tick = _LAYOUT.unpack_from(self._map, 0)
+        ``stale`` s), "lapsed" (:attr:`leased` and past the lease: the node
+        has not heard from a quorum)."""
+        state, current, tick, lease = _LAYOUT.unpack_from(self._map, 0)
         if generation is not None and current != generation:
             return "fenced"
-        if state != OPEN or cluster_clock() - tick > self.stale:
+        now = cluster_clock()
+        if state != OPEN or now - tick > self.stale:
             return "held"
+        if self.leased and now > lease:
+            return "lapsed"
         return ""
 
     def wait(self, generation: int | None, timeout: float) -> str:

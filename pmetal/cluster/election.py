@@ -107,7 +107,8 @@ from pmetal.cluster.events import (
     Role,
 )
 from pmetal.cluster.roster import TERM_JUMP, Roster
-from pmetal.cluster.view import ALIVE, DEAD, MemberList, entry, has_quorum, valid
+from pmetal.cluster.view import (ALIVE, DEAD, MemberList, entry, has_quorum, valid,
+                                 vouched_since)
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, ClusterView, JoinCluster, Message, Vote, VoteRequest
 
@@ -186,6 +187,12 @@ class ElectionManager(Roster):
         """The events since the last call (drains them)."""
         events, self._events = self._events, []
         return events
+
+    def vouched(self, echoes: Mapping[str, float]) -> float:
+        """Since when a quorum of this node's member list has certainly heard
+        it, from the send times of its Beats that each member echoed
+        (:func:`pmetal.cluster.view.vouched_since`)."""
+        return vouched_since(self.node_id, self._members.ids(), echoes)
 
     def statistics(self) -> ElectionStatistics:
         c = self._counts

@@ -58,9 +58,10 @@ from pmetal.cluster.clock import Gate, cluster_clock, slept
 from pmetal.cluster.hints import Hints, tcp as _tcp
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
 from pmetal.cluster.health import HealthMonitor, HealthStatus
+from pmetal.cluster.lease import Lease
 from pmetal.cluster.probe import follow_members, probe_bandwidth
 from pmetal.cluster.topology import ClusterTopology, NodeProfile
-from pmetal.cluster.view import has_quorum
+from pmetal.cluster.view import LEASE_SHARE, has_quorum
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -107,6 +108,7 @@ class ClusterStatistics:
     hints_left_out: int = 0
     pauses: int = 0            # tick gaps over dead_after / 2 (slept, starved, stopped)
     confirmed: int = 0         # pauses after which the cluster confirmed this node
+    lapses: int = 0            # leases that expired (no quorum answered in time)
 
 
 class ClusterService(Hints):
@@ -155,10 +157,14 @@ class ClusterService(Hints):
         self._slept = slept()
         self.gate = gate
         self._unconfirmed: float | None = None   # when a pause was found, until confirmed
+        # The lease of the restartable actors (pmetal.cluster.lease), from
+        # the send time of the last Beat each member echoed.
+        self.lease = Lease(config.health.dead_after * LEASE_SHARE)
+        self._echoes: dict[str, float] = {}
         self._group: asyncio.TaskGroup | None = None
         self._counts = {"beats_sent": 0, "beats_failed": 0, "beats_received": 0,
                         "messages_sent": 0, "sends_failed": 0, "fenced": 0,
-                        "clones_refused": 0, "pauses": 0, "confirmed": 0}
+                        "clones_refused": 0, "pauses": 0, "confirmed": 0, "lapses": 0}
         self.discovery: Any = None
         self.first_seen: dict[str, float] = {}   # node id -> when we first heard of it
         self.elected_at: float | None = None
@@ -323,8 +329,7 @@ class ClusterService(Hints):
             now = cluster_clock()
             self._paused(now - self._last_tick)
             self._last_tick = now
-            if self.gate is not None:
-                self.gate.tick(now)
+            self._renew_lease(now)
             self._handle_health(self.health.tick(now), now)
             self._send_all(self.election.tick(now))
             self._events(now)
@@ -372,6 +377,36 @@ class ClusterService(Hints):
             if self.gate is not None:
                 self.gate.hold()
             self._spawn(self._confirm())
+
+    def _renew_lease(self, now: float) -> None:
+        """Renew the lease of the restartable actors (pmetal.cluster.lease)
+        and tick the gate; a lease that lapsed waits for the cluster's word."""
+        if self.gate is None:
+            return
+        if not self.lease.renew(now, self.election.vouched(self._echoes)):
+            self._counts["lapses"] += 1
+            log.info("no quorum of the cluster has answered this node's Beats for %.2f s; its "
+                     "restartable actors start nothing until the cluster confirms it is "
+                     "still a member", now - self.lease.until + self.lease.length)
+            self._spawn(self._reconfirm())
+        self.gate.tick(now, self.lease.until)
+
+    async def _reconfirm(self) -> None:
+        """After a lapse: as :meth:`_confirm`, for the lease alone."""
+        interval = self.config.health.interval
+        while self.lease.lapsed:
+            asked = cluster_clock()
+            verdict = await self._membership()
+            if not self.lease.lapsed:    # fenced meanwhile
+                return
+            if verdict == "member":
+                self.lease.confirmed(asked)
+                log.info("membership confirmed; the lease of this node's actors runs again")
+                return
+            if verdict:
+                self.fence(verdict)
+                return
+            await asyncio.sleep(interval)
 
     @property
     def confirmed(self) -> bool:
@@ -525,6 +560,8 @@ class ClusterService(Hints):
             if isinstance(reply, BeatEcho):
                 now = cluster_clock()
                 rtt = now - reply.sent
+                if reply.sent > self._echoes.get(reply.node_id, float("-inf")):
+                    self._echoes[reply.node_id] = reply.sent
                 self._heard(reply.node_id, now, rtt=rtt)
                 recent = self._rtts.setdefault(reply.node_id, collections.deque(maxlen=20))
                 recent.append(rtt)
@@ -699,6 +736,7 @@ class ClusterService(Hints):
         node's ``on_fenced``) and it continues as a new incarnation."""
         self._counts["fenced"] += 1
         self._unconfirmed = None
+        self.lease.fenced()
         if self.gate is not None:
             self.gate.fence()
         log.warning("fencing this node: %s; its actors are stopped and it rejoins as a new "

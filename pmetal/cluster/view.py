@@ -17,6 +17,12 @@ detector holds the other dead. Either machine of a two-machine cluster
 survives the other's loss; the price (two masters, in different terms,
 while the two are merely cut off from each other) and how a healed split
 resolves are in :mod:`pmetal.cluster.election`.
+
+The lease: :func:`vouched_since` tells a node since when a quorum has
+certainly heard it (its Beats that they echoed). Its restartable actors
+run only within ``health.dead_after`` times :data:`LEASE_SHARE` of that
+time, so a node cut off from the quorum stops them before any master can
+have held it dead and restarted them elsewhere (pmetal.cluster.service).
 """
 
 from __future__ import annotations
@@ -24,10 +30,16 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
-__all__ = ["ALIVE", "DEAD", "MemberList", "entry", "has_quorum"]
+__all__ = ["ALIVE", "DEAD", "MemberList", "entry", "has_quorum", "vouched_since"]
 
 ALIVE = "alive"
 DEAD = "dead"
+
+LEASE_SHARE = 0.6
+"""A node's lease lasts this share of ``health.dead_after`` past the send
+time of the Beat a quorum echoed last. A master declares a silent node dead
+``dead_after`` after it last heard it, which is no earlier than that send
+time; the rest of ``dead_after`` is the margin (a Beat's way, a tick)."""
 
 
 def has_quorum(granted: Collection[str], voters: Collection[str],
@@ -43,6 +55,23 @@ def has_quorum(granted: Collection[str], voters: Collection[str],
     count = sum(1 for v in voters if v in granted)
     twice = 2 * count
     return twice > len(voters) or (twice == len(voters) and min(voters) in granted)
+
+
+def vouched_since(me: str, voters: Collection[str], echoes: Mapping[str, float]) -> float:
+    """The latest send time ``t`` such that this node (``me``) and the
+    voters that echoed a Beat of ours sent at ``t`` or later make a quorum
+    of ``voters``: since then, no quorum can have taken this node for dead.
+    ``-inf`` when no such time exists, ``inf`` when there is nothing to
+    vouch for (this node alone, or a list of two: either machine of a pair
+    may carry on alone, see the module docstring)."""
+    others = [v for v in voters if v != me]
+    if len(voters) <= 2 or me not in voters:
+        return float("inf")
+    for t in sorted({echoes[v] for v in others if v in echoes}, reverse=True):
+        if has_quorum({me, *(v for v in others if echoes.get(v, float("-inf")) >= t)},
+                      voters):
+            return t
+    return float("-inf")
 
 
 def entry(member: Mapping[str, Any], state: str = ALIVE) -> dict[str, Any]:
