@@ -95,7 +95,7 @@ def report(world: int, results: dict[str, dict[str, object]]) -> str:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])   # two, and more than two (all-gathered TopK)
 def test_compressed_training_matches_uncompressed_with_30x_fewer_bytes(
         world: int, tmp_path: Path) -> None:
     results = {label: train(world, c, tmp_path) for label, c in RUNS.items()}
