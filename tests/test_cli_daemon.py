@@ -198,10 +198,16 @@ def test_namespace_and_psk_file_reach_the_node_and_auto_init(home: Path,
     assert _wait_gone(record["pid"])
 
 
+def _ignoring_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def test_block_stays_in_the_foreground_until_stopped(home: Path) -> None:
+    # Started as a shell starts a command with '&' in a script: SIGINT
+    # ignored. The promised Ctrl-C must stop it all the same.
     proc = subprocess.Popen([sys.executable, "-m", "pmetal", "start", "--port", "0", "--block"],
                             env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_ignoring_sigint)
     try:
         assert proc.stdout is not None
         lines = []

@@ -232,6 +232,9 @@ def _start_foreground(cmd: list[str], env: dict[str, str], home: Path,
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env)
     assert proc.stdout is not None
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.terminate())
+    # "Ctrl-C stops it", even when started from a script or with '&', where
+    # the shell hands this process SIGINT ignored (and Python keeps it so).
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     path = node_file(home)
     try:
         line = _read_ready_line(proc)
@@ -254,6 +257,7 @@ def _start_foreground(cmd: list[str], env: dict[str, str], home: Path,
         return 0 if _wait_exit(proc.pid, _STOP_TIMEOUT, proc) else _kill_hard(proc.pid, proc)
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
