@@ -332,7 +332,9 @@ class CreateActor(Message):
 
 @_message(Kind.ACTOR_LOCATION)
 class ActorLocation(Message):
-    """Where an actor lives now. ``state`` is "alive", "restarting" or "dead";
+    """Where an actor lives now. ``state`` is "alive", "restarting", "dead" or
+    "moved" (its copy on that node ended when the node was fenced; its owner's
+    node restarts it elsewhere, so a caller waits for the next incarnation);
     ``incarnation`` counts restarts (0 for the first constructor run).
     ``max_task_retries`` is the actor's own option, so that a handle found by
     name retries calls as the creator's handle does. ``owner_lease``: see below."""
@@ -352,6 +354,11 @@ class ActorLocation(Message):
     """In the answer to a CreateActor from a client whose process its node
     cannot watch (another machine): s within which the client must send its
     node a message, and keep doing so, or its actors die (0: no lease)."""
+    node_incarnation: int = 0
+    """The incarnation of the node it lives on (0: not known): a fence gives
+    the node a new one and ends its actors, so the creator's node, which
+    restarts the actors it placed, knows a copy is gone when the master's
+    list shows a newer incarnation of that node."""
 
 
 @_message(Kind.LOOKUP_ACTOR)

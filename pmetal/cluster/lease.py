@@ -52,13 +52,16 @@ class Lease:
             self.held = True
         return True
 
-    def confirmed(self, asked: float) -> None:
+    def confirmed(self, asked: float, vouched: float = -_INF) -> None:
         """The cluster holds this node a live member, in answer to a
         question sent at ``asked``: whoever answered had not held it dead
-        then, so the lease runs from there."""
+        then, so the lease runs from there, or from ``vouched`` (as in
+        :meth:`renew`) when a quorum has heard a later Beat. (From ``asked``
+        alone, an answer slower than the lease would leave it expired at
+        the next tick: it lapsed again at once, round after round.)"""
         self.lapsed = False
         self.held = True
-        self.until = max(self.until, asked + self.length)
+        self.until = max(self.until, max(asked, vouched) + self.length)
 
     def fenced(self) -> None:
         """The node fenced itself: the actors that obeyed the lease are gone."""

@@ -400,7 +400,7 @@ class ClusterService(Hints):
             if not self.lease.lapsed:    # fenced meanwhile
                 return
             if verdict == "member":
-                self.lease.confirmed(asked)
+                self.lease.confirmed(asked, self.election.vouched(self._echoes))
                 log.info("membership confirmed; the lease of this node's actors runs again")
                 return
             if verdict:
@@ -439,7 +439,13 @@ class ClusterService(Hints):
             await asyncio.sleep(interval)
 
     async def _membership(self) -> str:
-        """"member", "" (not settled yet) or why this node must fence."""
+        """"member", "" (not settled yet) or why this node must fence. The
+        live members are asked at once and their answers taken as they
+        come: the first that settle it end the wait, so a member that died
+        (still listed until the master drops it) holds up nothing. Before,
+        every answer was awaited: after a master's death each confirmation
+        took the dead one's timeout, longer than the lease it renewed, and
+        the lease lapsed again at once (seen beside two CPU hogs)."""
         me, state = self.node_id, self.election.state
         others = [m for m in state.members if m.get("node_id") and m["node_id"] != me]
         if not others:
@@ -447,11 +453,29 @@ class ClusterService(Hints):
         asks = []
         for m in others:
             address = self._by_id.get(m["node_id"]) or m.get("address", "")
-            if address:
-                asks.append(self._ask_state(self._peer(address, m["node_id"])))
-        answers = [a for a in await asyncio.gather(*asks) if a is not None]
-        term = state.term
-        masters = [(n, a) for n, a in answers if a.master == n]
+            if address and m.get("state") != "dead":
+                asks.append(asyncio.ensure_future(
+                    self._ask_state(self._peer(address, m["node_id"]))))
+        answers: list[tuple[str, ClusterState]] = []
+        try:
+            for asked in asyncio.as_completed(asks):
+                answer = await asked
+                if answer is not None:
+                    answers.append(answer)
+                verdict = self._verdict(state, answers, complete=len(answers) == len(asks))
+                if verdict is not None:
+                    return verdict
+            return self._verdict(state, answers, complete=True) or ""
+        finally:
+            pending = [a for a in asks if not a.done()]
+            if pending:   # each bounded by its timeout; reaped, not cancelled mid-request
+                self._spawn(asyncio.wait(pending))
+
+    def _verdict(self, state: ElectionState, answers: list[tuple[str, ClusterState]],
+                 complete: bool) -> str | None:
+        """What the answers so far settle (see :meth:`_membership`); None
+        while more answers could change it."""
+        me, term = self.node_id, state.term
         if state.role is Role.MASTER:
             if any(a.term > term or (a.term == term and a.master not in ("", me))
                    for _, a in answers):
@@ -461,10 +485,13 @@ class ClusterService(Hints):
                        me in a.members}
             if has_quorum(backing | {me}, [m["node_id"] for m in state.members], {}):
                 return "member"
-            return ""
+            return "" if complete else None
+        masters = [(n, a) for n, a in answers if a.master == n]
         if not masters:
-            return ""
+            return "" if complete else None
         master, answer = max(masters, key=lambda na: na[1].term)
+        if not complete and answer.term < term:
+            return None   # a deposed master's word; the current one may yet answer
         if me in answer.members and me not in answer.dead:
             return "member"
         return (f"the master {master[:8]} (term {answer.term}) no longer holds this node a "
@@ -681,6 +708,11 @@ class ClusterService(Hints):
             elif ev.previous is HealthStatus.DEAD:
                 log.info("node %s answers again", ev.node_id[:8])
                 self._send_all(self.election.peer_dead(ev.node_id, False, now))
+                # The node forgot it when it was held dead; if the master's
+                # list still holds it a member, it is one again now, not at
+                # the list's next change (7.5 s later in one run, while a
+                # driver's lookups of the actor it hosted said "no actor").
+                self._on_view(self.election.state)
                 self._bump()
         if events:
             self._events(now)

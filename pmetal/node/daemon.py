@@ -165,6 +165,7 @@ class NodeDaemon:
                                      on_forwarded=lambda options, member:
                                          self.owners.forwarded(options, member))
         self.actors.current_term = lambda: self.cluster.term
+        self.actors.node_incarnation = lambda: self.cluster.incarnation
         self.owners = Owners(self.node_id, config.actors.owner_lease, self.membership,
                              self.actors.kill_owned, self._cancellable_task)
         # The cluster: heartbeats, health, election, the master's member list
@@ -441,6 +442,11 @@ class NodeDaemon:
                 self.actors.kill_record(record, False, f"fenced: {why}")
                 restarted += 1
             else:
+                # One owned elsewhere that may restart: its owner's node
+                # restarts it once the master's list shows this node fenced
+                # (a new incarnation of it, or dead); until then a lookup
+                # here says "moved", not "dead".
+                record.moved = not local_owner and record.restarts_left != 0
                 self.actors.kill_record(record, True, f"node {self.node_id[:8]} was fenced: "
                                                       f"{why}")
                 ended += 1

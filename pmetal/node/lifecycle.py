@@ -14,6 +14,7 @@ owns a creation and hands requests here; it never touches a record itself.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -68,6 +69,8 @@ class ActorLifecycle:
         # The newest election term this node knows (the node sets it): a
         # creation a master stamped with an older term is refused.
         self.current_term: Callable[[], int] = lambda: 0
+        # This node's incarnation (the node sets it; a fence renews it).
+        self.node_incarnation: Callable[[], int] = lambda: 0
 
     @property
     def created(self) -> int:
@@ -287,20 +290,24 @@ class ActorLifecycle:
 
     def locate(self, record: ActorRecord) -> ActorLocation:
         worker = self.pool.workers.get(record.worker_id)
-        return record.location(self.node_id, worker.address if worker else "")
+        return dataclasses.replace(record.location(self.node_id, worker.address if worker else ""),
+                                   node_incarnation=self.node_incarnation())
 
     async def lookup(self, body: LookupActor) -> Message:
         actor_id = body.actor_id or self.names.get(body.name, "")
         record = self.actors.get(actor_id)
-        if record is None:
+        if record is None or (record.moved and not body.local):
+            # (A copy here that a fence ended: its restart is elsewhere.)
             if not body.local:
                 found = await self.membership.find_actor(body)
-                if found is not None:
+                if found is not None and (record is None or found.state not in ("dead", "moved")):
                     return found
+            if record is not None:
+                return self.locate(record)
             what = f"named {body.name!r}" if body.name else actor_id
             return Failure("not_found", "ValueError", f"no actor {what} in this cluster")
         deadline = time.monotonic() + body.wait
-        while not (record.state == "dead" or (record.state == "alive"
+        while not (record.state == "dead" or record.moved or (record.state == "alive"
                                               and record.incarnation >= body.min_incarnation)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:

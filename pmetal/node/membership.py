@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pmetal.config import PMetalConfig
@@ -41,6 +41,7 @@ class Member:
     address: str
     resources: dict[str, float]
     channel: Channel | None = None
+    gone: asyncio.Event = field(default_factory=asyncio.Event)   # set when dropped
 
 
 # Addresses listed as having refused us: bounded, whoever the addresses are.
@@ -123,6 +124,7 @@ class Membership:
         waits on it any more."""
         member = self.members.pop(node_id, None)
         if member is not None:
+            member.gone.set()   # its requests in flight fail now (see ask)
             if member.channel is not None:
                 member.channel.close()
             log.info("member %s at %s left", node_id[:8], member.address)
@@ -151,8 +153,25 @@ class Membership:
         if channel is None:
             channel = member.channel = Channel(self._transport.dial(member.address),
                                                self._identity, self._namespace, self._config)
+        if member.gone.is_set():
+            return self._gone(member)
+        # A member held dead (or dropped from the list) meanwhile answers
+        # nothing any more: its requests end then with a PeerError. (Before,
+        # closing its channel cancelled the read under the request, and the
+        # CancelledError silently ended the asker: a restart placed on a
+        # node fenced mid-construction was never tried again.)
+        request = asyncio.ensure_future(channel.arequest(body))
+        gone = asyncio.ensure_future(member.gone.wait())
         try:
-            return (await channel.arequest(body)).body
+            await asyncio.wait((request, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not request.done():
+                request.cancel()
+        if request.cancelled():
+            return self._gone(member)
+        try:
+            return request.result().body
         except PMetalError as exc:
             if member.channel is channel:
                 channel.close()
@@ -161,6 +180,12 @@ class Membership:
             return Failure("placement", "PeerError",
                            f"node {member.node_id[:8]} at {member.address} did not answer: "
                            f"{exc}")
+
+    def _gone(self, member: Member) -> Failure:
+        self._counts["failed"] += 1
+        return Failure("placement", "PeerError",
+                       f"node {member.node_id[:8]} at {member.address} was held dead or left "
+                       f"the member list before it answered")
 
     async def find_actor(self, body: LookupActor) -> ActorLocation | None:
         """Ask every member for an actor (their own actors only: no loops), all
@@ -174,8 +199,9 @@ class Membership:
             asyncio.wait_for(self.ask(m, query), body.wait + _LOOKUP_TIMEOUT)
             for m in members), return_exceptions=True)
         found = [a for a in answers if isinstance(a, ActorLocation)]
-        alive = [a for a in found if a.state != "dead"]
-        return max(alive or found, key=lambda a: a.incarnation, default=None)
+        live = [a for a in found if a.state not in ("dead", "moved")]
+        moved = [a for a in found if a.state == "moved"]
+        return max(live or moved or found, key=lambda a: a.incarnation, default=None)
 
     def close(self) -> None:
         for m in self.members.values():

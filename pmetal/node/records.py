@@ -41,6 +41,7 @@ class ActorRecord:
     owner_client: str = ""         # the creator's client session (pid 0: it holds a lease)
     held: dict[str, float] = field(default_factory=dict)   # resources reserved for it
     constructing: bool = False     # its constructor runs: _construct owns a worker exit
+    moved: bool = False            # ended by a fence; its owner's node restarts it elsewhere
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)   # killed while queued
     changed: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -50,7 +51,11 @@ class ActorRecord:
 
     def location(self, node_id: str, address: str) -> ActorLocation:
         o = self.spec.options
-        return ActorLocation(self.spec.actor_id, self.state, address, node_id, self.incarnation,
+        # A copy a fence ended is "moved" to those who look it up: the actor
+        # lives on where its owner's node restarts it (a caller waits for
+        # that, up to actors.restart_wait); it did not die.
+        state = "moved" if self.moved and self.state == "dead" else self.state
+        return ActorLocation(self.spec.actor_id, state, address, node_id, self.incarnation,
                              o.get("name") or "", self.reason, o.get("class_name") or "",
                              tuple(o.get("methods") or ()), bool(o.get("is_async")),
                              int(o.get("max_task_retries") or 0))

@@ -65,6 +65,7 @@ class _Placed:
     node_id: str
     incarnation: int
     restarts_left: int     # -1: without limit
+    node_incarnation: int = -1   # of its node when placed (-1: not known)
 
 
 def restarted_elsewhere(spec: CreateActor) -> bool:
@@ -182,7 +183,9 @@ class Scheduler:
         node.owners.forwarded(spec.options, loc.node_id)
         restarts = int(spec.options.get("restarts_left", spec.options.get("max_restarts") or 0))
         if restarts != 0:
-            self.elsewhere[spec.actor_id] = _Placed(spec, loc.node_id, loc.incarnation, restarts)
+            self.elsewhere[spec.actor_id] = _Placed(
+                spec, loc.node_id, loc.incarnation, restarts,
+                loc.node_incarnation or self._node_incarnations().get(loc.node_id, -1))
 
     # ------------------------------------------------------------- master
 
@@ -314,7 +317,7 @@ class Scheduler:
         if record is not None and record.state != "dead":
             return await node.actors.lookup(LookupActor(actor_id=actor_id, wait=wait))
         found = await node.membership.find_actor(LookupActor(actor_id=actor_id, wait=wait))
-        if found is not None and found.state != "dead":
+        if found is not None and found.state not in ("dead", "moved"):
             return found
         return None
 
@@ -368,12 +371,22 @@ class Scheduler:
         the master marks it dead and view_changed restarts)."""
         self._restart_lost(self.node.cluster.state)
 
+    def _node_incarnations(self, state: ElectionState | None = None) -> dict[str, int]:
+        state = state or self.node.cluster.state
+        return {m["node_id"]: int(m.get("incarnation", 0)) for m in state.members}
+
     def _restart_lost(self, state: ElectionState) -> None:
         listed = {m["node_id"]: m.get("state") for m in state.members}
+        incarnations = self._node_incarnations(state)
         dead = self.node.cluster.dead()
+        # Gone: its node is held dead, or no longer listed and dead to our
+        # detector, or listed as a newer incarnation of itself (it was
+        # fenced and rejoined: the fence ended its actors, whether or not
+        # this node saw the list that held it dead).
         gone = [p for p in self.elsewhere.values()
                 if listed.get(p.node_id) == "dead"
-                or (p.node_id not in listed and p.node_id in dead)]
+                or (p.node_id not in listed and p.node_id in dead)
+                or 0 <= p.node_incarnation < incarnations.get(p.node_id, -1)]
         for p in gone:
             del self.elsewhere[p.spec.actor_id]
             if not self._owner_alive(p.spec):
@@ -414,6 +427,16 @@ class Scheduler:
                     except asyncio.TimeoutError:
                         break
             reply = await self.place(spec)
+            deadline = time.monotonic() + self.node.config.transport.request_timeout
+            while (isinstance(reply, Failure) and reply.error_type == "PeerError"
+                   and time.monotonic() < deadline):
+                # The node it was placed on died (or was fenced) before it
+                # answered: place it again, without waiting for the list's
+                # next change, which may not come.
+                log.info("restart of actor %s: %s; placing it again", spec.actor_id,
+                         reply.message)
+                await asyncio.sleep(self.node.config.health.interval)
+                reply = await self.place(spec)
         finally:
             done = self._restarting.pop(spec.actor_id, None)
             if done is not None:

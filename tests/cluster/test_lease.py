@@ -51,6 +51,24 @@ def test_a_lease_runs_from_the_vouched_time_and_lapses_once() -> None:
     assert lease.renew(1.7, 1.65) and lease.until == pytest.approx(2.15)
 
 
+def test_a_confirmation_slower_than_the_lease_runs_from_the_latest_echo() -> None:
+    """Asked at 1.0, answered at 1.8 (longer than the 0.5 lease): with
+    fresh echoes (a Beat sent at 1.75 that a quorum answered) the lease
+    runs from those; it does not lapse again at the next tick. Before, it
+    ran from the question alone and lapsed again at once, round after
+    round, and a restart on the node never got to run its constructor."""
+    lease = Lease(0.5)
+    lease.renew(0.0, 0.0)
+    assert not lease.renew(0.6, 0.0) and lease.lapsed
+    lease.confirmed(1.0, vouched=1.75)
+    assert not lease.lapsed and lease.until == pytest.approx(2.25)
+    assert lease.renew(1.85, 1.8) and not lease.lapsed
+    # Echoes older than the question count for nothing more than it.
+    assert not lease.renew(3.0, 1.8) and lease.lapsed
+    lease.confirmed(3.2, vouched=1.8)
+    assert lease.until == pytest.approx(3.7)
+
+
 def test_a_lease_with_no_quorum_after_a_granted_one_lapses() -> None:
     """A list that grows past the echoes (new members) leaves no quorum:
     the lease that was granted still lapses at its time, and waits."""
