@@ -264,18 +264,20 @@ class LabCluster:
         for :func:`read_line`, stderr to ``tmp/<name>.log``; killed if still
         running at the end, and the log's tail printed."""
         path = self.tmp / f"{name}.log"
-        with path.open("wb") as log:
-            proc = self.lab.run(self.lab.host(index), [sys.executable, "-c", script, *args],
-                                stdin=subprocess.PIPE if stdin else None,
-                                stdout=subprocess.PIPE, stderr=log,
-                                env=self._env(index, self.psk), cwd=ROOT)
-            try:
-                yield proc
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(timeout=10.0)
-        print(path.read_text(errors="replace")[-3000:])
+        try:
+            with path.open("wb") as log:
+                proc = self.lab.run(self.lab.host(index), [sys.executable, "-c", script, *args],
+                                    stdin=subprocess.PIPE if stdin else None,
+                                    stdout=subprocess.PIPE, stderr=log,
+                                    env=self._env(index, self.psk), cwd=ROOT)
+                try:
+                    yield proc
+                finally:
+                    if proc.poll() is None:
+                        proc.kill()
+                        proc.wait(timeout=10.0)
+        finally:   # also when the test failed: the driver's traceback says why
+            print(path.read_text(errors="replace")[-3000:])
 
 
 @contextlib.contextmanager

@@ -67,7 +67,7 @@ def outcome(ref):
 
 pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace=sys.argv[3],
             config=load_config(transport={"request_timeout": 20.0, "connect_timeout": 10.0}))
-r = Recorder.options(node=sys.argv[4], name="recorder").remote()
+r = Recorder.options(node=sys.argv[4], name=sys.argv[6]).remote()
 pid0 = pmetal.get(r.pid.remote(), timeout=20)
 a = r.work.remote("a", 1.5)          # in flight when the host stops
 assert started("a", time.monotonic() + 20), "call a never started"
@@ -127,7 +127,10 @@ def test_a_stopped_host_woken_runs_no_call_and_delivers_no_result(
     marks = tmp_path / "marks"
     node = cluster.nodes[host]
     with cluster.driver(at, DRIVER, [cluster.nodes[at].address, cluster.psk.hex(),
-                                     cluster.namespace, node.node_id, str(marks)],
+                                     cluster.namespace, node.node_id, str(marks),
+                                     # Its own name: the other run's actor may still be
+                                     # ending (its owner's exit is told to the nodes).
+                                     f"recorder-{victim}"],
                         f"suspension-driver-{victim}", stdin=True) as driver:
         assert driver.stdin is not None
         pid0 = read_line(driver, STEP, "started")["pid"]
