@@ -159,7 +159,9 @@ class ActorLifecycle:
                 found = await self.membership.find_actor(LookupActor(name=name))
             finally:
                 self._claiming.discard(name)
-            taken = found is not None and found.state != "dead"
+            # (A copy a fence ended, "moved", holds no name: its restart is
+            # this very creation, perhaps.)
+            taken = found is not None and found.state not in ("dead", "moved")
             if not taken:
                 taken = name in self.names and self.actors[self.names[name]].state != "dead"
         if taken:

@@ -189,3 +189,18 @@ def test_two_decisions_for_one_actor_place_it_once() -> None:
     assert all(isinstance(r, ActorLocation) for r in replies), replies
     assert len(node.membership.created) == 1
     assert replies[0].node_id == replies[1].node_id   # type: ignore[union-attr]
+
+
+def test_a_copy_that_a_fence_ended_is_placed_again() -> None:
+    """A member answers the master's lookup with the copy a fence ended
+    there ("moved"): that is no copy to keep, the actor is placed anew
+    (the restart of an actor lost to a fence)."""
+    async def run() -> tuple[Message, _Node]:
+        node = _Node({OTHER, THIRD})
+        node.membership.hosted["act-1"] = ActorLocation("act-1", "moved", "", THIRD)
+        node.membership.release.set()
+        scheduler = Scheduler(node)   # type: ignore[arg-type]
+        return await asyncio.wait_for(scheduler.decide(_spec(), origin=OTHER), 10.0), node
+    reply, node = asyncio.run(run())
+    assert isinstance(reply, ActorLocation) and reply.state == "alive", reply
+    assert len(node.membership.created) == 1
