@@ -360,6 +360,12 @@ class ActorLocation(Message):
     restarts the actors it placed, knows a copy is gone when the master's
     list shows a newer incarnation of that node."""
 
+    @property
+    def live(self) -> bool:
+        """A copy that is (or is about to be) running: neither dead nor
+        "moved" (ended by a fence; its restart lives elsewhere)."""
+        return self.state not in ("dead", "moved")
+
 
 @_message(Kind.LOOKUP_ACTOR)
 class LookupActor(Message):

@@ -161,7 +161,7 @@ class ActorLifecycle:
                 self._claiming.discard(name)
             # (A copy a fence ended, "moved", holds no name: its restart is
             # this very creation, perhaps.)
-            taken = found is not None and found.state not in ("dead", "moved")
+            taken = found is not None and found.live
             if not taken:
                 taken = name in self.names and self.actors[self.names[name]].state != "dead"
         if taken:
@@ -302,7 +302,7 @@ class ActorLifecycle:
             # (A copy here that a fence ended: its restart is elsewhere.)
             if not body.local:
                 found = await self.membership.find_actor(body)
-                if found is not None and (record is None or found.state not in ("dead", "moved")):
+                if found is not None and (record is None or found.live):
                     return found
             if record is not None:
                 return self.locate(record)

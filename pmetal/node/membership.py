@@ -149,12 +149,12 @@ class Membership:
         a time and files every reply): serialising them would deadlock a
         placement whose construction asks the placing master back (a name
         lookup) while the placement's own request is in flight."""
+        if member.gone.is_set():
+            return self._gone(member)
         channel = member.channel
         if channel is None:
             channel = member.channel = Channel(self._transport.dial(member.address),
                                                self._identity, self._namespace, self._config)
-        if member.gone.is_set():
-            return self._gone(member)
         # A member held dead (or dropped from the list) meanwhile answers
         # nothing any more: its requests end then with a PeerError. (Before,
         # closing its channel cancelled the read under the request, and the
@@ -199,7 +199,7 @@ class Membership:
             asyncio.wait_for(self.ask(m, query), body.wait + _LOOKUP_TIMEOUT)
             for m in members), return_exceptions=True)
         found = [a for a in answers if isinstance(a, ActorLocation)]
-        live = [a for a in found if a.state not in ("dead", "moved")]
+        live = [a for a in found if a.live]
         moved = [a for a in found if a.state == "moved"]
         return max(live or moved or found, key=lambda a: a.incarnation, default=None)
 

@@ -317,7 +317,7 @@ class Scheduler:
         if record is not None and record.state != "dead":
             return await node.actors.lookup(LookupActor(actor_id=actor_id, wait=wait))
         found = await node.membership.find_actor(LookupActor(actor_id=actor_id, wait=wait))
-        if found is not None and found.state not in ("dead", "moved"):
+        if found is not None and found.live:
             return found
         return None
 
