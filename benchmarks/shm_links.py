@@ -1,7 +1,7 @@
-"""Micro benchmark of the same-machine links (:mod:`pmetal.collectives.shmlinks`).
+"""Micro benchmark of the same-machine links (:mod:`pmetal.links.shmlinks`).
 
 Two ranks in two processes run a 64 MiB float32 sum all-reduce written
-directly on :class:`~pmetal.collectives.shmlinks.ShmLinks` (no executor, no
+directly on :class:`~pmetal.links.shmlinks.ShmLinks` (no executor, no
 plan): reduce-scatter then all-gather over two halves, in pieces of
 ``--piece`` MiB so that one rank's copy into the ring overlaps the other's
 reduction, each piece of the reduced half sent on as soon as it is reduced.
@@ -31,7 +31,7 @@ MiB = 1 << 20
 
 
 def _rank(token: str, rank: int, args: dict[str, Any], results: Any) -> None:
-    from pmetal.collectives.shmlinks import ShmLinks
+    from pmetal.links.shmlinks import ShmLinks
 
     peer = 1 - rank
     links = ShmLinks.connect(token, rank, 2, deadline=time.monotonic() + 30,

@@ -85,13 +85,15 @@ ALLOWED = {
     "model": {"core"},
     "actors": {"core", "cluster"},
     "node": {"core", "cluster", "actors"},   # the daemon; the client side never imports it
-    "collectives": {"core", "cluster", "actors"},
-    "pipeline": {"core", "cluster", "actors", "collectives", "model"},
+    "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
+    "collectives": {"core", "cluster", "actors", "links"},
+    "pipeline": {"core", "cluster", "actors", "links", "model"},
     "util": {"core", "actors"},   # Ray's import paths (ray.util.*), re-exported
-    "front": {"core", "cluster", "actors", "node", "collectives"},
-    "bench": {"core", "cluster", "actors", "node", "collectives", "model", "pipeline", "front"},
-    "cli": {"core", "cluster", "actors", "node", "collectives", "model", "pipeline", "front",
-            "bench"},
+    "front": {"core", "cluster", "actors", "node", "links", "collectives"},
+    "bench": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
+              "front"},
+    "cli": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
+            "front", "bench"},
 }
 
 

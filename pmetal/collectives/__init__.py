@@ -6,8 +6,8 @@ which chunk to whom, step by step) for each operation and strategy,
 :mod:`pmetal.collectives.compression` the gradient compressors (with error
 feedback, summed only after decompression), and
 :mod:`pmetal.collectives.executor` runs one rank's part of a plan over
-injected links (:func:`execute`; in-memory links for tests). The socket
-links (:mod:`pmetal.collectives.tcplinks`), the groups
+injected links (:func:`execute`; the links, in memory, TCP and shared
+memory, are the package :mod:`pmetal.links`, which the pipeline uses too), the groups
 (:mod:`pmetal.collectives.group`) and the SPMD API
 (:mod:`pmetal.collectives.spmd`) carry them between processes;
 :func:`all_reduce_compressed` reduces compressed gradients over a group."""
@@ -28,11 +28,12 @@ from pmetal.collectives.compression import (
     aggregate,
     decompress,
 )
-from pmetal.collectives.executor import MemoryLinks, MemoryNetwork, RankLinks, execute
+from pmetal.collectives.executor import execute
 from pmetal.collectives.ops import ReduceOp, chunk_bounds
 from pmetal.collectives.plan import Plan, PlanRequest, Recv, Send, Step, check_plan
 from pmetal.collectives.planner import make_plan
 from pmetal.errors import CollectiveError
+from pmetal.links.memory import MemoryLinks, MemoryNetwork, RankLinks
 
 __all__ = [
     "CollectiveError",

@@ -18,7 +18,7 @@ from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.handles import ActorHandle
-from pmetal.collectives import tcplinks
+from pmetal.links import tcplinks
 from pmetal.collectives.group import Group
 from pmetal.collectives.rendezvous import (
     _ASK_MARGIN,

@@ -29,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from pmetal.collectives.executor import RankLinks, execute
+from pmetal.collectives.executor import execute
+from pmetal.links.memory import RankLinks
 from pmetal.collectives.ops import ReduceOp, chunk_bounds
 from pmetal.collectives.plan import Plan
 from pmetal.collectives.planner import make_plan, pipeline_parts_for
-from pmetal.collectives.tcplinks import DTYPE_CODES, P2P_BASE
+from pmetal.links.tcplinks import DTYPE_CODES, P2P_BASE
 from pmetal.config import CollectiveConfig
 from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
 
@@ -122,7 +123,7 @@ def _plan(op: str, strategy: str, world: int, root: int, n_elements: int,
 class Group:
     """One rank's membership of a formed group: ``rank``, ``size`` and the
     operations. Arrays of float16, float32, float64, int32 and int64 (and
-    the other dtypes of :data:`~pmetal.collectives.tcplinks.DTYPE_CODES`)
+    the other dtypes of :data:`~pmetal.links.tcplinks.DTYPE_CODES`)
     travel as they are; bfloat16 (MLX) is reduced in float32 and rounded
     back; MLX arrays are returned as new MLX arrays; contiguous numpy
     arrays are changed in place and returned."""

@@ -26,7 +26,7 @@ collective "Info" actor), started by :func:`form` on the master's node.
   formation, finds the caller's rank from its actor id, listens on its
   worker's host (port 0), registers the address with the rendezvous actor
   and waits there (bounded by ``connect_timeout``) for every member, then
-  connects the full mesh (:func:`~pmetal.collectives.tcplinks.connect_mesh`)
+  connects the full mesh (:func:`~pmetal.links.tcplinks.connect_mesh`)
   with the namespace's PSK, bound to a tag of the name, formation id,
   term and both epochs. Members then exchange data directly.
 - The :class:`~pmetal.collectives.actorgroup.ActorGroup` it returns is a
@@ -61,7 +61,7 @@ from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.handles import ActorClass, ActorHandle
-from pmetal.collectives import tcplinks
+from pmetal.links import tcplinks
 from pmetal.collectives.group import Schedule
 from pmetal.config import CollectiveConfig
 from pmetal.errors import (

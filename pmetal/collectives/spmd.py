@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from pmetal.collectives import tcplinks
-from pmetal.collectives.executor import RankLinks
+from pmetal.links import tcplinks
+from pmetal.links.memory import RankLinks
 from pmetal.collectives.group import Group, Schedule
 from pmetal.collectives.ops import ReduceOp
 from pmetal.config import CollectiveConfig, ConfigError, load_config
@@ -156,7 +156,7 @@ class RingBackend(DistributedBackend):
             # Every rank is on this machine: shared-memory rings, as MPI
             # does. The token (the rendezvous's secret) is bound to the
             # group's tag, so ranks of another formation never meet.
-            from pmetal.collectives.shmlinks import ShmLinks
+            from pmetal.links.shmlinks import ShmLinks
             token = hashlib.blake2b(tag, key=key, digest_size=16).hexdigest()
             links: RankLinks = ShmLinks.connect(token, config.rank, config.world_size,
                                                 deadline=deadline)

@@ -33,7 +33,7 @@ import numpy as np
 
 from pmetal.actors import context
 from pmetal.actors.handles import ActorClass, ActorHandle
-from pmetal.collectives import tcplinks
+from pmetal.links import tcplinks
 from pmetal.errors import (
     ActorDiedError,
     AuthenticationError,

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from pmetal.actors import context
-from pmetal.collectives import tcplinks
+from pmetal.links import tcplinks
 from pmetal.errors import (
     CollectiveError,
     ConfigError,

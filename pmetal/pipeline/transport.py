@@ -8,7 +8,7 @@ way round the ring::
 
 so each rank has exactly one sender and one receiver and a step needs no
 round trip through the driver until the token is sampled. The links are a
-:func:`pmetal.collectives.tcplinks.connect_mesh` mesh (PSK-authenticated,
+:func:`pmetal.links.tcplinks.connect_mesh` mesh (PSK-authenticated,
 bound to the pipeline's tag), used as point-to-point links: messages of a
 directed hop are numbered from ``P2P_BASE`` and read strictly in order.
 
@@ -38,7 +38,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from pmetal.collectives.tcplinks import P2P_BASE
+from pmetal.links.tcplinks import P2P_BASE
 from pmetal.errors import ProtocolError
 from pmetal.pipeline.activations import ActivationMessage, DtypeTag
 

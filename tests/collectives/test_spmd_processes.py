@@ -44,7 +44,7 @@ import numpy as np
 import pytest
 from netlab import NetLab, lab_available
 
-from pmetal.collectives import tcphandshake, tcplinks
+from pmetal.links import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError, CollectiveError, ProtocolError
 
 ROOT = Path(__file__).resolve().parents[2]

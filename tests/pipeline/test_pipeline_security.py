@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pmetal.collectives import tcphandshake, tcplinks
+from pmetal.links import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError, CollectiveError
 from pmetal.pipeline.generation import generate_single_process
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights

@@ -11,8 +11,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from pmetal.collectives import tcplinks
-from pmetal.collectives.tcplinks import P2P_BASE
+from pmetal.links import tcplinks
+from pmetal.links.tcplinks import P2P_BASE
 from pmetal.errors import ProtocolError
 from pmetal.pipeline.activations import ActivationCodec
 from pmetal.pipeline.generation import StreamMultiplexer, _Sequence

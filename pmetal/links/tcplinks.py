@@ -19,7 +19,7 @@ What it owns:
   term and membership epoch) and to both ranks. A peer without the PSK,
   of another group or of another epoch of the same group is refused
   before any data flows, and both sides say which
-  (:mod:`pmetal.collectives.tcphandshake`; a listener runs its handshakes
+  (:mod:`pmetal.links.tcphandshake`; a listener runs its handshakes
   side by side, so strangers cannot stall a formation). The data itself is not
   authenticated or encrypted (as with NCCL, gloo or MPI): gradients move
   at memory speed, which no MAC in Python matches; docs/security.md says
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from pmetal.collectives import tcphandshake
+from pmetal.links import tcphandshake
 from pmetal.errors import (
     CollectiveError,
     PeerError,
@@ -309,7 +309,7 @@ class _Peer:
 # ------------------------------------------------------------------ links
 
 class TcpLinks:
-    """One rank's :class:`~pmetal.collectives.executor.RankLinks` over a
+    """One rank's :class:`~pmetal.links.memory.RankLinks` over a
     full mesh of TCP connections (see the module docstring)."""
 
     def __init__(self, rank: int, world: int, epoch: int, peers: dict[int, _Peer], *,

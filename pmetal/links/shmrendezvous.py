@@ -1,5 +1,5 @@
 """How the ranks of one machine find each other for the shared-memory
-links (:mod:`pmetal.collectives.shmlinks`): :func:`join`.
+links (:mod:`pmetal.links.shmlinks`): :func:`join`.
 
 Each rank creates one shared-memory object for its outgoing rings (mode
 0600, named as :mod:`pmetal.shm` names its objects, so :func:`pmetal.shm.sweep`

@@ -1,5 +1,5 @@
 """The handshake that opens every collective TCP connection (see
-:mod:`pmetal.collectives.tcplinks`): who dials, what each side proves, and
+:mod:`pmetal.links.tcplinks`): who dials, what each side proves, and
 how a listener keeps strangers from stalling a formation.
 
 A connection from rank ``hi`` to rank ``lo`` (the higher rank dials):

@@ -1,4 +1,4 @@
-"""The collective links' handshake (pmetal.collectives.tcphandshake): a
+"""The collective links' handshake (pmetal.links.tcphandshake): a
 listener runs its handshakes side by side, so strangers that connect and
 say nothing, or half a hello, cannot stall a formation; each is dropped
 after its own timeout."""
@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pmetal.collectives import tcphandshake, tcplinks
+from pmetal.links import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError
 
 KEY = b"k" * 32

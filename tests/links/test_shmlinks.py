@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from pmetal import shm
-from pmetal.collectives import shmrendezvous
-from pmetal.collectives.shmlinks import ShmLinks
+from pmetal.links import shmrendezvous
+from pmetal.links.shmlinks import ShmLinks
 from pmetal.errors import HandshakeError, PeerError, PMetalValueError
 from tests.actors.conftest import read_line, wait_until
 
@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CHILD = r"""
 import sys, time
 import numpy as np
-from pmetal.collectives.shmlinks import ShmLinks
+from pmetal.links.shmlinks import ShmLinks
 
 scenario, token, rank, world, ring, local = sys.argv[1:7]
 rank, world, ring = int(rank), int(world), int(ring)

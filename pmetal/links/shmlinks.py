@@ -1,7 +1,7 @@
 """Same-machine links for collectives: payload through shared-memory rings,
 control through a UNIX socket per pair of ranks.
 
-:class:`ShmLinks` is a :class:`~pmetal.collectives.executor.RankLinks` for the
+:class:`ShmLinks` is a :class:`~pmetal.links.memory.RankLinks` for the
 ranks of a world that share one machine (one boot, one ``/dev/shm``), as MPI's
 shared-memory transport: a message is copied once into the sender's ring
 (that is where ``send`` copies) and once out of it, into ``out``, or read in
@@ -49,7 +49,7 @@ later call, while ``recv`` waits, and after ``release`` by a flusher thread
 operation is delivered while the caller computes; ``close`` delivers what is
 left (for ``linger`` seconds at most) before it closes.
 
-Connecting (:mod:`pmetal.collectives.shmrendezvous`): the ranks meet in a
+Connecting (:mod:`pmetal.links.shmrendezvous`): the ranks meet in a
 0700 folder named by a hash of the group's secret token and prove the token
 in their hellos; once every peer has mapped a rank's rings, the rank unlinks
 every name it made, so a SIGKILL after :meth:`ShmLinks.connect` leaves
@@ -80,8 +80,8 @@ from typing import Self
 import numpy as np
 
 from pmetal import shm
-from pmetal.collectives.shmrendezvous import join, slot
-from pmetal.collectives.tcplinks import P2P_BASE
+from pmetal.links.shmrendezvous import join, slot
+from pmetal.links.tcplinks import P2P_BASE
 from pmetal.errors import (
     ClosedError,
     PeerError,
