@@ -361,7 +361,7 @@ class ClusterService(Hints):
         missed = gap - self.config.health.interval
         self.health.paused(missed)
         self.election.paused(missed)
-        if asleep is not None and asleep > dead_after:
+        if asleep is not None and asleep > dead_after and self._others():
             self.fence(f"this machine slept for {asleep:.1f} s (longer than health.dead_after "
                        f"= {dead_after:g} s), so the others may have declared it dead")
             return
@@ -446,8 +446,8 @@ class ClusterService(Hints):
         every answer was awaited: after a master's death each confirmation
         took the dead one's timeout, longer than the lease it renewed, and
         the lease lapsed again at once (seen beside two CPU hogs)."""
-        me, state = self.node_id, self.election.state
-        others = [m for m in state.members if m.get("node_id") and m["node_id"] != me]
+        state = self.election.state
+        others = self._others()
         if not others:
             return "member"   # alone: nobody could have declared it dead
         asks = []
@@ -470,6 +470,12 @@ class ClusterService(Hints):
             pending = [a for a in asks if not a.done()]
             if pending:   # each bounded by its timeout; reaped, not cancelled mid-request
                 self._spawn(asyncio.wait(pending))
+
+    def _others(self) -> list[dict[str, Any]]:
+        """The other members in this node's view (none: it is alone, and
+        nobody could have declared it dead)."""
+        return [m for m in self.election.state.members
+                if m.get("node_id") and m["node_id"] != self.node_id]
 
     def _verdict(self, state: ElectionState, answers: list[tuple[str, ClusterState]],
                  complete: bool) -> str | None:

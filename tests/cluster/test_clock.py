@@ -43,6 +43,33 @@ def test_neither_starvation_nor_a_stopped_process_counts_as_sleep() -> None:
     assert abs(slept() - before) < 0.05   # type: ignore[operator]
 
 
+def test_a_process_starved_between_two_clock_readings_did_not_sleep(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler can stop a process between any two system calls: here
+    the readings of one bracket straddle 1.5 s of starvation (injected: a
+    real preemption cannot be placed between two calls). The machine did
+    not sleep, so the two clocks stay 100 s apart; one plain pair of
+    readings said 98.5 s, and the difference of two such readings was taken
+    for a 1.5 s sleep: the node fenced itself (seen beside CPU hogs)."""
+    from pmetal.cluster import clock
+    if clock._PAIR is None:
+        pytest.skip("this platform cannot tell a sleep")
+    counting, _not_counting = clock._PAIR
+    now = [1000.0]
+    starved = [1.5]   # right after the first reading of the counting clock
+
+    def clock_gettime(which: int) -> float:
+        now[0] += 0.0001
+        if which == counting:
+            reading = now[0] + 100.0
+            now[0] += starved.pop() if starved else 0.0
+            return reading
+        return now[0]
+
+    monkeypatch.setattr(clock.time, "clock_gettime", clock_gettime)
+    assert clock.slept() == pytest.approx(100.0, abs=0.001)
+
+
 def _stop_parent_for(pid: int, seconds: float) -> None:
     os.kill(pid, signal.SIGSTOP)
     time.sleep(seconds)
@@ -161,6 +188,8 @@ def test_a_real_sleep_fences_at_once_and_a_stop_asks_first(
     reading = [100.0]
     monkeypatch.setattr(service, "slept", lambda: reading[0])
     svc._slept = reading[0]
+    others = [{"node_id": "b" * 32, "address": "tcp://127.0.0.1:2"}]
+    monkeypatch.setattr(svc, "_others", lambda: others)   # a member the others can drop
     try:
         svc._paused(dead_after * 0.4)
         assert not fenced and svc.confirmed and not svc.gate.held
@@ -179,6 +208,11 @@ def test_a_real_sleep_fences_at_once_and_a_stop_asks_first(
         reading[0] += dead_after / 2
         svc._paused(3.0)
         assert len(fenced) == 1 and not svc.confirmed
+        # Alone, nobody could have declared it dead: a sleep ends nothing.
+        others.clear()
+        reading[0] += 3.0
+        svc._paused(3.2)
+        assert len(fenced) == 1, fenced
     finally:
         svc.gate.close()
 
