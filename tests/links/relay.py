@@ -1,4 +1,4 @@
-"""A TCP relay on loopback that sits between two ranks (the machine in the
+"""A TCP relay on loopback that sits between ranks (the machine in the
 middle of docs/security.md): it forwards a link's handshake and frames,
 and may rewrite them on the way.
 
@@ -38,7 +38,9 @@ def _read(sock: socket.socket, n: int) -> bytes:
 
 
 class Relay:
-    """One relay for one connection (a second dial is not accepted)."""
+    """Relays every connection made to ``address`` to ``target``, each
+    on its own pair of threads (``script`` numbers each one's records
+    from 0)."""
 
     def __init__(self, target: tuple[str, int], *, hello: Rewrite | None = None,
                  reply: Rewrite | None = None, record: int = 0,
@@ -49,25 +51,32 @@ class Relay:
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()
         self.seen = bytearray()
+        self.connections = 0
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._threads = [threading.Thread(target=self._run, daemon=True)]
         self._threads[0].start()
 
     def _run(self) -> None:
-        self.listener.settimeout(15.0)
-        try:
-            dialler, _ = self.listener.accept()
-        except OSError:
-            return
-        listener = socket.create_connection(self.target, timeout=15.0)
-        for s in (dialler, listener):
-            s.settimeout(15.0)
-            self._socks.append(s)
-        down = threading.Thread(target=self._down, args=(listener, dialler), daemon=True)
-        down.start()
-        self._threads.append(down)
-        self._up(dialler, listener)
+        while True:
+            try:
+                dialler, _ = self.listener.accept()
+            except OSError:
+                return      # closed
+            self.connections += 1
+            try:
+                listener = socket.create_connection(self.target, timeout=15.0)
+            except OSError:
+                dialler.close()
+                continue
+            for sock in (dialler, listener):
+                sock.settimeout(15.0)
+                self._socks.append(sock)
+            for target, args in ((self._up, (dialler, listener)),
+                                 (self._down, (listener, dialler))):
+                thread = threading.Thread(target=target, args=args, daemon=True)
+                thread.start()
+                self._threads.append(thread)
 
     def _keep(self, data: bytes) -> None:
         with self._lock:
@@ -134,6 +143,10 @@ class Relay:
                 pass
 
     def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)   # wakes the accepting thread
+        except OSError:
+            pass
         self.listener.close()
         for s in self._socks:
             s.close()
