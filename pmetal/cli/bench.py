@@ -59,6 +59,10 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="the ranks' same-machine path (shared memory; "
                                 "collectives.shared_memory): off measures what a LAN uses "
                                 "(default off)")
+    allreduce.add_argument("--sealed", choices=("off", "on", "both"), default="off",
+                           help="TCP links sealed (AES-256-GCM; collectives.link_encryption "
+                                "on): both prints clear against sealed (default off: on "
+                                "127.0.0.1 'auto' leaves them in clear)")
     allreduce.add_argument("--anchors", choices=("auto", "off"), default="auto",
                            help="also run torch.distributed gloo when torch is installed "
                                 "(default auto)")
@@ -232,6 +236,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         strategies=strategies, iters=args.iters, warmup=args.warmup,
         same_machine={"off": (False,), "on": (True,), "both": (False, True)}[
             args.same_machine],
+        sealed={"off": (False,), "on": (True,), "both": (False, True)}[args.sealed],
         anchors=args.anchors == "auto",
         chunk_bytes=None if args.chunk_bytes is None else parse_size(args.chunk_bytes),
         tree_max_bytes=(None if args.tree_max_bytes is None

@@ -276,6 +276,47 @@ def test_a_byte_flipped_in_the_middle_of_an_all_reduce_fails_every_rank(
     assert "lost rank 0" in str(got[1])
 
 
+@pytest.mark.parametrize("strategy", ["ring", "tree", "naive"])
+def test_every_strategy_is_exact_over_sealed_links(strategy: str) -> None:
+    """Three ranks, sealed links, a buffer of several segments per chunk
+    and an odd tail: every rank gets the exact sum."""
+    world = 3
+    listeners = [tcplinks.listen("127.0.0.1", 0) for _ in range(world)]
+    addresses = [("127.0.0.1", s.getsockname()[1]) for s in listeners]
+    tag = tcplinks.group_tag("sealed-world", 0, 1)
+    links: dict[int, Any] = {}
+    got: dict[int, Any] = {}
+    n = 3 * SEGMENT // 4 * world + 5            # float32 elements
+
+    def run(rank: int) -> None:
+        try:
+            links[rank] = tcplinks.connect_mesh(rank, addresses, listeners[rank], key=KEY,
+                                                tag=tag, epoch=1,
+                                                deadline=time.monotonic() + WAIT)
+            group = Group(Schedule(name="sealed", world=world, strategy=strategy), rank,
+                          links[rank], timeout=WAIT)
+            got[rank] = group.all_reduce(np.arange(n, dtype=np.float32) % 251 + rank)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            got[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2 * WAIT + 5.0)
+    for s in listeners:
+        s.close()
+    try:
+        expected = (np.arange(n, dtype=np.float32) % 251) * world + sum(range(world))
+        for rank in range(world):
+            assert isinstance(got.get(rank), np.ndarray), got
+            assert all(links[rank].sealed.values())
+            assert np.array_equal(got[rank], expected)
+    finally:
+        for one in links.values():
+            one.close(timeout=1.0)
+
+
 # ----------------------------------------------------------- the policy
 
 def test_the_policy_seals_off_loopback_unless_turned_off() -> None:
