@@ -158,6 +158,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the stages' backend (default auto)")
     memory.add_argument("--markdown", action="store_true",
                         help="print a markdown table (for docs/performance.md)")
+    seal = sub.add_parser(
+        "seal", help="what sealing a rank-to-rank link costs: the AEADs, and one link in "
+                     "clear against sealed",
+        description="AES-256-GCM against ChaCha20-Poly1305 on one core, then one TCP link "
+                    "over 127.0.0.1 carrying --bytes in clear and sealed.")
+    seal.add_argument("--bytes", default="64M", metavar="SIZE",
+                      help="bytes sent over the link per run (default 64M)")
+    seal.add_argument("--message", default="1M", metavar="SIZE",
+                      help="bytes per message (default 1M, the ring's chunk)")
+    seal.add_argument("--repeats", type=int, default=5, metavar="R",
+                      help="runs per link, the median shown (default 5)")
+    seal.add_argument("--markdown", action="store_true",
+                      help="print markdown tables (for docs/performance.md)")
 
 
 def _command(args: argparse.Namespace, parser_defaults: dict[str, object],
@@ -182,6 +195,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _run_agreement(args)
     if args.benchmark == "memory":
         return _run_memory(args)
+    if args.benchmark == "seal":
+        return _run_seal(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
 
 
@@ -196,6 +211,19 @@ def _run_agreement(args: argparse.Namespace) -> int:
         prompts=agreement.PROMPTS[:args.prompts], tokens=args.tokens,
         anchors=args.anchors == "auto", markdown=args.markdown,
         command=_command(args, _AGREEMENT_DEFAULTS, "agreement")))
+    return 0
+
+
+def _run_seal(args: argparse.Namespace) -> int:
+    from pmetal.bench import seal
+    from pmetal.bench.allreduce import parse_size
+
+    total, message = parse_size(args.bytes), parse_size(args.message)
+    if not 0 < message <= total or args.repeats < 1:
+        raise ConfigError(f"--bytes {args.bytes} / --message {args.message} / --repeats "
+                          f"{args.repeats}: a message of at least 1 byte and at most --bytes, "
+                          "and at least 1 repeat")
+    seal.run(total, message, args.repeats, markdown=args.markdown)
     return 0
 
 
