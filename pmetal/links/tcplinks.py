@@ -40,9 +40,11 @@ What it owns:
   first writes what the kernel takes at once, without blocking; the rest
   waits in the peer's queue, still a view of the caller's buffer, and a
   writer thread per peer pushes it as the socket drains. ``detach`` and
-  ``release`` copy what is still unsent out of the caller's buffer. Every
-  write happens under the peer's lock and never blocks, so the lock
-  holder always knows exactly how many bytes have left.
+  ``release`` copy what is still unsent out of the caller's buffer (a
+  sealed message is queued as its sealed frames, in buffers of the link's
+  own that are reused once written: nothing to copy). Every write happens
+  under the peer's lock and never blocks, so the lock holder always knows
+  exactly how many bytes have left.
 - **Death**: a peer killed with SIGKILL closes its connection, and a
   receive from it raises :class:`~pmetal.errors.PeerError` at once. A peer
   that stalls (SIGSTOP, a host that vanished without closing) is caught
@@ -164,8 +166,8 @@ class _Peer:
         # lock, so frames leave in the order of their numbers.
         self.send_lock = threading.Lock()
         self.spares: list[bytearray] = []  # sealing buffers, SEGMENT + OVERHEAD each
-        self.sealed_head = bytearray(_HEAD.size + OVERHEAD)
-        self.scratch = bytearray(SEGMENT + OVERHEAD) if seal is not None else bytearray()
+        self.rx_head = bytearray(_HEAD.size + OVERHEAD)  # a sealed header being read
+        self.rx_segment = bytearray(SEGMENT + OVERHEAD) if seal is not None else bytearray()
         self.ready = threading.Condition(self.lock)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.broken: str | None = None
@@ -353,8 +355,8 @@ class _Peer:
         assert seal is not None
         pieces = [(0, view.nbytes)] if not started else segments(view.nbytes)
         for start, end in pieces:
-            sealed = (memoryview(self.sealed_head) if not started
-                      else memoryview(self.scratch)[:end - start + OVERHEAD])
+            sealed = (memoryview(self.rx_head) if not started
+                      else memoryview(self.rx_segment)[:end - start + OVERHEAD])
             self.read_exactly(sealed, deadline, is_dead, started=started)
             if not seal.rx.open_into(sealed, view[start:end]):
                 error = seal.refused(what)
