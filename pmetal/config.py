@@ -278,6 +278,9 @@ class DiscoveryConfig:
 _COMPRESSIONS = ("none", "auto", "topk", "random_k", "fp16", "bf16", "int8", "one_bit",
                  "powersgd")
 
+# pmetal.links.seal.requires_seal's policies.
+_LINK_ENCRYPTION = ("auto", "on", "off")
+
 
 @dataclass(frozen=True)
 class CollectiveConfig:
@@ -302,7 +305,14 @@ class CollectiveConfig:
     "auto": the master turns TopK on for a group whose slowest ring link
     it measured below ``compress_below_bandwidth`` bytes/s (Wi-Fi), and
     off otherwise. Lossy compression is for gradients: leave it "none" for
-    anything else.
+    anything else. ``link_encryption``: whether this rank requires the
+    group's TCP links sealed (encrypted and authenticated, AES-256-GCM,
+    :mod:`pmetal.links.seal`): "auto" (default) when any rank is off
+    loopback, "on" always, "off" never: for links you trust (a cable
+    between two machines), to save the cipher's pass over the data. A link
+    is sealed when either of its ranks requires it, so "off" takes effect
+    only where every rank of the group says "off". Shared-memory links
+    (one machine) are never sealed; pipeline hops always are.
     """
 
     strategy: str = "auto"
@@ -315,9 +325,13 @@ class CollectiveConfig:
     compression_ratio: float = 0.01
     compression_min_bytes: int = 256 * 1024
     compress_below_bandwidth: float = 25e6
+    link_encryption: str = "auto"
 
     def __post_init__(self) -> None:
         s = "collectives"
+        _require(self.link_encryption in _LINK_ENCRYPTION, s, "link_encryption",
+                 f"is {self.link_encryption!r}; use {', '.join(_LINK_ENCRYPTION)} (off: "
+                 "trusted links, the data crosses in clear)")
         _require(self.strategy in ("auto", "ring", "tree", "naive"), s, "strategy",
                  f"is {self.strategy!r}; use auto, ring, tree or naive")
         _require(self.tree_max_bytes >= 0, s, "tree_max_bytes", "must be 0 or more")

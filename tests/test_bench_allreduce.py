@@ -107,3 +107,23 @@ def test_bad_options_are_usage_errors_before_anything_runs(
     assert main(["bench", "allreduce", "--world", "2,1"]) == 2
     captured = capsys.readouterr()
     assert "at least 2 ranks" in captured.err and captured.out == ""
+
+
+def test_sealed_both_prints_clear_against_sealed(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--sealed both``: the same sizes over TCP links in clear and sealed
+    (rank processes with link_encryption on), every result checked, then
+    the two side by side."""
+    status = main(["bench", "allreduce", "--world", "2", "--min-bytes", "1M",
+                   "--max-bytes", "1M", "--strategy", "auto",
+                   "--sealed", "both", "--iters", "1", "--warmup", "0", "--anchors", "off"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "# 2 ranks, auto, TCP 127.0.0.1 (TcpLinks): " in out
+    assert "# 2 ranks, auto, TCP 127.0.0.1 (TcpLinks, sealed): " in out
+    title = "# 2 ranks, auto: TCP links in clear against sealed (AES-256-GCM), same run"
+    assert title in out
+    header, *rows = [line.split() for line in out.split(title)[1].strip().split("\n\n")[0]
+                     .splitlines()[:2]]
+    assert [int(r[0]) for r in rows] == [1 << 20]
+    assert all(r[3].endswith("x") for r in rows)
+    assert "pmetal, sealed" in out             # its first operation, in the cold table

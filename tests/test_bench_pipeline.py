@@ -19,6 +19,7 @@ import pytest
 
 import pmetal
 from pmetal.bench import hogs
+from pmetal.bench.pipeline_stages import seal_cost
 from pmetal.bench.pipeline import (
     PROMPTS,
     Options,
@@ -210,12 +211,18 @@ def test_a_hog_ends_when_the_bench_is_killed() -> None:
             os.close(handle)
 
 
+def test_sealing_a_tokens_hops_is_timed_and_opens() -> None:
+    """The seal cost of table (c): real frames sealed and opened (a frame
+    that did not open would raise); a figure per token."""
+    assert seal_cost(2400, 3) > 0
+
+
 def test_the_pipeline_hook_fills_table_c() -> None:
     def pipeline(options: Options, prompts: list[list[int]]) -> list[PipelineRow]:
         assert len(prompts) == len(options.prompts) and all(prompts)
         return [PipelineRow(label="2 stages, codec int8, 1 sequence", tokens_per_s=30.0,
                             vs_single=0.9, hop_overhead_ms=0.25, bytes_per_token=1160,
-                            agreement=0.975, max_logit_diff=0.0123)]
+                            agreement=0.975, max_logit_diff=0.0123, seal_us=40.0)]
     out = io.StringIO()
     result = run(Options(random_shape="tiny", anchors=False, decode_tokens=2, repeats=1,
                          threads=(1,), prompts=("a",), prefill_tokens=8, hogs=0,
@@ -223,7 +230,7 @@ def test_the_pipeline_hook_fills_table_c() -> None:
     text = out.getvalue()
     (row,) = _table(text, "(c) pipeline")[1:]
     assert row == ["2 stages, codec int8, 1 sequence", "30.0", "0.90x", "0.25", "1,160",
-                   "97.5%", "0.0123"]
+                   "40.0 (0.12%)", "97.5%", "0.0123"]
     assert result["pipeline"][0].tokens_per_s == 30.0
 
 

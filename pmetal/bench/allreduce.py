@@ -78,6 +78,7 @@ class BenchSpec:
     chunk_bytes: int | None = None       # None: the configuration's
     tree_max_bytes: int | None = None    # None: the configuration's
     timeout: float = 30.0                # per operation (CollectiveConfig.timeout)
+    sealed: bool = False                 # TCP links sealed (link_encryption "on")
 
     def __post_init__(self) -> None:
         if self.world < 2:
@@ -92,6 +93,9 @@ class BenchSpec:
                               f"{', '.join(STRATEGIES)}")
         if self.system not in SYSTEMS:
             raise ConfigError(f"system {self.system!r}: choose from {', '.join(SYSTEMS)}")
+        if self.sealed and (self.same_machine or self.system != "pmetal"):
+            raise ConfigError("sealed links are pmetal's TCP links: not with the same-machine "
+                              "path (shared memory, never sealed) nor with gloo")
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError(f"--iters {self.iters} / --warmup {self.warmup}: iters must "
                               "be at least 1, warmup at least 0")
@@ -160,8 +164,10 @@ class _PmetalComm:
         )
         from pmetal.config import load_config
         base = load_config().collectives
+        # On 127.0.0.1 "auto" leaves the links in clear; "on" seals them.
         config = replace(base, strategy="auto", shared_memory=spec.same_machine,
                          timeout=spec.timeout,
+                         link_encryption="on" if spec.sealed else "auto",
                          chunk_bytes=spec.chunk_bytes or base.chunk_bytes,
                          tree_max_bytes=(base.tree_max_bytes if spec.tree_max_bytes is None
                                          else spec.tree_max_bytes))
@@ -172,8 +178,10 @@ class _PmetalComm:
         self.ctx.connect_blocking()
 
     def links(self) -> str:
-        """What carries the data (TcpLinks; shared memory once it exists)."""
-        return type(self.ctx.group.links).__name__
+        """What carries the data (TcpLinks, sealed or not; ShmLinks)."""
+        links = self.ctx.group.links
+        sealed = getattr(links, "sealed", {})
+        return type(links).__name__ + (", sealed" if any(sealed.values()) else "")
 
     def wrap(self, buffer: np.ndarray) -> Any:
         return buffer

@@ -117,6 +117,7 @@ class PipelineRow:
     bytes_per_token: int | None = None
     agreement: float | None = None   # fraction of greedy tokens equal to codec none
     max_logit_diff: float | None = None
+    seal_us: float | None = None     # sealing and opening a token's hops, microseconds
 
 
 @dataclass(frozen=True)
@@ -445,9 +446,12 @@ def run(options: Options, out: TextIO | None = None) -> dict[str, Any]:
     p(heading(f"(c) pipeline of stage actors over 127.0.0.1, {backend} engine (x single "
               "process: against the best 1-sequence rate of (a))") + "\n" + (
         _grid(["run", "tok/s", "vs single process", "per-hop overhead (ms/token)",
-               "bytes/token", "greedy tokens = codec none", "largest logit diff"],
+               "bytes/token", "sealing (us/token, share of a step)",
+               "greedy tokens = codec none", "largest logit diff"],
               [[r.label, f"{r.tokens_per_s:.1f}", _opt(r.vs_single, "{:.2f}x"),
                 _opt(r.hop_overhead_ms, "{:.2f}"), _opt(r.bytes_per_token, "{:,}"),
+                "-" if r.seal_us is None else
+                f"{r.seal_us:.1f} ({r.seal_us * 1e-6 * r.tokens_per_s:.2%})",
                 _opt(r.agreement, "{:.1%}"), _opt(r.max_logit_diff, "{:.3g}")] for r in rows],
               md, left=1) if rows else "not measured (the pipeline stage runtime fills this "
                                        "table; --stages 0 skips it)"))

@@ -13,6 +13,13 @@ engine of ``--backend`` (as table (a) does).
   the ring's hops per token (stages + 1): sockets, encoding and decoding
   hops, the driver's bookkeeping.
 - **bytes/token**: what stage 0 sent per token (header and activation).
+- **sealing**: what sealing the ring's links (always on, AES-256-GCM,
+  :mod:`pmetal.links.seal`) costs per decode token: the ring's stages + 1
+  hops, each sealed by its sender and opened by its receiver as the links
+  do it (two link messages: the hop's header, about 64 bytes, and its
+  activation, the rest of bytes/token; each a sealed 28-byte link header
+  and a sealed payload), timed in this process (:func:`seal_cost`, median
+  of 7 runs of 500 hops); the share is of the decode step (1 / tok/s).
 - **codecs**: the same prompts with fp16, bf16 and int8 activations
   against codec none: the fraction of greedy tokens equal position by
   position, and the largest logit difference while both runs still agreed
@@ -36,6 +43,33 @@ from pmetal.bench.pipeline import Options, PipelineRow
 __all__ = ["measure_pipeline"]
 
 CODECS = ("fp16", "bf16", "int8")
+
+
+def seal_cost(hop_bytes: int, hops: int) -> float:
+    """Microseconds per decode token that sealing ``hops`` hops of
+    ``hop_bytes`` bytes costs, both ends (see the module docstring)."""
+    from pmetal.links.seal import OVERHEAD, Direction, derive
+
+    tx_key, _ = derive(b"k" * 32, b"t" * 32, 0, 1, b"n" * 31, b"\x01\x01")
+    sizes = [64, max(hop_bytes - 64, 1)]
+    head = bytes(28)
+    payloads = [bytes(n) for n in sizes]
+    opened = [bytearray(28), *(bytearray(n) for n in sizes)]
+    runs = []
+    for _ in range(7):
+        tx, rx = Direction(tx_key), Direction(tx_key)
+        began = time.perf_counter()
+        for _ in range(500):
+            for payload, out in zip(payloads, opened[1:], strict=True):
+                frame = bytearray(28 + len(payload) + 2 * OVERHEAD)   # as post_sealed does
+                view = memoryview(frame)
+                tx.seal_into(head, view[:28 + OVERHEAD])
+                tx.seal_into(payload, view[28 + OVERHEAD:])
+                if not (rx.open_into(view[:28 + OVERHEAD], opened[0])
+                        and rx.open_into(view[28 + OVERHEAD:], out)):
+                    raise AssertionError("a sealed hop did not open")
+        runs.append((time.perf_counter() - began) / 500)
+    return statistics.median(runs) * hops * 1e6
 
 
 def _build(options: Options, stages: int, codec: str, max_len: int) -> Any:
@@ -75,9 +109,10 @@ def measure_pipeline(options: Options, prompts: list[list[int]]) -> list[Pipelin
         overhead = max(1.0 / single - compute, 0.0) / (stages + 1)
         rows_out = after[0]["bytes_out"] - before[0]["bytes_out"]
         tokens_in = sum(len(p) + steps for p in prompts) * options.repeats
+        per_token = round(rows_out / tokens_in)
         rows.append(PipelineRow(f"{stages} stages, codec none, 1 sequence", single,
-                                hop_overhead_ms=overhead * 1e3,
-                                bytes_per_token=round(rows_out / tokens_in)))
+                                hop_overhead_ms=overhead * 1e3, bytes_per_token=per_token,
+                                seal_us=seal_cost(per_token, stages + 1)))
         batch = [prompts[i % len(prompts)] for i in range(options.batch)]
         totals = []
         for _ in range(options.repeats):

@@ -54,6 +54,7 @@ class Options:
     chunk_bytes: int | None = None
     tree_max_bytes: int | None = None
     timeout: float = 30.0
+    sealed: tuple[bool, ...] = (False,)   # TCP links in clear, sealed, or both
     markdown: bool = False
     command: str = "pmetal bench allreduce"
 
@@ -64,22 +65,29 @@ def run(options: Options, out: TextIO | None = None) -> list[WorldResult]:
     gloo = options.anchors and importlib.util.find_spec("torch") is not None
     stream = sys.stdout if out is None else out
     p = lambda *a: print(*a, file=stream, flush=True)
-    specs = {(world, same): BenchSpec(  # every spec checked before anything runs
+    # Sealing is a TCP matter: the same-machine path is never sealed.
+    paths = [(same, sealed) for same in options.same_machine for sealed in options.sealed
+             if not (same and sealed)]
+    specs = {(world, same, sealed): BenchSpec(  # every spec checked before anything runs
         world=world, sizes=options.sizes, strategies=options.strategies,
         iters=options.iters, warmup=options.warmup, same_machine=same,
         chunk_bytes=options.chunk_bytes, tree_max_bytes=options.tree_max_bytes,
-        timeout=options.timeout) for world in options.worlds for same in options.same_machine}
+        timeout=options.timeout, sealed=sealed)
+        for world in options.worlds for same, sealed in paths}
     p(_header(options))
     results: list[WorldResult] = []
     for world in options.worlds:
-        for same in options.same_machine:
-            spec = specs[(world, same)]
+        for same, sealed in paths:
+            spec = specs[(world, same, sealed)]
             print(f"pmetal bench allreduce: {world} ranks, same-machine path "
-                  f"{'on' if same else 'off'} ...", file=sys.stderr, flush=True)
+                  f"{'on' if same else 'off'}{', sealed' if sealed else ''} ...",
+                  file=sys.stderr, flush=True)
             result = run_world(spec)
             results.append(result)
             for name in result.rows:
                 p(_table(result, name, options.markdown))
+        if len(options.sealed) > 1:
+            p(_sealing(results, world, options.markdown))
         if gloo:
             spec = BenchSpec(world=world, sizes=options.sizes, strategies=("auto",),
                              iters=options.iters, warmup=options.warmup, system="gloo")
@@ -152,7 +160,8 @@ def _cold(results: Sequence[WorldResult], markdown: bool) -> str:
     rows = []
     for r in results:
         c, spec = r.cold, r.spec
-        system = spec.system + (", same-machine on" if spec.same_machine else "")
+        system = spec.system + (", same-machine on" if spec.same_machine else "") + (
+            ", sealed" if spec.sealed else "")
         rows.append([system, str(spec.world), f"{c.imported * 1e3:.0f}",
                      f"{c.connected * 1e3:.0f}", f"{c.first * 1e3:.0f}",
                      f"{c.connect_after_ready * 1e3:.1f}", f"{c.first_op * 1e3:.2f}",
@@ -166,11 +175,31 @@ def _cold(results: Sequence[WorldResult], markdown: bool) -> str:
 
 
 def _find(results: Sequence[WorldResult], world: int, *, system: str = "pmetal",
-          same_machine: bool = False) -> WorldResult | None:
+          same_machine: bool = False, sealed: bool = False) -> WorldResult | None:
     for r in results:
-        if (r.spec.world, r.spec.system, r.spec.same_machine) == (world, system, same_machine):
+        if (r.spec.world, r.spec.system, r.spec.same_machine, r.spec.sealed) == (
+                world, system, same_machine, sealed):
             return r
     return None
+
+
+def _sealing(results: Sequence[WorldResult], world: int, markdown: bool) -> str:
+    """The cost of sealing: each size's auto all_reduce over TCP links in
+    clear and sealed, side by side."""
+    clear, sealed = _find(results, world), _find(results, world, sealed=True)
+    if clear is None or sealed is None:
+        return ""
+    name = "auto" if "auto" in clear.rows else next(iter(clear.rows))
+    rows = []
+    for a, b in zip(clear.rows[name], sealed.rows[name], strict=True):
+        rows.append([str(a.size), _us(a.time), _us(b.time), f"{b.time / a.time:.2f}x",
+                     f"{a.busbw:.3f}", f"{b.busbw:.3f}"])
+    title = (f"{world} ranks, {name}: TCP links in clear against sealed (AES-256-GCM), "
+             "same run")
+    heading = f"\n### {title}\n" if markdown else f"\n# {title}"
+    return heading + "\n" + _grid(["size (B)", "clear (us)", "sealed (us)", "sealed/clear",
+                                   "busbw clear (GB/s)", "busbw sealed (GB/s)"], rows,
+                                  markdown)
 
 
 def _value(result: WorldResult | None, name: str, size: int, what: str) -> float | None:

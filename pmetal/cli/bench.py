@@ -59,6 +59,10 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="the ranks' same-machine path (shared memory; "
                                 "collectives.shared_memory): off measures what a LAN uses "
                                 "(default off)")
+    allreduce.add_argument("--sealed", choices=("off", "on", "both"), default="off",
+                           help="TCP links sealed (AES-256-GCM; collectives.link_encryption "
+                                "on): both prints clear against sealed (default off: on "
+                                "127.0.0.1 'auto' leaves them in clear)")
     allreduce.add_argument("--anchors", choices=("auto", "off"), default="auto",
                            help="also run torch.distributed gloo when torch is installed "
                                 "(default auto)")
@@ -154,6 +158,19 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the stages' backend (default auto)")
     memory.add_argument("--markdown", action="store_true",
                         help="print a markdown table (for docs/performance.md)")
+    seal = sub.add_parser(
+        "seal", help="what sealing a rank-to-rank link costs: the AEADs, and one link in "
+                     "clear against sealed",
+        description="AES-256-GCM against ChaCha20-Poly1305 on one core, then one TCP link "
+                    "over 127.0.0.1 carrying --bytes in clear and sealed.")
+    seal.add_argument("--bytes", default="64M", metavar="SIZE",
+                      help="bytes sent over the link per run (default 64M)")
+    seal.add_argument("--message", default="1M", metavar="SIZE",
+                      help="bytes per message (default 1M, the ring's chunk)")
+    seal.add_argument("--repeats", type=int, default=5, metavar="R",
+                      help="runs per link, the median shown (default 5)")
+    seal.add_argument("--markdown", action="store_true",
+                      help="print markdown tables (for docs/performance.md)")
 
 
 def _command(args: argparse.Namespace, parser_defaults: dict[str, object],
@@ -178,6 +195,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _run_agreement(args)
     if args.benchmark == "memory":
         return _run_memory(args)
+    if args.benchmark == "seal":
+        return _run_seal(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
 
 
@@ -192,6 +211,19 @@ def _run_agreement(args: argparse.Namespace) -> int:
         prompts=agreement.PROMPTS[:args.prompts], tokens=args.tokens,
         anchors=args.anchors == "auto", markdown=args.markdown,
         command=_command(args, _AGREEMENT_DEFAULTS, "agreement")))
+    return 0
+
+
+def _run_seal(args: argparse.Namespace) -> int:
+    from pmetal.bench import seal
+    from pmetal.bench.allreduce import parse_size
+
+    total, message = parse_size(args.bytes), parse_size(args.message)
+    if not 0 < message <= total or args.repeats < 1:
+        raise ConfigError(f"--bytes {args.bytes} / --message {args.message} / --repeats "
+                          f"{args.repeats}: a message of at least 1 byte and at most --bytes, "
+                          "and at least 1 repeat")
+    seal.run(total, message, args.repeats, markdown=args.markdown)
     return 0
 
 
@@ -232,6 +264,7 @@ def _run_allreduce(args: argparse.Namespace) -> int:
         strategies=strategies, iters=args.iters, warmup=args.warmup,
         same_machine={"off": (False,), "on": (True,), "both": (False, True)}[
             args.same_machine],
+        sealed={"off": (False,), "on": (True,), "both": (False, True)}[args.sealed],
         anchors=args.anchors == "auto",
         chunk_bytes=None if args.chunk_bytes is None else parse_size(args.chunk_bytes),
         tree_max_bytes=(None if args.tree_max_bytes is None

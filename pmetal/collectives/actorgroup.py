@@ -19,6 +19,7 @@ from typing import Any
 from pmetal.actors import context
 from pmetal.actors.handles import ActorHandle
 from pmetal.links import tcplinks
+from pmetal.links.seal import requires_seal
 from pmetal.collectives.group import Group
 from pmetal.collectives.rendezvous import (
     _ASK_MARGIN,
@@ -209,11 +210,14 @@ def connect(client: Any, formation: Formation, rank: int,
                 f"collective group {formation.name!r}: its rendezvous actor did not answer "
                 f"rank {rank}'s get_group ({exc}); the group was destroyed or the node that "
                 "held it died: create it again from the driver") from exc
+        # The creator's setting, or this process's own when it demands more.
+        seal = (requires_seal(formation.link_encryption, [h for h, _ in addresses])
+                or client.config.collectives.link_encryption == "on")
         links = tcplinks.connect_mesh(
             rank, addresses, listener, key=tcplinks.collective_key(client.namespace.psk),
             tag=formation.tag, epoch=formation.epoch,
             deadline=time.monotonic() + formation.connect_timeout,
-            is_dead=_death_watch(client, formation.nodes))
+            is_dead=_death_watch(client, formation.nodes), seal=seal)
     finally:
         listener.close()
     log.info("joined collective group %r as rank %d of %d (epoch %d)", formation.name, rank,

@@ -113,7 +113,7 @@ class AutoDiscoveryBackend(DistributedBackend):
         self._key = f"{client.node_id}:{os.getpid()}:{secrets.token_hex(4)}"
         request = rendezvous.Formation(
             self.name, 0, "", (), (), Schedule.from_config(self.name, self.world_size, config),
-            0, config.timeout, config.connect_timeout)
+            0, config.timeout, config.connect_timeout, config.link_encryption)
         started = time.monotonic()
         deadline = started + timeout
         while True:

@@ -31,7 +31,12 @@ import numpy as np
 
 from pmetal.collectives.ops import ReduceOp, finish, reduce_into
 from pmetal.collectives.plan import Plan, Recv, Send
-from pmetal.errors import CollectiveError, PMetalValueError, TransportError
+from pmetal.errors import (
+    AuthenticationError,
+    CollectiveError,
+    PMetalValueError,
+    TransportError,
+)
 from pmetal.links.memory import RankLinks
 
 __all__ = ["execute"]
@@ -112,6 +117,10 @@ def _run(plan: Plan, rank: int, flat: np.ndarray, links: RankLinks, op: ReduceOp
                     f"{_REFORM}") from exc
             except TransportError as exc:
                 raise _lost(what, rank, index, a.from_rank, exc) from exc
+            except AuthenticationError as exc:
+                raise CollectiveError(
+                    f"{what}: rank {rank} at step {index} refused what rank {a.from_rank} "
+                    f"sent: {exc}; {_REFORM}") from exc
             if chunk != a.chunk:
                 raise CollectiveError(
                     f"{what}: rank {rank} at step {index} expected chunk {a.chunk} from "

@@ -92,7 +92,9 @@ class Formation:
     ``members`` are actor ids in rank order, ``nodes`` each member's node;
     ``schedule.term`` is the master's term and ``cluster_epoch`` the
     membership epoch when it formed; ``epoch`` counts the formations of
-    this name (``schedule.epoch`` too)."""
+    this name (``schedule.epoch`` too). ``link_encryption``: the creator's
+    setting (:class:`~pmetal.config.CollectiveConfig`), which every member
+    applies to its links."""
     name: str
     epoch: int
     formation_id: str
@@ -102,6 +104,7 @@ class Formation:
     cluster_epoch: int
     timeout: float
     connect_timeout: float
+    link_encryption: str = "auto"
 
     @property
     def size(self) -> int:
@@ -378,7 +381,7 @@ def form(actors: Sequence[ActorHandle], name: str,
     # order are the rendezvous actor's, on the master's node.
     request = Formation(name, 0, "", ids, tuple(h._node_id for h in handles),
                         Schedule.from_config(name, len(handles), config), 0, config.timeout,
-                        config.connect_timeout)
+                        config.connect_timeout, config.link_encryption)
     timeout = client.config.transport.request_timeout
     rendezvous = _rendezvous(client, name)
     if rendezvous is not None:

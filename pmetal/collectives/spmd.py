@@ -33,6 +33,7 @@ from typing import Any, Self
 
 from pmetal.links import tcplinks
 from pmetal.links.memory import RankLinks
+from pmetal.links.seal import requires_seal
 from pmetal.collectives.group import Group, Schedule
 from pmetal.collectives.ops import ReduceOp
 from pmetal.config import CollectiveConfig, ConfigError, load_config
@@ -164,9 +165,11 @@ class RingBackend(DistributedBackend):
             host, port = config.addresses[config.rank]
             listener = tcplinks.listen(host, port)
             try:
+                seal = requires_seal(collectives.link_encryption,
+                                     [h for h, _ in config.addresses])
                 links = tcplinks.connect_mesh(config.rank, config.addresses, listener,
                                               key=key, tag=tag, epoch=schedule.epoch,
-                                              deadline=deadline)
+                                              deadline=deadline, seal=seal)
             finally:
                 listener.close()
         return Group(schedule, config.rank, links, timeout=collectives.timeout)

@@ -1,24 +1,32 @@
 """The handshake that opens every collective TCP connection (see
-:mod:`pmetal.links.tcplinks`): who dials, what each side proves, and
-how a listener keeps strangers from stalling a formation.
+:mod:`pmetal.links.tcplinks`): who dials, what each side proves, how the
+two agree on sealing the link, and how a listener keeps strangers from
+stalling a formation.
 
 A connection from rank ``hi`` to rank ``lo`` (the higher rank dials):
 
-1. ``hi`` sends ``HELLO``: magic, its rank, ``lo``, the group's tag and a
-   random nonce;
-2. ``lo`` checks the magic, the tag and the ranks, then answers with its
-   nonce and an HMAC (``"A"``) over the tag, both ranks and both nonces,
-   keyed by the namespace's collective key; or with 16 zero bytes,
-   ``REFUSED`` and a reason;
+1. ``hi`` sends ``HELLO``: magic, its seal flag, its rank, ``lo``, the
+   group's tag and a random nonce;
+2. ``lo`` checks the magic, the tag and the ranks, then answers
+   (``REPLY``) with its own seal flag, its nonce and an HMAC (``"A"``)
+   over the tag, both ranks, both nonces and both flags, keyed by the
+   namespace's collective key; or with 16 zero bytes, ``REFUSED`` and a
+   reason;
 3. ``hi`` checks the proof and answers with its own (``"D"``), or with
    ``REFUSED`` and a reason; ``lo`` checks it.
 
-Neither side sends data before both proofs hold. The listener runs every
-handshake in progress at once, each with its own HANDSHAKE_TIMEOUT: a
-stranger that connects and says nothing (or says half a hello) holds one
-slot of MAX_PENDING for at most that long, and the ranks' own connections
-go through beside it. (Before, handshakes ran one at a time: each silent
-connection stalled the formation for 2 s.)
+Neither side sends data before both proofs hold. A seal flag says "this
+side requires the link sealed"; the link is sealed when either flag is
+set (:mod:`pmetal.links.seal`, keys derived from the same transcript).
+Both flags are inside both proofs, so a machine in the middle that clears
+a flag (to read the data) makes a proof fail, and the side that finds it
+says so ("altered in transit") rather than blaming the PSK.
+
+The listener runs every handshake in progress at once, each with its own
+HANDSHAKE_TIMEOUT: a stranger that connects and says nothing (or says half
+a hello) holds one slot of MAX_PENDING for at most that long, and the
+ranks' own connections go through beside it. (Before, handshakes ran one
+at a time: each silent connection stalled the formation for 2 s.)
 """
 
 from __future__ import annotations
@@ -35,11 +43,16 @@ import time
 from dataclasses import dataclass, field
 
 from pmetal.errors import AuthenticationError, CollectiveError
+from pmetal.links.seal import LinkSeal, derive
 
 log = logging.getLogger(__name__)
 
-HELLO = struct.Struct("<8sII32s16s")  # magic, from rank, to rank, group tag, nonce
-HELLO_MAGIC = b"PMCOLL1\x00"
+# magic, seal flag, from rank, to rank, group tag, nonce
+HELLO = struct.Struct("<7sBII32s16s")
+HELLO_MAGIC = b"PMCOLL2"
+_OLD_MAGIC = b"PMCOLL"  # another version of this handshake
+REPLY = struct.Struct("<B15s32s")  # seal flag, nonce, proof
+SEAL = 1  # the flag's bit: this side requires the link sealed
 REFUSED = b"\x00" * 32  # a proof of all zeros: "refused", followed by a reason
 HANDSHAKE_TIMEOUT = 2.0  # a connection's whole handshake, on the listening side
 MAX_PENDING = 64  # handshakes in progress at once; a newer one drops the oldest
@@ -50,14 +63,62 @@ def tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def proof(key: bytes, role: bytes, tag: bytes, low: int, high: int, nonces: bytes) -> bytes:
-    return hmac.new(key, role + tag + struct.pack("<II", low, high) + nonces,
+def proof(key: bytes, role: bytes, tag: bytes, low: int, high: int, nonces: bytes,
+          flags: bytes) -> bytes:
+    """The HMAC one side sends: ``role`` (``"A"`` the listener's, ``"D"``
+    the dialler's) over everything either side said."""
+    return hmac.new(key, role + tag + struct.pack("<II", low, high) + nonces + flags,
                     hashlib.sha256).digest()
 
 
+def _flag(sealed: bool) -> int:
+    return SEAL if sealed else 0
+
+
+def _flipped(flags: bytes) -> list[bytes]:
+    """``flags`` (dialler's, listener's) with one side's seal flag changed:
+    what a machine in the middle that rewrote one would make of them."""
+    d, lis = flags
+    return [bytes([d ^ SEAL, lis]), bytes([d, lis ^ SEAL])]
+
+
+def _altered(key: bytes, role: bytes, tag: bytes, low: int, high: int, nonces: bytes,
+             flags: bytes, got: bytes) -> bool:
+    """Whether ``got`` is the right proof of a transcript whose seal flag was
+    changed on the way: the peer has the PSK, someone between us does not."""
+    return any(hmac.compare_digest(got, proof(key, role, tag, low, high, nonces, f))
+               for f in _flipped(flags))
+
+
+_ALTERED = ("the handshake was altered in transit (a seal flag changed between the ranks: "
+            "someone in the middle tried to turn encryption off)")
+
+
+@dataclass
+class Connection:
+    """A connection whose handshake succeeded: its socket, and its seal
+    (None: the link runs in clear, as both sides allowed)."""
+
+    sock: socket.socket
+    seal: LinkSeal | None
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _seal(key: bytes, tag: bytes, low: int, high: int, nonces: bytes, flags: bytes,
+          dialler: bool) -> LinkSeal | None:
+    if not any(f & SEAL for f in flags):
+        return None
+    down, up = derive(key, tag, low, high, nonces, flags)  # high -> low, low -> high
+    return LinkSeal(low, down, up) if dialler else LinkSeal(high, up, down)
+
+
 def dial(address: tuple[str, int], rank: int, other: int, key: bytes, tag: bytes,
-         deadline: float) -> socket.socket:
-    """Connect to ``other`` (a lower rank), retrying until ``deadline``."""
+         deadline: float, *, seal: bool = True) -> Connection:
+    """Connect to ``other`` (a lower rank), retrying until ``deadline``.
+    ``seal``: this side requires the link sealed (it is sealed when
+    either side requires it)."""
     delay = 0.01
     while True:
         left = deadline - time.monotonic()
@@ -80,14 +141,21 @@ def dial(address: tuple[str, int], rank: int, other: int, key: bytes, tag: bytes
             tune(sock)
             sock.settimeout(max(0.05, deadline - time.monotonic()))
             nonce = os.urandom(16)
-            sock.sendall(HELLO.pack(HELLO_MAGIC, rank, other, tag, nonce))
-            reply = _read(sock, 48)
-            their_nonce, their_proof = reply[:16], reply[16:]
+            mine = _flag(seal)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, mine, rank, other, tag, nonce))
+            reply = _read(sock, REPLY.size)
+            theirs, their_nonce, their_proof = REPLY.unpack(reply)
             if their_proof == REFUSED:
                 reason = _read_reason(sock)
                 raise AuthenticationError(f"rank {other} refused rank {rank}: {reason}")
-            nonces = nonce + their_nonce
-            if not hmac.compare_digest(their_proof, proof(key, b"A", tag, other, rank, nonces)):
+            nonces, flags = nonce + their_nonce, bytes([mine, theirs])
+            if not hmac.compare_digest(their_proof,
+                                       proof(key, b"A", tag, other, rank, nonces, flags)):
+                if _altered(key, b"A", tag, other, rank, nonces, flags, their_proof):
+                    _send_refusal(sock, f"rank {rank} found that {_ALTERED}")
+                    raise AuthenticationError(
+                        f"rank {rank}'s connection to rank {other} at {address[0]}:"
+                        f"{address[1]}: {_ALTERED}; the connection is refused")
                 # Tell the listener why (it logs it and names it if its
                 # formation times out), then fail here at once.
                 _send_refusal(sock, f"rank {rank} found that this rank could not prove "
@@ -96,9 +164,9 @@ def dial(address: tuple[str, int], rank: int, other: int, key: bytes, tag: bytes
                     f"rank {other} at {address[0]}:{address[1]} could not prove the "
                     "namespace's PSK for this group: another cluster, another PSK, or "
                     "another formation of the group listens there")
-            sock.sendall(proof(key, b"D", tag, other, rank, nonces))
+            sock.sendall(proof(key, b"D", tag, other, rank, nonces, flags))
             sock.settimeout(None)
-            return sock
+            return Connection(sock, _seal(key, tag, other, rank, nonces, flags, True))
         except (OSError, EOFError) as exc:
             sock.close()
             raise CollectiveError(f"rank {rank}'s handshake with rank {other} at "
@@ -118,14 +186,16 @@ class _Handshake:
     buffer: bytearray = field(default_factory=bytearray)
     rank: int | None = None     # the rank it claims, once its hello is in
     nonces: bytes = b""
+    flags: bytes = b""          # the dialler's and this side's seal flags
 
 
 class _Acceptor:
     """The listening side of every handshake of one formation."""
 
     def __init__(self, listener: socket.socket, rank: int, world: int, key: bytes, tag: bytes,
-                 peers: dict[int, socket.socket], refusals: dict[int, str]) -> None:
+                 peers: dict[int, Connection], refusals: dict[int, str], seal: bool) -> None:
         self.listener, self.rank, self.key, self.tag = listener, rank, key, tag
+        self.flag = _flag(seal)
         self.peers, self.refusals = peers, refusals
         self.expected = set(range(rank + 1, world))
         self.pending: dict[socket.socket, _Handshake] = {}
@@ -220,9 +290,13 @@ class _Acceptor:
         self._drop(hs.sock)
 
     def _hello(self, hs: _Handshake) -> None:
-        magic, their_rank, to_rank, their_tag, their_nonce = HELLO.unpack(bytes(hs.buffer))
+        magic, theirs, their_rank, to_rank, their_tag, their_nonce = HELLO.unpack(
+            bytes(hs.buffer))
         if magic != HELLO_MAGIC:
-            self._refuse(hs, their_rank, "not a pmetal collective connection")
+            self._refuse(hs, their_rank, "not a pmetal collective connection" if not
+                         magic.startswith(_OLD_MAGIC) else
+                         f"it speaks another version of the collective handshake ({magic!r}, "
+                         f"this rank {HELLO_MAGIC!r}): run one pmetal version on every rank")
             return
         if their_tag != self.tag:
             self._refuse(hs, their_rank, "another group, or another formation (term or "
@@ -234,14 +308,15 @@ class _Acceptor:
                                          f"{to_rank}; this is rank {self.rank} waiting for "
                                          f"{sorted(self.expected)}")
             return
-        nonce = os.urandom(16)
+        nonce = os.urandom(15)
         hs.nonces = their_nonce + nonce
+        hs.flags = bytes([theirs, self.flag])
         hs.rank = their_rank
         hs.buffer.clear()
         hs.need = 32
         try:  # 48 bytes into a fresh connection's empty buffer: taken at once
-            sent = hs.sock.send(nonce + proof(self.key, b"A", self.tag, self.rank, their_rank,
-                                              hs.nonces))
+            sent = hs.sock.send(REPLY.pack(self.flag, nonce, proof(
+                self.key, b"A", self.tag, self.rank, their_rank, hs.nonces, hs.flags)))
         except OSError as exc:
             sent = 0
             log.warning("a collective connection failed during its handshake: %s", exc)
@@ -260,7 +335,14 @@ class _Acceptor:
             self._drop(hs.sock)
             return
         if not hmac.compare_digest(answer, proof(self.key, b"D", self.tag, self.rank,
-                                                 their_rank, hs.nonces)):
+                                                 their_rank, hs.nonces, hs.flags)):
+            if _altered(self.key, b"D", self.tag, self.rank, their_rank, hs.nonces, hs.flags,
+                        answer):
+                log.warning("refused a collective connection claiming rank %s: %s",
+                            their_rank, _ALTERED)
+                self.refusals[their_rank] = _ALTERED
+                self._drop(hs.sock)
+                return
             log.warning("refused a collective connection claiming rank %s: it could not "
                         "prove the namespace's PSK", their_rank)
             self.refusals[their_rank] = "could not prove the namespace's PSK"
@@ -272,20 +354,22 @@ class _Acceptor:
         self.pending.pop(hs.sock)
         self.selector.unregister(hs.sock)
         hs.sock.setblocking(True)
-        self.peers[their_rank] = hs.sock
+        self.peers[their_rank] = Connection(hs.sock, _seal(
+            self.key, self.tag, self.rank, their_rank, hs.nonces, hs.flags, False))
         self.expected.discard(their_rank)
 
 
 def accept(listener: socket.socket, rank: int, world: int, key: bytes, tag: bytes,
-           deadline: float, peers: dict[int, socket.socket],
-           refusals: dict[int, str]) -> None:
+           deadline: float, peers: dict[int, Connection],
+           refusals: dict[int, str], *, seal: bool = True) -> None:
     """Accept every rank above ``rank`` into ``peers``, handshakes running
     side by side; a connection that fails its handshake is refused with
     its reason (noted in ``refusals`` by the rank it claims) and does not
     count. The formation goes on: a stranger's connection must not be able
     to end it, nor to stall it. Returns when every rank is in or at
-    ``deadline``."""
-    _Acceptor(listener, rank, world, key, tag, peers, refusals).run(deadline)
+    ``deadline``. ``seal``: this side requires every link sealed (see
+    :func:`dial`)."""
+    _Acceptor(listener, rank, world, key, tag, peers, refusals, seal).run(deadline)
 
 
 def _read(sock: socket.socket, n: int) -> bytes:

@@ -20,20 +20,31 @@ What it owns:
   of another group or of another epoch of the same group is refused
   before any data flows, and both sides say which
   (:mod:`pmetal.links.tcphandshake`; a listener runs its handshakes
-  side by side, so strangers cannot stall a formation). The data itself is not
-  authenticated or encrypted (as with NCCL, gloo or MPI): gradients move
-  at memory speed, which no MAC in Python matches; docs/security.md says
-  what that means on a LAN.
+  side by side, so strangers cannot stall a formation).
+- **Sealing**: a connection either side asked to seal (``seal=True``, the
+  default; the pipeline always does, collectives by their
+  ``link_encryption`` setting) carries every message encrypted and
+  authenticated with AES-256-GCM under keys of that connection's
+  handshake, each frame numbered (:mod:`pmetal.links.seal`). A frame that
+  does not open breaks the link with
+  :class:`~pmetal.errors.AuthenticationError` naming the peer, and the
+  peer's connection is closed under it so it learns at once. An unsealed
+  connection (both sides allowed it) carries the bytes as they are, like
+  NCCL, gloo or MPI; docs/security.md says when that is sound.
 - **Messages**: a 28-byte header (``_HEAD``: magic, dtype code, epoch,
-  op_id, chunk, byte count) and the raw bytes. A header of another epoch
-  is a stale plan: refused with :class:`~pmetal.errors.ProtocolError`.
+  op_id, chunk, byte count) and the raw bytes; sealed, the header is a
+  44-byte sealed piece and the bytes follow as sealed segments. A header
+  of another epoch is a stale plan: refused with
+  :class:`~pmetal.errors.ProtocolError`.
 - **Sending without waiting** (the executor's "buffered send"): a send
   first writes what the kernel takes at once, without blocking; the rest
   waits in the peer's queue, still a view of the caller's buffer, and a
   writer thread per peer pushes it as the socket drains. ``detach`` and
-  ``release`` copy what is still unsent out of the caller's buffer. Every
-  write happens under the peer's lock and never blocks, so the lock
-  holder always knows exactly how many bytes have left.
+  ``release`` copy what is still unsent out of the caller's buffer (a
+  sealed message is queued as its sealed frames, in buffers of the link's
+  own that are reused once written: nothing to copy). Every write happens
+  under the peer's lock and never blocks, so the lock holder always knows
+  exactly how many bytes have left.
 - **Death**: a peer killed with SIGKILL closes its connection, and a
   receive from it raises :class:`~pmetal.errors.PeerError` at once. A peer
   that stalls (SIGSTOP, a host that vanished without closing) is caught
@@ -58,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from pmetal.links import tcphandshake
+from pmetal.links.seal import OVERHEAD, SEGMENT, LinkSeal, segments
 from pmetal.errors import (
     CollectiveError,
     PeerError,
@@ -84,6 +96,7 @@ P2P_BASE = 1 << 62
 _POLL_SLICE = 0.05  # how often a waiting receive looks at is_dead
 _WRITE_CAP = 4 << 20  # bytes per non-blocking write: bounds the time the lock is held
 _INLINE_COPY = 64 << 10  # small payloads are joined to their header in one write
+_SPARES = 8  # sealing buffers kept per peer for reuse
 
 
 def group_tag(name: str, term: int, epoch: int) -> bytes:
@@ -136,17 +149,25 @@ class _Pending:
     chunk: int
     parts: list[memoryview]
     borrowed: bool  # parts still view the caller's buffer
+    spare: bytearray | None = None  # a sealing buffer to reuse once written
 
 
 class _Peer:
     """One connection: its socket, its queue of unsent bytes and the writer
     thread that drains it."""
 
-    def __init__(self, rank: int, sock: socket.socket) -> None:
+    def __init__(self, rank: int, sock: socket.socket, seal: LinkSeal | None = None) -> None:
         self.rank = rank
         self.sock = sock
+        self.seal = seal
         sock.setblocking(False)
         self.lock = threading.Lock()
+        # Sealing numbers frames: a message is sealed and queued under this
+        # lock, so frames leave in the order of their numbers.
+        self.send_lock = threading.Lock()
+        self.spares: list[bytearray] = []  # sealing buffers, SEGMENT + OVERHEAD each
+        self.rx_head = bytearray(_HEAD.size + OVERHEAD)  # a sealed header being read
+        self.rx_segment = bytearray(SEGMENT + OVERHEAD) if seal is not None else bytearray()
         self.ready = threading.Condition(self.lock)
         self.queue: collections.deque[_Pending] = collections.deque()
         self.broken: str | None = None
@@ -166,9 +187,41 @@ class _Peer:
             if not self.queue:
                 self._write(message)
                 if not message.parts:
+                    self._done(message)
                     return
             self.queue.append(message)
             self.ready.notify_all()
+
+    def _done(self, message: _Pending) -> None:
+        if message.spare is not None and len(self.spares) < _SPARES:
+            self.spares.append(message.spare)
+
+    def post_sealed(self, op_id: int, chunk: int, head: bytes, payload: memoryview) -> None:
+        """Seal a message (its header, then its payload segment by
+        segment, see :mod:`pmetal.links.seal`) and queue each piece as it
+        is sealed, so the writer sends while the rest is sealed."""
+        tx = self.seal.tx  # type: ignore[union-attr]
+        with self.send_lock:
+            if payload.nbytes <= _INLINE_COPY:
+                out = bytearray(len(head) + OVERHEAD
+                                + (payload.nbytes + OVERHEAD if payload.nbytes else 0))
+                view = memoryview(out)
+                tx.seal_into(head, view[:len(head) + OVERHEAD])
+                if payload.nbytes:
+                    tx.seal_into(payload, view[len(head) + OVERHEAD:])
+                self.post(_Pending(op_id, chunk, [view], False))
+                return
+            sealed_head = bytearray(len(head) + OVERHEAD)
+            tx.seal_into(head, sealed_head)
+            first = [memoryview(sealed_head)]
+            for start, end in segments(payload.nbytes):
+                with self.lock:
+                    spare = self.spares.pop() if self.spares else bytearray(
+                        SEGMENT + OVERHEAD)
+                view = memoryview(spare)[:end - start + OVERHEAD]
+                tx.seal_into(payload[start:end], view)
+                self.post(_Pending(op_id, chunk, [*first, view], False, spare))
+                first = []
 
     def _write(self, message: _Pending) -> None:
         """Write what the socket takes now without blocking; trims
@@ -208,7 +261,7 @@ class _Peer:
                         self._write(self.queue[0])
                         if self.queue[0].parts:
                             break
-                        self.queue.popleft()
+                        self._done(self.queue.popleft())
                 except PeerError:
                     return
                 waiting = bool(self.queue)
@@ -294,6 +347,33 @@ class _Peer:
                 raise PeerError(self.broken)
             got += n
 
+    def read_sealed(self, view: memoryview, deadline: float, is_dead: Callable[[], bool],
+                    *, what: str, started: bool = False) -> None:
+        """Fill ``view`` with the opened contents of the sealed pieces that
+        carry it: one piece when it is a header, else one per segment."""
+        seal = self.seal
+        assert seal is not None
+        pieces = [(0, view.nbytes)] if not started else segments(view.nbytes)
+        for start, end in pieces:
+            sealed = (memoryview(self.rx_head) if not started
+                      else memoryview(self.rx_segment)[:end - start + OVERHEAD])
+            self.read_exactly(sealed, deadline, is_dead, started=started)
+            if not seal.rx.open_into(sealed, view[start:end]):
+                error = seal.refused(what)
+                self.fail(str(error))
+                raise error
+            started = True
+
+    def fail(self, why: str) -> None:
+        """Break the connection for good and close it under the peer, so
+        that it learns at once (its next receive from here ends)."""
+        with self.lock:
+            self._break(why)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _wait_readable(self, deadline: float, is_dead: Callable[[], bool]) -> None:
         while True:
             left = deadline - time.monotonic()
@@ -339,11 +419,16 @@ class TcpLinks:
                                    f"{data.dtype}")
         payload = memoryview(np.ascontiguousarray(data)).cast("B")
         head = _HEAD.pack(_MAGIC, code, self.epoch, op_id, chunk, payload.nbytes)
+        peer = self._peer(to_rank)
+        if peer.seal is not None:
+            peer.post_sealed(op_id, chunk, head, payload)
+            self.bytes_sent += payload.nbytes
+            return
         if payload.nbytes <= _INLINE_COPY:
             parts, borrowed = [memoryview(head + payload.tobytes())], False
         else:
             parts, borrowed = [memoryview(head), payload], True
-        self._peer(to_rank).post(_Pending(op_id, chunk, parts, borrowed))
+        peer.post(_Pending(op_id, chunk, parts, borrowed))
         self.bytes_sent += payload.nbytes
 
     def detach(self, op_id: int, chunk: int) -> None:
@@ -368,14 +453,19 @@ class TcpLinks:
         while True:
             if peer.broken:
                 raise PeerError(peer.broken)
-            peer.read_exactly(memoryview(self._head), deadline, is_dead)
+            if peer.seal is None:
+                peer.read_exactly(memoryview(self._head), deadline, is_dead)
+            else:
+                peer.read_sealed(memoryview(self._head), deadline, is_dead,
+                                 what="a message header")
             magic, code, epoch, got_op, chunk, nbytes = _HEAD.unpack(self._head)
             dtype = _DTYPES.get(code)
             if magic != _MAGIC or dtype is None or nbytes % dtype.itemsize:
-                peer.close()
-                raise ProtocolError(f"rank {from_rank} sent a malformed collective header "
-                                    f"(magic {magic!r}, dtype code {code}, {nbytes} bytes); "
-                                    "the connection is closed")
+                why = (f"rank {from_rank} sent a malformed collective header (magic "
+                       f"{magic!r}, dtype code {code}, {nbytes} bytes); the connection is "
+                       "closed")
+                peer.fail(why)
+                raise ProtocolError(why)
             if epoch != self.epoch:
                 raise ProtocolError(
                     f"rank {from_rank} sent data of epoch {epoch} of the group, this rank "
@@ -385,9 +475,12 @@ class TcpLinks:
                 data = out
             else:
                 data = np.empty(nbytes // dtype.itemsize, dtype=dtype)
-            if nbytes:
+            if nbytes and peer.seal is None:
                 peer.read_exactly(memoryview(data).cast("B"), deadline, is_dead,
                                   started=True)
+            elif nbytes:
+                peer.read_sealed(memoryview(data).cast("B"), deadline, is_dead,
+                                 what=f"the data of message {got_op}/{chunk}", started=True)
             self.bytes_received += nbytes
             if got_op == op_id:
                 return chunk, data
@@ -397,6 +490,12 @@ class TcpLinks:
                 self._stash.setdefault((from_rank, got_op), collections.deque()).append(
                     (chunk, data))
             # Else an operation already over here (it failed): dropped.
+
+    @property
+    def sealed(self) -> dict[int, bool]:
+        """Per peer rank: whether its link is sealed (encrypted and
+        authenticated, :mod:`pmetal.links.seal`)."""
+        return {r: p.seal is not None for r, p in self._peers.items()}
 
     def dead(self) -> set[int]:
         return {r for r, p in self._peers.items() if p.broken or self._is_dead(r)}
@@ -414,25 +513,29 @@ class TcpLinks:
 
 def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: socket.socket, *,
                  key: bytes, tag: bytes, epoch: int, deadline: float,
-                 is_dead: Callable[[int], bool] | None = None) -> TcpLinks:
+                 is_dead: Callable[[int], bool] | None = None, seal: bool = True) -> TcpLinks:
     """Connect ``rank`` to every other rank of ``addresses`` (rank order):
     dial the ranks below, accept the ranks above on ``listener``.
-    Authenticates every connection with ``key`` bound to ``tag``. Raises
+    Authenticates every connection with ``key`` bound to ``tag``.
+    ``seal``: this rank requires its links sealed (a link is sealed when
+    either of its ranks requires it; both must allow clear text for it to
+    run in clear). Raises
     :class:`~pmetal.errors.CollectiveError` when the mesh is not complete
     by ``deadline`` (naming the ranks missing), or
     :class:`~pmetal.errors.AuthenticationError` for a peer that proves
-    another key or group."""
+    another key or group, or a handshake altered on the way."""
     world = len(addresses)
     if not 0 <= rank < world:
         raise PMetalValueError(f"rank {rank} is not in a world of {world}")
-    peers: dict[int, socket.socket] = {}
+    peers: dict[int, tcphandshake.Connection] = {}
     refusals: dict[int, str] = {}  # claimed rank -> why its connection was refused
     failure: list[BaseException] = []
     accepted = threading.Event()
 
     def accept_all() -> None:
         try:
-            tcphandshake.accept(listener, rank, world, key, tag, deadline, peers, refusals)
+            tcphandshake.accept(listener, rank, world, key, tag, deadline, peers, refusals,
+                                seal=seal)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
             failure.append(exc)
         finally:
@@ -444,7 +547,7 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
     try:
         for other in range(rank):
             peers[other] = tcphandshake.dial(addresses[other], rank, other, key, tag,
-                                             deadline)
+                                             deadline, seal=seal)
         accepted.wait(max(0.0, deadline - time.monotonic()) + 1.0)
         if failure:
             raise failure[0]
@@ -461,8 +564,8 @@ def connect_mesh(rank: int, addresses: Sequence[tuple[str, int]], listener: sock
                 f"every rank runs with the same PSK and settings and that the addresses are "
                 f"right{refused}")
     except BaseException:
-        for sock in list(peers.values()):
-            sock.close()
+        for connection in list(peers.values()):
+            connection.close()
         raise
-    return TcpLinks(rank, world, epoch, {r: _Peer(r, s) for r, s in peers.items()},
-                    is_dead=is_dead)
+    return TcpLinks(rank, world, epoch,
+                    {r: _Peer(r, c.sock, c.seal) for r, c in peers.items()}, is_dead=is_dead)

@@ -51,6 +51,7 @@ from pmetal.errors import (
     PipelineError,
     PMetalValueError,
     ProtocolError,
+    SecurityError,
 )
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
@@ -393,7 +394,7 @@ class PipelineGenerationLoop:
             self.sender.send(hop)
             self._io = False
             self.hops += 1
-        except (PeerError, CollectiveError, OSError) as exc:
+        except (PeerError, CollectiveError, SecurityError, OSError) as exc:
             self._break(mux, f"sending to stage 0 failed: {exc}")
 
     def _recv(self, mux: StreamMultiplexer) -> Hop:
@@ -421,7 +422,7 @@ class PipelineGenerationLoop:
         except TimeoutError as exc:
             self._break(mux, f"no step came back from the last stage within "
                         f"{self.step_timeout:g} s (a stage stalled: {exc})")
-        except (PeerError, CollectiveError, ProtocolError, OSError) as exc:
+        except (PeerError, CollectiveError, ProtocolError, SecurityError, OSError) as exc:
             self._break(mux, f"the ring broke: {exc}")
         raise AssertionError("unreachable")
 
@@ -454,7 +455,8 @@ class PipelineGenerationLoop:
             try:
                 self.sender.send(Hop([]))
                 self.receiver.recv(time.monotonic() + timeout, rest=timeout)
-            except (PeerError, CollectiveError, ProtocolError, TimeoutError, OSError) as exc:
+            except (PeerError, CollectiveError, ProtocolError, SecurityError, TimeoutError,
+                    OSError) as exc:
                 # Already gone: closing the links is all that is left.
                 self.broken = f"closed ({exc})"
         self.links.close(timeout=1.0)

@@ -9,7 +9,8 @@ way round the ring::
 so each rank has exactly one sender and one receiver and a step needs no
 round trip through the driver until the token is sampled. The links are a
 :func:`pmetal.links.tcplinks.connect_mesh` mesh (PSK-authenticated,
-bound to the pipeline's tag), used as point-to-point links: messages of a
+bound to the pipeline's tag, and sealed: ``connect_mesh`` requires it by
+default and neither end of a ring asks otherwise), used as point-to-point links: messages of a
 directed hop are numbered from ``P2P_BASE`` and read strictly in order.
 
 One hop carries a :class:`Hop` (a list of :class:`Entry`, one per sequence

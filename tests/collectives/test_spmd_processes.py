@@ -480,7 +480,8 @@ def test_malformed_bytes_do_not_crash_a_rank(ranks: Callable[..., Rank]) -> None
                 time.sleep(0.02)  # rank 0 is still starting: retry the connect
     garbage = [
         os.urandom(200),                                             # noise
-        tcphandshake.HELLO.pack(tcphandshake.HELLO_MAGIC, 1, 0, b"\x00" * 32, b"n" * 16),  # bad tag
+        tcphandshake.HELLO.pack(tcphandshake.HELLO_MAGIC, 0, 1, 0, b"\x00" * 32,   # bad tag
+                                b"n" * 16),
         b"PMCOLL1\x00\x01",                                          # cut short
         b"",                                                         # connect, close
     ]

@@ -12,6 +12,9 @@ single-process tokens. Once formed, no stage listens any more.
 
 A member's hop with settings the driver never sends fails its sequence
 only, not the stage's serving thread.
+
+The ring's hops are sealed by default: a relay in front of the driver's
+port (every stage that dials the driver goes through it) reads no prompt.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import socket
 import time
 from typing import Any
 
+import msgpack
 import pytest
 
 from pmetal.links import tcphandshake, tcplinks
@@ -31,6 +35,7 @@ from pmetal.pipeline.pipeline import Pipeline
 from pmetal.pipeline.sampling import SamplingConfig
 from pmetal.pipeline.stage import PipelineStageConfig, PipelineStageRuntime
 from pmetal.pipeline.transport import Entry, Hop
+from tests.links.relay import Relay
 
 TINY = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -151,6 +156,54 @@ def test_strangers_at_a_forming_ring_are_refused_and_it_still_forms(
         assert pipe.generate(PROMPTS[:1], max_tokens=12)[0].tokens == expected[0]
     finally:
         pipe.close()
+
+
+class _Fronted(socket.socket):
+    """A listening socket that names another address (a relay's) as its own."""
+    front: tuple[str, int] = ("", 0)
+
+    def getsockname(self) -> Any:
+        return self.front
+
+
+def test_a_relay_on_the_ring_reads_no_prompt(cluster: Any,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's listener is fronted by a relay: both stages that dial
+    the driver (stage 0, which the prompt goes to, and the last stage,
+    which sends back the tokens) connect through it. The prompt's token ids
+    would cross as one run of bytes in a hop's header; the relay carries
+    the whole generation and never sees that run."""
+    prompt = list(range(101, 117))
+    pattern = bytes(prompt)
+    assert pattern in msgpack.packb([1, [[1, 0, prompt]]])    # how it would cross in clear
+    relays: list[Relay] = []
+
+    def fronted_listen(host: str, port: int = 0) -> socket.socket:
+        sock = _Fronted(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((host, port))
+        sock.listen(64)
+        relays.append(Relay(socket.socket.getsockname(sock)))
+        sock.front = relays[-1].address
+        return sock
+
+    monkeypatch.setattr(tcplinks, "listen", fronted_listen)
+    whole = LlamaStage(LlamaWeights.random(TINY, seed=3))
+    expected = generate_single_process(whole, [prompt], SamplingConfig(max_tokens=12),
+                                       max_len=MAX_LEN)[0].tokens
+    pipe = Pipeline.from_pretrained(random_model=TINY, seed=3, stages=2, max_len=MAX_LEN,
+                                    threads=1, connect_timeout=15.0)
+    try:
+        monkeypatch.undo()
+        assert pipe.generate([prompt], max_tokens=12)[0].tokens == expected
+    finally:
+        pipe.close()
+        for relay in relays:
+            relay.close()
+    (relay,) = relays
+    assert relay.connections == 2
+    seen = bytes(relay.seen)
+    assert len(seen) > 12 * 44            # every step's hops crossed it
+    assert pattern not in seen and pattern[:8] not in seen
 
 
 @pytest.mark.parametrize("setup", [
