@@ -220,8 +220,8 @@ def plan_stages(config: LlamaConfig, stages: int, nodes: Sequence[Mapping[str, A
                 raise searched from None
     except PlacementError as exc:
         # The solvers see only the stages' slots; say what every node has.
-        has = ", ".join(f"{f.node_id[:8]} {_size(f.memory)} ({f.memory_source})"
-                        for f in figures if f.memory < UNBOUNDED)
+        has = ", ".join(f"{node_id} {_size(size)} ({source})"
+                        for node_id, (size, source) in memory.items() if size < UNBOUNDED)
         raise PlacementError(
             f"{stages} stage(s) cannot hold the model: {exc}. The live nodes have {has} "
             f"(a stage may use {memory_fraction:.0%} of its node's share); more stages "

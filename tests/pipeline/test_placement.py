@@ -85,7 +85,7 @@ def test_a_node_with_too_little_free_memory_gets_no_stage_or_a_clear_error() -> 
     with pytest.raises(PlacementError) as raised:
         plan_stages(SMOLLM2_135M, 2, nodes)
     message = str(raised.value)
-    assert "64.00 MiB (measured)" in message
+    assert f"{A} 8.00 GiB (measured), {B} 64.00 MiB (measured)" in message
     assert "add nodes or free memory on them" in message
     assert "freeing memory on a node gives it more" in message
 
