@@ -413,9 +413,12 @@ class WorkerList(Message):
 
 @_message(Kind.STATUS_REQUEST)
 class StatusRequest(Message):
-    """Ask a node for its view of the cluster (``pmetal status``)."""
+    """Ask a node for its view of the cluster (``pmetal status``).
+    ``detail``: measure the bandwidth of its links first; ``measure``: each
+    member's entry gets its ``capacity`` (see :class:`Resources`)."""
 
     detail: bool = False
+    measure: bool = False
 
 
 @_message(Kind.STATUS)
@@ -470,18 +473,23 @@ class OwnerDied(Message):
 @_message(Kind.RESOURCES_REQUEST)
 class ResourcesRequest(Message):
     """Node to a member: its resources now (placement); the answer is
-    :class:`Resources`."""
+    :class:`Resources`, with its ``capacity`` when ``measure``."""
+
+    measure: bool = False
 
 
 @_message(Kind.RESOURCES)
 class Resources(Message):
     """A node's resources: ``total`` and ``available`` (not held by actors),
-    and how many creations wait in its queue for resources."""
+    and how many creations wait in its queue for resources; ``capacity``
+    (asked with ``measure``): its compute rate, free memory and links, a
+    map of :class:`pmetal.cluster.capacity.Capacity`."""
 
     total: dict
     available: dict
     queued: int = 0
     actors: int = 0
+    capacity: dict | None = None
 
 
 # ------------------------------------------------------------ the cluster

@@ -163,6 +163,11 @@ def test_start_status_auto_init_stop(home: Path) -> None:
     for expected in (record["node_id"], "NODES (1)", "WORKERS", "ACTORS (1)",
                      "shared_counter", "alive"):
         assert expected in text.stdout
+    assert "CAPACITY" not in text.stdout       # measured only when asked
+    # What pipeline placement sees: the compute rate and free memory, measured now.
+    measured = pmetal(home, "status", "--measure")
+    assert measured.returncode == 0, measured.stderr
+    assert "CAPACITY (1)" in measured.stdout and "COMPUTE GFLOP/S" in measured.stdout
 
     stopped = pmetal(home, "stop")
     assert stopped.returncode == 0, stopped.stderr

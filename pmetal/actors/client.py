@@ -618,9 +618,11 @@ class CoreClient:
 
     # --------------------------------------------------------------- cluster
 
-    def status(self, probe: bool = False) -> dict[str, Any]:
-        """The node's status; ``probe`` first measures its links' bandwidth."""
-        reply = self.request_node(StatusRequest(detail=probe))
+    def status(self, probe: bool = False, measure: bool = False) -> dict[str, Any]:
+        """The node's status; ``probe`` first measures its links' bandwidth;
+        ``measure`` adds each member's ``capacity`` (compute rate, free
+        memory and links now: pipeline placement)."""
+        reply = self.request_node(StatusRequest(detail=probe, measure=measure))
         if not isinstance(reply, Status):
             raise PeerError(f"node answered StatusRequest with {type(reply).__name__}")
         return reply.info

@@ -28,12 +28,16 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe", action="store_true",
                         help="first measure the bandwidth of the link from this node to "
                              "every member (a few MiB each)")
+    parser.add_argument("--measure", action="store_true",
+                        help="add each member's capacity as pipeline placement sees it: "
+                             "compute rate (measured over a quarter second of every CPU "
+                             "the first time, then kept 10 minutes), free memory now, links")
 
 
 def _run_status(args: argparse.Namespace) -> int:
     client = _client_of_recorded_node()
     try:
-        status = client.status(probe=args.probe)
+        status = client.status(probe=args.probe, measure=args.measure)
     finally:
         client.close()
     if args.json:
@@ -164,6 +168,12 @@ def _print_cluster(s: dict[str, Any]) -> None:
                  f"{link['latency'] * 1e6:.0f}" if link.get("latency") else "-",
                  f"{link['bandwidth'] / 1e6:.0f}" if link.get("bandwidth") else
                  "- (pmetal status --probe)") for link in links])
+    measured = [m for m in cluster.get("members") or [] if m.get("capacity")]
+    if measured:
+        _table("CAPACITY", ("NODE ID", "COMPUTE GFLOP/S", "MEMORY FREE", "LINKS MEASURED"),
+               [(m["node_id"][:8], f"{m['capacity'].get('compute', 0.0):.1f}",
+                 f"{m['capacity'].get('memory_free', 0) / (1 << 30):.1f} GiB",
+                 len(m["capacity"].get("links") or {})) for m in measured])
     ignored = cluster.get("ignored") or []
     if ignored:
         _table("IGNORED BY DISCOVERY", ("NODE ID", "ADDRESS", "REASON"),

@@ -46,6 +46,7 @@ __all__ = [
     "NodeProfile",
     "bandwidth_from",
     "measure_gflops",
+    "memory_now",
     "probe_plan",
 ]
 
@@ -79,7 +80,7 @@ class NodeProfile:
     def local(cls, node_id: str, *, measure: bool = True) -> NodeProfile:
         """This machine's profile; ``measure`` runs :func:`measure_gflops`
         (a few milliseconds)."""
-        total, free = _memory()
+        total, free = memory_now()
         return cls(node_id, total, free, os.cpu_count() or 1, _chip(),
                    measure_gflops() if measure else 0.0, gpu_count())
 
@@ -147,7 +148,10 @@ def measure_gflops(samples: int = 20, budget: float = 0.05) -> float:
     return 2.0 * size ** 3 * depth / max(best, 1e-9) / 1e9
 
 
-def _memory() -> tuple[int, int]:
+def memory_now() -> tuple[int, int]:
+    """(total, available) bytes of this machine's memory as the OS reports
+    them now (available: what it hands out without swapping; 0 where it
+    cannot tell)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             return parse_meminfo(f.read())

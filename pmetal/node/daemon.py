@@ -49,6 +49,7 @@ from pmetal.node.placement import check_options, check_resources
 from pmetal.node.pool import WorkerPool, WorkerProc
 from pmetal.node.scheduler import Scheduler, restarted_elsewhere
 from pmetal.node.zygote import ForkServer
+from pmetal.cluster.capacity import Capacity, ComputeMeter, current_capacity
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
 from pmetal.cluster.service import ClusterService
@@ -73,6 +74,7 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 log = logging.getLogger(__name__)
 
 _STATUS_ASK = 1.0   # s a member may take to say what it has free, for status
+_MEASURE_ASK = 10.0  # s a member may take to measure its capacity (a busy or throttled one)
 _MAX_RECEIVE_FAILURES = 100
 _RECEIVE_BACKOFF = 0.01   # s between failed receives: a failing socket must not spin
 
@@ -181,6 +183,7 @@ class NodeDaemon:
             on_dead=self._node_dead, on_refused=self.membership.refuse,
             bootstrap=0.0 if alone else None, gate=self.gate)
         self.scheduler = Scheduler(self)
+        self.compute = ComputeMeter()     # measured on first need: never at start
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
@@ -335,9 +338,13 @@ class NodeDaemon:
             self._later(incoming, self.pool.lease(body))  # type: ignore[arg-type]
             return None
         if kind is StatusRequest:
-            self._later(incoming, self._status_with_calls(probe=body.detail))  # type: ignore[attr-defined]
+            self._later(incoming, self._status_with_calls(probe=body.detail,  # type: ignore[attr-defined]
+                                                          measure=body.measure))  # type: ignore[attr-defined]
             return None
         if kind is ResourcesRequest:
+            if body.measure:  # type: ignore[attr-defined]
+                self._later(incoming, self._resources_measured())
+                return None
             return Resources(self.resources, self.actors.available, len(self.actors.queue),
                              self.actors.alive())
         if kind is OwnerDied:
@@ -454,27 +461,46 @@ class NodeDaemon:
 
     # --------------------------------------------------------------- status
 
-    async def _status_with_calls(self, probe: bool = False) -> Message:
+    async def _status_with_calls(self, probe: bool = False, measure: bool = False) -> Message:
         """status() plus each worker's calls served (asked of the workers)
         and each live member's free resources and actors (asked of them);
-        with ``probe``, after measuring the bandwidth of every link from here."""
+        with ``probe``, after measuring the bandwidth of every link from here;
+        with ``measure``, each member's ``capacity`` (pipeline placement)."""
         if probe:
             await self.cluster.probe_links()
         info = self.status()
         members = list(self.membership.members.values())
+        ask = ResourcesRequest(measure=measure)
         answers = await asyncio.gather(
-            self.pool.add_calls(info["workers"]),
-            *(asyncio.wait_for(self.membership.ask(m, ResourcesRequest()), _STATUS_ASK)
+            self.pool.add_calls(info["workers"]), self._capacity(measure),
+            *(asyncio.wait_for(self.membership.ask(m, ask),
+                               _MEASURE_ASK if measure else _STATUS_ASK)
               for m in members), return_exceptions=True)
-        free = {m.node_id: a for m, a in zip(members, answers[1:]) if isinstance(a, Resources)}
+        free = {m.node_id: a for m, a in zip(members, answers[2:]) if isinstance(a, Resources)}
         for entry in info["cluster"]["members"]:
             if entry["node_id"] == self.node_id:
                 entry.update(available=self.actors.available, actors=self.actors.alive(),
                              queued=len(self.actors.queue))
+                if measure and isinstance(answers[1], Capacity):
+                    entry["capacity"] = answers[1].to_dict()
             elif entry["node_id"] in free:
                 r = free[entry["node_id"]]
                 entry.update(available=r.available, actors=r.actors, queued=r.queued)
+                if measure and r.capacity is not None:
+                    entry["capacity"] = r.capacity
         return Status(info)
+
+    async def _capacity(self, measure: bool = True) -> Capacity | None:
+        if not measure:
+            return None
+        return await current_capacity(self.compute, self.cluster.topology, self.node_id)
+
+    async def _resources_measured(self) -> Message:
+        """The Resources answer with this node's capacity (placement)."""
+        capacity = await self._capacity()
+        assert capacity is not None
+        return Resources(self.resources, self.actors.available, len(self.actors.queue),
+                         self.actors.alive(), capacity.to_dict())
 
     def status(self) -> dict[str, Any]:
         return {

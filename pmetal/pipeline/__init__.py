@@ -33,7 +33,8 @@ from pmetal.pipeline.backends import build_stage
 from pmetal.pipeline.llama_mlx import MlxLlamaStage
 from pmetal.pipeline.loader import load_config, load_quantized, load_weights
 from pmetal.pipeline.models import ModelStore, list_models, remove_model, resolve_model
-from pmetal.pipeline.pipeline import Pipeline, StagePlacement, place_stages
+from pmetal.pipeline.pipeline import Pipeline
+from pmetal.pipeline.placement import StagePlacement, StagePlan, place_stages, plan_stages
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.stage import (
     PipelineStage,
@@ -68,6 +69,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, as test_public_api wants
     "Stage",
     "StageNode",
     "StagePlacement",
+    "StagePlan",
     "StreamDecoder",
     "StreamMultiplexer",
     "Tokenizer",
@@ -80,6 +82,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, as test_public_api wants
     "load_quantized",
     "load_weights",
     "place_stages",
+    "plan_stages",
     "remove_model",
     "resolve_model",
 ]

@@ -318,7 +318,8 @@ def assign_layers_proportional(model: ModelProfile, nodes: Sequence[StageNode],
 
 def assign_layers_bandwidth_aware(model: ModelProfile, nodes: Sequence[StageNode],
                                   links: Links, *,
-                                  exact_limit: int = EXACT_LIMIT) -> Assignment:
+                                  exact_limit: int = EXACT_LIMIT,
+                                  stages: int | None = None) -> Assignment:
     """The chain and cuts that make the slowest stage fastest.
 
     A stage's time per token is ``(its layers' cost [+ head_cost if last]) /
@@ -337,6 +338,9 @@ def assign_layers_bandwidth_aware(model: ModelProfile, nodes: Sequence[StageNode
     node, each next the one with the quickest link to the last; and by free
     memory, largest first), every prefix of each solved exactly for its cuts.
 
+    ``stages``: exactly this many stages (chains of that length only), where
+    the default lets the solver leave slow or distant nodes out.
+
     ``links`` maps a pair of node ids (either order) to a :class:`Link`, or is
     a function of two node ids returning one. Raises PlacementError when no
     split fits in memory, PMetalValueError when a node's speed is 0."""
@@ -346,14 +350,18 @@ def assign_layers_bandwidth_aware(model: ModelProfile, nodes: Sequence[StageNode
         raise PMetalValueError(f"nodes {slow} have no measured speed; the bandwidth-aware "
                                f"solver needs every node's speed (or use "
                                f"assign_layers_proportional)")
+    if stages is not None and not (type(stages) is int and 1 <= stages <= len(nodes)):
+        raise PMetalValueError(f"stages {stages!r} must be an int from 1 to the {len(nodes)} "
+                               f"nodes given")
     _check_total(model, nodes)
     costs = _Costs(model, links)
+    lengths = range(1, len(nodes) + 1) if stages is None else (stages,)
     if len(nodes) <= exact_limit:
         chains: Sequence[tuple[StageNode, ...]] = [
-            chain for k in range(1, len(nodes) + 1) for chain in itertools.permutations(nodes, k)]
+            chain for k in lengths for chain in itertools.permutations(nodes, k)]
         strategy = "bandwidth-aware, exact"
     else:
-        chains = _heuristic_chains(nodes, costs)
+        chains = [c for c in _heuristic_chains(nodes, costs) if len(c) in lengths]
         strategy = "bandwidth-aware, heuristic"
     solved = [(*costs.solve(chain), chain) for chain in chains]
     solved = [found for found in solved if math.isfinite(found[0])]

@@ -25,7 +25,6 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -45,16 +44,17 @@ from pmetal.errors import (
     PMetalValueError,
 )
 from pmetal.pipeline.activations import ActivationCodec
-from pmetal.pipeline.assignment import (
-    Link,
-    ModelProfile,
-    StageNode,
-    assign_layers_bandwidth_aware,
-    assign_layers_proportional,
-)
+from pmetal.pipeline.assignment import ModelProfile
 from pmetal.pipeline.backends import resolve_backend
 from pmetal.pipeline.generation import GenerationResult, PipelineGenerationLoop
 from pmetal.pipeline.llama import LlamaConfig
+from pmetal.pipeline.placement import (
+    StagePlacement,
+    StagePlan,
+    cluster_nodes,
+    place_stages,
+    plan_stages,
+)
 from pmetal.pipeline.sampling import SamplingConfig
 from pmetal.pipeline.stage import PipelineStage, PipelineStageConfig
 
@@ -63,81 +63,6 @@ __all__ = ["Pipeline", "StagePlacement", "place_stages"]
 log = logging.getLogger(__name__)
 
 _CALL_MARGIN = 30.0     # seconds on top of a stage's own deadline for the call carrying it
-
-
-@dataclass(frozen=True)
-class StagePlacement:
-    """Where one stage runs and which layers it holds."""
-
-    index: int
-    node_id: str
-    start: int
-    end: int
-
-
-def place_stages(config: LlamaConfig, stages: int, nodes: Sequence[dict[str, Any]],
-                 *, memory_fraction: float = 0.8,
-                 profile: ModelProfile | None = None) -> list[StagePlacement]:
-    """Split ``config``'s layers over ``stages`` stages on the live ``nodes``
-    (as :func:`pmetal.nodes` lists them). The stages go round the nodes
-    with the most memory first; each stage may use its node's ``memory``
-    resource over the stages there, times ``memory_fraction``, and
-    computes at its node's ``CPU`` count over the stages there. The cuts
-    make the slowest stage as fast as they can
-    (:func:`~pmetal.pipeline.assignment.assign_layers_bandwidth_aware` over
-    this chain: the last stage's LM head counts, about 8 layers of
-    SmolLM2-135M, so on one machine the first stage gets more layers);
-    :func:`~pmetal.pipeline.assignment.assign_layers_proportional` (by
-    memory) when that leaves a stage out. ``profile``: the model's sizes
-    as its backend holds them (default: float32 weights).
-    Raises :class:`PlacementError`, naming what the model needs and what
-    each node has, when the stages cannot fit."""
-    if type(stages) is not int or stages < 1:
-        raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
-    if stages > config.num_hidden_layers:
-        raise PlacementError(f"{stages} stages for a model of {config.num_hidden_layers} "
-                             "layers: every stage needs at least one layer")
-    live = [n for n in nodes if n.get("Alive", True)]
-    if not live:
-        raise PlacementError("no live node to place the pipeline's stages on")
-    live.sort(key=lambda n: -float((n.get("Resources") or {}).get("memory", 0.0)))
-    owners = [live[i % len(live)] for i in range(stages)]
-    per_node = {n["NodeID"]: owners.count(n) for n in live}
-    slots = []
-    for i, node in enumerate(owners):
-        resources = node.get("Resources") or {}
-        memory = float(resources.get("memory", 0.0))
-        share = memory * memory_fraction / per_node[node["NodeID"]] if memory else 2.0**62
-        speed = max(float(resources.get("CPU", 1.0)), 1.0) / per_node[node["NodeID"]]
-        # Zero-padded, so that the solver's node-id order is the chain's.
-        slots.append(StageNode(f"{i:04d}:{node['NodeID']}", int(share), speed))
-    profile = profile or ModelProfile.llama(
-        n_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, n_heads=config.num_attention_heads,
-        n_kv_heads=config.num_key_value_heads, vocab_size=config.vocab_size,
-        tied_embeddings=config.tie_word_embeddings)
-    fast = Link(bandwidth=1e12)     # links are not measured here: compute decides
-    try:
-        assignment = assign_layers_bandwidth_aware(profile, slots, lambda _a, _b: fast,
-                                                   exact_limit=0)
-        if len(assignment.stages) != stages:
-            assignment = assign_layers_proportional(profile, slots)
-    except PlacementError as exc:
-        # The solvers see only the stages' slots; say what every node has.
-        advertised = ", ".join(
-            f"{n['NodeID']} {float((n.get('Resources') or {}).get('memory', 0.0)) / 2**20:.2f} MiB"
-            for n in live)
-        raise PlacementError(
-            f"{stages} stage(s) cannot hold the model: {exc}. The live nodes advertise "
-            f"{advertised} (a stage may use {memory_fraction:.0%} of its node's share); more "
-            "stages spread the layers over more nodes") from exc
-    placements = []
-    for i, stage in enumerate(assignment.stages):
-        placements.append(StagePlacement(i, stage.node_id.partition(":")[2], stage.start,
-                                         stage.end))
-    if len(placements) != stages:
-        raise PlacementError(f"the layers fit on {len(placements)} of {stages} stages only")
-    return placements
 
 
 class Pipeline:
@@ -158,6 +83,8 @@ class Pipeline:
         self.model = model
         self._closed = False
         self._running: list[int] = []
+        # How place_stages chose, from which figures (None with placement=).
+        self.plan: StagePlan | None = None
 
     # ---------------------------------------------------------------- making
 
@@ -231,7 +158,8 @@ class Pipeline:
                placement: Sequence[str] | None, backend: str,
                stage_actor: ActorClass, profile: ModelProfile | None) -> Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
-        nodes = _nodes(client)
+        nodes = _nodes(client, measure=placement is None)
+        plan = None
         if placement is not None:
             if isinstance(placement, str):      # len() would count its characters
                 raise PlacementError(f"placement is a list of node ids, one per stage, not "
@@ -244,7 +172,9 @@ class Pipeline:
             placements = [StagePlacement(p.index, node, p.start, p.end)
                           for p, node in zip(even, placement, strict=True)]
         else:
-            placements = place_stages(config, stages, nodes, profile=profile)
+            plan = plan_stages(config, stages, nodes, profile=profile)
+            placements = list(plan.placements)
+            log.info("pipeline placement, %s", plan.describe())
         cores = os.cpu_count() or 1
         handles: list[ActorHandle] = []
         try:
@@ -292,6 +222,7 @@ class Pipeline:
         pipe = cls(config=config, handles=handles, placements=placements, loop=loop,
                    tokenizer=tokenizer, codec=codec, max_len=max_len,
                    model=path or "random")
+        pipe.plan = plan
         # A broken ring's error names the dead stage: the pipeline asks them.
         loop.describe_failure = pipe._describe
         hosts = {n["NodeID"]: n.get("Address", "") for n in nodes}
@@ -470,15 +401,10 @@ def _stage_actor(stage_class: Any) -> ActorClass:
     return ActorClass(cls, options)
 
 
-def _nodes(client: Any) -> list[dict[str, Any]]:
+def _nodes(client: Any, measure: bool = False) -> list[dict[str, Any]]:
     """The cluster's members (as :func:`pmetal.nodes` lists them, the
-    fields placement needs)."""
-    info = client.status()
-    members = (info.get("cluster") or {}).get("members") or []
-    out = [{"NodeID": m["node_id"], "Resources": m.get("resources") or {},
-            "Address": m.get("address", ""),
-            "Alive": m.get("state") != "dead" and m.get("health") != "dead"} for m in members]
-    return out or [{"NodeID": info["node_id"], "Resources": info["resources"], "Alive": True}]
+    fields placement needs; with ``measure``, each one's capacity now)."""
+    return cluster_nodes(client.status(measure=measure))
 
 
 def _dead_stage(dead: frozenset[str], placements: Sequence[StagePlacement],

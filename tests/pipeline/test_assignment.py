@@ -56,13 +56,15 @@ def stage_memory(model: ModelProfile, n_stages: int, i: int, start: int, end: in
 
 
 def brute_force(model: ModelProfile, nodes: list[StageNode],
-                links: dict[tuple[str, str], Link]) -> tuple[float, list[str] | None]:
-    """The least bottleneck over every ordered subset of nodes and every way
-    to cut the layers into that many non-empty ranges, and the chain that
-    reaches it first (fewest stages, then node-id order)."""
+                links: dict[tuple[str, str], Link],
+                stages: int | None = None) -> tuple[float, list[str] | None]:
+    """The least bottleneck over every ordered subset of nodes (of
+    ``stages`` nodes when given) and every way to cut the layers into that
+    many non-empty ranges, and the chain that reaches it first (fewest
+    stages, then node-id order)."""
     best, best_chain = math.inf, None
     ordered = sorted(nodes, key=lambda n: n.node_id)
-    for k in range(1, len(nodes) + 1):
+    for k in range(1, len(nodes) + 1) if stages is None else (stages,):
         for chain in itertools.permutations(ordered, k):
             for inner in itertools.combinations(range(1, model.n_layers), k - 1):
                 cuts = [0, *inner, model.n_layers]
@@ -140,6 +142,26 @@ def test_the_bandwidth_aware_solver_matches_brute_force(case: tuple) -> None:
     assert got.latency_per_token == pytest.approx(sum(s.time for s in got.stages))  # type: ignore[misc]
     # The input order does not matter.
     assert assign_layers_bandwidth_aware(model, nodes[::-1], links) == got
+
+
+@settings(max_examples=150, deadline=None)
+@given(clusters(), st.integers(1, 4))
+def test_a_fixed_number_of_stages_matches_brute_force(case: tuple, stages: int) -> None:
+    model, nodes, links = case
+    if stages > len(nodes):
+        with pytest.raises(PMetalValueError, match="stages"):
+            assign_layers_bandwidth_aware(model, nodes, links, stages=stages)
+        return
+    best, chain = brute_force(model, nodes, links, stages)
+    if chain is None:
+        with pytest.raises(PlacementError):
+            assign_layers_bandwidth_aware(model, nodes, links, stages=stages)
+        return
+    got = assign_layers_bandwidth_aware(model, nodes, links, stages=stages)
+    check_valid(model, nodes, got)
+    assert len(got.stages) == stages
+    assert got.time_per_token == pytest.approx(best, rel=1e-9)
+    assert got.node_ids == chain
 
 
 @settings(max_examples=100, deadline=None)
