@@ -57,9 +57,18 @@ from pathlib import Path
 from typing import TextIO
 
 from pmetal.config import pmetal_home
-from pmetal.store import (ChecksumError, Manifest, ModelError, ModelFetchError,
-                          ModelFormatError, ModelUnavailableError, PieceStore,
-                          StoredModelInfo, UnknownModelError, build_manifest)
+from pmetal.store import (
+    ChecksumError,
+    Manifest,
+    ModelError,
+    ModelFetchError,
+    ModelFormatError,
+    ModelUnavailableError,
+    PieceStore,
+    StoredModelInfo,
+    UnknownModelError,
+    build_manifest,
+)
 from pmetal.store.folder import ModelFolder, is_sha256
 
 __all__ = [  # noqa: RUF022 - plain sorted order
@@ -172,7 +181,9 @@ def manifest_of(path: Path, *, sha256: str | None = None, filename: str | None =
     """The manifest of the GGUF file at ``path`` (its header parsed and
     checked by :class:`~pmetal.pipeline.gguf_file.GGUFFile`, every piece
     hashed); ``sha256``: what the whole file must hash to."""
-    from pmetal.pipeline.gguf_file import GGUFFile  # numpy and gguf, when a manifest is built
+    from pmetal.pipeline.gguf_file import (
+        GGUFFile,  # numpy and gguf, when a manifest is built
+    )
 
     with GGUFFile(path) as gguf:
         offsets = {name: info.offset for name, info in gguf.tensors.items()}
@@ -306,6 +317,12 @@ class ModelStore:
         path = self.resolve(name_or_path, fetch=fetch, progress=progress)
         if path.is_dir():
             return None
+        if path.parent.parent == self.root and is_sha256(path.parent.name):
+            # A model of the store (whole, or the pieces this node holds).
+            folder = self.pieces.open(path.parent.name)
+            if folder is not None and folder.path == path:
+                return ModelRef(folder.manifest.sha256, folder.manifest.digest, path,
+                                self.name_of(folder.manifest.sha256))
         for info in self.pieces.list():
             # The store's own file, or a hard link to it (a path taken in before).
             if info.complete and info.path.exists() and os.path.samefile(info.path, path):

@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from pmetal.channel import Channel
 from pmetal.config import PMetalConfig
@@ -42,7 +42,7 @@ from pmetal.store.manifest import Manifest, Piece
 from pmetal.transport import ZmqTransport
 from pmetal.wire import Failure, ModelHoldings, ModelQuery, PieceData, PieceRead
 
-__all__ = ["CHUNK", "PullProgress", "PullResult", "Puller", "WINDOW"]
+__all__ = ["CHUNK", "WINDOW", "PullProgress", "PullResult", "Puller"]
 
 log = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class Puller:
                 source.channel.close()
                 source.channel = None
 
-    def __enter__(self) -> Puller:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

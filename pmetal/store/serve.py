@@ -18,9 +18,16 @@ import numpy as np
 
 from pmetal.store.errors import ModelError
 from pmetal.store.folder import PieceStore
-from pmetal.wire import Failure, Message, ModelHoldings, ModelQuery, PieceData, PieceRead
+from pmetal.wire import (
+    Failure,
+    Message,
+    ModelHoldings,
+    ModelQuery,
+    PieceData,
+    PieceRead,
+)
 
-__all__ = ["MAX_CHUNK", "MAX_READS", "PieceServer", "STORE_KINDS"]
+__all__ = ["MAX_CHUNK", "MAX_READS", "STORE_KINDS", "PieceServer"]
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "store-test"
 
 
-@dataclass
+@dataclass(eq=False)
 class NodeProc:
     home: Path
     address: str
+    node_id: str
     proc: subprocess.Popen[bytes]
 
     @property
@@ -64,12 +65,13 @@ def config():  # type: ignore[no-untyped-def]
 
 @pytest.fixture()
 def start_node(tmp_path: Path, psk: bytes) -> Iterator[Callable[[str], NodeProc]]:
-    """Start a node daemon on 127.0.0.1 whose home is ``tmp_path/<name>``."""
+    """Start a node daemon on 127.0.0.1 whose home is ``tmp_path/<name>``
+    (static ``peers``: the addresses of nodes started before it)."""
     from pmetal.node.daemon import read_ready_line
 
     started: list[NodeProc] = []
 
-    def start(name: str) -> NodeProc:
+    def start(name: str, peers: tuple[str, ...] = ()) -> NodeProc:
         home = tmp_path / name
         home.mkdir(mode=0o700, exist_ok=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
@@ -77,11 +79,12 @@ def start_node(tmp_path: Path, psk: bytes) -> Iterator[Callable[[str], NodeProc]
                    PMETAL_SECURITY_NAMESPACE=NAMESPACE, PYTHONPATH=str(ROOT))
         proc = subprocess.Popen(
             [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1", "--port", "0",
-             "--no-discovery", "--num-workers", "1", "--num-task-workers", "1"],
+             "--no-discovery", "--num-workers", "2", "--num-task-workers", "1",
+             *(["--peers", ",".join(p.removeprefix("tcp://") for p in peers)] if peers else [])],
             stdout=subprocess.PIPE, stderr=(home / "node.log").open("wb"),
             stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
-        address = read_ready_line(proc, 30.0).split()[1]
-        node = NodeProc(home, address, proc)
+        address, node_id = read_ready_line(proc, 30.0).split()[1:3]
+        node = NodeProc(home, address, node_id, proc)
         started.append(node)
         return node
 

@@ -13,7 +13,14 @@ import pytest
 
 from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.models import ModelStore, manifest_of
-from pmetal.store import HEADER, ChecksumError, Manifest, ModelError, ModelFormatError, PieceStore
+from pmetal.store import (
+    HEADER,
+    ChecksumError,
+    Manifest,
+    ModelError,
+    ModelFormatError,
+    PieceStore,
+)
 
 
 def test_pieces_tile_the_file_and_hash_what_they_cover(tiny_gguf: Path) -> None:

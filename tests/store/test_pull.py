@@ -81,9 +81,9 @@ def test_a_tampered_piece_is_refused_and_never_stored(
     finally:
         os.close(fd)
     store = PieceStore(tmp_path / "mine")
-    with Puller(store, [holder.address], namespace=namespace, config=config) as puller:
-        with pytest.raises(ChecksumError) as info:
-            puller.pull(ref.sha256, layer_names(manifest, 1), digest=ref.digest)
+    with Puller(store, [holder.address], namespace=namespace, config=config) as puller, \
+            pytest.raises(ChecksumError) as info:
+        puller.pull(ref.sha256, layer_names(manifest, 1), digest=ref.digest)
     message = str(info.value)
     assert "blk.1.attn_v.weight" in message and holder.address in message
     assert "tampered or corrupt piece" in message and ref.sha256[:12] in message
@@ -100,9 +100,9 @@ def test_a_stranger_without_the_psk_gets_nothing(
     assert ref is not None
     stranger = NetworkNamespace(NAMESPACE, secrets.token_bytes(32))
     store = PieceStore(tmp_path / "stranger")
-    with Puller(store, [holder.address], namespace=stranger, config=config) as puller:
-        with pytest.raises(ModelUnavailableError) as info:
-            puller.pull(ref.sha256)
+    with Puller(store, [holder.address], namespace=stranger, config=config) as puller, \
+            pytest.raises(ModelUnavailableError) as info:
+        puller.pull(ref.sha256)
     assert holder.address in str(info.value) and "did not answer" in str(info.value)
     assert store.list() == [] and not (tmp_path / "stranger").exists()
 
@@ -145,9 +145,8 @@ def test_no_member_left_fails_naming_the_model_the_member_and_what_to_do(
 
     store = PieceStore(tmp_path / "mine")
     with Puller(store, [only.address], namespace=namespace, config=config,
-                progress=progress) as puller:
-        with pytest.raises(ModelUnavailableError) as info:
-            puller.pull(ref.sha256)
+                progress=progress) as puller, pytest.raises(ModelUnavailableError) as info:
+        puller.pull(ref.sha256)
     message = str(info.value)
     assert ref.sha256[:12] in message and only.address in message
     assert "pmetal models pull" in message and "failed mid-transfer" in message
