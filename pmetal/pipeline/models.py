@@ -45,7 +45,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -345,13 +344,13 @@ class ModelStore:
 
     def _adopt(self, name: str) -> bool:
         """A model fetched before the store kept models by sha256
-        (``<root>/<name>/<file>``) moves into it when its sha256 is right."""
+        (``<root>/<name>/<file>``) is taken in (a hard link) when its sha256
+        is right; the old path stays for older pmetal versions."""
         entry = self.entry(name)
         old = self.root / entry.name / entry.filename
         if not old.is_file() or old.stat().st_size != entry.size or _sha256(old) != entry.sha256:
             return False
         self.add(old, sha256=entry.sha256)
-        shutil.rmtree(old.parent, ignore_errors=True)
         return True
 
     def fetch(self, name: str, *, progress: TextIO | None = None) -> Path:

@@ -492,9 +492,11 @@ def _stage_model(ref: Any, path: str, client: Any,
     it holds the model); else the path (a Hugging Face folder)."""
     if ref is None:
         return {"model": path}
+    # Our node as the members reach it (not the loopback address we may use).
+    own = [n["Address"] for n in nodes if n["NodeID"] == client.node_id and n.get("Address")]
     others = [n["Address"] for n in nodes if n.get("Address") and n.get("Alive", True)]
     return {"model": ref.key, "manifest": ref.digest,
-            "sources": tuple(dict.fromkeys([client.node_address, *others]))}
+            "sources": tuple(dict.fromkeys([*(own or [client.node_address]), *others]))}
 
 
 def _nodes(client: Any) -> list[dict[str, Any]]:

