@@ -7,6 +7,7 @@
     python -m benchmarks allreduce      # collectives only, = pmetal bench allreduce
     python -m benchmarks pipeline       # opt-in: Llama decoding, = pmetal bench pipeline
     python -m benchmarks kernels        # opt-in: quantized matmul GB/s per GGUF format
+    python -m benchmarks store          # opt-in: pulling a model between nodes
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -16,13 +17,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, allreduce, cluster, instructions, kernels, pipeline, transport
+from benchmarks import (
+    actors,
+    allreduce,
+    cluster,
+    instructions,
+    kernels,
+    pipeline,
+    store,
+    transport,
+)
 
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
           "allreduce": allreduce.main}
 # Run only when named: instructions needs valgrind; pipeline loads a model;
-# kernels measures compute, not the cluster.
-OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main}
+# kernels measures compute, not the cluster; store moves the default model.
+OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main,
+          "store": store.main}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,9 @@ them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
 The cluster's kinds (50-58: ``Beat``, ``BeatEcho``, ``VoteRequest``, ``Vote``,
 ``ClusterView``, ``JoinCluster``, ``WatchCluster``, ``ClusterState``, ``Probe``)
 are node to node, but for the watch, which a client asks of its own node.
+The model store's kinds (60-63: ``ModelQuery``, ``ModelHoldings``,
+``PieceRead``, ``PieceData``) are asked of a node by any process of the
+namespace.
 Fields added at the end of a message (an old peer's shorter message decodes
 with their defaults): ``ActorLocation.max_task_retries`` and
 ``ActorLocation.owner_lease``, ``OwnerDied.client``.
@@ -89,10 +92,14 @@ __all__ = [
     "LeaseWorkers",
     "LookupActor",
     "Message",
+    "ModelHoldings",
+    "ModelQuery",
     "NodeJoin",
     "OwnerDied",
     "PROTOCOL_VERSION",
     "Pickled",
+    "PieceData",
+    "PieceRead",
     "Ping",
     "Pong",
     "Probe",
@@ -161,6 +168,11 @@ class Kind(enum.IntEnum):
     WATCH_CLUSTER = 56
     CLUSTER_STATE = 57
     PROBE = 58
+    # the model store: pieces of models between nodes (pmetal.store)
+    MODEL_QUERY = 60
+    MODEL_HOLDINGS = 61
+    PIECE_READ = 62
+    PIECE_DATA = 63
 
 
 class Message:
@@ -604,6 +616,48 @@ class Probe(Message):
     is an :class:`Ack` holding its length."""
 
     payload: bytes
+
+
+# ------------------------------------------------------ the model store
+#
+# Asked of a node daemon by any process of the namespace (a stage, ``pmetal
+# models pull``); answered from the node's store ($PMETAL_HOME/models), or
+# with a Failure of kind "not_found". See pmetal.store and docs/protocol.md.
+
+@_message(Kind.MODEL_QUERY)
+class ModelQuery(Message):
+    """What the node holds of the model whose file has sha256 ``sha256``;
+    the answer is :class:`ModelHoldings`."""
+
+    sha256: str
+
+
+@_message(Kind.MODEL_HOLDINGS)
+class ModelHoldings(Message):
+    """The model's manifest (its canonical bytes, as a uint8 array) and one
+    byte per piece of it, 1 where the node holds the piece."""
+
+    manifest: Any
+    held: bytes
+
+
+@_message(Kind.PIECE_READ)
+class PieceRead(Message):
+    """Bytes ``[offset, offset + length)`` of the model's file, which must
+    lie in pieces the node holds and be at most ``store.chunk_bytes`` long;
+    the answer is :class:`PieceData`."""
+
+    sha256: str
+    offset: int
+    length: int
+
+
+@_message(Kind.PIECE_DATA)
+class PieceData(Message):
+    """The bytes a :class:`PieceRead` asked for (a uint8 array: a frame of
+    its own, never inside the envelope)."""
+
+    data: Any
 
 
 # -------------------------------------------- actor runtime: execution

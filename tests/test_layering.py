@@ -84,16 +84,17 @@ ALLOWED = {
     "cluster": {"core"},
     "model": {"core"},
     "actors": {"core", "cluster"},
-    "node": {"core", "cluster", "actors"},   # the daemon; the client side never imports it
+    "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
+    "node": {"core", "cluster", "actors", "store"},   # the daemon; the client side never imports it
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
     "collectives": {"core", "cluster", "actors", "links"},
-    "pipeline": {"core", "cluster", "actors", "links", "model"},
+    "pipeline": {"core", "cluster", "actors", "links", "model", "store"},
     "util": {"core", "actors"},   # Ray's import paths (ray.util.*), re-exported
     "front": {"core", "cluster", "actors", "node", "links", "collectives"},
     "bench": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
-              "front"},
+              "front", "store"},
     "cli": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
-            "front", "bench"},
+            "front", "bench", "store"},
 }
 
 

@@ -94,6 +94,11 @@ EXAMPLES: dict[Kind, Message] = {
                                     corrs=(7, 8)),
     Kind.RUN_TASK: wire.RunTask(fn_id="fn-1", fn_ref=None, args=[[1, 2]], kwargs={}),
     Kind.RESULT: wire.Result(value={"total": 3}),
+    Kind.MODEL_QUERY: wire.ModelQuery(sha256="ab" * 32),
+    # (the store sends uint8 arrays, out of band; any value decodes)
+    Kind.MODEL_HOLDINGS: wire.ModelHoldings(manifest=b'{"format":1}', held=b"\x01\x00"),
+    Kind.PIECE_READ: wire.PieceRead(sha256="ab" * 32, offset=4096, length=1 << 20),
+    Kind.PIECE_DATA: wire.PieceData(data=b"GGUF"),
     Kind.FAILURE: wire.Failure(
         kind="user", error_type="ValueError", message="bad", traceback="Traceback ...",
         exception=Pickled(pickle.dumps(ValueError("bad")))),

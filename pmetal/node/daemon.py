@@ -12,6 +12,8 @@ installed) around one :class:`~pmetal.endpoint.SecureListener`:
   and answers where an actor lives now (:mod:`pmetal.node.lifecycle`);
 * it names the owner of each actor a client creates and ends the actors of
   owners that go (:mod:`pmetal.node.owners`);
+* it serves the pieces of the models this machine stores to the members
+  that lack them (:mod:`pmetal.store.serve`);
 * it keeps the member list of the cluster (:mod:`pmetal.node.membership`:
   static peers now; discovery and election join later through the same
   component), versioned by an epoch, and forwards placements and kills aimed
@@ -53,13 +55,14 @@ from pmetal.cluster.capacity import Capacity, ComputeMeter, current_capacity
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
 from pmetal.cluster.service import ClusterService
-from pmetal.config import PMetalConfig, load_config, setup_process_logging
+from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
                            TransportError)
 from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
+from pmetal.store.serve import STORE_KINDS, PieceServer
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor, Detach, Failure,
                          JoinCluster, KillActor, LeaseWorkers, LookupActor, Message, NodeJoin,
@@ -184,6 +187,8 @@ class NodeDaemon:
             bootstrap=0.0 if alone else None, gate=self.gate)
         self.scheduler = Scheduler(self)
         self.compute = ComputeMeter()     # measured on first need: never at start
+        # Pieces of the models this machine holds, for members that lack them.
+        self.store = PieceServer(pmetal_home() / "models")
         self._stopping = asyncio.Event()
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
@@ -340,6 +345,9 @@ class NodeDaemon:
         if kind is StatusRequest:
             self._later(incoming, self._status_with_calls(probe=body.detail,  # type: ignore[attr-defined]
                                                           measure=body.measure))  # type: ignore[attr-defined]
+            return None
+        if kind in STORE_KINDS:
+            self._later(incoming, self.store.answer(body))
             return None
         if kind is ResourcesRequest:
             if body.measure:  # type: ignore[attr-defined]

@@ -49,7 +49,8 @@ from pmetal.pipeline.gguf_file import GGUFFile
 from pmetal.pipeline.llama import LayerWeights, LlamaConfig, LlamaWeights
 from pmetal.pipeline.models import ModelFormatError, UnknownModelError
 
-__all__ = ["load_config", "load_quantized", "load_weights", "quantized_profile"]
+__all__ = ["load_config", "load_quantized", "load_weights", "quantized_profile",
+           "stage_tensors"]
 
 F32 = np.float32
 
@@ -156,6 +157,23 @@ def load_weights(path: str | Path, start: int = 0, end: int | None = None) -> Ll
             raise ModelFormatError(f"{path}: {exc}") from exc
     finally:
         source.close()
+
+
+def stage_tensors(names: Any, config: LlamaConfig, start: int, end: int) -> list[str]:
+    """The GGUF tensors of ``names`` that a stage running layers ``[start,
+    end)`` reads (:func:`load_weights` and :func:`load_quantized` read no
+    others): its layers', the embedding when it embeds or is the last stage
+    of a tied model, the final norm and the head when it is the last."""
+    is_last = end == config.num_hidden_layers
+    wanted = {f"blk.{i}." for i in range(start, end)}
+    out = [n for n in names if n.startswith("blk.") and n[:n.index(".", 4) + 1] in wanted]
+    if start == 0 or (is_last and config.tie_word_embeddings):
+        out.append(_EMBED[0])
+    if is_last:
+        out.append(_NORM[0])
+        if not config.tie_word_embeddings:
+            out.append(_HEAD[0])
+    return [n for n in out if n in names]
 
 
 def load_quantized(path: str | Path, start: int = 0, end: int | None = None

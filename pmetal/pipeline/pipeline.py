@@ -85,6 +85,7 @@ class Pipeline:
         self._running: list[int] = []
         # How place_stages chose, from which figures (None with placement=).
         self.plan: StagePlan | None = None
+        self.loaded: list[dict[str, Any]] = []     # what each stage's load() said
 
     # ---------------------------------------------------------------- making
 
@@ -122,13 +123,18 @@ class Pipeline:
         codec_ = ActivationCodec.parse(codec)
         if type(stages) is not int or stages < 1:
             raise PMetalValueError(f"stages {stages!r} must be an int >= 1")
-        path, tokenizer = "", None
+        path, tokenizer, ref = "", None, None
         if random_model is None:
             from pmetal.pipeline import loader, models  # gguf/tokenizers only when used
             from pmetal.pipeline.tokenizer import Tokenizer
 
             path = str(models.resolve_model(model, progress=progress))
             config = loader.load_config(path)
+            if loader.is_gguf(Path(path)):
+                # A GGUF model goes into this node's store: stages are told its
+                # sha256, and take it from their own store or the members'.
+                ref = models.ModelStore().reference(path, progress=progress)
+                path = str(ref.path)
             tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
@@ -146,9 +152,15 @@ class Pipeline:
         profile = None
         if path and resolve_backend(backend, gguf=loader.is_gguf(Path(path))) == "quantized":
             profile = loader.quantized_profile(path, max_len=max_len)
-        return cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
+        pipe = cls._build(config, path, tokenizer, stages, codec_, max_len, threads,
                           step_timeout, connect_timeout, lanes, random_model, seed, placement,
-                          backend, stage_actor, profile)
+                          backend, stage_actor, profile, ref)
+        for p, info in zip(pipe.placements, pipe.loaded, strict=True):
+            if info.get("pulled") and progress is not None:
+                progress.write(f"pmetal: stage {p.index} pulled {info['pulled'] / 1e6:.1f} MB "
+                               f"of its layers in {info['pull_seconds']:.1f} s from "
+                               f"{', '.join(info['pulled_from'])}\n")
+        return pipe
 
     @classmethod
     def _build(cls, config: LlamaConfig, path: str, tokenizer: Any, stages: int,
@@ -156,7 +168,8 @@ class Pipeline:
                step_timeout: float, connect_timeout: float, lanes: int | None,
                random_model: LlamaConfig | None, seed: int,
                placement: Sequence[str] | None, backend: str,
-               stage_actor: ActorClass, profile: ModelProfile | None) -> Pipeline:
+               stage_actor: ActorClass, profile: ModelProfile | None,
+               ref: Any = None) -> Pipeline:
         client = context.current()      # connects, or starts a local node as .remote() does
         nodes = _nodes(client, measure=placement is None)
         plan = None
@@ -181,7 +194,8 @@ class Pipeline:
             for p in placements:
                 sharing = sum(1 for q in placements if q.node_id == p.node_id)
                 stage_config = PipelineStageConfig(
-                    start=p.start, end=p.end, index=p.index, num_stages=stages, model=path,
+                    start=p.start, end=p.end, index=p.index, num_stages=stages,
+                    **_stage_model(ref, path, client, nodes),
                     random_model=None if random_model is None else dict(random_model.__dict__),
                     seed=seed, codec=codec.value, backend=backend,
                     threads=threads if threads is not None else max(1, cores // sharing),
@@ -223,6 +237,7 @@ class Pipeline:
                    tokenizer=tokenizer, codec=codec, max_len=max_len,
                    model=path or "random")
         pipe.plan = plan
+        pipe.loaded = infos
         # A broken ring's error names the dead stage: the pipeline asks them.
         loop.describe_failure = pipe._describe
         hosts = {n["NodeID"]: n.get("Address", "") for n in nodes}
@@ -399,6 +414,20 @@ def _stage_actor(stage_class: Any) -> ActorClass:
             f"under @pmetal.remote), not {cls!r}: the driver calls its load, open, "
             "connect, statistics and close")
     return ActorClass(cls, options)
+
+
+def _stage_model(ref: Any, path: str, client: Any,
+                 nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How stages are told the model: a model of the store by its sha256,
+    with the members to pull missing pieces from (this driver's node first:
+    it holds the model); else the path (a Hugging Face folder)."""
+    if ref is None:
+        return {"model": path}
+    # Our node as the members reach it (not the loopback address we may use).
+    own = [n["Address"] for n in nodes if n["NodeID"] == client.node_id and n.get("Address")]
+    others = [n["Address"] for n in nodes if n.get("Address") and n.get("Alive", True)]
+    return {"model": ref.key, "manifest": ref.digest,
+            "sources": tuple(dict.fromkeys([*(own or [client.node_address]), *others]))}
 
 
 def _nodes(client: Any, measure: bool = False) -> list[dict[str, Any]]:

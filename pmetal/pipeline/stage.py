@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from pmetal.pipeline.backends import BACKENDS, build_stage
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.threads import set_compute_threads
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
+from pmetal.pipeline.weights import StageWeights, is_store_model, stage_weights
 
 __all__ = ["PipelineStage", "PipelineStageConfig", "PipelineStageRuntime"]
 
@@ -63,8 +64,12 @@ _IDLE_SLICE = 1.0   # the serving thread re-checks that it should go on this oft
 class PipelineStageConfig:
     """What one stage runs.
 
-    ``model`` is a GGUF file or a Hugging Face folder (every node reads its
-    own copy, and only the tensors of ``[start, end)``); or, for tests and
+    ``model`` is ``sha256:<hex>``, a GGUF model of the store named by its
+    file's sha256 (each stage reads its own node's store and pulls the
+    pieces it lacks from the members at ``sources``, checking the manifest
+    against the digest ``manifest``: :mod:`pmetal.pipeline.weights`), or the
+    path of a GGUF file or Hugging Face folder that every stage's machine
+    sees (only the tensors of ``[start, end)`` are read); or, for tests and
     benchmarks, ``random_model``: a :class:`LlamaConfig` as a dict whose
     random weights (seeded by ``seed``) every stage draws alike.
     ``codec`` encodes the activations this stage sends; ``threads`` caps
@@ -86,6 +91,8 @@ class PipelineStageConfig:
     threads: int = 0
     threads_alone: int = 0
     backend: str = "auto"
+    manifest: str = ""
+    sources: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (type(self.num_stages) is int and self.num_stages >= 1):
@@ -98,6 +105,10 @@ class PipelineStageConfig:
         if bool(self.model) == (self.random_model is not None):
             raise ConfigError("give a stage either model= (a GGUF file or a Hugging Face "
                               "folder) or random_model= (a LlamaConfig as a dict), not both")
+        if self.model.startswith("sha256:") and not (
+                len(self.model) == 71 and all(c in "0123456789abcdef" for c in self.model[7:])):
+            raise ConfigError(f"model {self.model!r}: a stored model is 'sha256:' and the 64 "
+                              "lowercase hex digits of its file's sha256")
         ActivationCodec.parse(self.codec)
         for name in ("threads", "threads_alone"):
             value = getattr(self, name)
@@ -386,17 +397,25 @@ class PipelineStage:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._failure: str | None = None
+        self._weights: StageWeights | None = None
 
     def load(self) -> dict[str, Any]:
         """Load this stage's layers (apart from the constructor, so that the
         driver has every stage load at once); where and what it is."""
         if self.runtime is None:
+            config = self.config
+            if is_store_model(config.model):
+                # This node's store, the missing pieces pulled from the members.
+                self._weights = stage_weights(config, context.current())
+                config = replace(config, model=str(self._weights.path))
             if self.config.threads:
                 set_compute_threads(self.config.threads)
-            self.runtime = PipelineStageRuntime(self.config)
-        c = self.config
+            self.runtime = PipelineStageRuntime(config)
+        c, w = self.config, self._weights
         return {"index": c.index, "start": c.start, "end": c.end, "pid": os.getpid(),
-                "load_seconds": self.runtime.stats.load_seconds}
+                "load_seconds": self.runtime.stats.load_seconds,
+                "pulled": w.pulled if w else 0, "pull_seconds": w.seconds if w else 0.0,
+                "pulled_from": dict(w.sources) if w else {}}
 
     def open(self) -> tuple[str, int]:
         """Listen for the ring on this worker's host; the address."""

@@ -18,16 +18,19 @@ from pmetal.pipeline.models import ModelStore
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[dict[str, Any]]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """An embedded node with four workers (one per stage of the largest
-    pipeline), short timeouts."""
+    pipeline), short timeouts, and a PMETAL_HOME of its own: a pipeline of
+    a GGUF file takes the file into the store there, not into the user's."""
     if pmetal.is_initialized():
         pmetal.shutdown(timeout=3.0)
-    try:
-        yield pmetal.init(num_workers=4, config=load_config(
-            transport={"handshake_timeout": 2.0, "request_timeout": 10.0}))
-    finally:
-        pmetal.shutdown(timeout=3.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PMETAL_HOME", str(tmp_path_factory.mktemp("pmetal-home")))
+        try:
+            yield pmetal.init(num_workers=4, config=load_config(
+                transport={"handshake_timeout": 2.0, "request_timeout": 10.0}))
+        finally:
+            pmetal.shutdown(timeout=3.0)
 
 
 @pytest.fixture(scope="session")

