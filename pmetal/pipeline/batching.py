@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from pmetal.errors import PipelineError, PMetalValueError
 from pmetal.pipeline.generation import (
@@ -140,7 +140,7 @@ class ContinuousBatcher:
             self.loop.links.close(timeout=1.0)
             thread.join(timeout)
 
-    def __enter__(self) -> ContinuousBatcher:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
