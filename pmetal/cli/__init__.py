@@ -85,7 +85,8 @@ COMMANDS: dict[str, Command] = {
                      "SmolLM2-135M-Instruct)", _run_serve, _serve_arguments),
     "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
                      "nccl-tests), 'pipeline' (model engine against llama.cpp), 'agreement' "
-                     "(greedy tokens of the engines), 'memory'", _run_bench,
+                     "(greedy tokens of the engines), 'memory', 'serve' (pmetal serve against "
+                     "llama.cpp's server)", _run_bench,
                      _bench_arguments),
     "models": Command("list, fetch or remove the models pipelines run ($PMETAL_HOME/models)",
                       _run_models, _models_arguments),

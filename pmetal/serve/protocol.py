@@ -13,8 +13,9 @@ The parameters and their bounds follow OpenAI's API reference:
 ``temperature`` 0-2 (default 1), ``top_p`` 0-1 (default 1; 0 is greedy),
 ``max_tokens`` (or ``max_completion_tokens``) >= 1, ``stop`` a string or
 up to 4, ``seed`` an integer, ``n`` 1 only, ``stream`` and
-``stream_options.include_usage``. ``top_k`` (>= 0, 0: off) is an extension,
-as in vLLM and llama.cpp's server. A parameter OpenAI defines whose effect
+``stream_options.include_usage``. ``top_k`` (>= 0, 0: off) and
+``ignore_eos`` (generate ``max_tokens`` whatever the model says: for
+benchmarks) are extensions, as in vLLM and llama.cpp's server. A parameter OpenAI defines whose effect
 pmetal does not have is refused when it asks for that effect (a non-zero
 ``presence_penalty``, ``logprobs``); an unknown parameter is refused, as
 OpenAI refuses it ("Unrecognized request argument supplied").
@@ -81,6 +82,7 @@ class Sampling:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ def parse_completion(body: Any) -> CompletionRequest:
 
 def _sampling(body: dict[str, Any], own: set[str], alias: str | None) -> Sampling:
     fields = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
-              "stream_options", "n", *own, *_NEUTRAL}
+              "stream_options", "n", "ignore_eos", *own, *_NEUTRAL}
     unknown = sorted(set(body) - fields)
     if unknown:
         raise _invalid(f"Unrecognized request argument supplied: {', '.join(unknown)}",
@@ -199,10 +201,14 @@ def _sampling(body: dict[str, Any], own: set[str], alias: str | None) -> Samplin
         if not isinstance(include_usage, bool):
             raise _invalid("'stream_options.include_usage' must be a boolean",
                            "stream_options.include_usage")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise _invalid(f"'ignore_eos' must be a boolean, not {_kind(ignore_eos)}", "ignore_eos")
     return Sampling(model=model, max_tokens=max_tokens, temperature=temperature,
                     top_p=top_p if top_p > 0 else 1.0, top_k=top_k,
                     seed=None if seed is None else seed % 2**64, stop=_stops(body.get("stop")),
-                    stream=bool(stream), include_usage=include_usage)
+                    stream=bool(stream), include_usage=include_usage,
+                    ignore_eos=bool(ignore_eos))
 
 
 def _stops(stop: Any) -> tuple[str, ...]:

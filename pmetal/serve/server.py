@@ -268,7 +268,8 @@ class OpenAIServer:
         config = SamplingConfig(
             temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
             seed=sampling.seed, max_tokens=max_tokens,
-            stop_token_ids=tuple(sorted(self.tokenizer.stop_token_ids)))
+            stop_token_ids=() if sampling.ignore_eos
+            else tuple(sorted(self.tokenizer.stop_token_ids)))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[int | GenerationResult] = asyncio.Queue()
 

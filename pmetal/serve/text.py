@@ -5,7 +5,8 @@ client sees, piece by piece, as :class:`~pmetal.pipeline.tokenizer.StreamDecoder
 decodes them (never half a UTF-8 character). The model's own stop tokens
 (end of turn) are not shown, as :meth:`Pipeline.generate` does not show
 them. Stop strings (OpenAI's ``stop``) end the answer before the first of
-them, which is not shown either; a piece that could be the start of a stop
+them, which is not shown either (the first to be complete, as generation
+would have stopped there); a piece that could be the start of a stop
 string is held back until the next one tells, so a stop string split over
 several tokens is still caught and never streamed.
 """
@@ -28,10 +29,12 @@ class StopStrings:
     def push(self, piece: str) -> tuple[str, bool]:
         """The text that can be shown now, and whether a stop string ended it."""
         text = self._held + piece
-        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        # The stop string that completes first ends the answer (generation
+        # would have stopped there), whatever the pieces were.
+        found = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if found:
             self._held = ""
-            return text[:min(found)], True
+            return text[:min(found)[1]], True
         keep = max((k for s in self.stops for k in range(1, len(s))
                     if text.endswith(s[:k])), default=0)
         self._held = text[len(text) - keep:] if keep else ""
