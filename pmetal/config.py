@@ -48,11 +48,12 @@ _MiB = 1 << 20
 # Variables that do not belong to a section.
 # PMETAL_PSK_HEX is how a node hands its key to the processes it starts (any
 # bytes survive hex; a raw key does not survive an environment string).
-# Not config fields: the launcher's rank environment (pmetal launch) and
-# process-wide settings read where they are used.
+# Not config fields: the launcher's rank environment (pmetal launch),
+# process-wide settings read where they are used, and the API key of
+# pmetal serve (a secret for its HTTP clients, not a cluster setting).
 _STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_PSK_HEX", "PMETAL_LOG_LEVEL",
                              "PMETAL_RANK", "PMETAL_WORLD_SIZE", "PMETAL_LOCAL_RANK",
-                             "PMETAL_NODES"})
+                             "PMETAL_NODES", "PMETAL_API_KEY"})
 
 
 def _require(cond: bool, section: str, name: str, why: str) -> None:

@@ -89,12 +89,13 @@ ALLOWED = {
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
     "collectives": {"core", "cluster", "actors", "links"},
     "pipeline": {"core", "cluster", "actors", "links", "model", "store"},
+    "serve": {"core", "pipeline"},   # the HTTP server over a pipeline (pmetal serve)
     "util": {"core", "actors"},   # Ray's import paths (ray.util.*), re-exported
     "front": {"core", "cluster", "actors", "node", "links", "collectives"},
     "bench": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
-              "front", "store"},
+              "serve", "front", "store"},
     "cli": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
-            "front", "bench", "store"},
+            "serve", "front", "bench", "store"},
 }
 
 

@@ -9,7 +9,7 @@ This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
 ``daemon`` (``start``, ``stop``, the node.json record), ``status``
 (``status``, ``kill``), ``discover``, ``models``, ``launch`` (with ``_rank``, the
-keeper each launched rank runs under), ``generate`` and ``bench``.
+keeper each launched rank runs under), ``generate``, ``serve`` and ``bench``.
 
 Exit status: 0 success, 1 a pmetal error (printed as one line, no
 traceback), 2 a usage or configuration error, 130 interrupted.
@@ -37,6 +37,7 @@ from pmetal.cli.discover import _discover_arguments, _run_discover
 from pmetal.cli.generate import _generate_arguments, _run_generate
 from pmetal.cli.launch import _launch_arguments, _run_launch
 from pmetal.cli.models import _models_arguments, _run_models
+from pmetal.cli.serve import _run_serve, _serve_arguments
 from pmetal.cli.status import _kill_arguments, _run_kill, _run_status, _status_arguments
 from pmetal.config import pmetal_home
 from pmetal.errors import ConfigError, PMetalError
@@ -79,9 +80,13 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("run a model as a pipeline over the cluster's machines and stream "
                         "its answer (default: SmolLM2-135M-Instruct)", _run_generate,
                         _generate_arguments),
+    "serve": Command("serve a model over the cluster's machines as an OpenAI-compatible HTTP "
+                     "API (/v1/chat/completions, /v1/completions; default: "
+                     "SmolLM2-135M-Instruct)", _run_serve, _serve_arguments),
     "bench": Command("measure this machine: 'pmetal bench allreduce' (collectives, like "
                      "nccl-tests), 'pipeline' (model engine against llama.cpp), 'agreement' "
-                     "(greedy tokens of the engines), 'memory'", _run_bench,
+                     "(greedy tokens of the engines), 'memory', 'serve' (pmetal serve against "
+                     "llama.cpp's server)", _run_bench,
                      _bench_arguments),
     "models": Command("list, fetch or remove the models pipelines run ($PMETAL_HOME/models)",
                       _run_models, _models_arguments),

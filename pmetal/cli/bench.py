@@ -13,6 +13,10 @@
 - ``pmetal bench agreement``: greedy tokens of the quantized engine, the
   float32 reference and llama.cpp, prompt by prompt
   (:mod:`pmetal.bench.agreement`).
+- ``pmetal bench serve``: ``pmetal serve``'s throughput and time to first
+  token for 1, 4 and 16 concurrent clients, against llama.cpp's server on
+  the same GGUF file when llama-cpp-python[server] is installed
+  (:mod:`pmetal.bench.serve`).
 
 Exit status: 0 when every result was right, 1 when some all_reduce gave a
 wrong element (the tables say where) or a rank failed, 2 for a usage error.
@@ -30,6 +34,7 @@ _STRATEGIES = ("ring", "tree", "naive", "auto")
 _DEFAULTS: dict[str, object] = {}  # allreduce's option defaults, for the header
 _PIPELINE_DEFAULTS: dict[str, object] = {}
 _AGREEMENT_DEFAULTS: dict[str, object] = {}
+_SERVE_DEFAULTS: dict[str, object] = {}
 _QUICK = {"tokens": 8, "repeats": 1, "prompts": 2, "prefill_tokens": 128}
 
 
@@ -145,6 +150,29 @@ def _bench_arguments(parser: argparse.ArgumentParser) -> None:
                            help="print a markdown table (for docs/performance.md)")
     _AGREEMENT_DEFAULTS.update(
         {a.dest: a.default for a in agreement._actions if a.dest != "help"})
+    serve = sub.add_parser(
+        "serve", help="pmetal serve's tokens/s and time to first token for concurrent "
+                      "clients, against llama.cpp's server",
+        description="Streamed chat requests from 1, 4 and 16 concurrent clients to pmetal "
+                    "serve (a pipeline of --stages stages on this machine) and, when "
+                    "llama-cpp-python[server] is installed, to llama.cpp's server on the same "
+                    "GGUF file; aggregate tokens/s and time to first token (median, p90).")
+    serve.add_argument("--model", default=None, metavar="PATH",
+                       help="the model (a GGUF file; default: the default model)")
+    serve.add_argument("--stages", type=int, default=2, metavar="K",
+                       help="pipeline stages (default 2)")
+    serve.add_argument("--clients", default="1,4,16", metavar="N,M",
+                       help="concurrent client counts (default 1,4,16)")
+    serve.add_argument("--requests", type=int, default=16, metavar="R",
+                       help="requests per client count, spread over the clients (default "
+                            "16; at least one per client)")
+    serve.add_argument("--tokens", type=int, default=64, metavar="N",
+                       help="new tokens per request (default 64)")
+    serve.add_argument("--anchors", choices=("auto", "off"), default="auto",
+                       help="also run llama.cpp's server when installed (default auto)")
+    serve.add_argument("--markdown", action="store_true",
+                       help="print a markdown table (for docs/performance.md)")
+    _SERVE_DEFAULTS.update({a.dest: a.default for a in serve._actions if a.dest != "help"})
     memory = sub.add_parser(
         "memory", help="peak memory of every process of 'pmetal generate' (Linux)",
         description="Runs 'pmetal generate --stages K' for each K and samples every process "
@@ -197,6 +225,8 @@ def _run_bench(args: argparse.Namespace) -> int:
         return _run_memory(args)
     if args.benchmark == "seal":
         return _run_seal(args)
+    if args.benchmark == "serve":
+        return _run_serve_bench(args)
     raise ConfigError(f"unknown benchmark {args.benchmark!r}")  # argparse refuses it first
 
 
@@ -224,6 +254,21 @@ def _run_seal(args: argparse.Namespace) -> int:
                           f"{args.repeats}: a message of at least 1 byte and at most --bytes, "
                           "and at least 1 repeat")
     seal.run(total, message, args.repeats, markdown=args.markdown)
+    return 0
+
+
+def _run_serve_bench(args: argparse.Namespace) -> int:
+    from pmetal.bench.pipeline import default_model
+    from pmetal.bench.serve import Options, parse_clients, run
+
+    clients = parse_clients(args.clients)
+    for name in ("stages", "requests", "tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} {getattr(args, name)}: must be at least 1")
+    run(Options(model=args.model if args.model is not None else default_model(),
+                stages=args.stages, clients=clients, requests=args.requests,
+                tokens=args.tokens, anchors=args.anchors == "auto", markdown=args.markdown,
+                command=_command(args, _SERVE_DEFAULTS, "serve")))
     return 0
 
 

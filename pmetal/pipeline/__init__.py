@@ -15,6 +15,7 @@ from pmetal.pipeline.assignment import (
     assign_layers_bandwidth_aware,
     assign_layers_proportional,
 )
+from pmetal.pipeline.batching import ContinuousBatcher
 from pmetal.pipeline.generation import (
     GenerationResult,
     PipelineGenerationLoop,
@@ -47,6 +48,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, as test_public_api wants
     "ActivationCodec",
     "ActivationMessage",
     "Assignment",
+    "ContinuousBatcher",
     "DtypeTag",
     "GenerationResult",
     "KVCache",

@@ -27,7 +27,10 @@ links are then unusable.
 A sequence that failed at a stage fails alone, the others go on.
 
 One run at a time: runs called from several threads take turns (a ring
-carries one run's hops, numbered in order). A run interrupted by an
+carries one run's hops, numbered in order). :meth:`PipelineGenerationLoop.run`
+takes a fixed list of prompts; :meth:`PipelineGenerationLoop.run_continuous`
+runs until told to stop, its caller admitting sequences between rounds
+(continuous batching, :mod:`pmetal.pipeline.batching`). A run interrupted by an
 exception from its caller's callback (or Ctrl-C) first collects the hops
 still in flight and has the stages drop its sequences, so the next run
 starts on a clean ring.
@@ -96,6 +99,7 @@ class _Sequence:
     max_len: int
     want_logits: bool
     on_token: TokenCallback | None
+    stream: int | None = None      # the sampler's stream (None: the sequence id)
     lane: int = -1
     position: int = 0
     started: float = 0.0
@@ -169,8 +173,9 @@ class StreamMultiplexer:
                 members.remove(seq)
                 self._finish(seq, FINISH_CANCELLED, None, now)
                 entries.append(Entry(seq.id, end=True))
-            while self.waiting and self.waiting[0].cancel:
-                self._finish(self.waiting.popleft(), FINISH_CANCELLED, None, now)
+            for seq in [s for s in self.waiting if s.cancel]:
+                self.waiting.remove(seq)
+                self._finish(seq, FINISH_CANCELLED, None, now)
         for seq in members:
             last = len(seq.tokens) + 1 >= seq.sampling.max_tokens \
                 or seq.position + 1 >= seq.max_len
@@ -183,7 +188,8 @@ class StreamMultiplexer:
             seq.lane, seq.started = lane, now
             members.append(seq)
             setup = {"max_len": seq.max_len, "sampling": dataclasses.asdict(seq.sampling),
-                     "stream": seq.id, "logits": seq.want_logits}
+                     "stream": seq.id if seq.stream is None else seq.stream,
+                     "logits": seq.want_logits}
             last = seq.sampling.max_tokens == 1 or len(seq.prompt) + 1 >= seq.max_len
             entries.append(Entry(seq.id, 0, tokens=tuple(seq.prompt), prefill=True,
                                  end=last, setup=setup))
@@ -265,9 +271,11 @@ class PipelineGenerationLoop:
         self._mux: StreamMultiplexer | None = None
         self._ids = 0
         self.hops = 0
+        self.widest = 0         # most sequences one hop carried (decode and prefill)
         # One run() at a time: two interleaved would number their hops from
         # the same counters and read each other's tokens.
         self._lock = threading.Lock()
+        self._id_lock = threading.Lock()
         self._owner: int | None = None      # the thread in run()
         self._io = False                    # a send or receive is under way
 
@@ -275,6 +283,50 @@ class PipelineGenerationLoop:
         """Cancel one sequence of the running :meth:`run` (any thread)."""
         mux = self._mux
         return mux.cancel(sequence_id) if mux is not None else False
+
+    def new_sequence(self, prompt: Sequence[int], sampling: SamplingConfig, *, max_len: int,
+                     on_token: TokenCallback | None = None,
+                     stream: int | None = None) -> _Sequence:
+        """A sequence with a fresh id, for :meth:`StreamMultiplexer.submit`
+        (by the ``admit`` of :meth:`run_continuous`). ``stream``: the
+        sampler's stream (default: the id, so that no two sequences draw
+        the same random numbers); give one to make a seeded sequence's
+        tokens independent of what else ran before it."""
+        tokens = [int(t) for t in prompt]
+        if not tokens:
+            raise PMetalValueError("a prompt must have at least one token")
+        if len(tokens) >= max_len:
+            raise PMetalValueError(f"a prompt of {len(tokens)} tokens leaves no room in a "
+                                   f"context of {max_len}")
+        with self._id_lock:
+            self._ids += 1
+            number = self._ids
+        return _Sequence(number, tokens, sampling, max_len, False, on_token, stream)
+
+    def run_continuous(self, admit: Callable[[StreamMultiplexer, bool], bool]) -> None:
+        """Generate for as long as ``admit`` wants (continuous batching).
+        ``admit(mux, wait)`` is called in this thread before every round
+        of the lanes: it submits new sequences into ``mux``, cancels the
+        ones it wants stopped, and looks at those that finished. With
+        ``wait`` True nothing is in flight and nothing is left to send: it
+        may block until there is work, and returns False to end the run
+        (else True). Takes the loop as :meth:`run` does; raises
+        :class:`PipelineError` when the ring breaks (every sequence of
+        ``mux`` failed with it)."""
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                if self.broken is not None:
+                    raise PipelineError(f"this pipeline is broken ({self.broken}); build it "
+                                        "again")
+                mux = StreamMultiplexer(self.lanes, self.max_in_flight)
+                self._mux = mux
+                try:
+                    self._loop(mux, admit)
+                finally:
+                    self._mux = None
+            finally:
+                self._owner = None
 
     def run(self, prompts: Sequence[Sequence[int]], sampling: SamplingConfig | Sequence[
             SamplingConfig], *, max_len: int, on_token: TokenCallback | None = None,
@@ -312,14 +364,8 @@ class PipelineGenerationLoop:
         mux = StreamMultiplexer(self.lanes, self.max_in_flight)
         seqs = []
         for prompt, config in zip(prompts, settings, strict=True):
-            tokens = [int(t) for t in prompt]
-            if not tokens:
-                raise PMetalValueError("a prompt must have at least one token")
-            if len(tokens) >= max_len:
-                raise PMetalValueError(f"a prompt of {len(tokens)} tokens leaves no room in a "
-                                       f"context of {max_len}")
-            self._ids += 1
-            seq = _Sequence(self._ids, tokens, config, max_len, want_logits, on_token)
+            seq = self.new_sequence(prompt, config, max_len=max_len, on_token=on_token)
+            seq.want_logits = want_logits
             mux.submit(seq)
             seqs.append(seq)
         self._mux = mux
@@ -331,10 +377,11 @@ class PipelineGenerationLoop:
             self._mux = None
         return [s.result() for s in seqs]
 
-    def _loop(self, mux: StreamMultiplexer) -> None:
+    def _loop(self, mux: StreamMultiplexer,
+              admit: Callable[[StreamMultiplexer, bool], bool] | None = None) -> None:
         in_flight: collections.deque[int] = collections.deque()
         try:
-            self._lanes(mux, in_flight)
+            self._lanes(mux, in_flight, admit)
         except BaseException as exc:
             # The user's callback raised, or Ctrl-C: hops are still going
             # round the ring, and the next run would take them for its own.
@@ -343,19 +390,25 @@ class PipelineGenerationLoop:
                 self._abandon(mux, in_flight, exc)
             raise
 
-    def _lanes(self, mux: StreamMultiplexer, in_flight: collections.deque[int]) -> None:
+    def _lanes(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
+               admit: Callable[[StreamMultiplexer, bool], bool] | None) -> None:
         idle = list(range(self.lanes))
         while True:
+            if admit is not None:
+                admit(mux, False)
             now = time.perf_counter()
             ready = [(lane, mux.next_hop(lane, now)) for lane in list(idle)]
             sending = [(lane, hop) for lane, hop in ready if hop is not None]
             for lane, hop in sending:
                 hop.busy = len(in_flight) + len(sending)   # the stages' thread hint
+                self.widest = max(self.widest, sum(1 for e in hop.entries if e.tokens))
                 self._send(hop, mux)
                 idle.remove(lane)
                 in_flight.append(lane)
             if not in_flight:
-                return
+                if admit is None or not admit(mux, True):
+                    return
+                continue
             lane = in_flight.popleft()
             hop = self._recv(mux)
             mux.on_hop(lane, hop, time.perf_counter())
@@ -463,7 +516,7 @@ class PipelineGenerationLoop:
 
     def statistics(self) -> dict[str, Any]:
         return {"hops": self.hops, "bytes_sent": self.sender.bytes,
-                "bytes_received": self.receiver.bytes}
+                "bytes_received": self.receiver.bytes, "widest_hop": self.widest}
 
 
 
