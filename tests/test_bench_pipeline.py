@@ -100,8 +100,9 @@ def test_quick_mode_prints_every_table(capsys: pytest.CaptureFixture[str]) -> No
                                                                           "int8"))]
     assert all(float(r[1]) > 0 for r in rows)
     assert rows[0][3] != "-" and rows[0][4] != "-"          # hop overhead, bytes per token
+    assert rows[0][5].endswith("%)")                         # sealing: us/token (share)
     for row in rows[2:]:                                     # agreement and logit difference
-        assert row[5].endswith("%") and float(row[6]) >= 0.0
+        assert row[6].endswith("%") and float(row[7]) >= 0.0
     header, *load = _table(out, "(d) under load: 2 busy-loop processes")
     assert header == ["engine", "quiet tok/s", "loaded tok/s", "share kept"]
     assert [r[0] for r in load] == ["pmetal"] and float(load[0][2]) > 0

@@ -55,7 +55,7 @@ if TYPE_CHECKING:  # numpy is imported where it is used: 'pmetal --help' need no
     import numpy as np
 
 __all__ = ["STRATEGIES", "BenchSpec", "ColdStart", "Row", "WorldResult", "batch_for",
-           "parse_size", "run_world", "sizes_between"]
+           "parse_size", "run_world", "sizes_between", "variant"]
 
 KiB, MiB = 1024, 1 << 20
 STRATEGIES = ("ring", "tree", "naive", "auto")
@@ -78,7 +78,9 @@ class BenchSpec:
     chunk_bytes: int | None = None       # None: the configuration's
     tree_max_bytes: int | None = None    # None: the configuration's
     timeout: float = 30.0                # per operation (CollectiveConfig.timeout)
-    sealed: bool = False                 # TCP links sealed (link_encryption "on")
+    # The TCP links measured, taking turns with the strategies: (False,) in
+    # clear, (True,) sealed (link_encryption "on"), (False, True) both.
+    sealed: tuple[bool, ...] = (False,)
 
     def __post_init__(self) -> None:
         if self.world < 2:
@@ -93,12 +95,18 @@ class BenchSpec:
                               f"{', '.join(STRATEGIES)}")
         if self.system not in SYSTEMS:
             raise ConfigError(f"system {self.system!r}: choose from {', '.join(SYSTEMS)}")
-        if self.sealed and (self.same_machine or self.system != "pmetal"):
+        if not self.sealed or (any(self.sealed) and (self.same_machine
+                                                     or self.system != "pmetal")):
             raise ConfigError("sealed links are pmetal's TCP links: not with the same-machine "
                               "path (shared memory, never sealed) nor with gloo")
         if self.iters < 1 or self.warmup < 0:
             raise ConfigError(f"--iters {self.iters} / --warmup {self.warmup}: iters must "
                               "be at least 1, warmup at least 0")
+
+
+def variant(strategy: str, sealed: bool) -> str:
+    """A row's name: the strategy, and whether its links were sealed."""
+    return strategy + (", sealed" if sealed else "")
 
 
 def batch_for(size: int) -> int:
@@ -154,9 +162,10 @@ def _expected(n: int, world: int) -> np.ndarray:
 
 
 class _PmetalComm:
-    """A rank of a pmetal group, formed as a user's script forms it."""
+    """A rank of a pmetal group, formed as a user's script forms it; one
+    group per links variant of ``spec.sealed`` (``nodes[sealed]``)."""
 
-    def __init__(self, spec: BenchSpec, rank: int, nodes: Sequence[str]) -> None:
+    def __init__(self, spec: BenchSpec, rank: int, nodes: dict[bool, Sequence[str]]) -> None:
         from pmetal.collectives.spmd import (
             DistributedConfig,
             DistributedContext,
@@ -164,51 +173,58 @@ class _PmetalComm:
         )
         from pmetal.config import load_config
         base = load_config().collectives
-        # On 127.0.0.1 "auto" leaves the links in clear; "on" seals them.
-        config = replace(base, strategy="auto", shared_memory=spec.same_machine,
-                         timeout=spec.timeout,
-                         link_encryption="on" if spec.sealed else "auto",
-                         chunk_bytes=spec.chunk_bytes or base.chunk_bytes,
-                         tree_max_bytes=(base.tree_max_bytes if spec.tree_max_bytes is None
-                                         else spec.tree_max_bytes))
-        self.ctx = DistributedContext(RingBackend(DistributedConfig(
-            nodes=list(nodes), rank=rank, collectives=config, name="bench-allreduce")))
+        self.ctxs = {}
+        for sealed in spec.sealed:
+            # On 127.0.0.1 "auto" leaves the links in clear; "on" seals them.
+            config = replace(base, strategy="auto", shared_memory=spec.same_machine,
+                             timeout=spec.timeout,
+                             link_encryption="on" if sealed else "auto",
+                             chunk_bytes=spec.chunk_bytes or base.chunk_bytes,
+                             tree_max_bytes=(base.tree_max_bytes if spec.tree_max_bytes is None
+                                             else spec.tree_max_bytes))
+            self.ctxs[sealed] = DistributedContext(RingBackend(DistributedConfig(
+                nodes=list(nodes[sealed]), rank=rank, collectives=config,
+                name="bench-allreduce" + ("-sealed" if sealed else ""))))
+        self.first = self.ctxs[spec.sealed[0]]
 
     def connect(self) -> None:
-        self.ctx.connect_blocking()
+        for ctx in self.ctxs.values():
+            ctx.connect_blocking()
 
-    def links(self) -> str:
+    def links(self, sealed: bool) -> str:
         """What carries the data (TcpLinks, sealed or not; ShmLinks)."""
-        links = self.ctx.group.links
-        sealed = getattr(links, "sealed", {})
-        return type(links).__name__ + (", sealed" if any(sealed.values()) else "")
+        links = self.ctxs[sealed].group.links
+        locks = getattr(links, "sealed", {})
+        return type(links).__name__ + (", sealed" if any(locks.values()) else "")
 
     def wrap(self, buffer: np.ndarray) -> Any:
         return buffer
 
-    def all_reduce(self, handle: Any, strategy: str) -> None:
-        self.ctx.group.all_reduce(handle, strategy=None if strategy == "auto" else strategy)
+    def all_reduce(self, handle: Any, strategy: str, sealed: bool = False) -> None:
+        self.ctxs[sealed].group.all_reduce(handle,
+                                           strategy=None if strategy == "auto" else strategy)
 
     def barrier(self) -> None:
-        self.ctx.group.barrier()
+        self.first.group.barrier()
 
     def close(self) -> None:
-        self.ctx.close()
+        for ctx in self.ctxs.values():
+            ctx.close()
 
 
 class _GlooComm:
     """A rank of torch.distributed's gloo, as the anchors run it (one
     thread, loopback only); the strategy is gloo's own."""
 
-    def __init__(self, spec: BenchSpec, rank: int, nodes: Sequence[str]) -> None:
+    def __init__(self, spec: BenchSpec, rank: int, nodes: dict[bool, Sequence[str]]) -> None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         import torch
         import torch.distributed as dist
         torch.set_num_threads(1)
         self.torch, self.dist = torch, dist
-        self.rank, self.world, self.store = rank, spec.world, nodes[0]
+        self.rank, self.world, self.store = rank, spec.world, nodes[False][0]
 
-    def links(self) -> str:
+    def links(self, sealed: bool) -> str:
         return "gloo"
 
     def connect(self) -> None:
@@ -218,7 +234,7 @@ class _GlooComm:
     def wrap(self, buffer: np.ndarray) -> Any:
         return self.torch.from_numpy(buffer)  # shares the buffer: the check sees the result
 
-    def all_reduce(self, handle: Any, strategy: str) -> None:
+    def all_reduce(self, handle: Any, strategy: str, sealed: bool = False) -> None:
         self.dist.all_reduce(handle)
 
     def barrier(self) -> None:
@@ -233,28 +249,31 @@ _COMMS = {"pmetal": _PmetalComm, "gloo": _GlooComm}
 
 def _measure(comm: Any, spec: BenchSpec, size: int, source: np.ndarray,
              expected: np.ndarray) -> dict[str, dict[str, Any]]:
-    """One size on this rank, every strategy: per-operation seconds of
-    each timed repetition, and the wrong elements of every repetition.
-    The strategies take turns repetition by repetition, so that a busy
-    spell of the machine hits them alike."""
+    """One size on this rank, every strategy over every links variant:
+    per-operation seconds of each timed repetition, and the wrong elements
+    of every repetition, by :func:`variant` name. The variants take turns
+    repetition by repetition, so that a busy spell of the machine hits
+    them alike."""
     import numpy as np
     k = batch_for(size)
     buffers = [np.empty_like(source) for _ in range(k)]
     handles = [comm.wrap(b) for b in buffers]
-    out: dict[str, dict[str, Any]] = {s: {"times": [], "wrong": 0} for s in spec.strategies}
+    variants = [(s, sealed) for sealed in spec.sealed for s in spec.strategies]
+    out: dict[str, dict[str, Any]] = {variant(s, sealed): {"times": [], "wrong": 0}
+                                      for s, sealed in variants}
     for rep in range(spec.warmup + spec.iters):
-        for strategy in spec.strategies:
+        for strategy, sealed in variants:
+            got = out[variant(strategy, sealed)]
             for b in buffers:
                 np.copyto(b, source)
             comm.barrier()
             start = time.perf_counter()
             for h in handles:
-                comm.all_reduce(h, strategy)
+                comm.all_reduce(h, strategy, sealed)
             elapsed = time.perf_counter() - start
-            out[strategy]["wrong"] += sum(int(np.count_nonzero(b != expected))
-                                          for b in buffers)
+            got["wrong"] += sum(int(np.count_nonzero(b != expected)) for b in buffers)
             if rep >= spec.warmup:
-                out[strategy]["times"].append(elapsed / k)
+                got["times"].append(elapsed / k)
     return out
 
 
@@ -263,23 +282,24 @@ def _worker(job_path: str) -> None:
     with open(job_path) as f:
         job = json.load(f)
     spec = _spec_from_json(job["spec"])
-    rank, nodes = job["rank"], job["nodes"]
+    rank = job["rank"]
+    nodes = {sealed: job["nodes"]["sealed" if sealed else "clear"] for sealed in (False, True)}
     comm = _COMMS[spec.system](spec, rank, nodes)
     imported = time.time()
     comm.connect()
     connected = time.time()
-    links = comm.links()
+    links = {("sealed" if sealed else "clear"): comm.links(sealed) for sealed in spec.sealed}
     n = FIRST_OP_BYTES // 4
     first = _inputs(n, rank)
-    comm.all_reduce(comm.wrap(first), "auto")
+    comm.all_reduce(comm.wrap(first), "auto", spec.sealed[0])
     first_done = time.time()
     import numpy as np
     first_wrong = int(np.count_nonzero(first != _expected(n, spec.world)))
     results: dict[str, dict[str, Any]] = {}
     for size in spec.sizes:
         source, expected = _inputs(size // 4, rank), _expected(size // 4, spec.world)
-        for strategy, got in _measure(comm, spec, size, source, expected).items():
-            results[f"{strategy}/{size}"] = got
+        for name, got in _measure(comm, spec, size, source, expected).items():
+            results[f"{name}/{size}"] = got
     comm.barrier()
     comm.close()
     with open(job["out"], "w") as f:
@@ -291,7 +311,8 @@ def _worker(job_path: str) -> None:
 
 def _spec_from_json(data: dict[str, Any]) -> BenchSpec:
     return BenchSpec(**{**data, "sizes": tuple(data["sizes"]),
-                        "strategies": tuple(data["strategies"])})
+                        "strategies": tuple(data["strategies"]),
+                        "sealed": tuple(data["sealed"])})
 
 
 # ------------------------------------------------------------ the driver
@@ -331,9 +352,10 @@ class ColdStart:
 @dataclass(frozen=True)
 class WorldResult:
     spec: BenchSpec
-    rows: dict[str, list[Row]]   # by strategy ("gloo" for --system gloo)
+    rows: dict[str, list[Row]]   # by variant name ("gloo" for --system gloo)
     cold: ColdStart
     links: str = ""              # what carried the data, by type (rank 0's)
+    links_sealed: str = ""       # the same, of the sealed variant
 
 
 def _free_ports(count: int) -> list[int]:
@@ -365,7 +387,9 @@ def run_world(spec: BenchSpec, *, deadline: float = 900.0) -> WorldResult:
     (at most ``deadline`` seconds) and merge them. Raises
     :class:`~pmetal.errors.CollectiveError` naming the rank that failed,
     with the end of its output."""
-    nodes = [f"{_HOST}:{p}" for p in _free_ports(spec.world)]
+    ports = _free_ports(2 * spec.world)
+    nodes = {"clear": [f"{_HOST}:{p}" for p in ports[:spec.world]],
+             "sealed": [f"{_HOST}:{p}" for p in ports[spec.world:]]}
     with tempfile.TemporaryDirectory(prefix="pmetal-bench-allreduce-") as tmp:
         jobs, logs = [], []
         for rank in range(spec.world):
@@ -416,10 +440,11 @@ def run_world(spec: BenchSpec, *, deadline: float = 900.0) -> WorldResult:
 
 def _merge(spec: BenchSpec, spawned: float, outs: list[dict[str, Any]]) -> WorldResult:
     rows: dict[str, list[Row]] = {}
-    names = ("gloo",) if spec.system == "gloo" else spec.strategies
-    for name, strategy in zip(names, spec.strategies):
+    keys = [variant(s, sealed) for sealed in spec.sealed for s in spec.strategies]
+    names = ["gloo"] if spec.system == "gloo" else keys
+    for name, key in zip(names, keys):
         for size in spec.sizes:
-            per_rank = [o["results"][f"{strategy}/{size}"] for o in outs]
+            per_rank = [o["results"][f"{key}/{size}"] for o in outs]
             slowest = [max(reps) for reps in zip(*(r["times"] for r in per_rank))]
             t = statistics.median(slowest)
             algbw = size / t / 1e9
@@ -437,7 +462,8 @@ def _merge(spec: BenchSpec, spawned: float, outs: list[dict[str, Any]]) -> World
         - max(o["imported"] for o in outs),
         first_op=max(o["first_done"] - o["connected"] for o in outs),
         wrong=sum(o["first_wrong"] for o in outs))
-    return WorldResult(spec=spec, rows=rows, cold=cold, links=outs[0]["links"])
+    return WorldResult(spec=spec, rows=rows, cold=cold, links=outs[0]["links"].get("clear", ""),
+                       links_sealed=outs[0]["links"].get("sealed", ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

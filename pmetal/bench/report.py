@@ -21,6 +21,7 @@ from pmetal.bench.allreduce import (
     WorldResult,
     fmt_size,
     run_world,
+    variant,
 )
 
 __all__ = ["ANCHORS", "TARGETS", "Options", "run"]
@@ -65,29 +66,27 @@ def run(options: Options, out: TextIO | None = None) -> list[WorldResult]:
     gloo = options.anchors and importlib.util.find_spec("torch") is not None
     stream = sys.stdout if out is None else out
     p = lambda *a: print(*a, file=stream, flush=True)
-    # Sealing is a TCP matter: the same-machine path is never sealed.
-    paths = [(same, sealed) for same in options.same_machine for sealed in options.sealed
-             if not (same and sealed)]
-    specs = {(world, same, sealed): BenchSpec(  # every spec checked before anything runs
+    # Sealing is a TCP matter: the same-machine path is never sealed. The
+    # links variants take turns in one set of processes, like the strategies.
+    specs = {(world, same): BenchSpec(  # every spec checked before anything runs
         world=world, sizes=options.sizes, strategies=options.strategies,
         iters=options.iters, warmup=options.warmup, same_machine=same,
         chunk_bytes=options.chunk_bytes, tree_max_bytes=options.tree_max_bytes,
-        timeout=options.timeout, sealed=sealed)
-        for world in options.worlds for same, sealed in paths}
+        timeout=options.timeout, sealed=(False,) if same else options.sealed)
+        for world in options.worlds for same in options.same_machine}
     p(_header(options))
     results: list[WorldResult] = []
     for world in options.worlds:
-        for same, sealed in paths:
-            spec = specs[(world, same, sealed)]
+        for same in options.same_machine:
+            spec = specs[(world, same)]
             print(f"pmetal bench allreduce: {world} ranks, same-machine path "
-                  f"{'on' if same else 'off'}{', sealed' if sealed else ''} ...",
-                  file=sys.stderr, flush=True)
+                  f"{'on' if same else 'off'} ...", file=sys.stderr, flush=True)
             result = run_world(spec)
             results.append(result)
             for name in result.rows:
                 p(_table(result, name, options.markdown))
-        if len(options.sealed) > 1:
-            p(_sealing(results, world, options.markdown))
+            if len(spec.sealed) > 1:
+                p(_sealing(result, options.markdown))
         if gloo:
             spec = BenchSpec(world=world, sizes=options.sizes, strategies=("auto",),
                              iters=options.iters, warmup=options.warmup, system="gloo")
@@ -127,11 +126,12 @@ def _us(seconds: float) -> str:
 
 def _table(result: WorldResult, name: str, markdown: bool) -> str:
     spec = result.spec
+    sealed = name.endswith(", sealed")
     path = (f"same-machine path on ({result.links})" if spec.same_machine
-            else f"TCP 127.0.0.1 ({result.links})")
+            else f"TCP 127.0.0.1 ({result.links_sealed if sealed else result.links})")
     title = (f"{spec.world} ranks, {name}" + ("" if name == "gloo" else f", {path}")
              + f": median of {spec.iters} after {spec.warmup} warm-ups, slowest rank")
-    auto = name == "auto"
+    auto = name.split(",")[0] == "auto"
     header = ["size (B)", "count", "type", "redop", "time (us)", "min-max (us)",
               "algbw (GB/s)", "busbw (GB/s)", "#wrong", *(["picks"] if auto else [])]
     rows = []
@@ -160,8 +160,7 @@ def _cold(results: Sequence[WorldResult], markdown: bool) -> str:
     rows = []
     for r in results:
         c, spec = r.cold, r.spec
-        system = spec.system + (", same-machine on" if spec.same_machine else "") + (
-            ", sealed" if spec.sealed else "")
+        system = spec.system + (", same-machine on" if spec.same_machine else "")
         rows.append([system, str(spec.world), f"{c.imported * 1e3:.0f}",
                      f"{c.connected * 1e3:.0f}", f"{c.first * 1e3:.0f}",
                      f"{c.connect_after_ready * 1e3:.1f}", f"{c.first_op * 1e3:.2f}",
@@ -175,27 +174,23 @@ def _cold(results: Sequence[WorldResult], markdown: bool) -> str:
 
 
 def _find(results: Sequence[WorldResult], world: int, *, system: str = "pmetal",
-          same_machine: bool = False, sealed: bool = False) -> WorldResult | None:
+          same_machine: bool = False) -> WorldResult | None:
     for r in results:
-        if (r.spec.world, r.spec.system, r.spec.same_machine, r.spec.sealed) == (
-                world, system, same_machine, sealed):
+        if (r.spec.world, r.spec.system, r.spec.same_machine) == (world, system, same_machine):
             return r
     return None
 
 
-def _sealing(results: Sequence[WorldResult], world: int, markdown: bool) -> str:
-    """The cost of sealing: each size's auto all_reduce over TCP links in
-    clear and sealed, side by side."""
-    clear, sealed = _find(results, world), _find(results, world, sealed=True)
-    if clear is None or sealed is None:
-        return ""
-    name = "auto" if "auto" in clear.rows else next(iter(clear.rows))
+def _sealing(result: WorldResult, markdown: bool) -> str:
+    """The cost of sealing: each size's all_reduce (auto, else the first
+    strategy) over TCP links in clear and sealed, side by side."""
+    name = "auto" if "auto" in result.spec.strategies else result.spec.strategies[0]
     rows = []
-    for a, b in zip(clear.rows[name], sealed.rows[name], strict=True):
+    for a, b in zip(result.rows[name], result.rows[variant(name, True)], strict=True):
         rows.append([str(a.size), _us(a.time), _us(b.time), f"{b.time / a.time:.2f}x",
                      f"{a.busbw:.3f}", f"{b.busbw:.3f}"])
-    title = (f"{world} ranks, {name}: TCP links in clear against sealed (AES-256-GCM), "
-             "same run")
+    title = (f"{result.spec.world} ranks, {name}: TCP links in clear against sealed "
+             "(AES-256-GCM), taking turns in one run")
     heading = f"\n### {title}\n" if markdown else f"\n# {title}"
     return heading + "\n" + _grid(["size (B)", "clear (us)", "sealed (us)", "sealed/clear",
                                    "busbw clear (GB/s)", "busbw sealed (GB/s)"], rows,
@@ -238,6 +233,8 @@ def _targets(results: Sequence[WorldResult], gloo_ran: bool, markdown: bool) -> 
         auto = _value(ours, "auto", size, what)
         best = None
         for name in ours.rows:
+            if name.endswith(", sealed"):
+                continue        # the targets are the links' own speed
             v = _value(ours, name, size, what)
             if v is not None and (best is None or (v < best[1] if what == "4k_us"
                                                    else v > best[1])):

@@ -18,8 +18,6 @@ from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.handles import ActorHandle
-from pmetal.links import tcplinks
-from pmetal.links.seal import requires_seal
 from pmetal.collectives.group import Group
 from pmetal.collectives.rendezvous import (
     _ASK_MARGIN,
@@ -36,6 +34,8 @@ from pmetal.errors import (
     PMetalTimeoutError,
     PMetalValueError,
 )
+from pmetal.links import tcplinks
+from pmetal.links.seal import requires_seal
 
 __all__ = ["ActorGroup", "GroupStatistics", "join_group", "local_groups"]
 

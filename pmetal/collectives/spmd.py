@@ -31,13 +31,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from pmetal.links import tcplinks
-from pmetal.links.memory import RankLinks
-from pmetal.links.seal import requires_seal
 from pmetal.collectives.group import Group, Schedule
 from pmetal.collectives.ops import ReduceOp
 from pmetal.config import CollectiveConfig, ConfigError, load_config
 from pmetal.errors import PMetalValueError
+from pmetal.links import tcplinks
+from pmetal.links.memory import RankLinks
+from pmetal.links.seal import requires_seal
 
 __all__ = ["DistributedBackend", "DistributedConfig", "DistributedContext", "RingBackend"]
 

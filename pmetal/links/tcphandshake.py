@@ -90,8 +90,8 @@ def _altered(key: bytes, role: bytes, tag: bytes, low: int, high: int, nonces: b
                for f in _flipped(flags))
 
 
-_ALTERED = ("the handshake was altered in transit (a seal flag changed between the ranks: "
-            "someone in the middle tried to turn encryption off)")
+_ALTERED = ("the handshake was altered in transit (a seal flag changed on the way: a "
+            "machine between the ranks rewrote it, as one that wants the link in clear would)")
 
 
 @dataclass

@@ -68,14 +68,14 @@ from typing import Any
 
 import numpy as np
 
-from pmetal.links import tcphandshake
-from pmetal.links.seal import OVERHEAD, SEGMENT, LinkSeal, segments
 from pmetal.errors import (
     CollectiveError,
     PeerError,
     PMetalValueError,
     ProtocolError,
 )
+from pmetal.links import tcphandshake
+from pmetal.links.seal import OVERHEAD, SEGMENT, LinkSeal, segments
 
 __all__ = ["DTYPE_CODES", "TcpLinks", "connect_mesh", "group_tag", "listen",
            "reachable_host"]

@@ -27,8 +27,8 @@ from typing import Any
 import msgpack
 import pytest
 
-from pmetal.links import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError, CollectiveError
+from pmetal.links import tcphandshake, tcplinks
 from pmetal.pipeline.generation import generate_single_process
 from pmetal.pipeline.llama import LlamaConfig, LlamaStage, LlamaWeights
 from pmetal.pipeline.pipeline import Pipeline
