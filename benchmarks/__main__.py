@@ -7,6 +7,7 @@
     python -m benchmarks allreduce      # collectives only, = pmetal bench allreduce
     python -m benchmarks pipeline       # opt-in: Llama decoding, = pmetal bench pipeline
     python -m benchmarks kernels        # opt-in: quantized matmul GB/s per GGUF format
+    python -m benchmarks capacity       # opt-in: what measuring a node for placement costs
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -16,13 +17,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import actors, allreduce, cluster, instructions, kernels, pipeline, transport
+from benchmarks import (actors, allreduce, capacity, cluster, instructions, kernels, pipeline,
+                        transport)
 
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
           "allreduce": allreduce.main}
 # Run only when named: instructions needs valgrind; pipeline loads a model;
-# kernels measures compute, not the cluster.
-OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main}
+# kernels and capacity measure compute, not the cluster.
+OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main,
+          "capacity": capacity.main}
 
 
 def main(argv: list[str] | None = None) -> int:
