@@ -17,8 +17,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks import (actors, allreduce, capacity, cluster, instructions, kernels, pipeline,
-                        transport)
+from benchmarks import (
+    actors,
+    allreduce,
+    capacity,
+    cluster,
+    instructions,
+    kernels,
+    pipeline,
+    transport,
+)
 
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
           "allreduce": allreduce.main}
