@@ -36,7 +36,7 @@ from typing import Any
 from pmetal.cluster.topology import ClusterTopology, memory_now
 from pmetal.errors import PMetalValueError, ProtocolError
 
-__all__ = ["REFRESH", "WINDOW", "Capacity", "ComputeMeter", "LinkFigures",
+__all__ = ["REFRESH", "WINDOW", "Capacity", "ComputeMeter", "ComputeStatistics", "LinkFigures",
            "current_capacity", "measure_compute_rate", "usable_cpus"]
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,17 @@ def measure_compute_rate(window: float = WINDOW, threads: int | None = None) -> 
     return 2.0 * size ** 3 * depth * sum(done) / max(elapsed, 1e-9) / 1e9
 
 
+@dataclass(frozen=True)
+class ComputeStatistics:
+    """A meter's counters: measurements taken and failed, the last rate
+    (GFLOP/s, 0.0 before any) and its age in s (None before any)."""
+
+    measurements: int
+    failures: int
+    rate: float
+    age: float | None
+
+
 class ComputeMeter:
     """This node's compute rate, measured on first need and kept for
     ``refresh`` seconds. :meth:`rate` runs the measurement in a thread (the
@@ -179,6 +190,10 @@ class ComputeMeter:
         self._rate = 0.0
         self._at: float | None = None
         self.measurements = 0
+        self.failures = 0
+
+    def statistics(self) -> ComputeStatistics:
+        return ComputeStatistics(self.measurements, self.failures, *self.cached())
 
     def cached(self) -> tuple[float, float | None]:
         """(GFLOP/s, seconds since measured) without measuring: (0.0, None)
@@ -195,6 +210,7 @@ class ComputeMeter:
                 try:
                     rate = await asyncio.to_thread(self._measure, self.window)
                 except Exception as exc:  # noqa: BLE001 - placement falls back to defaults
+                    self.failures += 1
                     log.warning("could not measure this node's compute rate: %s", exc)
                     return 0.0, None
                 self._rate, self._at = float(rate), self._clock()

@@ -524,6 +524,7 @@ class NodeDaemon:
             "leases": self.owners.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
+            "compute": self.compute.statistics().__dict__,
         }
 
 

@@ -219,6 +219,9 @@ def test_the_meter_measures_on_first_need_once_and_again_when_stale() -> None:
 
     failing = ComputeMeter(measure=broken)
     assert asyncio.run(failing.rate()) == (0.0, None)
+    assert (failing.statistics().failures, failing.statistics().measurements) == (1, 0)
+    stats = meter.statistics()
+    assert (stats.measurements, stats.failures, stats.rate, stats.age) == (2, 0, 20.0, 0.0)
 
 
 # ------------------------------------------------------- from_pretrained
