@@ -8,6 +8,7 @@
     python -m benchmarks pipeline       # opt-in: Llama decoding, = pmetal bench pipeline
     python -m benchmarks kernels        # opt-in: quantized matmul GB/s per GGUF format
     python -m benchmarks store          # opt-in: pulling a model between nodes
+    python -m benchmarks capacity       # opt-in: what measuring a node for placement costs
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -20,6 +21,7 @@ import sys
 from benchmarks import (
     actors,
     allreduce,
+    capacity,
     cluster,
     instructions,
     kernels,
@@ -31,9 +33,9 @@ from benchmarks import (
 SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster.main,
           "allreduce": allreduce.main}
 # Run only when named: instructions needs valgrind; pipeline loads a model;
-# kernels measures compute, not the cluster; store moves the default model.
+# kernels and capacity measure compute, not the cluster; store moves the default model.
 OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main,
-          "store": store.main}
+          "capacity": capacity.main, "store": store.main}
 
 
 def main(argv: list[str] | None = None) -> int:

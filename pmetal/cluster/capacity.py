@@ -34,15 +34,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pmetal.cluster.topology import ClusterTopology, memory_now
-from pmetal.errors import PMetalValueError, ProtocolError
+from pmetal.errors import PMetalError, PMetalValueError, ProtocolError
 
-__all__ = ["REFRESH", "WINDOW", "Capacity", "ComputeMeter", "LinkFigures",
+__all__ = ["REFRESH", "WINDOW", "Capacity", "ComputeMeter", "ComputeStatistics", "LinkFigures",
            "current_capacity", "measure_compute_rate", "usable_cpus"]
 
 log = logging.getLogger(__name__)
 
 WINDOW = 0.25       # s of wall-clock time one measurement of the compute rate takes
 REFRESH = 600.0     # s a measured compute rate is used before it is measured again
+_START_WAIT = 30.0  # s the measurement's threads may take to get ready (a starved machine)
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,15 @@ def measure_compute_rate(window: float = WINDOW, threads: int | None = None) -> 
     ready = threading.Barrier(count + 1)
 
     def work(i: int) -> None:
-        rng = np.random.default_rng(i)
-        a = rng.standard_normal((depth, size, size), dtype=np.float32)
-        out = np.empty_like(a)
-        np.matmul(a, a, out=out)      # first-call costs stay outside the window
-        ready.wait()
+        try:
+            rng = np.random.default_rng(i)
+            a = rng.standard_normal((depth, size, size), dtype=np.float32)
+            out = np.empty_like(a)
+            np.matmul(a, a, out=out)      # first-call costs stay outside the window
+        except BaseException:
+            ready.abort()                 # the others (and the caller) stop waiting
+            raise
+        ready.wait(_START_WAIT)
         end, n = time.perf_counter() + window, 0
         while time.perf_counter() < end:
             np.matmul(a, a, out=out)
@@ -153,12 +158,27 @@ def measure_compute_rate(window: float = WINDOW, threads: int | None = None) -> 
                                 daemon=True) for i in range(count)]
     for worker in workers:
         worker.start()
-    ready.wait()
+    try:
+        ready.wait(_START_WAIT)
+    except threading.BrokenBarrierError as exc:
+        raise PMetalError("the compute measurement's threads did not start (see the "
+                          "log for a thread's error)") from exc
     start = time.perf_counter()
     for worker in workers:
         worker.join()
     elapsed = time.perf_counter() - start
     return 2.0 * size ** 3 * depth * sum(done) / max(elapsed, 1e-9) / 1e9
+
+
+@dataclass(frozen=True)
+class ComputeStatistics:
+    """A meter's counters: measurements taken and failed, the last rate
+    (GFLOP/s, 0.0 before any) and its age in s (None before any)."""
+
+    measurements: int
+    failures: int
+    rate: float
+    age: float | None
 
 
 class ComputeMeter:
@@ -179,6 +199,10 @@ class ComputeMeter:
         self._rate = 0.0
         self._at: float | None = None
         self.measurements = 0
+        self.failures = 0
+
+    def statistics(self) -> ComputeStatistics:
+        return ComputeStatistics(self.measurements, self.failures, *self.cached())
 
     def cached(self) -> tuple[float, float | None]:
         """(GFLOP/s, seconds since measured) without measuring: (0.0, None)
@@ -195,6 +219,7 @@ class ComputeMeter:
                 try:
                     rate = await asyncio.to_thread(self._measure, self.window)
                 except Exception as exc:  # noqa: BLE001 - placement falls back to defaults
+                    self.failures += 1
                     log.warning("could not measure this node's compute rate: %s", exc)
                     return 0.0, None
                 self._rate, self._at = float(rate), self._clock()

@@ -77,7 +77,8 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 log = logging.getLogger(__name__)
 
 _STATUS_ASK = 1.0   # s a member may take to say what it has free, for status
-_MEASURE_ASK = 10.0  # s a member may take to measure its capacity (a busy or throttled one)
+_MEASURE_ASK = 3.0   # s a member may take to measure its capacity (about 0.3 s; a silent
+                    # one is placed on defaults, well within the client's request deadline)
 _MAX_RECEIVE_FAILURES = 100
 _RECEIVE_BACKOFF = 0.01   # s between failed receives: a failing socket must not spin
 
@@ -531,6 +532,7 @@ class NodeDaemon:
             "leases": self.owners.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
+            "compute": self.compute.statistics().__dict__,
         }
 
 

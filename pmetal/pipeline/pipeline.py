@@ -9,7 +9,9 @@
 
 :meth:`Pipeline.from_pretrained` connects to the cluster (or, with none,
 starts an embedded local node with a worker per stage, as ``pmetal.init``
-does), splits the model's layers over the stages (:func:`place_stages`),
+does), splits the model's layers over the stages by what each node
+measured of its compute rate, free memory and links
+(:func:`~pmetal.pipeline.placement.plan_stages`),
 creates one :class:`~pmetal.pipeline.stage.PipelineStage` actor per stage
 on its node (each loads only its own layers, all at once), joins them and
 this driver into a ring of PSK-authenticated TCP links, and loads the

@@ -191,7 +191,7 @@ def plan_stages(config: LlamaConfig, stages: int, nodes: Sequence[Mapping[str, A
     live.sort(key=lambda n: -memory[n["NodeID"]][0])
     owners = [live[i % len(live)]["NodeID"] for i in range(stages)]
     figures, per_cpu = _node_figures(live, capacities, memory, owners)
-    links = _link_figures(live, capacities)
+    links = _link_figures([n for n in live if n["NodeID"] in owners], capacities)
     by_id = {f.node_id: f for f in figures}
     slots = []
     for i, node_id in enumerate(owners):

@@ -219,3 +219,25 @@ def test_the_meter_measures_on_first_need_once_and_again_when_stale() -> None:
 
     failing = ComputeMeter(measure=broken)
     assert asyncio.run(failing.rate()) == (0.0, None)
+    assert (failing.statistics().failures, failing.statistics().measurements) == (1, 0)
+    stats = meter.statistics()
+    assert (stats.measurements, stats.failures, stats.rate, stats.age) == (2, 0, 20.0, 0.0)
+
+
+# ------------------------------------------------------- from_pretrained
+
+def test_a_pipeline_is_placed_by_its_nodes_measured_figures(cluster: Any) -> None:
+    from pmetal.pipeline.llama import LlamaConfig
+    from pmetal.pipeline.pipeline import Pipeline
+
+    tiny = LlamaConfig(vocab_size=120, hidden_size=64, intermediate_size=96,
+                       num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=64)
+    with Pipeline.from_pretrained(random_model=tiny, stages=2, max_len=32, threads=1) as pipe:
+        plan = pipe.plan
+        assert plan is not None
+        assert list(plan.placements) == pipe.placements
+        (figures,) = plan.nodes              # the embedded node, holding both stages
+        assert figures.compute_measured and figures.compute > 0
+        assert figures.memory_source == "measured" and figures.stages == 2
+        assert "GFLOP/s, measured" in plan.describe()
