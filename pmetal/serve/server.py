@@ -295,17 +295,17 @@ class OpenAIServer:
         try:
             pieces = self._pieces(events, answer, sid)
             if sampling.stream:
-                response = await self._stream(request, chat, ident, pieces, answer, len(prompt),
-                                              sampling.include_usage)
-            else:
-                text, finish = [], "length"
-                async for piece, reason in pieces:
-                    text.append(piece)
-                    finish = reason or finish
-                response = web.json_response(completion_object(
-                    chat=chat, id=ident, created=int(time.time()), model=self.model_id,
-                    text="".join(text), finish_reason=finish,
-                    usage=usage_object(len(prompt), answer.tokens)))
+                response, over = await self._stream(request, chat, ident, pieces, answer,
+                                                    len(prompt), sampling.include_usage)
+                return response
+            text, finish = [], "length"
+            async for piece, reason in pieces:
+                text.append(piece)
+                finish = reason or finish
+            response = web.json_response(completion_object(
+                chat=chat, id=ident, created=int(time.time()), model=self.model_id,
+                text="".join(text), finish_reason=finish,
+                usage=usage_object(len(prompt), answer.tokens)))
             over = True
             return response
         finally:
@@ -345,7 +345,10 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, chat: bool, ident: str,
                       pieces: AsyncIterator[tuple[str, str | None]], answer: AnswerText,
-                      prompt_tokens: int, include_usage: bool) -> web.StreamResponse:
+                      prompt_tokens: int, include_usage: bool,
+                      ) -> tuple[web.StreamResponse, bool]:
+        """The answer as server-sent events; False when the client left
+        before its end (the caller cancels the sequence)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
@@ -373,11 +376,18 @@ class OpenAIServer:
                 if include_usage:
                     await send(chunk(None, None, no_choices=True,
                                      usage=usage_object(prompt_tokens, answer.tokens)))
+            await response.write(b"data: [DONE]\n\n")
         except APIError as exc:
-            await send(exc.body())
-        await response.write(b"data: [DONE]\n\n")
+            try:
+                await send(exc.body())
+                await response.write(b"data: [DONE]\n\n")
+            except ConnectionResetError:
+                return response, False
+        except ConnectionResetError:
+            log.debug("a client left in the middle of its stream")
+            return response, False
         await response.write_eof()
-        return response
+        return response, True
 
     # -------------------------------------------------------------- helpers
 
