@@ -5,6 +5,7 @@ anything starts."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
@@ -124,8 +125,21 @@ def test_ctrl_c_stops_the_server_and_every_process_it_started(tiny_gguf: Path,
             assert json.loads(response.read())["usage"]["completion_tokens"] >= 1
         started = descendants(process.pid)
         assert len(started) >= 2, "the stages' worker processes were not found"
+        # Ctrl-C with a stream in flight: it ends with an error event and [DONE].
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=DEADLINE)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": "tiny", "prompt": "a", "max_tokens": 120, "ignore_eos": True,
+            "stream": True}), {"Authorization": "Bearer cli-key"})
+        stream = connection.getresponse()
+        assert stream.readline().startswith(b"data: ")
         process.send_signal(signal.SIGINT)
+        rest = [line for line in stream.read().decode().splitlines() if line]
+        connection.close()
         assert process.wait(timeout=DEADLINE) == 0, "".join(seen)
+        assert rest[-1] == "data: [DONE]"
+        if "error" in rest[-2]:        # (else it had just ended on its own)
+            assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
         end = time.monotonic() + DEADLINE
         while any(alive(p) for p in started):
             assert time.monotonic() < end, f"still running: {[p for p in started if alive(p)]}"
