@@ -402,11 +402,8 @@ class OpenAIServer:
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
-            if len(messages) == 1 and messages[0]["role"] == "user":
-                # Special tokens' texts in the user's words stay plain text.
-                return self.tokenizer.encode_prompt(messages[0]["content"], chat=True)
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            # Special tokens' texts in the messages stay plain text.
+            return self.tokenizer.encode_chat(messages)
         except PMetalValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except PMetalError as exc:
