@@ -11,6 +11,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -89,6 +90,20 @@ def test_serving_beyond_loopback_without_a_key_refuses_to_start(tmp_path: Path,
     assert done.returncode == 2, done.stderr
     assert f"--host {host}" in done.stderr and "--api-key" in done.stderr
     assert "PMETAL_API_KEY" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "pmetal", "serve", "--port", str(port),
+                               "--model", str(tmp_path / "none.gguf")],
+                              env=environment(tmp_path / "home"), capture_output=True,
+                              text=True, timeout=DEADLINE, check=False)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_ctrl_c_stops_the_server_and_every_process_it_started(tiny_gguf: Path,
