@@ -210,6 +210,11 @@ class OpenAIServer:
                        f"the request body is larger than {self.max_request_bytes} bytes"
                        if exc.status == 413 else exc.reason)
             return _error_response(APIError(exc.status, message, type=kind, code=code))
+        except Exception as exc:
+            # A bug of this server: the client still gets an OpenAI error object.
+            log.exception("%s %s failed", request.method, request.path)
+            return _error_response(APIError(500, f"the server failed: {type(exc).__name__}: "
+                                            f"{exc}", type="server_error"))
 
     def _authorize(self, request: web.Request) -> None:
         given = request.headers.get("Authorization")
@@ -289,6 +294,8 @@ class OpenAIServer:
         except PipelineError as exc:
             raise APIError(503, str(exc), type="server_error",
                            code="pipeline_unavailable") from exc
+        except PMetalValueError as exc:
+            raise APIError(400, str(exc), param=prompt_param) from exc
         answer = AnswerText(self.tokenizer, config.stop_token_ids, sampling.stop)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         over = False
