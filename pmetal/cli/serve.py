@@ -56,6 +56,29 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="BLAS threads per stage (default: the cores over the stages)")
 
 
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port that is taken before the model loads (the server
+    binds it, as aiohttp does, with SO_REUSEADDR, only once the stages run)."""
+    import socket
+
+    from pmetal.errors import PMetalError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({exc})") from exc
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise PMetalError(f"cannot listen on {host}:{port}: {exc.strerror or exc} "
+                                  "(another server has it? choose another --port, or 0 for "
+                                  "any free one)") from exc
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from pmetal.serve.server import API_KEY_ENV, check_binding
 
@@ -69,6 +92,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--token-timeout {args.token_timeout}: must be positive")
     key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     check_binding(args.host, key)       # before a node or a stage starts
+    _check_port(args.host, args.port)
 
     import pmetal
     from pmetal.cli.generate import _join

@@ -81,7 +81,7 @@ class BatcherStatistics:
     failed: int
     tokens: int         # tokens delivered, all sequences
     max_running: int    # most sequences in the lanes at once, so far
-    widest_hop: int     # most sequences one hop (one decode step of a lane) carried
+    widest_hop: int     # most sequences one hop (a decode step of a lane) carried, since start
     broken: str | None  # why the ring broke; None while it works
 
 
@@ -119,6 +119,7 @@ class ContinuousBatcher:
         with self._cond:
             if self._thread is not None:
                 raise PipelineError("this batcher was already started")
+            self.loop.widest = 0        # widest_hop counts from here
             self._thread = threading.Thread(target=self._run, name="pmetal-batcher",
                                             daemon=True)
             self._thread.start()

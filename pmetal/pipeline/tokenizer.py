@@ -249,6 +249,33 @@ class Tokenizer:
         return (self.encode(before, add_special_tokens=False) + self._encode_plain(prompt)
                 + self.encode(after, add_special_tokens=False))
 
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids to feed the model for a conversation: the chat template
+        with the generation prompt, as :meth:`encode_prompt` does for one
+        user turn. A message whose text spells a special token's text
+        (``"<|im_end|>"``) keeps it as plain text: it cannot end its turn
+        and open one of another role."""
+        turns = [dict(m) for m in messages]
+        if not any(special in str(m.get("content", "")) for m in turns
+                   for special in self._specials):
+            return self.encode(self.apply_chat_template(turns, add_generation_prompt=True),
+                               add_special_tokens=False)
+        markers = [f"\x00pmetal-message-{i}\x00" for i in range(len(turns))]
+        framed = self.apply_chat_template(
+            [{**m, "content": marker} for m, marker in zip(turns, markers, strict=True)],
+            add_generation_prompt=True)
+        if any(framed.count(marker) != 1 for marker in markers):
+            raise PMetalValueError(
+                "a message contains a special token's text and the model's chat template "
+                "does not show each message's text as it is, so it cannot be kept plain: "
+                "remove it from the messages")
+        ids: list[int] = []
+        for turn, marker in zip(turns, markers, strict=True):
+            before, _, framed = framed.partition(marker)
+            ids += self.encode(before, add_special_tokens=False)
+            ids += self._encode_plain(str(turn.get("content", "")))
+        return ids + self.encode(framed, add_special_tokens=False)
+
     def _encode_plain(self, text: str) -> list[int]:
         """Token ids of ``text`` with special tokens' texts as ordinary text."""
         with self._plain_lock:

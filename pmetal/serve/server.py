@@ -210,6 +210,11 @@ class OpenAIServer:
                        f"the request body is larger than {self.max_request_bytes} bytes"
                        if exc.status == 413 else exc.reason)
             return _error_response(APIError(exc.status, message, type=kind, code=code))
+        except Exception as exc:
+            # A bug of this server: the client still gets an OpenAI error object.
+            log.exception("%s %s failed", request.method, request.path)
+            return _error_response(APIError(500, f"the server failed: {type(exc).__name__}: "
+                                            f"{exc}", type="server_error"))
 
     def _authorize(self, request: web.Request) -> None:
         given = request.headers.get("Authorization")
@@ -289,23 +294,25 @@ class OpenAIServer:
         except PipelineError as exc:
             raise APIError(503, str(exc), type="server_error",
                            code="pipeline_unavailable") from exc
+        except PMetalValueError as exc:
+            raise APIError(400, str(exc), param=prompt_param) from exc
         answer = AnswerText(self.tokenizer, config.stop_token_ids, sampling.stop)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         over = False
         try:
             pieces = self._pieces(events, answer, sid)
             if sampling.stream:
-                response = await self._stream(request, chat, ident, pieces, answer, len(prompt),
-                                              sampling.include_usage)
-            else:
-                text, finish = [], "length"
-                async for piece, reason in pieces:
-                    text.append(piece)
-                    finish = reason or finish
-                response = web.json_response(completion_object(
-                    chat=chat, id=ident, created=int(time.time()), model=self.model_id,
-                    text="".join(text), finish_reason=finish,
-                    usage=usage_object(len(prompt), answer.tokens)))
+                response, over = await self._stream(request, chat, ident, pieces, answer,
+                                                    len(prompt), sampling.include_usage)
+                return response
+            text, finish = [], "length"
+            async for piece, reason in pieces:
+                text.append(piece)
+                finish = reason or finish
+            response = web.json_response(completion_object(
+                chat=chat, id=ident, created=int(time.time()), model=self.model_id,
+                text="".join(text), finish_reason=finish,
+                usage=usage_object(len(prompt), answer.tokens)))
             over = True
             return response
         finally:
@@ -345,7 +352,10 @@ class OpenAIServer:
 
     async def _stream(self, request: web.Request, chat: bool, ident: str,
                       pieces: AsyncIterator[tuple[str, str | None]], answer: AnswerText,
-                      prompt_tokens: int, include_usage: bool) -> web.StreamResponse:
+                      prompt_tokens: int, include_usage: bool,
+                      ) -> tuple[web.StreamResponse, bool]:
+        """The answer as server-sent events; False when the client left
+        before its end (the caller cancels the sequence)."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
@@ -373,11 +383,18 @@ class OpenAIServer:
                 if include_usage:
                     await send(chunk(None, None, no_choices=True,
                                      usage=usage_object(prompt_tokens, answer.tokens)))
+            await response.write(b"data: [DONE]\n\n")
         except APIError as exc:
-            await send(exc.body())
-        await response.write(b"data: [DONE]\n\n")
+            try:
+                await send(exc.body())
+                await response.write(b"data: [DONE]\n\n")
+            except ConnectionResetError:
+                return response, False
+        except ConnectionResetError:
+            log.debug("a client left in the middle of its stream")
+            return response, False
         await response.write_eof()
-        return response
+        return response, True
 
     # -------------------------------------------------------------- helpers
 
@@ -392,11 +409,8 @@ class OpenAIServer:
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
-            if len(messages) == 1 and messages[0]["role"] == "user":
-                # Special tokens' texts in the user's words stay plain text.
-                return self.tokenizer.encode_prompt(messages[0]["content"], chat=True)
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            # Special tokens' texts in the messages stay plain text.
+            return self.tokenizer.encode_chat(messages)
         except PMetalValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except PMetalError as exc:

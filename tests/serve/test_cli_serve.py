@@ -5,11 +5,13 @@ anything starts."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -90,6 +92,20 @@ def test_serving_beyond_loopback_without_a_key_refuses_to_start(tmp_path: Path,
     assert "PMETAL_API_KEY" in done.stderr and "Traceback" not in done.stderr
 
 
+def test_a_taken_port_is_refused_before_the_model_loads(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "pmetal", "serve", "--port", str(port),
+                               "--model", str(tmp_path / "none.gguf")],
+                              env=environment(tmp_path / "home"), capture_output=True,
+                              text=True, timeout=DEADLINE, check=False)
+    assert done.returncode == 1, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_ctrl_c_stops_the_server_and_every_process_it_started(tiny_gguf: Path,
                                                               tmp_path: Path) -> None:
     process = subprocess.Popen(
@@ -124,8 +140,21 @@ def test_ctrl_c_stops_the_server_and_every_process_it_started(tiny_gguf: Path,
             assert json.loads(response.read())["usage"]["completion_tokens"] >= 1
         started = descendants(process.pid)
         assert len(started) >= 2, "the stages' worker processes were not found"
+        # Ctrl-C with a stream in flight: it ends with an error event and [DONE].
+        host, port = url.removeprefix("http://").split(":")
+        connection = http.client.HTTPConnection(host, int(port), timeout=DEADLINE)
+        connection.request("POST", "/v1/completions", json.dumps({
+            "model": "tiny", "prompt": "a", "max_tokens": 120, "ignore_eos": True,
+            "stream": True}), {"Authorization": "Bearer cli-key"})
+        stream = connection.getresponse()
+        assert stream.readline().startswith(b"data: ")
         process.send_signal(signal.SIGINT)
+        rest = [line for line in stream.read().decode().splitlines() if line]
+        connection.close()
         assert process.wait(timeout=DEADLINE) == 0, "".join(seen)
+        assert rest[-1] == "data: [DONE]"
+        if "error" in rest[-2]:        # (else it had just ended on its own)
+            assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
         end = time.monotonic() + DEADLINE
         while any(alive(p) for p in started):
             assert time.monotonic() < end, f"still running: {[p for p in started if alive(p)]}"
