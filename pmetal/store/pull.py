@@ -172,8 +172,8 @@ class Puller:
     def pull(self, sha256: str, names: Iterable[str] | None = None, *,
              digest: str | None = None) -> PullResult:
         """Hold the pieces ``names`` (tensor names; the header always; None:
-        every piece, and then the whole file is checked) of model ``sha256``
-        in the store, pulling those it lacks."""
+        every piece) of model ``sha256`` in the store, pulling those it
+        lacks; the pull that completes the file checks it whole."""
         started = time.monotonic()
         manifest = self.manifest(sha256, digest)
         folder = self.store.create(manifest)
@@ -196,8 +196,8 @@ class Puller:
                         self._pull(folder, [p], result)
                 finally:
                     folder.unlock(p)
-        if names is None and result.pulled:
-            folder.verify_whole()
+        if result.pulled and folder.info().complete:
+            folder.verify_whole()   # the last piece arrived: the file, whole
         result.seconds = time.monotonic() - started
         return result
 

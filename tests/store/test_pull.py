@@ -187,3 +187,57 @@ def test_a_node_answers_only_for_what_it_holds(
         assert isinstance(bad, Failure) and "not a sha256" in bad.message
     finally:
         channel.close()
+
+
+SHARE = r"""
+import json, sys
+from pmetal.config import load_config
+from pmetal.security import NetworkNamespace
+from pmetal.store import PieceStore
+from pmetal.store.pull import Puller
+root, sha, address, psk, names = sys.argv[1:6]
+ns = NetworkNamespace("store-test", bytes.fromhex(psk))
+sys.stdin.readline()                       # start together
+with Puller(PieceStore(root), [address], namespace=ns,
+            config=load_config(transport={"request_timeout": 10.0})) as puller:
+    result = puller.pull(sha, names.split(","))
+print(json.dumps({"pulled": result.pulled, "pieces": result.pieces}))
+"""
+
+
+def test_processes_of_one_machine_share_a_folder_without_pulling_twice(
+        tiny_gguf: Path, tmp_path: Path, start_node: Callable[[str], NodeProc],
+        psk: bytes) -> None:
+    """Stages of one machine start together and want overlapping pieces
+    (both want the header; here, the same layers): each piece is pulled
+    once, by whichever process locked it, and both see it whole."""
+    import json
+    import subprocess
+    import sys
+
+    holder = start_node("holder")
+    ref = holder.store.reference(str(tiny_gguf))
+    assert ref is not None
+    manifest = holder.store.pieces.open(ref.sha256).manifest
+    names = layer_names(manifest, 0, 1, 2, 3, 4)
+    root = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", SHARE, str(root), ref.sha256,
+                               holder.address, psk.hex(), ",".join(names)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for _ in range(3)]
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+        results.append(json.loads(out))
+    wanted = manifest.named(names)
+    assert sum(r["pieces"] for r in results) == len(wanted)
+    assert sum(r["pulled"] for r in results) == sum(p.length for p in wanted)
+    folder = PieceStore(root).open(ref.sha256)
+    assert folder is not None and folder.holds(wanted)
+    data, on_disk = tiny_gguf.read_bytes(), folder.path.read_bytes()
+    assert all(on_disk[p.offset:p.end] == data[p.offset:p.end] for p in wanted)
