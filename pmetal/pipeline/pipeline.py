@@ -200,8 +200,10 @@ class Pipeline:
         if random_model is None:
             from pmetal.pipeline import loader, models  # gguf/tokenizers only when used
             from pmetal.pipeline.tokenizer import Tokenizer
+            from pmetal.pipeline.weights import driver_model
 
-            path = str(models.resolve_model(model, progress=progress))
+            # This machine's store, else the cluster's members, else the index.
+            path = str(driver_model(model, progress))
             config = loader.load_config(path)
             if loader.is_gguf(Path(path)):
                 # A GGUF model goes into this node's store: stages are told its
