@@ -241,3 +241,49 @@ def test_processes_of_one_machine_share_a_folder_without_pulling_twice(
     assert folder is not None and folder.holds(wanted)
     data, on_disk = tiny_gguf.read_bytes(), folder.path.read_bytes()
     assert all(on_disk[p.offset:p.end] == data[p.offset:p.end] for p in wanted)
+
+
+def test_a_member_sending_crafted_answers_is_dropped_not_trusted(
+        tiny_gguf: Path, tmp_path: Path, start_node: Callable[[str], NodeProc],
+        namespace: NetworkNamespace, config) -> None:  # type: ignore[no-untyped-def]
+    """A member gone bad (it holds the PSK): a manifest that is a huge
+    integer, then bytes that are an integer: nothing is allocated for them,
+    nothing is stored from it, and the pull takes the model from a good
+    member."""
+    import numpy as np
+
+    from pmetal.endpoint import Incoming, SecureListener, Server
+    from pmetal.identity import NodeIdentity
+    from pmetal.pipeline.models import manifest_of
+    from pmetal.transport import ZmqTransport
+    from pmetal.wire import Message, ModelHoldings, ModelQuery, PieceData
+
+    manifest = manifest_of(tiny_gguf)
+    asked: list[str] = []
+
+    def liar(incoming: Incoming) -> Message:
+        asked.append(type(incoming.body).__name__)
+        if isinstance(incoming.body, ModelQuery):
+            if asked.count("ModelQuery") == 1:
+                return ModelHoldings(10**15, b"\x01" * len(manifest.pieces))
+            return ModelHoldings(np.frombuffer(manifest.encode(), np.uint8),
+                                 b"\x01" * len(manifest.pieces))
+        return PieceData(10**15)
+
+    listener = SecureListener(ZmqTransport(config.transport, curve=namespace.curve_keys())
+                              .listen("tcp://127.0.0.1:0"), NodeIdentity.generate(),
+                              namespace, config)
+    good = start_node("good")
+    good.store.reference(str(tiny_gguf))
+    with Server(listener, liar):
+        store = PieceStore(tmp_path / "mine")
+        with Puller(store, [listener.address], namespace=namespace, config=config) as puller, \
+                pytest.raises(ModelUnavailableError, match="holds nothing"):
+            puller.pull(manifest.sha256)
+        with Puller(store, [listener.address, good.address], namespace=namespace,
+                    config=config) as puller:
+            result = puller.pull(manifest.sha256, layer_names(manifest, 1),
+                                 digest=manifest.digest)
+    assert "PieceRead" in asked
+    assert set(result.sources) == {good.address}       # the liar's bytes were never counted
+    assert result.folder.holds(manifest.named(layer_names(manifest, 1)))
