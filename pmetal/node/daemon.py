@@ -505,6 +505,7 @@ class NodeDaemon:
             "leases": self.owners.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
+            "store": self.store.statistics().__dict__,
         }
 
 

@@ -44,6 +44,8 @@ def test_a_process_pulls_exactly_the_pieces_it_names(
     assert {p.index for p in wanted} == {i for i, h in enumerate(folder.held()) if h}
     assert folder.held_bytes() == sum(p.length for p in wanted) == result.pulled
     assert result.sources == {holder.address: result.pulled}   # the empty node holds nothing
+    assert holder.served(namespace)["bytes_served"] == result.pulled
+    assert empty.served(namespace)["refused"] == 1               # its "not_found"
     data = tiny_gguf.read_bytes()
     on_disk = folder.path.read_bytes()
     for piece in manifest.pieces:
@@ -94,7 +96,7 @@ def test_a_tampered_piece_is_refused_and_never_stored(
 
 def test_a_stranger_without_the_psk_gets_nothing(
         tiny_gguf: Path, tmp_path: Path, start_node: Callable[[str], NodeProc],
-        config) -> None:  # type: ignore[no-untyped-def]
+        namespace: NetworkNamespace, config) -> None:  # type: ignore[no-untyped-def]
     holder = start_node("holder")
     ref = holder.store.reference(str(tiny_gguf))
     assert ref is not None
@@ -105,6 +107,9 @@ def test_a_stranger_without_the_psk_gets_nothing(
         puller.pull(ref.sha256)
     assert holder.address in str(info.value) and "did not answer" in str(info.value)
     assert store.list() == [] and not (tmp_path / "stranger").exists()
+    # The node never saw a request of the stranger's, let alone served a byte.
+    assert holder.served(namespace) == {"queries": 0, "reads": 0, "bytes_served": 0,
+                                        "refused": 0}
 
 
 def test_a_member_killed_mid_transfer_hands_over_to_another(
