@@ -206,10 +206,9 @@ class Pipeline:
             path = str(driver_model(model, progress))
             config = loader.load_config(path)
             if loader.is_gguf(Path(path)):
-                # A GGUF model goes into this node's store: stages are told its
-                # sha256, and take it from their own store or the members'.
-                ref = models.ModelStore().reference(path, progress=progress)
-                path = str(ref.path)
+                # Stages on other machines are told the model's sha256 and take
+                # it from their own store or the members' (_stage_model).
+                ref = lambda: models.ModelStore().reference(path, progress=progress)
             tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
@@ -261,6 +260,9 @@ class Pipeline:
         else:
             placements = place_stages(config, stages, nodes, profile=profile)
         cores = os.cpu_count() or 1
+        # A GGUF file goes into this machine's store once a stage runs elsewhere.
+        ref = ref() if ref is not None and any(
+            p.node_id != client.node_id for p in placements) else None
         handles: list[ActorHandle] = []
         try:
             for p in placements:
@@ -491,7 +493,8 @@ def _stage_model(ref: Any, path: str, client: Any,
                  nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How stages are told the model: a model of the store by its sha256,
     with the members to pull missing pieces from (this driver's node first:
-    it holds the model); else the path (a Hugging Face folder)."""
+    it holds the model); else the path (a Hugging Face folder, or stages
+    all on this driver's node)."""
     if ref is None:
         return {"model": path}
     # Our node as the members reach it (not the loopback address we may use).

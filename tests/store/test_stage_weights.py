@@ -77,17 +77,20 @@ def test_a_stage_with_no_member_holding_the_model_fails_naming_it(
         tiny_gguf: Path, start_node: Callable[..., NodeProc], psk: bytes, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver's machine has the model, but its node's store is another
-    home (the driver connected to a node elsewhere): the stage there finds
-    it nowhere, and says which model, where, and what to do."""
+    home (the driver connected to a node elsewhere): the stage on another
+    node finds it nowhere, and says which model, where, and what to do."""
     a = start_node("a")
+    b = start_node("b", peers=(a.address,))
     monkeypatch.setenv("PMETAL_HOME", str(tmp_path / "driver-home"))
     if pmetal.is_initialized():
         pmetal.shutdown(timeout=3.0)
     pmetal.init(address=a.address, psk=psk, namespace=NAMESPACE,
                 config=load_config(transport={"request_timeout": 5.0}))
     try:
+        pmetal.wait_for_peers(1, timeout=30.0)
         with pytest.raises(ModelUnavailableError) as info:
-            Pipeline.from_pretrained(str(tiny_gguf), stages=1, max_len=64, threads=1)
+            Pipeline.from_pretrained(str(tiny_gguf), stages=1, placement=[b.node_id],
+                                     max_len=64, threads=1)
     finally:
         pmetal.shutdown(timeout=3.0)
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
