@@ -200,15 +200,17 @@ class Pipeline:
         if random_model is None:
             from pmetal.pipeline import loader, models  # gguf/tokenizers only when used
             from pmetal.pipeline.tokenizer import Tokenizer
-            from pmetal.pipeline.weights import driver_model
+            from pmetal.pipeline.weights import driver_model, is_partial
 
             # This machine's store, else the cluster's members, else the index.
             path = str(driver_model(model, progress))
             config = loader.load_config(path)
             if loader.is_gguf(Path(path)):
-                # Stages on other machines are told the model's sha256 and take
-                # it from their own store or the members' (_stage_model).
-                ref = lambda: models.ModelStore().reference(path, progress=progress)
+                # Stages on other machines (or of a model this machine holds in
+                # part) are told the model's sha256 and take it from their own
+                # store or the members' (_stage_model).
+                ref = lambda remote: models.ModelStore().reference(
+                    path, progress=progress) if remote or is_partial(path) else None
             tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
@@ -261,8 +263,7 @@ class Pipeline:
             placements = place_stages(config, stages, nodes, profile=profile)
         cores = os.cpu_count() or 1
         # A GGUF file goes into this machine's store once a stage runs elsewhere.
-        ref = ref() if ref is not None and any(
-            p.node_id != client.node_id for p in placements) else None
+        ref = ref(any(p.node_id != client.node_id for p in placements)) if ref else None
         handles: list[ActorHandle] = []
         try:
             for p in placements:

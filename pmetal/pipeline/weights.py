@@ -27,7 +27,7 @@ from pmetal.store.pull import Puller, PullProgress
 if TYPE_CHECKING:
     from pmetal.pipeline.stage import PipelineStageConfig
 
-__all__ = ["StageWeights", "driver_model", "is_store_model", "stage_weights"]
+__all__ = ["StageWeights", "driver_model", "is_partial", "is_store_model", "stage_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,20 @@ _PREFIX = "sha256:"
 
 def is_store_model(model: str) -> bool:
     return model.startswith(_PREFIX)
+
+
+def is_partial(path: str | Path) -> bool:
+    """Whether ``path`` is the file of a model this machine's store holds
+    only in part (its holes read as zeros: never load it as a whole file)."""
+    path = Path(path)
+    store = PieceStore(pmetal_home() / "models")
+    if path.parent.parent != store.root or len(path.parent.name) != 64:
+        return False
+    try:
+        folder = store.open(path.parent.name)
+    except ModelError:
+        return False
+    return folder is not None and not folder.info().complete
 
 
 @dataclass(frozen=True)
