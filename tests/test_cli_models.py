@@ -139,3 +139,62 @@ def test_pull_takes_a_model_from_a_member(tmp_path: Path, home: Path,
         node.terminate()
         node.wait(timeout=10)
         node.stdout.close()  # type: ignore[union-attr]
+
+
+def test_pull_without_from_asks_the_members_of_this_machines_node(
+        tmp_path: Path, home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pmetal models pull HASH``: this machine's node (``pmetal start``)
+    knows a member that holds the model; the command asks its members."""
+    import json
+    import secrets
+
+    from pmetal.actors.client import CoreClient
+    from pmetal.config import load_config
+    from pmetal.node.daemon import read_ready_line
+    from pmetal.pipeline.models import ModelStore
+    from pmetal.security import NetworkNamespace
+    from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
+
+    key = tmp_path / "lab.psk"
+    key.write_text(secrets.token_hex(32))
+    key.chmod(0o600)
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model, tiny_config())
+    sha = hashlib.sha256(model.read_bytes()).hexdigest()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
+    base["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    mine = {**base, "PMETAL_HOME": str(home)}
+    started = subprocess.run([sys.executable, "-m", "pmetal", "start", "--host", "127.0.0.1",
+                              "--port", "0", "--psk-file", str(key), "--no-discovery"],
+                             env=mine, capture_output=True, text=True, timeout=60, check=False)
+    assert started.returncode == 0, started.stderr
+    record = json.loads((home / "node.json").read_text())
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    theirs = {**base, "PMETAL_HOME": str(other), "PMETAL_SECURITY_PSK_FILE": str(key)}
+    ModelStore(other / "models").add(model)
+    holder = subprocess.Popen([sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1",
+                               "--port", "0", "--no-discovery", "--num-workers", "1",
+                               "--num-task-workers", "1", "--peers",
+                               record["address"].removeprefix("tcp://")],
+                              env=theirs, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              stdin=subprocess.DEVNULL)
+    try:
+        read_ready_line(holder, 30.0)
+        config = load_config(security={"psk_file": str(key)})
+        client = CoreClient(record["address"], NetworkNamespace.resolve(config.security),
+                            config)
+        try:
+            client.wait_for_peers(1, 30.0)
+        finally:
+            client.close()
+        assert main(["models", "pull", sha]) == 0
+        captured = capsys.readouterr()
+        assert captured.out == f"{home / 'models' / sha / 'tiny.gguf'}\n"
+        assert (home / "models" / sha / "tiny.gguf").read_bytes() == model.read_bytes()
+    finally:
+        holder.terminate()
+        holder.wait(timeout=10)
+        holder.stdout.close()  # type: ignore[union-attr]
+        subprocess.run([sys.executable, "-m", "pmetal", "stop"], env=mine,
+                       capture_output=True, timeout=60, check=False)

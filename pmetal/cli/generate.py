@@ -23,9 +23,9 @@ DEFAULT_PROMPT = "Which city is the capital of France?"
 
 def _generate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="a GGUF file, a Hugging Face folder or a known model's name "
-                             "(default: smollm2-135m-instruct, fetched on first use; "
-                             "see 'pmetal models')")
+                        help="a GGUF file, a Hugging Face folder, a known model's name or "
+                             "a stored model's sha256 (default: smollm2-135m-instruct, "
+                             "fetched on first use; see 'pmetal models')")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, metavar="TEXT",
                         help=f"the prompt (default: {DEFAULT_PROMPT!r}); the model's chat "
                              "template is applied unless --raw")

@@ -533,6 +533,7 @@ class NodeDaemon:
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,
             "compute": self.compute.statistics().__dict__,
+            "store": self.store.statistics().__dict__,
         }
 
 

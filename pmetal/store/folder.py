@@ -41,6 +41,7 @@ from pmetal.store.manifest import Manifest, Piece, file_sha256
 __all__ = ["ModelFolder", "PieceStore", "StoredModelInfo"]
 
 _MANIFEST, _HELD, _LOCK = "manifest.json", "held", "lock"
+_writers: dict[str, threading.Lock] = {}   # folder -> this process's writer lock
 _ZEROS = bytes(1 << 20)
 
 
@@ -73,7 +74,6 @@ class ModelFolder:
         self.manifest = manifest
         self.path = folder / manifest.filename
         self._lock_fd: int | None = None
-        self._lock_guard = threading.Lock()   # one puller thread per process and folder
 
     # ------------------------------------------------------------ reading
 
@@ -141,8 +141,9 @@ class ModelFolder:
     @contextlib.contextmanager
     def writer(self) -> Iterator[int]:
         """A descriptor of the file open for writing (one puller at a time
-        per process: the record locks are the process's)."""
-        with self._lock_guard:
+        per process and model: the record locks are the process's, so two
+        threads would not keep each other off a piece)."""
+        with _writers.setdefault(str(self.folder), threading.Lock()):
             fd = os.open(self.path, os.O_WRONLY)
             try:
                 yield fd

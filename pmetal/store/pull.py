@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Self
 
+import numpy as np
+
 from pmetal.channel import Channel
 from pmetal.config import PMetalConfig
 from pmetal.errors import PMetalError
@@ -136,7 +138,7 @@ class Puller:
         except PMetalError as exc:
             self._drop(source, f"did not answer: {exc}")
             return None
-        if isinstance(body, ModelHoldings):
+        if isinstance(body, ModelHoldings) and _is_buffer(body.manifest):
             source.held = bytes(body.held)
             return body
         why = body.message if isinstance(body, Failure) else type(body).__name__
@@ -172,8 +174,8 @@ class Puller:
     def pull(self, sha256: str, names: Iterable[str] | None = None, *,
              digest: str | None = None) -> PullResult:
         """Hold the pieces ``names`` (tensor names; the header always; None:
-        every piece, and then the whole file is checked) of model ``sha256``
-        in the store, pulling those it lacks."""
+        every piece) of model ``sha256`` in the store, pulling those it
+        lacks; the pull that completes the file checks it whole."""
         started = time.monotonic()
         manifest = self.manifest(sha256, digest)
         folder = self.store.create(manifest)
@@ -196,8 +198,8 @@ class Puller:
                         self._pull(folder, [p], result)
                 finally:
                     folder.unlock(p)
-        if names is None and result.pulled:
-            folder.verify_whole()
+        if result.pulled and folder.info().complete:
+            folder.verify_whole()   # the last piece arrived: the file, whole
         result.seconds = time.monotonic() - started
         return result
 
@@ -220,7 +222,7 @@ class Puller:
                         raise self._unavailable(sha, _names(left), bad)
                     run = []
                     for t in transfers.values():
-                        if not source.held or not source.held[t.piece.index]:
+                        if not _holds(source, t.piece):
                             break
                         run.append(t)
                     try:
@@ -243,7 +245,7 @@ class Puller:
                 continue
             if source.held is None and self._holdings(source, sha256) is None:
                 continue
-            if source.held and source.held[piece.index]:
+            if _holds(source, piece):
                 return source
         return None
 
@@ -282,8 +284,10 @@ class Puller:
         if not isinstance(body, PieceData):
             why = body.message if isinstance(body, Failure) else type(body).__name__
             raise ModelUnavailableError(f"refused bytes {offset}..{offset + length}: {why}")
-        data = memoryview(body.data).cast("B")
         piece = transfer.piece
+        if not _is_buffer(body.data):
+            raise _BadPiece(f"a {type(body.data).__name__} for {piece.name}, not its bytes")
+        data = memoryview(body.data).cast("B")
         if len(data) != length or offset != piece.offset + transfer.done:
             raise _BadPiece(f"{len(data)} bytes at {offset} for {piece.name}, not {length}")
         written = 0
@@ -342,6 +346,18 @@ class Puller:
 
 class _BadPiece(PMetalError):
     """A member sent bytes that are not the piece."""
+
+
+def _is_buffer(value: Any) -> bool:
+    """Bytes as a member sends them (``bytes(5)`` of a crafted int would
+    allocate, so nothing else is turned into bytes)."""
+    return isinstance(value, (bytes, bytearray, memoryview, np.ndarray)) and (
+        not isinstance(value, np.ndarray) or value.dtype == np.uint8)
+
+
+def _holds(source: _Source, piece: Piece) -> bool:
+    held = source.held or b""
+    return piece.index < len(held) and bool(held[piece.index])
 
 
 def _names(pieces: list[Piece]) -> list[str]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,7 @@ from pmetal.wire import (
     PieceRead,
 )
 
-__all__ = ["MAX_CHUNK", "MAX_READS", "STORE_KINDS", "PieceServer"]
+__all__ = ["MAX_CHUNK", "MAX_READS", "STORE_KINDS", "PieceServer", "StoreStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +39,41 @@ MAX_READS = 8
 STORE_KINDS = (ModelQuery, PieceRead)
 
 
+@dataclass(frozen=True)
+class StoreStatistics:
+    """What a node's store served: requests answered (``queries``:
+    ModelQuery, ``reads``: PieceRead with its bytes), ``bytes_served``, and
+    requests refused (unknown model, bytes not held, bad range)."""
+
+    queries: int
+    reads: int
+    bytes_served: int
+    refused: int
+
+
 class PieceServer:
     """Answers the store's requests for one node (see the module docstring)."""
 
     def __init__(self, root: Path) -> None:
         self.store = PieceStore(root)
         self._reads = asyncio.Semaphore(MAX_READS)
-        self.served = 0     # bytes
+        self._counts = {"queries": 0, "reads": 0, "bytes": 0, "refused": 0}
+
+    def statistics(self) -> StoreStatistics:
+        c = self._counts
+        return StoreStatistics(c["queries"], c["reads"], c["bytes"], c["refused"])
 
     async def answer(self, body: Message) -> Message:
         async with self._reads:
-            return await asyncio.to_thread(self._answer, body)
+            reply = await asyncio.to_thread(self._answer, body)
+        if isinstance(reply, Failure):
+            self._counts["refused"] += 1
+        elif isinstance(reply, ModelHoldings):
+            self._counts["queries"] += 1
+        else:
+            self._counts["reads"] += 1
+            self._counts["bytes"] += len(reply.data)  # type: ignore[attr-defined]
+        return reply
 
     def _answer(self, body: Message) -> Message:
         sha = body.sha256  # type: ignore[attr-defined]
@@ -70,5 +95,4 @@ class PieceServer:
             data = entry.read(body.offset, body.length)
         except ModelError as exc:
             return Failure("not_found", "ModelUnavailableError", str(exc))
-        self.served += len(data)
         return PieceData(np.frombuffer(data, np.uint8))

@@ -227,6 +227,7 @@ def test_a_stranger_without_the_psk_gets_nothing(lab: tuple[LabCluster, Path, st
     home = c.tmp / "h3" / "stranger"
     home.mkdir()
     env = {**c._env(3, c.psk), "PMETAL_HOME": str(home)}
+    before = c.status(1)["store"]
     proc = c.lab.python(3, PULLER, sha, stranger.hex(), c.nodes[1].address,
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
     out, err = proc.communicate(timeout=60)
@@ -235,3 +236,4 @@ def test_a_stranger_without_the_psk_gets_nothing(lab: tuple[LabCluster, Path, st
     assert done["error"].startswith("ModelUnavailableError"), done
     assert c.nodes[1].address in done["error"] and "did not answer" in done["error"]
     assert done["stored"] == [] and not (home / "models").exists()
+    assert c.status(1)["store"] == before          # host 1's node served it nothing

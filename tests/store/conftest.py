@@ -35,6 +35,16 @@ class NodeProc:
     def store(self) -> ModelStore:
         return ModelStore(self.home / "models")
 
+    def served(self, namespace: NetworkNamespace) -> dict[str, int]:
+        """The node's store statistics (``status()["store"]``), asked by a member."""
+        from pmetal.actors.client import CoreClient
+
+        client = CoreClient(self.address, namespace, load_config())
+        try:
+            return client.status()["store"]
+        finally:
+            client.close()
+
     def kill(self) -> None:
         """SIGKILL the daemon (its workers follow it: they watch its pipe)."""
         self.proc.kill()

@@ -44,6 +44,8 @@ def test_a_process_pulls_exactly_the_pieces_it_names(
     assert {p.index for p in wanted} == {i for i, h in enumerate(folder.held()) if h}
     assert folder.held_bytes() == sum(p.length for p in wanted) == result.pulled
     assert result.sources == {holder.address: result.pulled}   # the empty node holds nothing
+    assert holder.served(namespace)["bytes_served"] == result.pulled
+    assert empty.served(namespace)["refused"] == 1               # its "not_found"
     data = tiny_gguf.read_bytes()
     on_disk = folder.path.read_bytes()
     for piece in manifest.pieces:
@@ -94,7 +96,7 @@ def test_a_tampered_piece_is_refused_and_never_stored(
 
 def test_a_stranger_without_the_psk_gets_nothing(
         tiny_gguf: Path, tmp_path: Path, start_node: Callable[[str], NodeProc],
-        config) -> None:  # type: ignore[no-untyped-def]
+        namespace: NetworkNamespace, config) -> None:  # type: ignore[no-untyped-def]
     holder = start_node("holder")
     ref = holder.store.reference(str(tiny_gguf))
     assert ref is not None
@@ -105,6 +107,9 @@ def test_a_stranger_without_the_psk_gets_nothing(
         puller.pull(ref.sha256)
     assert holder.address in str(info.value) and "did not answer" in str(info.value)
     assert store.list() == [] and not (tmp_path / "stranger").exists()
+    # The node never saw a request of the stranger's, let alone served a byte.
+    assert holder.served(namespace) == {"queries": 0, "reads": 0, "bytes_served": 0,
+                                        "refused": 0}
 
 
 def test_a_member_killed_mid_transfer_hands_over_to_another(
@@ -187,3 +192,103 @@ def test_a_node_answers_only_for_what_it_holds(
         assert isinstance(bad, Failure) and "not a sha256" in bad.message
     finally:
         channel.close()
+
+
+SHARE = r"""
+import json, sys
+from pmetal.config import load_config
+from pmetal.security import NetworkNamespace
+from pmetal.store import PieceStore
+from pmetal.store.pull import Puller
+root, sha, address, psk, names = sys.argv[1:6]
+ns = NetworkNamespace("store-test", bytes.fromhex(psk))
+sys.stdin.readline()                       # start together
+with Puller(PieceStore(root), [address], namespace=ns,
+            config=load_config(transport={"request_timeout": 10.0})) as puller:
+    result = puller.pull(sha, names.split(","))
+print(json.dumps({"pulled": result.pulled, "pieces": result.pieces}))
+"""
+
+
+def test_processes_of_one_machine_share_a_folder_without_pulling_twice(
+        tiny_gguf: Path, tmp_path: Path, start_node: Callable[[str], NodeProc],
+        psk: bytes) -> None:
+    """Stages of one machine start together and want overlapping pieces
+    (both want the header; here, the same layers): each piece is pulled
+    once, by whichever process locked it, and both see it whole."""
+    import json
+    import subprocess
+    import sys
+
+    holder = start_node("holder")
+    ref = holder.store.reference(str(tiny_gguf))
+    assert ref is not None
+    manifest = holder.store.pieces.open(ref.sha256).manifest
+    names = layer_names(manifest, 0, 1, 2, 3, 4)
+    root = tmp_path / "shared"
+    procs = [subprocess.Popen([sys.executable, "-c", SHARE, str(root), ref.sha256,
+                               holder.address, psk.hex(), ",".join(names)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for _ in range(3)]
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+        proc.stdin.flush()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err.decode()
+        results.append(json.loads(out))
+    wanted = manifest.named(names)
+    assert sum(r["pieces"] for r in results) == len(wanted)
+    assert sum(r["pulled"] for r in results) == sum(p.length for p in wanted)
+    folder = PieceStore(root).open(ref.sha256)
+    assert folder is not None and folder.holds(wanted)
+    data, on_disk = tiny_gguf.read_bytes(), folder.path.read_bytes()
+    assert all(on_disk[p.offset:p.end] == data[p.offset:p.end] for p in wanted)
+
+
+def test_a_member_sending_crafted_answers_is_dropped_not_trusted(
+        tiny_gguf: Path, tmp_path: Path, start_node: Callable[[str], NodeProc],
+        namespace: NetworkNamespace, config) -> None:  # type: ignore[no-untyped-def]
+    """A member gone bad (it holds the PSK): a manifest that is a huge
+    integer, then bytes that are an integer: nothing is allocated for them,
+    nothing is stored from it, and the pull takes the model from a good
+    member."""
+    import numpy as np
+
+    from pmetal.endpoint import Incoming, SecureListener, Server
+    from pmetal.identity import NodeIdentity
+    from pmetal.pipeline.models import manifest_of
+    from pmetal.transport import ZmqTransport
+    from pmetal.wire import Message, ModelHoldings, ModelQuery, PieceData
+
+    manifest = manifest_of(tiny_gguf)
+    asked: list[str] = []
+
+    def liar(incoming: Incoming) -> Message:
+        asked.append(type(incoming.body).__name__)
+        if isinstance(incoming.body, ModelQuery):
+            if asked.count("ModelQuery") == 1:
+                return ModelHoldings(10**15, b"\x01" * len(manifest.pieces))
+            return ModelHoldings(np.frombuffer(manifest.encode(), np.uint8),
+                                 b"\x01" * len(manifest.pieces))
+        return PieceData(10**15)
+
+    listener = SecureListener(ZmqTransport(config.transport, curve=namespace.curve_keys())
+                              .listen("tcp://127.0.0.1:0"), NodeIdentity.generate(),
+                              namespace, config)
+    good = start_node("good")
+    good.store.reference(str(tiny_gguf))
+    with Server(listener, liar):
+        store = PieceStore(tmp_path / "mine")
+        with Puller(store, [listener.address], namespace=namespace, config=config) as puller, \
+                pytest.raises(ModelUnavailableError, match="holds nothing"):
+            puller.pull(manifest.sha256)
+        with Puller(store, [listener.address, good.address], namespace=namespace,
+                    config=config) as puller:
+            result = puller.pull(manifest.sha256, layer_names(manifest, 1),
+                                 digest=manifest.digest)
+    assert "PieceRead" in asked
+    assert set(result.sources) == {good.address}       # the liar's bytes were never counted
+    assert result.folder.holds(manifest.named(layer_names(manifest, 1)))

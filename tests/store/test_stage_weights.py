@@ -77,19 +77,64 @@ def test_a_stage_with_no_member_holding_the_model_fails_naming_it(
         tiny_gguf: Path, start_node: Callable[..., NodeProc], psk: bytes, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver's machine has the model, but its node's store is another
-    home (the driver connected to a node elsewhere): the stage there finds
-    it nowhere, and says which model, where, and what to do."""
+    home (the driver connected to a node elsewhere): the stage on another
+    node finds it nowhere, and says which model, where, and what to do."""
     a = start_node("a")
+    b = start_node("b", peers=(a.address,))
     monkeypatch.setenv("PMETAL_HOME", str(tmp_path / "driver-home"))
     if pmetal.is_initialized():
         pmetal.shutdown(timeout=3.0)
     pmetal.init(address=a.address, psk=psk, namespace=NAMESPACE,
                 config=load_config(transport={"request_timeout": 5.0}))
     try:
+        pmetal.wait_for_peers(1, timeout=30.0)
         with pytest.raises(ModelUnavailableError) as info:
-            Pipeline.from_pretrained(str(tiny_gguf), stages=1, max_len=64, threads=1)
+            Pipeline.from_pretrained(str(tiny_gguf), stages=1, placement=[b.node_id],
+                                     max_len=64, threads=1)
     finally:
         pmetal.shutdown(timeout=3.0)
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     message = str(info.value)
     assert "stage 0" in message and sha[:12] in message and "pmetal models" in message, message
+
+
+def test_a_driver_names_a_model_its_machine_lacks_by_sha256(
+        tiny_gguf: Path, start_node: Callable[..., NodeProc], psk: bytes, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's machine holds nothing of the model; node a does. Named
+    by its sha256, the driver takes the header alone from the cluster (the
+    shape and the tokenizer) and the stages take their layers themselves."""
+    a = start_node("a")
+    b = start_node("b", peers=(a.address,))
+    ref = a.store.reference(str(tiny_gguf))
+    assert ref is not None
+    expected = [r.tokens for r in generate_single_process(
+        QuantizedStage(load_quantized(tiny_gguf)), PROMPTS,
+        SamplingConfig(max_tokens=MAX_TOKENS), max_len=64)]
+    driver_home = tmp_path / "driver-home"
+    monkeypatch.setenv("PMETAL_HOME", str(driver_home))
+    if pmetal.is_initialized():
+        pmetal.shutdown(timeout=3.0)
+    pmetal.init(address=b.address, psk=psk, namespace=NAMESPACE,
+                config=load_config(transport={"request_timeout": 10.0}))
+    try:
+        pmetal.wait_for_peers(1, timeout=30.0)
+        with Pipeline.from_pretrained(ref.sha256, stages=2, placement=[a.node_id, b.node_id],
+                                      max_len=64, threads=1) as pipe:
+            got = [r.tokens for r in pipe.generate(PROMPTS, max_tokens=MAX_TOKENS,
+                                                   chat=False)]
+            assert pipe.tokenizer is not None    # read from the header
+        # One stage on the driver's own node: the driver's file is partial, so
+        # it is never handed over as a path (its holes read as zeros).
+        with Pipeline.from_pretrained(ref.sha256, stages=1, placement=[b.node_id],
+                                      max_len=64, threads=1) as pipe:
+            alone = [r.tokens for r in pipe.generate(PROMPTS, max_tokens=MAX_TOKENS,
+                                                     chat=False)]
+    finally:
+        pmetal.shutdown(timeout=3.0)
+    assert got == expected and alone == expected
+    from pmetal.store import PieceStore
+
+    mine = PieceStore(driver_home / "models").open(ref.sha256)
+    assert mine is not None
+    assert [p.name for p, h in zip(mine.manifest.pieces, mine.held()) if h] == [HEADER]
