@@ -18,7 +18,8 @@ leaves the piece not held (it is fetched again); bytes that failed their
 check are overwritten with zeros before the lock is released, so they are
 never read. Several processes of one machine (the stages of a local
 pipeline, ``pmetal models pull``) share a folder: a process that finds a
-piece's lock taken leaves it to the holder and waits for it at the end.
+piece's lock taken leaves it to the holder and waits for it at the end
+(while the holder makes progress: a stopped holder is an error, not a hang).
 The locks are POSIX record locks on one descriptor per folder and process
 (closing another descriptor of ``lock`` would drop them).
 """
@@ -31,6 +32,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,9 +133,33 @@ class ModelFolder:
             return False
         return True
 
-    def lock(self, piece: Piece) -> None:
-        """Wait for ``piece``'s lock (its holder is writing it, with deadlines)."""
-        fcntl.lockf(self._lock_file(), fcntl.LOCK_EX, 1, piece.index)
+    def lock(self, piece: Piece, stall: float) -> None:
+        """Wait for ``piece``'s lock while its holder, another process of
+        this machine, makes progress (the file's blocks or the held pieces
+        change); after ``stall`` s without any, raise :class:`ModelError`
+        (the holder is stopped or stuck: nothing waits on it forever)."""
+        progress, since, pause = self._progress(), time.monotonic(), 0.005
+        while not self.try_lock(piece):
+            now = time.monotonic()
+            seen = self._progress()
+            if seen != progress:
+                progress, since = seen, now
+            elif now - since > stall:
+                raise ModelError(
+                    f"piece {piece.index} ({piece.name}) of model {self.manifest.sha256[:12]} "
+                    f"is being written by another process of this machine, which made no "
+                    f"progress for {stall:g} s (stopped or stuck?); end that process (a stage "
+                    f"or 'pmetal models pull' of this model) and try again")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    def _progress(self) -> tuple[int, bytes]:
+        """What a writer of this folder changes as it goes."""
+        try:
+            blocks = os.stat(self.path).st_blocks
+        except OSError:
+            blocks = -1
+        return blocks, bytes(self.held())
 
     def unlock(self, piece: Piece) -> None:
         fcntl.lockf(self._lock_file(), fcntl.LOCK_UN, 1, piece.index)

@@ -192,7 +192,7 @@ class Puller:
                 for p in mine:
                     folder.unlock(p)
             for p in others:   # another process of this machine pulls them: wait, or take over
-                folder.lock(p)
+                folder.lock(p, stall=max(30.0, 4 * self.timeout))
                 try:
                     if not folder.held()[p.index]:
                         self._pull(folder, [p], result)

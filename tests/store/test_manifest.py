@@ -8,6 +8,7 @@ import io
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,51 @@ def test_a_path_is_taken_into_the_store_once(tiny_gguf: Path, tmp_path: Path) ->
     assert store.resolve(ref.sha256) == ref.path
     assert store.sha256_of(ref.sha256[:10]) == ref.sha256
     assert store.remove(ref.sha256[:10]) and not ref.path.exists() and tiny_gguf.exists()
+
+
+def _hold_piece_lock(folder_root: str, sha256: str, index: int, stop: bool,
+                     locked: Any, release: Any) -> None:
+    """In a child process: take piece ``index``'s lock, then stop (a holder
+    stopped or stuck), or hold it until ``release`` and exit."""
+    import signal as _signal
+    folder = PieceStore(Path(folder_root)).open(sha256)
+    assert folder is not None and folder.try_lock(folder.manifest.pieces[index])
+    locked.set()
+    if stop:
+        os.kill(os.getpid(), _signal.SIGSTOP)
+    release.wait(30)
+    os._exit(0)   # the lock goes with the process
+
+
+def test_a_wait_for_a_piece_another_process_holds_ends_when_it_makes_no_progress(
+        tiny_gguf: Path, tmp_path: Path) -> None:
+    """A piece another process of this machine is writing is waited for
+    only while that process makes progress: a holder stopped (SIGSTOP)
+    is an error naming the piece after ``stall``, never a hang; a holder
+    that lets go is waited for."""
+    import multiprocessing
+    import signal
+    manifest = manifest_of(tiny_gguf)
+    folder = PieceStore(tmp_path / "models").create(manifest)
+    piece = manifest.by_name["blk.2.ffn_up.weight"]
+    ctx = multiprocessing.get_context("spawn")
+    for stop in (True, False):
+        locked, release = ctx.Event(), ctx.Event()
+        child = ctx.Process(target=_hold_piece_lock,
+                            args=(str(tmp_path / "models"), manifest.sha256, piece.index, stop,
+                                  locked, release))
+        child.start()
+        try:
+            assert locked.wait(60), "the child never took the lock"
+            assert not folder.try_lock(piece)
+            if stop:
+                with pytest.raises(ModelError, match="blk.2.ffn_up.weight.*no progress"):
+                    folder.lock(piece, stall=0.3)
+            else:
+                release.set()
+                folder.lock(piece, stall=20.0)   # the child exits: its lock goes
+                folder.unlock(piece)
+        finally:
+            if child.pid is not None:
+                os.kill(child.pid, signal.SIGKILL)
+            child.join(10)
