@@ -4,7 +4,6 @@ Hugging Face's formulas written out), and against itself split into stages."""
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -387,29 +386,3 @@ def test_weights_of_the_wrong_shape_or_dtype_are_refused(weights: LlamaWeights) 
     with pytest.raises(PMetalValueError, match="embed_tokens"):
         LlamaWeights(config=weights.config, start=0, layers=weights.layers[:1])
     assert isinstance(LlamaStage(weights).new_cache(4), KVCache)
-
-
-@pytest.mark.slow
-def test_decode_speed_of_the_default_shape(capsys: pytest.CaptureFixture[str]) -> None:
-    """Prints single-token decode speed of the SmolLM2-135M shape with random
-    weights; no assertion (a shared machine's timing is not a test)."""
-    stage = LlamaStage(LlamaWeights.random(SMOLLM2_135M, seed=0))
-    cache = stage.new_cache(256)
-    stage.forward(stage.embed(list(range(1, 20))), cache)
-    token, times = 1, []
-    for _ in range(20):
-        began = time.perf_counter()
-        token = int(stage.logits(stage.forward(stage.embed([token]), cache))[-1].argmax())
-        times.append(time.perf_counter() - began)
-    caches = [stage.new_cache(256) for _ in range(4)]
-    for i, c in enumerate(caches):
-        stage.forward(stage.embed(list(range(1, 10 + i))), c)
-    tokens, batch_times = [1, 2, 3, 4], []
-    for _ in range(10):
-        began = time.perf_counter()
-        tokens = list(stage.logits(stage.forward_batch(stage.embed(tokens), caches)).argmax(-1))
-        batch_times.append(time.perf_counter() - began)
-    with capsys.disabled():
-        print(f"\nSmolLM2-135M shape, random weights: {1 / np.median(times):.1f} tokens/s "
-              f"single stream, {4 / np.median(batch_times):.1f} tokens/s aggregate over 4 "
-              "sequences batched")
