@@ -48,6 +48,7 @@ connection cannot take over another's route.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import os
 import threading
@@ -126,6 +127,18 @@ def normalize_address(address: str) -> str:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"address {address!r} is not 'host:port' or a transport URL")
     return f"tcp://{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is this machine's loopback (127.0.0.0/8, ::1,
+    bracketed or not, or "localhost"): traffic to it never leaves the
+    machine. Any other host name is not: it may resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 # ------------------------------------------------------------------ ZeroMQ

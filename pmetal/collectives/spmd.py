@@ -23,7 +23,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import hashlib
-import ipaddress
 import logging
 import os
 import time
@@ -38,6 +37,7 @@ from pmetal.errors import PMetalValueError
 from pmetal.links import tcplinks
 from pmetal.links.memory import RankLinks
 from pmetal.links.seal import requires_seal
+from pmetal.transport import is_loopback
 
 __all__ = ["DistributedBackend", "DistributedConfig", "DistributedContext", "RingBackend"]
 
@@ -100,15 +100,6 @@ def _address(node: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class DistributedBackend(abc.ABC):
     """What a :class:`DistributedContext` runs on: forms the group."""
 
@@ -138,7 +129,7 @@ class RingBackend(DistributedBackend):
         try:
             namespace = NetworkNamespace.resolve(cfg, self.config.psk)
         except ConfigError:
-            if all(_is_loopback(h) for h, _ in self.config.addresses):
+            if all(is_loopback(h) for h, _ in self.config.addresses):
                 return _LOOPBACK_KEY
             raise ConfigError(
                 "the ranks are on several machines and no PSK is set: set PMETAL_PSK "
@@ -179,7 +170,7 @@ class RingBackend(DistributedBackend):
         """Whether the ranks exchange through shared memory: every node is
         on loopback (so on this machine) and ``shared_memory`` is on."""
         return (self.collectives.shared_memory and self.config.world_size > 1
-                and all(_is_loopback(h) for h, _ in self.config.addresses))
+                and all(is_loopback(h) for h, _ in self.config.addresses))
 
 
 class DistributedContext:

@@ -34,7 +34,6 @@ copy on either side beyond the cipher's own pass.
 
 from __future__ import annotations
 
-import ipaddress
 import struct
 from collections.abc import Iterable
 
@@ -44,6 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from pmetal.errors import AuthenticationError
+from pmetal.transport import is_loopback
 
 __all__ = ["OVERHEAD", "SEGMENT", "Direction", "LinkSeal", "derive", "requires_seal",
            "segments"]
@@ -65,16 +65,7 @@ def requires_seal(policy: str, hosts: Iterable[str]) -> bool:
         return False
     if policy != "auto":
         raise ValueError(f"link_encryption is {policy!r}; use auto, on or off")
-    return not all(_is_loopback(h) for h in hosts)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return not all(is_loopback(h) for h in hosts)
 
 
 def derive(key: bytes, tag: bytes, low: int, high: int, nonces: bytes,

@@ -34,7 +34,6 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
@@ -65,6 +64,7 @@ from pmetal.serve.protocol import (
     usage_object,
 )
 from pmetal.serve.text import AnswerText
+from pmetal.transport import is_loopback
 
 __all__ = ["OpenAIServer", "ServerThread", "check_binding", "is_loopback", "serve_forever",
            "served_name"]
@@ -76,17 +76,6 @@ MAX_REQUEST_BYTES = 4 << 20      # a prompt of a million characters fits
 _STATUS_TEXT = {404: ("unknown_url", "invalid_request_error"),
                 405: ("method_not_allowed", "invalid_request_error"),
                 413: ("request_too_large", "invalid_request_error")}
-
-
-def is_loopback(host: str) -> bool:
-    """Whether binding ``host`` keeps the server on this machine. A host
-    name other than localhost counts as beyond: it may resolve anywhere."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_binding(host: str, api_key: str | None) -> None:
