@@ -533,4 +533,4 @@ def _size(nbytes: float) -> str:
 
 
 def _ms(seconds: float | None) -> str:
-    return "?" if seconds is None else f"{seconds * 1e3:.3f} ms"
+    return "?" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.3f} ms"

