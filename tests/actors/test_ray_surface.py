@@ -1,0 +1,68 @@
+"""Ray Core's everyday API names beyond the basics, as ``import pmetal as
+ray`` scripts use them: ``ray.exceptions``, ``.options(get_if_exists=True)``
+and ``ray.get_runtime_context()``. Real actors and tasks on a real node."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+import pmetal
+import pmetal.exceptions
+from pmetal.exceptions import RayActorError
+
+from .actor_classes import Counter
+from .conftest import WAIT
+
+NUM_WORKERS = 2
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+
+# ------------------------------------------------------------ ray.exceptions
+
+def test_every_ray_exception_name_is_a_pmetal_error() -> None:
+    for name in pmetal.exceptions.__all__:
+        cls = getattr(pmetal.exceptions, name)
+        assert issubclass(cls, pmetal.PMetalError), name
+    assert pmetal.exceptions.RayError is pmetal.PMetalError
+    assert pmetal.exceptions.RayActorError is pmetal.ActorDiedError
+    assert pmetal.exceptions.RayTaskError is pmetal.RemoteError
+    assert issubclass(pmetal.exceptions.GetTimeoutError, TimeoutError)
+    assert issubclass(pmetal.exceptions.OwnerDiedError, pmetal.exceptions.ObjectLostError)
+    assert issubclass(pmetal.exceptions.WorkerCrashedError, pmetal.ActorDiedError)
+
+
+def test_ray_import_paths_of_the_exceptions_work_with_an_alias() -> None:
+    ray = importlib.import_module("pmetal")
+    assert ray.exceptions.ActorDiedError is pmetal.ActorDiedError
+    assert importlib.import_module("pmetal.exceptions").GetTimeoutError is pmetal.GetTimeoutError
+
+
+def test_ray_actor_error_catches_a_call_to_a_killed_actor(reap: list) -> None:
+    counter = Counter.remote()
+    reap.append(counter)
+    assert pmetal.get(counter.inc.remote(), timeout=WAIT) == 1
+    pmetal.kill(counter)
+    with pytest.raises(RayActorError):
+        pmetal.get(counter.inc.remote(), timeout=WAIT)
+    try:
+        pmetal.get(counter.value.remote(), timeout=WAIT)
+    except pmetal.exceptions.RayActorError as exc:
+        assert isinstance(exc, pmetal.exceptions.RayError)
+    else:
+        raise AssertionError("a call to a killed actor returned")
+
+
+def test_ray_task_error_catches_what_a_task_raised() -> None:
+    from .actor_classes import fail
+    with pytest.raises(pmetal.exceptions.RayTaskError, match="boom"):
+        pmetal.get(fail.remote("boom"), timeout=WAIT)
+
+
+def test_get_timeout_error_is_rays_name_for_a_get_that_times_out() -> None:
+    from .actor_classes import pause
+    ref = pause.remote(1.0)
+    with pytest.raises(pmetal.exceptions.GetTimeoutError):
+        pmetal.get(ref, timeout=0.05)
