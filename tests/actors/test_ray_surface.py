@@ -13,7 +13,7 @@ import pmetal.exceptions
 from pmetal.exceptions import RayActorError
 
 from .actor_classes import Counter
-from .conftest import WAIT
+from .conftest import WAIT, wait_until
 
 NUM_WORKERS = 2
 
@@ -66,3 +66,47 @@ def test_get_timeout_error_is_rays_name_for_a_get_that_times_out() -> None:
     ref = pause.remote(1.0)
     with pytest.raises(pmetal.exceptions.GetTimeoutError):
         pmetal.get(ref, timeout=0.05)
+
+
+# ------------------------------------------------------------- get_if_exists
+
+def test_get_if_exists_creates_the_actor_when_absent_and_returns_it_after(
+        reap: list) -> None:
+    first = Counter.options(name="surface-counter", get_if_exists=True).remote(10)
+    reap.append(first)
+    assert pmetal.get(first.inc.remote(), timeout=WAIT) == 11
+    # The second gets the live actor: its constructor argument is not used.
+    second = Counter.options(name="surface-counter", get_if_exists=True).remote(500)
+    assert second == first
+    assert pmetal.get(second.inc.remote(), timeout=WAIT) == 12
+    # Without get_if_exists the name is still refused.
+    with pytest.raises(ValueError, match="already exists"):
+        Counter.options(name="surface-counter").remote()
+
+
+def test_get_if_exists_makes_a_new_actor_once_the_named_one_is_dead(reap: list) -> None:
+    first = Counter.options(name="surface-phoenix", get_if_exists=True).remote(1)
+    reap.append(first)
+    pmetal.kill(first)
+    # kill returns before the node has marked it dead (in Ray too).
+    wait_until(lambda: _is_gone("surface-phoenix"), WAIT, what="the killed actor marked dead")
+    again = Counter.options(name="surface-phoenix", get_if_exists=True).remote(7)
+    reap.append(again)
+    assert again != first
+    assert pmetal.get(again.value.remote(), timeout=WAIT) == 7
+
+
+def test_get_if_exists_without_a_name_is_refused_at_the_call() -> None:
+    with pytest.raises(ValueError, match="needs name=") as info:
+        Counter.options(get_if_exists=True).remote()
+    assert isinstance(info.value, pmetal.PMetalValueError)
+    with pytest.raises(TypeError, match="get_if_exists must be True or False"):
+        Counter.options(name="x", get_if_exists="yes")
+
+
+def _is_gone(name: str) -> bool:
+    try:
+        pmetal.get_actor(name)
+    except ValueError:
+        return True
+    return False
