@@ -9,9 +9,9 @@ from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
-from pmetal.api import (available_resources, cluster_resources, get, get_actor, init,
-                        is_initialized, kill, nodes, put, shutdown, wait,
-                        wait_for_peers)
+from pmetal.api import (available_resources, cluster_resources, get, get_actor,
+                        get_runtime_context, init, is_initialized, kill, nodes, put, shutdown,
+                        wait, wait_for_peers)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
 from pmetal import exceptions
 from pmetal.errors import (ActorDiedError, ActorError, ActorUnavailableError,
@@ -113,6 +113,7 @@ __all__ = [
     "cluster_resources",
     "get",
     "get_actor",
+    "get_runtime_context",
     "init",
     "is_initialized",
     "kill",

@@ -19,7 +19,7 @@ PACKAGES = sorted(
     for init in PACKAGE_ROOT.rglob("__init__.py"))
 # Modules whose public names are part of this suite's contract.
 MODULES = ["pmetal.actors.context", "pmetal.actors.handles", "pmetal.api", "pmetal.config",
-           "pmetal.exceptions",
+           "pmetal.actors.runtime_context", "pmetal.exceptions",
            "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels", "pmetal.wire"]
 
 

@@ -14,6 +14,7 @@ from pmetal.exceptions import RayActorError
 
 from .actor_classes import Counter
 from .conftest import WAIT, wait_until
+from .surface_classes import AsyncRuntimeIds, RuntimeIds, runtime_ids_in_a_task
 
 NUM_WORKERS = 2
 
@@ -110,3 +111,52 @@ def _is_gone(name: str) -> bool:
     except ValueError:
         return True
     return False
+
+
+# --------------------------------------------------------- runtime context
+
+def test_runtime_context_in_the_driver(cluster: dict) -> None:
+    ctx = pmetal.get_runtime_context()
+    assert ctx.get_node_id() == cluster["node_id"] == ctx.node_id
+    assert ctx.node_id.hex() == cluster["node_id"]
+    job = ctx.get_job_id()
+    assert isinstance(job, str) and job and ctx.job_id == job
+    assert ctx.get_actor_id() is None and ctx.actor_id is None
+    assert ctx.get_task_id() is None
+    assert ctx.get() == {"job_id": job, "node_id": cluster["node_id"], "task_id": None,
+                         "actor_id": None}
+    with pytest.raises(ValueError, match="does not run in an actor"):
+        ctx.current_actor  # noqa: B018
+
+
+def test_runtime_context_in_a_task(cluster: dict) -> None:
+    first = pmetal.get(runtime_ids_in_a_task.remote(), timeout=WAIT)
+    second = pmetal.get(runtime_ids_in_a_task.remote(), timeout=WAIT)
+    assert first["node_id"] == first["node_prop"] == cluster["node_id"]
+    assert first["job_id"] == first["job_prop"] == pmetal.get_runtime_context().get_job_id()
+    assert first["actor_id"] is None and first["actor_prop"] is None
+    assert first["task_id"] and first["task_prop"] == first["task_id"]
+    assert second["task_id"] and second["task_id"] != first["task_id"]
+
+
+def test_runtime_context_in_an_actor(cluster: dict, reap: list) -> None:
+    actor = RuntimeIds.remote()
+    reap.append(actor)
+    first = pmetal.get(actor.ids.remote(), timeout=WAIT)
+    second = pmetal.get(actor.ids.remote(), timeout=WAIT)
+    assert first["actor_id"] == first["actor_prop"] == actor._actor_id
+    assert first["node_id"] == cluster["node_id"]
+    assert first["job_id"] == pmetal.get_runtime_context().get_job_id()
+    assert first["task_id"] and second["task_id"] != first["task_id"]
+    assert pmetal.get(actor.me.remote(), timeout=WAIT) == actor
+
+
+def test_runtime_context_in_an_async_actor(reap: list) -> None:
+    actor = AsyncRuntimeIds.remote()
+    reap.append(actor)
+    in_coroutine = pmetal.get(actor.ids.remote(), timeout=WAIT)
+    in_thread = pmetal.get(actor.plain_ids.remote(), timeout=WAIT)
+    for ids in (in_coroutine, in_thread):
+        assert ids["actor_id"] == actor._actor_id
+        assert ids["task_id"]
+    assert in_coroutine["task_id"] != in_thread["task_id"]
