@@ -20,7 +20,8 @@ PACKAGES = sorted(
 # Modules whose public names are part of this suite's contract.
 MODULES = ["pmetal.actors.context", "pmetal.actors.handles", "pmetal.api", "pmetal.config",
            "pmetal.actors.runtime_context", "pmetal.exceptions",
-           "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels", "pmetal.wire"]
+           "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels",
+           "pmetal.util.actor_pool", "pmetal.util.queue", "pmetal.wire"]
 
 
 def test_the_package_list_is_found() -> None:
