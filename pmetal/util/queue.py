@@ -174,6 +174,32 @@ class Queue:
                                                 if block else ""))
         return item
 
+    async def put_async(self, item: Any, block: bool = True,
+                        timeout: float | None = None) -> None:
+        """:meth:`put` for a coroutine: awaits the queue's actor without
+        blocking the event loop."""
+        if not block:
+            outcome = await self._actor().put_nowait.remote(item)
+        else:
+            _check_timeout(timeout, "put_async")
+            outcome = await self._actor().put.remote(item, timeout)
+        if outcome == _FULL:
+            raise Full(f"the queue is full ({self.maxsize} items)"
+                       + (f" and stayed full for {timeout} s" if block else ""))
+
+    async def get_async(self, block: bool = True, timeout: float | None = None) -> Any:
+        """:meth:`get` for a coroutine: awaits the queue's actor without
+        blocking the event loop."""
+        if not block:
+            outcome, item = await self._actor().get_nowait.remote()
+        else:
+            _check_timeout(timeout, "get_async")
+            outcome, item = await self._actor().get.remote(timeout)
+        if outcome == _EMPTY:
+            raise Empty("the queue is empty" + (f" and stayed empty for {timeout} s"
+                                                if block else ""))
+        return item
+
     def put_nowait(self, item: Any) -> None:
         """``put(item, block=False)``."""
         self.put(item, block=False)

@@ -4,6 +4,8 @@ bookkeeping, and a queue shared by the driver and a task."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 import pmetal
@@ -181,6 +183,19 @@ def test_a_task_blocked_in_get_returns_when_the_driver_puts(queue: Queue) -> Non
 def test_the_driver_blocked_in_get_returns_when_a_task_puts(queue: Queue) -> None:
     put_from_a_task.remote(queue, "from a task")
     assert queue.get(timeout=WAIT) == "from a task"
+
+
+def test_queue_async_put_and_get(queue: Queue) -> None:
+    async def main() -> list:
+        await queue.put_async("x")
+        await queue.put_async("y", block=False)
+        with pytest.raises(Full):
+            await queue.put_async("z", timeout=0.05)
+        out = [await queue.get_async(), await queue.get_async(block=False)]
+        with pytest.raises(Empty):
+            await queue.get_async(timeout=0.05)
+        return out
+    assert asyncio.run(asyncio.wait_for(main(), WAIT)) == ["x", "y"]
 
 
 def test_queue_misuse_is_refused(queue: Queue) -> None:
