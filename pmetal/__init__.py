@@ -9,17 +9,19 @@ from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
-from pmetal.api import (available_resources, cluster_resources, get, get_actor, init,
-                        is_initialized, kill, nodes, put, shutdown, wait,
-                        wait_for_peers)
+from pmetal.api import (available_resources, cluster_resources, get, get_actor,
+                        get_runtime_context, init, is_initialized, kill, nodes, put, shutdown,
+                        wait, wait_for_peers)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
-from pmetal.errors import (ActorDiedError, ActorError, AuthenticationError, BackpressureError,
-                           ClosedError, CollectiveError, ConfigError, GetTimeoutError,
-                           HandshakeError, IdentityError, NotInitializedError, PeerError,
-                           PipelineError, PlacementError,
-                           PMetalError, PMetalTimeoutError, PMetalTypeError,
-                           PMetalValueError, ProtocolError, RemoteError,
-                           ReplayError, RequestTimeoutError, SecurityError, TransportError)
+from pmetal import exceptions
+from pmetal.errors import (ActorDiedError, ActorError, ActorUnavailableError,
+                           AuthenticationError, BackpressureError, ClosedError,
+                           CollectiveError, ConfigError, GetTimeoutError, HandshakeError,
+                           IdentityError, NotInitializedError, ObjectLostError, OwnerDiedError,
+                           PeerError, PipelineError, PlacementError, PMetalError,
+                           PMetalTimeoutError, PMetalTypeError, PMetalValueError, ProtocolError,
+                           RemoteError, ReplayError, RequestTimeoutError, SecurityError,
+                           TaskCancelledError, TransportError, WorkerCrashedError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 
@@ -46,6 +48,8 @@ def __getattr__(name: str) -> object:
     import importlib
     if name == "collective":   # the actor groups' namespace: pmetal.collective.create_group
         return importlib.import_module("pmetal.collective")
+    if name == "util":   # Ray's ray.util paths (ActorPool, queue): loaded on first use
+        return importlib.import_module("pmetal.util")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pmetal' has no attribute {name!r}")
@@ -58,6 +62,7 @@ __all__ = [
     "ActorDiedError",
     "ActorError",
     "ActorHandle",
+    "ActorUnavailableError",
     "AuthenticationError",
     "AutoDiscoveryBackend",
     "BackpressureError",
@@ -78,7 +83,9 @@ __all__ = [
     "NodeAffinitySchedulingStrategy",
     "NodeIdentity",
     "NotInitializedError",
+    "ObjectLostError",
     "ObjectRef",
+    "OwnerDiedError",
     "PMetalConfig",
     "PMetalError",
     "PMetalTimeoutError",
@@ -97,13 +104,16 @@ __all__ = [
     "RingBackend",
     "SecurityConfig",
     "SecurityError",
+    "TaskCancelledError",
     "TransportConfig",
     "TransportError",
+    "WorkerCrashedError",
     "__version__",
     "available_resources",
     "cluster_resources",
     "get",
     "get_actor",
+    "get_runtime_context",
     "init",
     "is_initialized",
     "kill",

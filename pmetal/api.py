@@ -14,6 +14,7 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.handles import ActorHandle
+from pmetal.actors.runtime_context import get_runtime_context
 from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
@@ -34,6 +36,7 @@ __all__ = [
     "cluster_resources",
     "get",
     "get_actor",
+    "get_runtime_context",
     "init",
     "is_initialized",
     "kill",
@@ -60,6 +63,8 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     env.update(config_env(config))
     env["PMETAL_PSK_HEX"] = namespace.psk.hex()
     env["PMETAL_SECURITY_NAMESPACE"] = namespace.name
+    # Its workers report this driver's job id (get_runtime_context()).
+    env[context.JOB_ID_ENV] = context.job_id()
     # Workers import user code by reference: give them the driver's import
     # path (its script folder, the current folder), as Ray does for a job.
     here = [os.path.abspath(p or os.curdir) for p in sys.path if os.path.isdir(p or os.curdir)]
@@ -157,6 +162,8 @@ def init(address: str | None = None, *, namespace: str | None = None,
         cfg = config or load_config()
         if namespace is not None:
             cfg = replace(cfg, security=replace(cfg.security, namespace=namespace))
+        # A job per init, as in Ray: get_runtime_context().get_job_id().
+        context.set_job_id(secrets.token_hex(4))
         node_proc = None
         if address is None:
             ns = (NetworkNamespace(cfg.security.namespace,

@@ -50,10 +50,11 @@ _MiB = 1 << 20
 # bytes survive hex; a raw key does not survive an environment string).
 # Not config fields: the launcher's rank environment (pmetal launch),
 # process-wide settings read where they are used, and the API key of
-# pmetal serve (a secret for its HTTP clients, not a cluster setting).
+# pmetal serve (a secret for its HTTP clients, not a cluster setting), and
+# the job id a driver hands to the node it embeds (get_runtime_context()).
 _STANDALONE_ENV = frozenset({"PMETAL_HOME", "PMETAL_PSK", "PMETAL_PSK_HEX", "PMETAL_LOG_LEVEL",
                              "PMETAL_RANK", "PMETAL_WORLD_SIZE", "PMETAL_LOCAL_RANK",
-                             "PMETAL_NODES", "PMETAL_API_KEY"})
+                             "PMETAL_NODES", "PMETAL_API_KEY", "PMETAL_JOB_ID"})
 
 
 def _require(cond: bool, section: str, name: str, why: str) -> None:

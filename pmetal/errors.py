@@ -25,14 +25,21 @@ code written for Ray's builtin exceptions keeps working::
     │   └── GetTimeoutError                  pmetal.get(timeout=...) passed
     ├── RemoteError                          user code raised in another process;
     │                                        also an instance of the original type
+    ├── TaskCancelledError                   (Ray's name; pmetal cannot cancel yet)
+    ├── ObjectLostError                      (Ray's name; not raised yet)
+    │   └── OwnerDiedError                   (Ray's name; not raised yet)
     ├── ActorError
-    │   └── ActorDiedError                   the actor's process died or was killed
+    │   ├── ActorDiedError                   the actor's process died or was killed
+    │   │   └── WorkerCrashedError           (Ray's name; tasks raise ActorDiedError)
+    │   └── ActorUnavailableError            (Ray's name; not raised yet)
     ├── PlacementError                       no node can host it (resources, node)
     ├── CollectiveError                      a collective operation failed: a member
     │                                        died, stalled or sent the wrong chunk
     ├── PipelineError                        pipeline inference failed: a stage died
     │                                        or stalled, or a sequence failed
     └── NotInitializedError                  pmetal.init() has not been called
+
+Ray's names for these classes live in :mod:`pmetal.exceptions`.
 
 The split between :class:`ClosedError` and :class:`PeerError` follows trio's
 ``ClosedResourceError`` and ``BrokenResourceError``: the first is a bug or a
@@ -44,6 +51,7 @@ from __future__ import annotations
 __all__ = [
     "ActorDiedError",
     "ActorError",
+    "ActorUnavailableError",
     "AuthenticationError",
     "BackpressureError",
     "ClosedError",
@@ -53,6 +61,8 @@ __all__ = [
     "HandshakeError",
     "IdentityError",
     "NotInitializedError",
+    "ObjectLostError",
+    "OwnerDiedError",
     "PMetalError",
     "PMetalTimeoutError",
     "PMetalTypeError",
@@ -65,7 +75,9 @@ __all__ = [
     "ReplayError",
     "RequestTimeoutError",
     "SecurityError",
+    "TaskCancelledError",
     "TransportError",
+    "WorkerCrashedError",
 ]
 
 
@@ -184,6 +196,38 @@ class ActorError(PMetalError):
 class ActorDiedError(ActorError):
     """The actor's process died (crash, ``kill -9``, ``pmetal.kill``) before
     the call completed, or the actor is dead for good (no restarts left)."""
+
+
+class WorkerCrashedError(ActorDiedError):
+    """Ray's error for a task whose worker process died. pmetal does not
+    raise it yet: a task whose worker dies (after its ``max_retries``)
+    raises its base, :class:`ActorDiedError`, which ``except
+    WorkerCrashedError`` does not catch; catch ActorDiedError."""
+
+
+class ActorUnavailableError(ActorError):
+    """Ray's error for an actor that cannot be reached for now but may come
+    back (restarting, its node unreachable). pmetal does not raise it yet:
+    a call waits for the actor's next incarnation, or fails with
+    :class:`ActorDiedError` when there is none."""
+
+
+class TaskCancelledError(PMetalError):
+    """Ray's error for ``ray.get`` on a task that ``ray.cancel`` stopped.
+    pmetal has no ``cancel`` yet, so it never raises this; it exists so
+    that ``except TaskCancelledError`` in code written for Ray is valid."""
+
+
+class ObjectLostError(PMetalError):
+    """Ray's error for an object whose every copy was lost. pmetal keeps a
+    result in the process that made the call, so it does not raise this yet;
+    it exists so that ``except ObjectLostError`` in code written for Ray is
+    valid."""
+
+
+class OwnerDiedError(ObjectLostError):
+    """Ray's error for an object whose owner process died. pmetal does not
+    raise it yet (see :class:`ObjectLostError`)."""
 
 
 class PlacementError(PMetalError):

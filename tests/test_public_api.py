@@ -19,7 +19,9 @@ PACKAGES = sorted(
     for init in PACKAGE_ROOT.rglob("__init__.py"))
 # Modules whose public names are part of this suite's contract.
 MODULES = ["pmetal.actors.context", "pmetal.actors.handles", "pmetal.api", "pmetal.config",
-           "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels", "pmetal.wire"]
+           "pmetal.actors.runtime_context", "pmetal.exceptions",
+           "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels",
+           "pmetal.util.actor_pool", "pmetal.util.queue", "pmetal.wire"]
 
 
 def test_the_package_list_is_found() -> None:
@@ -70,3 +72,16 @@ def test_all_is_sorted_and_names_real_objects(name: str) -> None:
     assert len(set(exported)) == len(exported), f"{name}.__all__ has duplicates"
     missing = [n for n in exported if not hasattr(module, n)]
     assert not missing, f"{name}.__all__ names missing objects: {missing}"
+
+
+def test_rays_module_paths_work_after_import_pmetal_alone() -> None:
+    """``import pmetal as ray`` then ``ray.util.ActorPool``, ``ray.util.queue``
+    and ``ray.exceptions``, as Ray scripts write them, in a fresh process."""
+    code = ("import pmetal as ray\n"
+            "assert ray.exceptions.RayActorError is ray.ActorDiedError\n"
+            "assert ray.util.ActorPool.__name__ == 'ActorPool'\n"
+            "assert ray.util.queue.Empty.__name__ == 'Empty'\n"
+            "assert callable(ray.get_runtime_context)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")

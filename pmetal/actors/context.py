@@ -17,6 +17,8 @@ the facade) and imports none of them, so the layers never form a loop.
 
 from __future__ import annotations
 
+import contextvars
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,9 +28,9 @@ from pmetal.errors import NotInitializedError
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
 
-__all__ = ["auto_init", "current", "current_actor_id", "current_or_none", "in_worker",
-           "initialize", "lock", "set_actor_id", "set_auto_init", "set_current",
-           "set_initializer", "set_worker_factory", "take"]
+__all__ = ["auto_init", "current", "current_actor_id", "current_or_none", "current_task",
+           "in_worker", "initialize", "job_id", "lock", "set_actor_id", "set_auto_init",
+           "set_current", "set_initializer", "set_job_id", "set_worker_factory", "take"]
 
 Factory = Callable[[], "CoreClient"]
 
@@ -42,6 +44,13 @@ _worker_factory: Factory | None = None
 _auto_init: Factory | None = None
 _initializer: Callable[..., object] | None = None
 _actor_id = ""
+_job_id = ""
+# The number of the task or actor call running in this thread or asyncio
+# task of a worker (its worker counts them); 0 outside one. A context
+# variable, so concurrent calls of one actor (threads, coroutines) each see
+# their own.
+current_task: contextvars.ContextVar[int] = contextvars.ContextVar("pmetal_task", default=0)
+JOB_ID_ENV = "PMETAL_JOB_ID"
 
 
 def current() -> CoreClient:
@@ -90,6 +99,18 @@ def current_actor_id() -> str:
 def set_actor_id(actor_id: str) -> None:
     global _actor_id
     _actor_id = actor_id
+
+
+def job_id() -> str:
+    """This driver's job id (set by ``pmetal.init``); in a worker, the one
+    of the driver whose embedded node started it (from the environment);
+    "" when unknown (a worker of a node ``pmetal start`` runs)."""
+    return _job_id or os.environ.get(JOB_ID_ENV, "")
+
+
+def set_job_id(job: str) -> None:
+    global _job_id
+    _job_id = job
 
 
 def set_current(client: CoreClient | None) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import inspect
+import threading
+import time
 from typing import Any
 
 from pmetal.actors import context
@@ -17,7 +19,7 @@ __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT
 # for compatibility (see docs/api.md for what each does today).
 _COMMON = frozenset({"num_cpus", "num_gpus", "resources", "num_returns", "name"})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
-                           "lifetime", "namespace", "scheduling_strategy"}
+                           "lifetime", "namespace", "scheduling_strategy", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
 
 DEFAULT_MAX_RETRIES = 3
@@ -81,6 +83,9 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
         if options.get(key) is not None and type(options[key]) is not str:
             raise PMetalTypeError(f"{where}: {key} must be a str, not "
                                   f"{type(options[key]).__name__}")
+    if options.get("get_if_exists") is not None and type(options["get_if_exists"]) is not bool:
+        raise PMetalTypeError(f"{where}: get_if_exists must be True or False, not "
+                              f"{options['get_if_exists']!r:.40}")
     if "scheduling_strategy" in options:
         placement_options(options, where)
     retry_on = options.get("retry_exceptions")
@@ -157,8 +162,39 @@ class ActorClass:
         return ActorClass(self._cls, {**self._options, **options})
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
-        from pmetal.actors.serialization import code_ref
+        if self._options.get("get_if_exists"):
+            return self._get_or_create(args, kwargs)
+        return self._create(_client(), args, kwargs)
+
+    def _get_or_create(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorHandle:
+        """Ray's ``.options(name=..., get_if_exists=True).remote()``: the live
+        actor of that name if there is one (its constructor arguments are then
+        not used), else a new one. When another process creates it meanwhile,
+        the creation here is refused and the lookup runs again."""
+        name = self._options.get("name")
+        if not name:
+            raise PMetalValueError(f"{self._cls.__qualname__}.options(get_if_exists=True) "
+                                   f"needs name=...: the existing actor is found by its name")
         client = _client()
+        deadline = time.monotonic() + client.config.transport.request_timeout
+        while True:
+            try:
+                loc = client.lookup(name=name)
+                if loc.state != "dead":
+                    return ActorHandle(loc, client)
+            except PMetalValueError:
+                pass   # no actor of that name: create it
+            try:
+                return self._create(client, args, kwargs)
+            except ValueError as exc:
+                # Someone took the name between the lookup and the creation
+                # (or is still running its constructor): look again.
+                if "already exists" not in str(exc) or time.monotonic() >= deadline:
+                    raise
+                threading.Event().wait(0.05)
+
+    def _create(self, client: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ActorHandle:
+        from pmetal.actors.serialization import code_ref
         cls = self._cls
         cls_id, ref = code_ref(cls)
         methods = tuple(name for name, member in inspect.getmembers(cls, callable)

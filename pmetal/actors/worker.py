@@ -338,6 +338,7 @@ class Worker:
         if isinstance(method, Failure):
             return method
         self.calls += 1
+        context.current_task.set(self.calls)
         try:
             value = method(*unpack_values(args),
                            **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
@@ -394,6 +395,7 @@ class Worker:
             except Exception as exc:
                 return failure_from(_user_traceback(exc))
         self.calls += 1
+        context.current_task.set(self.calls)
         try:
             value = fn(*unpack_values(body.args),
                        **{k: unpack_value(v) for k, v in body.kwargs.items()})
@@ -448,6 +450,8 @@ class Worker:
         if isinstance(method, Failure):
             return method
         self.calls += 1
+        task = self.calls
+        context.current_task.set(task)   # this asyncio task's own copy
         try:
             a = unpack_values(args)
             kw = {k: unpack_value(v) for k, v in kwargs.items()}
@@ -455,7 +459,7 @@ class Worker:
                 value = await method(*a, **kw)
             else:
                 value = await asyncio.get_running_loop().run_in_executor(
-                    threads, lambda: method(*a, **kw))
+                    threads, lambda: (context.current_task.set(task), method(*a, **kw))[1])
             return Result(pack_value(value))
         except Exception as exc:
             return failure_from(_user_traceback(exc))

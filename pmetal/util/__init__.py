@@ -1,5 +1,8 @@
-"""Ray's ``ray.util`` paths, for code ported from Ray."""
+"""Ray's ``ray.util`` paths, for code ported from Ray: ``ActorPool``,
+``queue`` (``from pmetal.util.queue import Queue``) and
+``scheduling_strategies``."""
 
-from pmetal.util import scheduling_strategies
+from pmetal.util import queue, scheduling_strategies
+from pmetal.util.actor_pool import ActorPool
 
-__all__ = ["scheduling_strategies"]
+__all__ = ["ActorPool", "queue", "scheduling_strategies"]
