@@ -113,7 +113,8 @@ def init(address: str | None = None, *, namespace: str | None = None,
          psk: str | bytes | None = None, peers: list[str] | None = None,
          num_workers: int | None = None, resources: dict[str, float] | None = None,
          discovery: bool = False, config: PMetalConfig | None = None,
-         ignore_reinit_error: bool = False) -> dict[str, Any]:
+         ignore_reinit_error: bool = False, num_cpus: float | None = None,
+         num_gpus: float | None = None) -> dict[str, Any]:
     """Connect this process to a cluster, starting a local one if needed.
 
     * ``address=None``: start an embedded node on this machine (127.0.0.1
@@ -121,6 +122,10 @@ def init(address: str | None = None, *, namespace: str | None = None,
       is stopped by :func:`shutdown` or when this process exits.
     * ``address="auto"``: join the node ``pmetal start`` runs on this machine.
     * ``address="host:port"``: join that node (``psk`` or ``PMETAL_PSK``).
+
+    ``num_cpus``, ``num_gpus`` and ``resources`` set what the embedded node
+    advertises (its ``CPU``, ``GPU`` and custom resources), as in Ray; with
+    ``address=`` they are refused: the node joined has its own.
 
     Returns a dict with the node id and address.
     """
@@ -134,6 +139,14 @@ def init(address: str | None = None, *, namespace: str | None = None,
             raise PMetalTypeError(str(exc)) from exc
         except ValueError as exc:
             raise PMetalValueError(str(exc)) from exc
+    node_resources = _node_resources(num_cpus, num_gpus, resources)
+    given = [name for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
+                                      ("resources", resources)) if value is not None]
+    if given and address is not None:
+        raise ConfigError(f"{' and '.join(given)} configure the embedded node that "
+                          f"pmetal.init() starts; with address=... the node you join "
+                          f"advertises its own (give them to 'pmetal start', or call "
+                          f"pmetal.init() without address=)")
     with _lock:
         current = context.current_or_none()
         if current is not None:
@@ -169,7 +182,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
             ns = (NetworkNamespace(cfg.security.namespace,
                                    psk.encode() if isinstance(psk, str) else psk)
                   if psk is not None else NetworkNamespace.generate(cfg.security.namespace))
-            node_proc, node_address = _start_node(ns, cfg, num_workers, resources,
+            node_proc, node_address = _start_node(ns, cfg, num_workers, node_resources,
                                                   timeout=cfg.transport.connect_timeout + 20,
                                                   peers=peers, discovery=discovery)
         else:
@@ -246,6 +259,28 @@ def wait_for_peers(n: int, timeout: float = 30.0) -> list[str]:
 def _check_init_arguments(num_workers: Any) -> None:
     if num_workers is not None and (type(num_workers) is not int or num_workers < 0):
         raise PMetalValueError(f"num_workers must be a non-negative int, not {num_workers!r}")
+
+
+def _node_resources(num_cpus: Any, num_gpus: Any,
+                    resources: dict[str, float] | None) -> dict[str, float]:
+    """What the embedded node advertises beyond what it detects: ``resources``
+    with ``num_cpus`` as ``CPU`` and ``num_gpus`` as ``GPU`` (each refused when
+    it is not a non-negative number, or when ``resources`` names it too)."""
+    out = dict(resources or {})
+    for option, key, value in (("num_cpus", "CPU", num_cpus), ("num_gpus", "GPU", num_gpus)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise PMetalTypeError(f"pmetal.init: {option} must be a number, not "
+                                  f"{type(value).__name__} {value!r:.40}")
+        if not 0 <= value < float("inf"):   # also refuses NaN
+            raise PMetalValueError(f"pmetal.init: {option}={value!r}; it must be a "
+                                   f"non-negative finite number")
+        if key in out:
+            raise PMetalValueError(f"pmetal.init: {key} given twice, as {option} and in "
+                                   f"resources; give it once")
+        out[key] = float(value)
+    return out
 
 
 def _check_timeout(timeout: Any, fn: str) -> None:

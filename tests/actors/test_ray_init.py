@@ -1,0 +1,91 @@
+"""``pmetal.init`` sizes its embedded node as Ray's ``ray.init`` does:
+``num_cpus``, ``num_gpus`` and ``resources`` are what the node advertises,
+and what asks for more than that fails at the call. Real node and worker
+processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import pmetal
+from pmetal.errors import ConfigError, PlacementError
+
+from .conftest import WAIT, shutdown_quietly
+
+
+@pmetal.remote
+class Holder:
+    def ping(self) -> str:
+        return "pong"
+
+
+@pmetal.remote
+def double(x: int) -> int:
+    return 2 * x
+
+
+@pytest.fixture(scope="module")
+def sized() -> Iterator[dict[str, Any]]:
+    """One embedded node advertising 3 CPUs, 2 GPUs and 4 ``board``."""
+    if pmetal.is_initialized():
+        shutdown_quietly()
+    info = pmetal.init(num_workers=1, num_cpus=3, num_gpus=2, resources={"board": 4})
+    try:
+        yield info
+    finally:
+        shutdown_quietly()
+
+
+def test_the_node_advertises_exactly_what_init_was_given(sized: dict[str, Any]) -> None:
+    total = pmetal.cluster_resources()
+    assert (total["CPU"], total["GPU"], total["board"]) == (3.0, 2.0, 4.0)
+    assert pmetal.nodes()[0]["Resources"]["CPU"] == 3.0
+    assert total["memory"] > 0   # still detected: init did not name it
+
+
+def test_what_fits_runs_and_holds_its_share(sized: dict[str, Any]) -> None:
+    actor = Holder.options(num_cpus=1, num_gpus=2, resources={"board": 1}).remote()
+    try:
+        assert pmetal.get(actor.ping.remote(), timeout=WAIT) == "pong"
+        free = pmetal.available_resources()
+        assert (free["CPU"], free["GPU"], free["board"]) == (2.0, 0.0, 3.0)
+    finally:
+        pmetal.kill(actor)
+    assert pmetal.get(double.options(num_gpus=2).remote(4), timeout=WAIT) == 8
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"num_cpus": 4}, "CPU"),
+    ({"num_gpus": 3}, "GPU"),
+    ({"resources": {"board": 5}}, "board"),
+    ({"resources": {"other": 1}}, "other"),
+])
+def test_asking_for_more_than_the_node_has_is_a_placement_error(
+        sized: dict[str, Any], options: dict[str, Any], words: str) -> None:
+    # What no node could ever hold fails at once (what only lacks room now waits).
+    with pytest.raises(PlacementError, match=words):
+        Holder.options(**options).remote()
+    with pytest.raises(PlacementError, match=words):
+        pmetal.get(double.options(**options).remote(1), timeout=WAIT)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"num_cpus": -1}, ValueError, "num_cpus=-1"),
+    ({"num_gpus": float("nan")}, ValueError, "num_gpus=nan"),
+    ({"num_cpus": "4"}, TypeError, "num_cpus must be a number, not str"),
+    ({"num_gpus": True}, TypeError, "num_gpus must be a number, not bool"),
+    ({"num_cpus": 2, "resources": {"CPU": 2}}, ValueError, "CPU given twice"),
+    ({"resources": {"board": -1}}, ValueError, "'board' must not be negative"),
+    ({"address": "127.0.0.1:1", "num_cpus": 2}, ConfigError, "num_cpus configure the embedded"),
+    ({"address": "auto", "num_gpus": 1, "resources": {"x": 1}}, ConfigError,
+     "num_gpus and resources configure the embedded"),
+])
+def test_bad_sizes_are_refused_naming_the_argument(kwargs: dict[str, Any], error: type,
+                                                   words: str) -> None:
+    # Checked before anything starts or connects (whether or not a node runs).
+    with pytest.raises(error, match=words) as info:
+        pmetal.init(**kwargs)
+    assert isinstance(info.value, pmetal.PMetalError)
