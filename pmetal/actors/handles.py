@@ -17,7 +17,7 @@ __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT
 
 # Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
 # for compatibility (see docs/api.md for what each does today).
-_COMMON = frozenset({"num_cpus", "num_gpus", "resources", "num_returns", "name"})
+_COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns", "name"})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
                            "lifetime", "namespace", "scheduling_strategy", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
@@ -64,6 +64,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
         raise PMetalValueError(f"{where}: num_returns other than 1 is not supported yet")
     _number(options, "num_cpus", where, 0)
     _number(options, "num_gpus", where, 0)
+    _number(options, "memory", where, 0)   # bytes, as in Ray
     _integer(options, "max_concurrency", where, 1)
     for key in ("max_restarts", "max_task_retries", "max_retries"):
         _integer(options, key, where, -1)
@@ -76,7 +77,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
             or not v >= 0 for k, v in res.items()):
         raise PMetalValueError(f"{where}: resources must map names to non-negative numbers, "
                                f"not {res!r}")
-    for key, option in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+    for key, option in (("CPU", "num_cpus"), ("GPU", "num_gpus"), ("memory", "memory")):
         if key in res and options.get(option) is not None:
             raise PMetalValueError(f"{where}: {key} given twice, as {option} and in resources")
     for key in ("name", "node"):
@@ -98,9 +99,10 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
 
 
 def needed_resources(options: dict[str, Any]) -> dict[str, float]:
-    """The resources ``options`` reserve: ``resources`` plus CPU and GPU."""
+    """The resources ``options`` reserve: ``resources`` plus CPU, GPU and
+    memory (the node's ``memory`` resource, in bytes)."""
     need = {k: float(v) for k, v in (options.get("resources") or {}).items()}
-    for key, option in (("CPU", "num_cpus"), ("GPU", "num_gpus")):
+    for key, option in (("CPU", "num_cpus"), ("GPU", "num_gpus"), ("memory", "memory")):
         if options.get(option):
             need[key] = float(options[option])
     return need
@@ -205,6 +207,8 @@ class ActorClass:
         resources = dict(opts.get("resources") or {})
         if opts.get("num_gpus"):
             resources["GPU"] = float(opts["num_gpus"])
+        if opts.get("memory"):   # held against the node's "memory" like num_cpus
+            resources["memory"] = float(opts["memory"])
         options = {"name": opts.get("name") or "",
                    **placement_options(opts, f"{cls.__qualname__}.remote()"),
                    "num_cpus": opts.get("num_cpus") or 0,

@@ -89,3 +89,39 @@ def test_bad_sizes_are_refused_naming_the_argument(kwargs: dict[str, Any], error
     with pytest.raises(error, match=words) as info:
         pmetal.init(**kwargs)
     assert isinstance(info.value, pmetal.PMetalError)
+
+
+def test_memory_is_held_against_the_nodes_memory_like_num_cpus(sized: dict[str, Any]) -> None:
+    total = pmetal.cluster_resources()["memory"]
+    quarter = float(int(total // 4))
+    before = pmetal.available_resources()["memory"]
+    actor = Holder.options(memory=int(quarter)).remote()
+    try:
+        assert pmetal.get(actor.ping.remote(), timeout=WAIT) == "pong"
+        assert pmetal.available_resources()["memory"] == before - quarter
+    finally:
+        pmetal.kill(actor)
+    # A task's memory is checked at the call, not held (as its num_cpus).
+    assert pmetal.get(double.options(memory=int(quarter)).remote(5), timeout=WAIT) == 10
+
+
+def test_more_memory_than_any_node_has_is_a_placement_error(sized: dict[str, Any]) -> None:
+    too_much = int(pmetal.cluster_resources()["memory"] * 2)
+    with pytest.raises(PlacementError, match="memory"):
+        Holder.options(memory=too_much).remote()
+    with pytest.raises(PlacementError, match="memory"):
+        pmetal.get(double.options(memory=too_much).remote(1), timeout=WAIT)
+
+
+@pytest.mark.parametrize("options, error, words", [
+    ({"memory": -1}, ValueError, "memory=-1"),
+    ({"memory": "1G"}, TypeError, "memory must be a number, not str"),
+    ({"memory": True}, TypeError, "memory must be a number, not bool"),
+    ({"memory": 1, "resources": {"memory": 1}}, ValueError, "memory given twice"),
+])
+def test_bad_memory_is_refused_naming_the_option(options: dict[str, Any], error: type,
+                                                 words: str) -> None:
+    with pytest.raises(error, match=words):
+        Holder.options(**options)
+    with pytest.raises(error, match=words):
+        double.options(**options)
