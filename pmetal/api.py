@@ -25,6 +25,7 @@ from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.handles import ActorHandle
 from pmetal.actors.runtime_context import get_runtime_context
+from pmetal.actors.runtime_env import check_runtime_env, set_job_env_vars
 from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
@@ -114,7 +115,8 @@ def init(address: str | None = None, *, namespace: str | None = None,
          num_workers: int | None = None, resources: dict[str, float] | None = None,
          discovery: bool = False, config: PMetalConfig | None = None,
          ignore_reinit_error: bool = False, num_cpus: float | None = None,
-         num_gpus: float | None = None) -> dict[str, Any]:
+         num_gpus: float | None = None,
+         runtime_env: dict[str, Any] | None = None) -> dict[str, Any]:
     """Connect this process to a cluster, starting a local one if needed.
 
     * ``address=None``: start an embedded node on this machine (127.0.0.1
@@ -126,6 +128,8 @@ def init(address: str | None = None, *, namespace: str | None = None,
     ``num_cpus``, ``num_gpus`` and ``resources`` set what the embedded node
     advertises (its ``CPU``, ``GPU`` and custom resources), as in Ray; with
     ``address=`` they are refused: the node joined has its own.
+    ``runtime_env={"env_vars": {...}}`` sets variables in the workers of
+    every task and actor this driver starts (:mod:`pmetal.actors.runtime_env`).
 
     Returns a dict with the node id and address.
     """
@@ -140,6 +144,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
         except ValueError as exc:
             raise PMetalValueError(str(exc)) from exc
     node_resources = _node_resources(num_cpus, num_gpus, resources)
+    job_env = check_runtime_env(runtime_env, "pmetal.init")
     given = [name for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
                                       ("resources", resources)) if value is not None]
     if given and address is not None:
@@ -209,6 +214,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
                 node_proc.wait()
             raise
         _node_proc = node_proc
+        set_job_env_vars(job_env)
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
 
@@ -332,6 +338,7 @@ def shutdown(timeout: float = 10.0) -> None:
     with _lock:
         client_, proc = context.take(), _node_proc
         _node_proc = None
+        set_job_env_vars({})
     if client_ is None:
         return
     try:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import time
 from typing import Any
 
 from pmetal.actors import context
+from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
 from pmetal.actors.strategies import placement_options
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
@@ -17,7 +19,8 @@ __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT
 
 # Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
 # for compatibility (see docs/api.md for what each does today).
-_COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns", "name"})
+_COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns", "name",
+                     "runtime_env"})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
                            "lifetime", "namespace", "scheduling_strategy", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
@@ -89,6 +92,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
                               f"{options['get_if_exists']!r:.40}")
     if "scheduling_strategy" in options:
         placement_options(options, where)
+    check_runtime_env(options.get("runtime_env"), where)
     retry_on = options.get("retry_exceptions")
     if retry_on is not None and type(retry_on) is not bool and not (
             isinstance(retry_on, (list, tuple)) and all(
@@ -123,6 +127,7 @@ class RemoteFunction:
         retry_on = options.get("retry_exceptions") or False
         self._retry_exceptions = retry_on if retry_on is True else tuple(retry_on or ())
         self._code: tuple[str, Any] | None = None
+        self._env_code: dict[tuple[tuple[str, str], ...], tuple[str, Any]] = {}
         self._placement_checked: Any = None   # the client that checked the resources
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
@@ -130,10 +135,20 @@ class RemoteFunction:
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         from pmetal.actors.serialization import code_ref
-        if self._code is None:
-            self._code = code_ref(self._fn)
-        fn_id, ref = self._code
-        client = _client()
+        client = _client()   # first: auto-init may set the job's runtime_env
+        env_vars = merged_env_vars(self._options, f"{self._fn.__qualname__}.remote()")
+        if env_vars:
+            # The worker runs fn through call_with_env: the variables are set
+            # for this call only (one code id per environment).
+            key = tuple(sorted(env_vars.items()))
+            if key not in self._env_code:
+                self._env_code[key] = code_ref(functools.partial(call_with_env, env_vars,
+                                                                 self._fn))
+            fn_id, ref = self._env_code[key]
+        else:
+            if self._code is None:
+                self._code = code_ref(self._fn)
+            fn_id, ref = self._code
         if self._placement_checked is not client:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")
@@ -219,6 +234,9 @@ class ActorClass:
                    "lifetime": opts.get("lifetime") or "",
                    "class_name": cls.__qualname__, "methods": list(methods),
                    "is_async": is_async}
+        env_vars = merged_env_vars(opts, f"{cls.__qualname__}.remote()")
+        if env_vars:   # set in the worker before the constructor runs
+            options["runtime_env"] = {"env_vars": env_vars}
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)

@@ -36,6 +36,7 @@ from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient
+from pmetal.actors.runtime_env import restore_env, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
                                          unpack_values)
 from pmetal.cluster.clock import GateView
@@ -287,6 +288,7 @@ class Worker:
         if self.instance is not None:
             return Failure("bad_request", "ActorError",
                            f"worker already hosts actor {self.actor_id}")
+        env_before: dict[str, str | None] = {}
         try:
             cls = load_code(body.cls_ref)
             self.actor_id = body.actor_id
@@ -301,6 +303,10 @@ class Worker:
                 self.gate.leased = int(options.get("restarts_left",
                                                    options.get("max_restarts") or 0)) != 0
             self.max_concurrency = int(body.options.get("max_concurrency") or 1)
+            # Ray's runtime_env env_vars: set for the actor's life, before
+            # its constructor (the node checked them: str to str).
+            env_vars = (body.options.get("runtime_env") or {}).get("env_vars") or {}
+            env_before = set_env(env_vars)
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})
         except Exception as exc:
@@ -309,6 +315,7 @@ class Worker:
             self.instance = None
             self.actor_id = ""
             context.set_actor_id("")
+            restore_env(env_before)
             return failure_from(_user_traceback(exc))
         # Decided once here, not per call: inspecting the class costs more
         # than a whole call of a small method.

@@ -111,6 +111,10 @@ def check_options(options: dict[str, Any]) -> None:
     if (options.get("lifetime") or "") not in LIFETIMES:
         raise ValueError(f"{where}: lifetime must be 'detached' or None, not "
                          f"{options['lifetime']!r:.40}")
+    runtime_env = options.get("runtime_env")
+    if runtime_env is not None:
+        from pmetal.actors.runtime_env import check_runtime_env
+        check_runtime_env(runtime_env, where)
     methods = options.get("methods")
     if methods is not None and (not isinstance(methods, (list, tuple))
                                 or not all(isinstance(m, str) for m in methods)):

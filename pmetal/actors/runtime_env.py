@@ -1,0 +1,99 @@
+"""Ray's ``runtime_env``, the part pmetal has: ``{"env_vars": {...}}``.
+
+``pmetal.init(runtime_env=...)`` sets the job's environment variables (every
+task and actor this driver starts gets them); ``.options(runtime_env=...)``
+adds to them for one remote function or actor class (its values win, as
+Ray merges ``env_vars``). An actor's variables are set in its worker before
+the constructor runs and stay for its life; a task's are set for that call
+only and the worker's own are restored after it (a task worker runs one
+call at a time). Every other key Ray knows (``working_dir``, ``pip``,
+``conda``, ...) is refused by name: pmetal does not ship code or install
+packages yet.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from pmetal.errors import PMetalTypeError, PMetalValueError
+
+__all__ = ["call_with_env", "check_runtime_env", "job_env_vars", "merged_env_vars",
+           "set_job_env_vars"]
+
+_PLANNED = {"working_dir": " (planned)"}
+
+_job_env_vars: dict[str, str] = {}   # this driver's, from pmetal.init(runtime_env=...)
+
+
+def check_runtime_env(runtime_env: Any, where: str) -> dict[str, str]:
+    """The ``env_vars`` of ``runtime_env`` (a dict, or None for none);
+    PMetalTypeError/PMetalValueError saying what is wrong otherwise."""
+    if runtime_env is None:
+        return {}
+    if not isinstance(runtime_env, dict):
+        raise PMetalTypeError(f"{where}: runtime_env must be a dict like "
+                              f"{{'env_vars': {{'NAME': 'value'}}}}, not "
+                              f"{type(runtime_env).__name__}")
+    other = sorted(str(k) for k in runtime_env if k != "env_vars")
+    if other:
+        named = ", ".join(f"{k!r}{_PLANNED.get(k, '')}" for k in other)
+        raise PMetalValueError(f"{where}: runtime_env key(s) {named} not supported yet; "
+                               f"pmetal supports only 'env_vars' (install packages and "
+                               f"copy code to every node yourself meanwhile)")
+    env_vars = runtime_env.get("env_vars") or {}
+    if not isinstance(env_vars, dict):
+        raise PMetalTypeError(f"{where}: runtime_env['env_vars'] must be a dict of str to "
+                              f"str, not {type(env_vars).__name__}")
+    for name, value in env_vars.items():
+        if type(name) is not str or not name or "=" in name or "\0" in name:
+            raise PMetalValueError(f"{where}: runtime_env['env_vars'] has a bad variable "
+                                   f"name {name!r:.40} (a non-empty str without '=')")
+        if type(value) is not str:
+            raise PMetalTypeError(f"{where}: runtime_env['env_vars'][{name!r}] must be a "
+                                  f"str, not {type(value).__name__} {value!r:.40} (as in "
+                                  f"Ray: write str({value!r:.20}))")
+        if "\0" in value:
+            raise PMetalValueError(f"{where}: runtime_env['env_vars'][{name!r}] holds a "
+                                   f"NUL character")
+    return dict(env_vars)
+
+
+def set_job_env_vars(env_vars: dict[str, str]) -> None:
+    global _job_env_vars
+    _job_env_vars = dict(env_vars)
+
+
+def job_env_vars() -> dict[str, str]:
+    return dict(_job_env_vars)
+
+
+def merged_env_vars(options: dict[str, Any], where: str) -> dict[str, str]:
+    """The job's variables with those of ``options["runtime_env"]`` over them."""
+    return {**_job_env_vars, **check_runtime_env(options.get("runtime_env"), where)}
+
+
+def set_env(env_vars: dict[str, str]) -> dict[str, str | None]:
+    """Set ``env_vars`` in this process; returns what they replaced (None: unset)."""
+    before = {name: os.environ.get(name) for name in env_vars}
+    os.environ.update(env_vars)
+    return before
+
+
+def restore_env(before: dict[str, str | None]) -> None:
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def call_with_env(env_vars: dict[str, str], fn: Callable[..., Any], *args: Any,
+                  **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with ``env_vars`` set, the previous values back after."""
+    before = set_env(env_vars)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        restore_env(before)
