@@ -7,7 +7,7 @@ import logging as _logging
 
 from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
-from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, remote
+from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, method, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
 from pmetal.api import (available_resources, cluster_resources, get, get_actor,
                         get_runtime_context, init, is_initialized, kill, nodes, put, shutdown,
@@ -118,6 +118,7 @@ __all__ = [
     "is_initialized",
     "kill",
     "load_config",
+    "method",
     "nodes",
     "put",
     "remote",

@@ -463,12 +463,12 @@ class CoreClient:
     def _resolve_args(self, args: Any, kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
         out = []
         for a in args:
-            if type(a) is ObjectRef:
+            if isinstance(a, ObjectRef):
                 a = self.get([a], None)[0]
             out.append(pack_value(a))
         kw = {}
         for k, v in kwargs.items():
-            if type(v) is ObjectRef:
+            if isinstance(v, ObjectRef):
                 v = self.get([v], None)[0]
             kw[k] = pack_value(v)
         return out, kw

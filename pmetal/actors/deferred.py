@@ -106,10 +106,10 @@ class Deferrals:
     def unready(args: list[Any], kwargs: dict[str, Any]) -> bool:
         """Whether any top-level argument is an ObjectRef not done yet."""
         for a in args:
-            if type(a) is ObjectRef and not a.done():
+            if isinstance(a, ObjectRef) and not a.done():
                 return True
         for v in kwargs.values():
-            if type(v) is ObjectRef and not v.done():
+            if isinstance(v, ObjectRef) and not v.done():
                 return True
         return False
 
@@ -132,9 +132,9 @@ class Deferrals:
 
     def _queue(self, ref: ObjectRef, submit: Submit, args: list[Any], kwargs: dict[str, Any],
                actor_id: str) -> None:
-        packed = [a if type(a) is ObjectRef else pack_value(a) for a in args]
-        packed_kw = {k: v if type(v) is ObjectRef else pack_value(v) for k, v in kwargs.items()}
-        deps = [a for a in [*args, *kwargs.values()] if type(a) is ObjectRef and not a.done()]
+        packed = [a if isinstance(a, ObjectRef) else pack_value(a) for a in args]
+        packed_kw = {k: v if isinstance(v, ObjectRef) else pack_value(v) for k, v in kwargs.items()}
+        deps = [a for a in [*args, *kwargs.values()] if isinstance(a, ObjectRef) and not a.done()]
         with self._cond:
             if self._closed:
                 raise PMetalError("the client is closed (pmetal.shutdown was called)")
@@ -244,9 +244,9 @@ class Deferrals:
                 elif unsendable is not None:
                     ref._error = unsendable
                 else:
-                    args = [pack_value(a.result()) if type(a) is ObjectRef else a
+                    args = [pack_value(a.result()) if isinstance(a, ObjectRef) else a
                             for a in item.args]
-                    kwargs = {k: pack_value(v.result()) if type(v) is ObjectRef else v
+                    kwargs = {k: pack_value(v.result()) if isinstance(v, ObjectRef) else v
                               for k, v in item.kwargs.items()}
                     ref._adopt(item.submit(args, kwargs))
             except Exception as exc:  # e.g. the actor is gone: the caller sees why at get

@@ -9,13 +9,15 @@ import time
 from typing import Any
 
 from pmetal.actors import context
+from pmetal.actors.refs import split_ref
 from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
 from pmetal.actors.strategies import placement_options
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
 __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
-           "FUNCTION_OPTIONS", "RemoteFunction", "check_options", "needed_resources", "remote"]
+           "FUNCTION_OPTIONS", "RemoteFunction", "check_num_returns", "check_options", "method",
+           "needed_resources", "remote"]
 
 # Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
 # for compatibility (see docs/api.md for what each does today).
@@ -52,6 +54,22 @@ def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
                                + (" (-1: without limit)" if low == -1 else ""))
 
 
+def check_num_returns(value: Any, where: str) -> None:
+    """``num_returns``: None or an int >= 1 (a call then returns that many
+    refs, one per item of the returned sequence); Ray's generator modes are
+    refused by name."""
+    if value is None:
+        return
+    if value in ("streaming", "dynamic"):
+        raise PMetalValueError(f"{where}: num_returns={value!r} (generator tasks) is not "
+                               f"supported yet; return a tuple and use num_returns=N (an int)")
+    if type(value) is not int:
+        raise PMetalTypeError(f"{where}: num_returns must be an int, not "
+                              f"{type(value).__name__} {value!r:.40}")
+    if value < 1:
+        raise PMetalValueError(f"{where}: num_returns={value}; it must be at least 1")
+
+
 def check_options(options: dict[str, Any], where: str, known: frozenset[str]) -> dict[str, Any]:
     """Refuse unknown options (typos) and values of the wrong type or range."""
     unknown = set(options) - known
@@ -63,8 +81,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
                 if elsewhere else "")
         raise PMetalTypeError(f"{where}: unknown option(s) {sorted(unknown)}{hint}; "
                               f"valid: {sorted(known)}")
-    if options.get("num_returns", 1) != 1:
-        raise PMetalValueError(f"{where}: num_returns other than 1 is not supported yet")
+    check_num_returns(options.get("num_returns"), where)
     _number(options, "num_cpus", where, 0)
     _number(options, "num_gpus", where, 0)
     _number(options, "memory", where, 0)   # bytes, as in Ray
@@ -153,8 +170,9 @@ class RemoteFunction:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")
             self._placement_checked = client
-        return client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
-                               self._max_retries, self._retry_exceptions)
+        result = client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
+                                 self._max_retries, self._retry_exceptions)
+        return split_ref(result, self._options.get("num_returns") or 1)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
@@ -171,6 +189,10 @@ class ActorClass:
         self._cls = cls
         self._options = check_options(options, f"@pmetal.remote {cls.__qualname__}",
                                       ACTOR_OPTIONS)
+        if (options.get("num_returns") or 1) != 1:
+            raise PMetalValueError(f"@pmetal.remote {cls.__qualname__}: num_returns applies to "
+                                   f"remote functions and actor methods (@pmetal.method), not "
+                                   f"to creating an actor")
         self.__wrapped__ = cls
         self.__doc__ = cls.__doc__
         self.__name__ = cls.__name__
@@ -214,7 +236,8 @@ class ActorClass:
         from pmetal.actors.serialization import code_ref
         cls = self._cls
         cls_id, ref = code_ref(cls)
-        methods = tuple(name for name, member in inspect.getmembers(cls, callable)
+        methods = tuple(_method_entry(name, member)
+                        for name, member in inspect.getmembers(cls, callable)
                         if not name.startswith("__"))
         is_async = any(inspect.iscoroutinefunction(m)
                        for _, m in inspect.getmembers(cls, inspect.isfunction))
@@ -247,18 +270,63 @@ class ActorClass:
                         f"{self.__name__}.remote(...)")
 
 
-class ActorMethod:
-    __slots__ = ("_handle", "_name")
+def method(*, num_returns: int = 1) -> Any:
+    """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
+    ``@ray.method``: a call of it returns N refs, one per item of the tuple
+    the method returns."""
+    check_num_returns(num_returns, "@pmetal.method")
 
-    def __init__(self, handle: ActorHandle, name: str) -> None:
+    def wrap(fn: Any) -> Any:
+        if not callable(fn):
+            raise PMetalTypeError(f"@pmetal.method applies to methods, not "
+                                  f"{type(fn).__name__}")
+        fn.__pmetal_num_returns__ = num_returns
+        return fn
+    return wrap
+
+
+def _method_entry(name: str, member: Any) -> str:
+    """How a method travels in the actor's method list (kept by its node, so
+    that a handle from get_actor or a pickled one knows it too):
+    ``"name"``, or ``"name/N"`` for ``@pmetal.method(num_returns=N)``
+    (no method name holds a "/")."""
+    count = getattr(member, "__pmetal_num_returns__", 1)
+    return name if count == 1 else f"{name}/{count}"
+
+
+def _parse_methods(entries: tuple[str, ...]) -> dict[str, int]:
+    """Method name -> num_returns, from the entries of ``_method_entry``."""
+    out = {}
+    for entry in entries:
+        name, _, count = entry.partition("/")
+        out[name] = int(count) if count.isdigit() else 1
+    return out
+
+
+class ActorMethod:
+    __slots__ = ("_handle", "_name", "_num_returns")
+
+    def __init__(self, handle: ActorHandle, name: str, num_returns: int = 1) -> None:
         self._handle = handle
         self._name = name
+        self._num_returns = num_returns
+
+    def options(self, **options: Any) -> ActorMethod:
+        """``handle.method.options(num_returns=N).remote(...)``, as in Ray;
+        num_returns is the only method option pmetal has."""
+        unknown = set(options) - {"num_returns"}
+        if unknown:
+            raise PMetalTypeError(f"actor method {self._name}: unknown option(s) "
+                                  f"{sorted(unknown)}; valid: ['num_returns']")
+        count = options.get("num_returns", self._num_returns)
+        check_num_returns(count, f"actor method {self._name}")
+        return ActorMethod(self._handle, self._name, count)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         handle = self._handle
         origin = handle._origin
         client = _client() if origin is None or not origin.closed else _after_shutdown(handle)
-        return client.call(handle, self._name, list(args), kwargs)
+        return split_ref(client.call(handle, self._name, list(args), kwargs), self._num_returns)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"actor method {self._name} cannot be called directly; use "
@@ -280,7 +348,8 @@ class ActorHandle:
         self._max_task_retries = loc.max_task_retries
         self._update(loc)
         self._class_name = loc.class_name
-        self._methods = frozenset(loc.methods)
+        self._returns = _parse_methods(loc.methods)   # name -> num_returns
+        self._methods = frozenset(self._returns)
         self._is_async = loc.is_async
         self._name = loc.name
 
@@ -296,14 +365,16 @@ class ActorHandle:
         if name not in self._methods:
             raise AttributeError(f"actor {self._class_name} has no method {name!r} "
                                  f"(it has: {', '.join(sorted(self._methods)) or 'none'})")
-        method = ActorMethod(self, name)
+        method = ActorMethod(self, name, self._returns[name])
         self.__dict__[name] = method  # later lookups skip __getattr__
         return method
 
     def __reduce__(self) -> Any:
         loc = ActorLocation(self._actor_id, self._state, self._address, self._node_id,
                             self._incarnation, self._name, "", self._class_name,
-                            tuple(sorted(self._methods)), self._is_async)
+                            tuple(sorted(name if count == 1 else f"{name}/{count}"
+                                         for name, count in self._returns.items())),
+                            self._is_async)
         return (_rebuild_handle, (loc.actor_id, loc.state, loc.address, loc.node_id,
                                   loc.incarnation, loc.name, loc.class_name, loc.methods,
                                   loc.is_async, self._max_task_retries))

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pmetal.actors.deferred import Retry
     from pmetal.actors.links import PeerLink
 
-__all__ = ["ObjectRef", "call_name", "failure_error"]
+__all__ = ["ItemRef", "ObjectRef", "call_name", "failure_error", "split_ref"]
 
 
 def call_name(handle: Any, method: str) -> str:
@@ -146,6 +146,77 @@ class ObjectRef:
     def __repr__(self) -> str:
         state = "ready" if self.done() else "pending"
         return f"ObjectRef({state})"
+
+
+class ItemRef(ObjectRef):
+    """Item ``index`` of what another ref (``base``) resolves to: one of the
+    N refs a ``num_returns=N`` call returns, as in Ray.
+
+    The call itself has one ref (one reply, one value: the returned tuple or
+    list); the N item refs wait through it, so ``get``, ``wait``, ``await``
+    and passing one as an argument work as for any ref. A value that is not
+    a sequence of exactly N items fails every item ref with the same error.
+    """
+
+    __slots__ = ("_base", "_count", "_index")
+
+    def __init__(self, base: ObjectRef, index: int, count: int) -> None:
+        # No ObjectRef.__init__: the state (client, link, value) is the base's.
+        self._base = base
+        self._index = index
+        self._count = count
+
+    # What the client reads to wait for a ref: the base's (get, wait and
+    # the deferred-call watcher drive the base's link).
+    _client = property(lambda self: self._base._client)   # type: ignore[assignment]
+    _link = property(lambda self: self._base._link)   # type: ignore[assignment]
+    _deferred = property(lambda self: self._base._deferred)   # type: ignore[assignment]
+
+    def _fail_link(self, why: str) -> None:
+        self._base._fail_link(why)
+
+    @property
+    def _error(self) -> BaseException | None:   # type: ignore[override]
+        """What ``result`` raises, once done (the deferred-call watcher
+        reads it of a call's ref arguments)."""
+        base = self._base
+        if base._error is not None or not base.done():
+            return base._error
+        return self._shape_error(base._value)
+
+    def _what(self) -> str:
+        return self._base._what()
+
+    def done(self) -> bool:
+        return self._base.done()
+
+    def _shape_error(self, value: Any) -> PMetalValueError | None:
+        if isinstance(value, (tuple, list)) and len(value) == self._count:
+            return None
+        got = (f"a {type(value).__name__} of {len(value)} items"
+               if isinstance(value, (tuple, list)) else f"a {type(value).__name__}")
+        return PMetalValueError(
+            f"{self._what()} was called with num_returns={self._count} but returned {got}; "
+            f"it must return a tuple or list of exactly {self._count} items")
+
+    def result(self) -> Any:
+        value = self._base.result()
+        error = self._shape_error(value)
+        if error is not None:
+            raise error
+        return value[self._index]
+
+    def __repr__(self) -> str:
+        state = "ready" if self.done() else "pending"
+        return f"ObjectRef({state}, item {self._index} of {self._count})"
+
+
+def split_ref(ref: ObjectRef, num_returns: int) -> ObjectRef | list[ObjectRef]:
+    """What a call with ``num_returns`` returns: ``ref`` itself for 1 (as in
+    Ray, one ref, not a list), else a list of item refs over it."""
+    if num_returns == 1:
+        return ref
+    return [ItemRef(ref, i, num_returns) for i in range(num_returns)]
 
 
 def failure_error(body: Failure, on_death: str = "") -> BaseException:
