@@ -9,7 +9,7 @@ from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, method, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
-from pmetal.api import (available_resources, cluster_resources, get, get_actor,
+from pmetal.api import (available_resources, cancel, cluster_resources, get, get_actor,
                         get_runtime_context, init, is_initialized, kill, nodes, put, shutdown,
                         wait, wait_for_peers)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
@@ -110,6 +110,7 @@ __all__ = [
     "WorkerCrashedError",
     "__version__",
     "available_resources",
+    "cancel",
     "cluster_resources",
     "get",
     "get_actor",

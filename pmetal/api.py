@@ -33,6 +33,7 @@ from pmetal.security import NetworkNamespace
 
 __all__ = [
     "available_resources",
+    "cancel",
     "client",
     "cluster_resources",
     "get",
@@ -441,6 +442,30 @@ def put(value: Any) -> ObjectRef:
         raise PMetalTypeError("pmetal.put of an ObjectRef; pass the ref itself instead")
     context.current()   # as in Ray, a put without init starts a node
     return ObjectRef.of_value(value)
+
+
+def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> None:
+    """Cancel ``ref``'s task or actor call, as Ray's ``ray.cancel``; from now
+    on ``get(ref)`` raises TaskCancelledError.
+
+    A call not sent yet (waiting for its ObjectRef arguments, to be retried,
+    or queued behind calls in flight) is dropped: it never runs. A call
+    already sent to its worker runs to completion there and its result is
+    discarded (pmetal does not interrupt running code). ``force=True`` on an
+    actor method is refused (use :func:`kill`), as in Ray; on a task it does
+    the same as without it. ``recursive`` is accepted for Ray's signature:
+    tasks the cancelled task started are not cancelled. Cancelling a ref that
+    is done, or twice, does nothing."""
+    if not isinstance(ref, ObjectRef):
+        raise PMetalTypeError(f"pmetal.cancel takes an ObjectRef (what .remote() returns), "
+                              f"not {type(ref).__name__}; to end an actor use pmetal.kill")
+    for name, value in (("force", force), ("recursive", recursive)):
+        if type(value) is not bool:
+            raise PMetalTypeError(f"pmetal.cancel: {name} must be a bool, not "
+                                  f"{type(value).__name__}")
+    if ref.done() or ref._client is None:
+        return
+    ref._client.cancel(ref, force)
 
 
 def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:

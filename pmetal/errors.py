@@ -25,7 +25,7 @@ code written for Ray's builtin exceptions keeps working::
     │   └── GetTimeoutError                  pmetal.get(timeout=...) passed
     ├── RemoteError                          user code raised in another process;
     │                                        also an instance of the original type
-    ├── TaskCancelledError                   (Ray's name; pmetal cannot cancel yet)
+    ├── TaskCancelledError                   get of a ref that pmetal.cancel cancelled
     ├── ObjectLostError                      (Ray's name; not raised yet)
     │   └── OwnerDiedError                   (Ray's name; not raised yet)
     ├── ActorError
@@ -213,9 +213,9 @@ class ActorUnavailableError(ActorError):
 
 
 class TaskCancelledError(PMetalError):
-    """Ray's error for ``ray.get`` on a task that ``ray.cancel`` stopped.
-    pmetal has no ``cancel`` yet, so it never raises this; it exists so
-    that ``except TaskCancelledError`` in code written for Ray is valid."""
+    """``pmetal.get`` of a ref that ``pmetal.cancel`` cancelled (Ray's
+    ``ray.get`` after ``ray.cancel``): its call was dropped before it was
+    sent, or its result is discarded."""
 
 
 class ObjectLostError(PMetalError):

@@ -38,11 +38,12 @@ from pmetal.actors.deferred import Deferrals, Retry
 from pmetal.actors.links import _TASKS, NodeLink, PeerLink
 from pmetal.actors.locate import ActorCall, ActorLocator
 from pmetal.actors.watch import ClusterWatch, peers_missing
-from pmetal.actors.refs import ObjectRef, call_name, failure_error
+from pmetal.actors.refs import ItemRef, ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value
 from pmetal.config import PMetalConfig
 from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerError,
-                           PMetalError, PMetalTimeoutError, PlacementError, TransportError)
+                           PMetalError, PMetalTimeoutError, PMetalValueError, PlacementError,
+                           TaskCancelledError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
@@ -472,6 +473,42 @@ class CoreClient:
                 v = self.get([v], None)[0]
             kw[k] = pack_value(v)
         return out, kw
+
+    # ----------------------------------------------------------------- cancel
+
+    def cancel(self, ref: ObjectRef, force: bool) -> None:
+        """Stop ``ref``'s call as far as this process can (see
+        ``pmetal.cancel``): a call still waiting here (for its ObjectRef
+        arguments, a retry, or in a link's outbox) is dropped and never sent;
+        a call already sent runs on in its worker and its reply is discarded.
+        Either way the ref fails with TaskCancelledError at once."""
+        base = ref._base if isinstance(ref, ItemRef) else ref
+        with self.lock:
+            if base.done():
+                return   # finished (or cancelled before): nothing to stop
+            what = base._what()
+            if force and isinstance(base._on_death, tuple):
+                raise PMetalValueError(
+                    f"pmetal.cancel(force=True) of {what}: an actor method cannot be "
+                    f"force-cancelled (its process is the actor's); use pmetal.kill(actor) "
+                    f"to end the actor, or cancel without force")
+            base._retry = None   # a failure from now on must not send it again
+            if base._deferred and self._deferrals.drop(base):
+                state = "before it was sent"
+            else:
+                link = base._link
+                state = "after it was sent; it runs on in its worker, its result is discarded"
+                if link is not None:
+                    for i, (queued, _call) in enumerate(link.outbox):
+                        if queued is base:
+                            del link.outbox[i]
+                            state = "before it was sent"
+                            break
+                    else:
+                        if link.refs.get(base._corr) is base:
+                            del link.refs[base._corr]   # its reply is dropped (_settle)
+            base._link = None
+            base._error = TaskCancelledError(f"{what} was cancelled by pmetal.cancel {state}")
 
     # ---------------------------------------------------------------- results
 

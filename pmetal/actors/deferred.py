@@ -165,6 +165,28 @@ class Deferrals:
                         f"call pmetal.get again to keep waiting")
                 self._cond.wait(min(remaining, 1.0))
 
+    def drop(self, ref: ObjectRef) -> bool:
+        """Take ``ref``'s call out of the queue unsent (pmetal.cancel; client
+        lock held, so the watcher is not sending it). False: not queued."""
+        with self._cond:
+            item = next((i for i in self._items if i.ref is ref), None)
+            if item is None:
+                return False
+            self._items.remove(item)
+            self._forget(item)
+            ref._deferred = False
+            self._cond.notify_all()
+            return True
+
+    def _forget(self, item: _Waiting) -> None:
+        """Count ``item``'s call out of its actor's (``_cond`` held)."""
+        if item.actor_id:
+            left = self.actors.get(item.actor_id, 1) - 1
+            if left > 0:
+                self.actors[item.actor_id] = left
+            else:
+                self.actors.pop(item.actor_id, None)
+
     def await_change(self, seconds: float) -> None:
         """Block until some waiting call is sent, at most ``seconds``."""
         with self._cond:
@@ -237,6 +259,9 @@ class Deferrals:
             except Exception as exc:  # noqa: BLE001 - the caller sees why at get
                 unsendable = exc
         with self._client.lock:
+            with self._cond:
+                if item not in self._items:
+                    return   # cancelled (drop) while its actor was being found
             try:
                 failed = next((d for d in item.deps if d._error is not None), None)
                 if failed is not None:
@@ -255,11 +280,6 @@ class Deferrals:
                 with self._cond:
                     if item in self._items:
                         self._items.remove(item)
-                    if item.actor_id:
-                        left = self.actors.get(item.actor_id, 1) - 1
-                        if left > 0:
-                            self.actors[item.actor_id] = left
-                        else:
-                            self.actors.pop(item.actor_id, None)
+                        self._forget(item)
                     ref._deferred = False
                     self._cond.notify_all()

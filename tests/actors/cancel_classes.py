@@ -1,0 +1,57 @@
+"""Tasks and actors for tests/actors/test_cancel.py (importable, so workers
+load them by reference). They block on files the test creates: the test
+decides when they go on, without sleeps."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pmetal
+
+WAIT = 10.0
+"""How long a blocked call waits for its file before giving up."""
+
+
+def _wait_for(path: str) -> None:
+    pause = threading.Event()
+    for _ in range(int(WAIT / 0.01)):
+        if Path(path).exists():
+            return
+        pause.wait(0.01)
+    raise TimeoutError(f"{path} was not created within {WAIT} s")
+
+
+@pmetal.remote
+def wait_for_file(path: str, value: Any = None) -> Any:
+    """Block until ``path`` exists, then return ``value``."""
+    _wait_for(path)
+    return value
+
+
+@pmetal.remote
+def touch(_after: Any, path: str) -> str:
+    """Create ``path`` (the proof that this task ran)."""
+    Path(path).write_text("ran")
+    return path
+
+
+@pmetal.remote
+def plus_one(x: int) -> int:
+    return x + 1
+
+
+@pmetal.remote
+class Recorder:
+    """Records the calls it runs, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def record(self, _after: Any, what: str) -> str:
+        self.seen.append(what)
+        return what
+
+    def log(self) -> list[str]:
+        return list(self.seen)

@@ -1,0 +1,108 @@
+"""``pmetal.cancel`` as Ray documents it, on real tasks and actors: a call
+not sent yet never runs, a call already sent has its result discarded, and
+``get`` of a cancelled ref raises TaskCancelledError at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import pmetal
+from pmetal import PMetalTypeError, PMetalValueError, TaskCancelledError
+from pmetal.actors import context
+
+from .cancel_classes import Recorder, plus_one, touch, wait_for_file
+from .conftest import WAIT
+
+NUM_WORKERS = 2
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+
+def test_a_task_waiting_for_its_arguments_never_runs(tmp_path: Path) -> None:
+    gate, marker = tmp_path / "gate", tmp_path / "ran"
+    first = wait_for_file.remote(str(gate), 1)
+    waiting = touch.remote(first, str(marker))
+    pmetal.cancel(waiting)
+    with pytest.raises(TaskCancelledError, match="cancelled by pmetal.cancel before it was sent"):
+        pmetal.get(waiting, timeout=WAIT)
+    # It left the queue of calls waiting for their arguments: nothing can send it.
+    assert not context.current()._deferrals._items
+    gate.touch()
+    assert pmetal.get(first, timeout=WAIT) == 1
+    # A task over the same argument, not cancelled, still runs.
+    assert pmetal.get(touch.remote(first, str(tmp_path / "other")), timeout=WAIT)
+    assert not marker.exists()
+
+
+def test_a_queued_actor_call_is_dropped_and_later_calls_keep_their_order(
+        tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    recorder = Recorder.remote()
+    first = wait_for_file.remote(str(gate), 0)
+    dropped = recorder.record.remote(first, "dropped")   # waits for first
+    kept = recorder.record.remote(None, "kept")           # waits behind it (order)
+    pmetal.cancel(dropped)
+    with pytest.raises(TaskCancelledError, match="Recorder.*record"):
+        pmetal.get(dropped, timeout=WAIT)
+    gate.touch()
+    assert pmetal.get(kept, timeout=WAIT) == "kept"
+    assert pmetal.get(recorder.log.remote(), timeout=WAIT) == ["kept"]
+
+
+def test_a_running_task_has_its_result_discarded(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    running = wait_for_file.remote(str(gate), "late")
+    pmetal.cancel(running, force=False)
+    with pytest.raises(TaskCancelledError, match="its result is discarded"):
+        pmetal.get(running, timeout=WAIT)
+    gate.touch()
+    # Its late reply finds no ref and is dropped; the workers go on.
+    assert pmetal.get([plus_one.remote(i) for i in range(4)], timeout=WAIT) == [1, 2, 3, 4]
+    with pytest.raises(TaskCancelledError):
+        pmetal.get(running, timeout=WAIT)
+
+
+def test_force_on_an_actor_method_is_refused_and_leaves_the_call(tmp_path: Path) -> None:
+    recorder = Recorder.remote()
+    ref = recorder.record.remote(wait_for_file.remote(str(tmp_path / "gate")), "x")
+    with pytest.raises(PMetalValueError, match="pmetal.kill"):
+        pmetal.cancel(ref, force=True)
+    (tmp_path / "gate").touch()
+    assert pmetal.get(ref, timeout=WAIT) == "x"
+
+
+def test_cancel_of_a_finished_ref_twice_and_of_items() -> None:
+    ref = plus_one.remote(1)
+    assert pmetal.get(ref, timeout=WAIT) == 2
+    pmetal.cancel(ref)
+    pmetal.cancel(ref)
+    assert pmetal.get(ref, timeout=WAIT) == 2
+    put = pmetal.put(5)
+    pmetal.cancel(put)
+    assert pmetal.get(put) == 5
+
+
+def test_cancel_twice_raises_once_cancelled(tmp_path: Path) -> None:
+    ref = wait_for_file.remote(str(tmp_path / "gate"))
+    pmetal.cancel(ref)
+    pmetal.cancel(ref, force=True)
+    with pytest.raises(TaskCancelledError):
+        pmetal.get(ref, timeout=WAIT)
+    ready, _ = pmetal.wait([ref], timeout=WAIT)
+    assert ready == [ref]
+    (tmp_path / "gate").touch()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: pmetal.cancel(5), "ObjectRef .* not int"),
+    (lambda: pmetal.cancel([pmetal.put(1)]), "not list"),
+    (lambda: pmetal.cancel(pmetal.put(1), force="yes"), "force must be a bool"),
+    (lambda: pmetal.cancel(pmetal.put(1), recursive=None), "recursive must be a bool"),
+], ids=["int", "list", "force-str", "recursive-none"])
+def test_misuse_is_a_type_error(call, match: str) -> None:
+    with pytest.raises(PMetalTypeError, match=match):
+        call()
+    with pytest.raises(TypeError):
+        call()
