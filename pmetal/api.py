@@ -449,9 +449,10 @@ def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> No
     on ``get(ref)`` raises TaskCancelledError.
 
     A call not sent yet (waiting for its ObjectRef arguments, to be retried,
-    or queued behind calls in flight) is dropped: it never runs. A call
-    already sent to its worker runs to completion there and its result is
-    discarded (pmetal does not interrupt running code). ``force=True`` on an
+    or queued behind calls in flight) is dropped: it never runs. An async
+    actor method already sent is cancelled through asyncio (CancelCall).
+    Any other call already sent runs to completion in its worker and its
+    result is discarded (pmetal does not interrupt running sync code). ``force=True`` on an
     actor method is refused (use :func:`kill`), as in Ray; on a task it does
     the same as without it. ``recursive`` is accepted for Ray's signature:
     tasks the cancelled task started are not cancelled. Cancelling a ref that

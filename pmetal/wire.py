@@ -77,6 +77,7 @@ __all__ = [
     "BeatEcho",
     "Call",
     "CallBatch",
+    "CancelCall",
     "ClusterState",
     "ClusterView",
     "Confirm",
@@ -158,6 +159,7 @@ class Kind(enum.IntEnum):
     RESULT = 43
     FAILURE = 44
     CALL_BATCH = 45
+    CANCEL_CALL = 46
     # the cluster: health, election, membership, topology (pmetal.cluster)
     BEAT = 50
     BEAT_ECHO = 51
@@ -728,6 +730,17 @@ class CallBatch(Message):
     actor_id: str
     calls: list
     corrs: tuple[int, ...]
+
+
+@_message(Kind.CANCEL_CALL)
+class CancelCall(Message):
+    """Caller to an actor's worker, one-way (pmetal.cancel): cancel the
+    running call that has correlation id ``corr`` on this connection. An
+    async method is cancelled through asyncio and answered with
+    ``Failure("cancelled")``; anything else (a sync method, a call already
+    done) is left as it is."""
+
+    corr: int
 
 
 _CODEC = frozenset({"Envelope", "WireLimits", "decode", "encode", "frame_bytes"})

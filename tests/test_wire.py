@@ -89,6 +89,7 @@ EXAMPLES: dict[Kind, Message] = {
         actor_id="actor-1", cls_id="cls-1", cls_ref=Pickled(pickle.dumps(dict)), args=[],
         kwargs={"a": 1}, options={}, incarnation=1),
     Kind.CALL: wire.Call(actor_id="actor-1", method="incr", args=[1], kwargs={"by": 2}),
+    Kind.CANCEL_CALL: wire.CancelCall(corr=7),
     Kind.CALL_BATCH: wire.CallBatch(actor_id="actor-1",
                                     calls=[["incr", [1], {}], ["incr", [], {"by": 2}]],
                                     corrs=(7, 8)),

@@ -47,8 +47,8 @@ from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (ActorLocation, Call, CallBatch, CreateActor, Detach, Failure, KillActor,
-                         LeaseWorkers, LookupActor, Message, RunTask, Shutdown, Status,
+from pmetal.wire import (ActorLocation, Call, CallBatch, CancelCall, CreateActor, Detach,
+                         Failure, KillActor, LeaseWorkers, LookupActor, Message, RunTask, Shutdown, Status,
                          StatusRequest, WorkerList)
 
 # PeerLink lives in pmetal.actors.links and stays importable from here.
@@ -480,7 +480,8 @@ class CoreClient:
         """Stop ``ref``'s call as far as this process can (see
         ``pmetal.cancel``): a call still waiting here (for its ObjectRef
         arguments, a retry, or in a link's outbox) is dropped and never sent;
-        a call already sent runs on in its worker and its reply is discarded.
+        a call already sent has its reply discarded, and an actor's worker is
+        asked to cancel it (an async method stops; anything else runs on).
         Either way the ref fails with TaskCancelledError at once."""
         base = ref._base if isinstance(ref, ItemRef) else ref
         with self.lock:
@@ -507,8 +508,22 @@ class CoreClient:
                     else:
                         if link.refs.get(base._corr) is base:
                             del link.refs[base._corr]   # its reply is dropped (_settle)
+                            if isinstance(base._on_death, tuple):   # an actor call
+                                state = ("after it was sent; an async method is cancelled "
+                                         "through asyncio, a sync one runs to completion and "
+                                         "its result is discarded")
+                                self._cancel_sent(link, base._corr)
             base._link = None
             base._error = TaskCancelledError(f"{what} was cancelled by pmetal.cancel {state}")
+
+    def _cancel_sent(self, link: PeerLink, corr: int) -> None:
+        """Ask the actor's worker to cancel call ``corr`` if it is an async
+        method running (CancelCall, one-way; lock held). A link that fails
+        here fails its other calls as for any send."""
+        try:
+            link.channel.send(CancelCall(corr), timeout=self._send_timeout)
+        except PeerError as exc:
+            link.die(str(exc))
 
     # ---------------------------------------------------------------- results
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.serialization import load_exception, remote_error, unpack_value
 from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalError,
-                           PMetalTimeoutError, PMetalValueError)
+                           PMetalTimeoutError, PMetalValueError, TaskCancelledError)
 from pmetal.channel import refusal
 from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
@@ -232,6 +232,8 @@ def failure_error(body: Failure, on_death: str = "") -> BaseException:
         return PlacementError(body.message)
     if body.kind == "not_found":
         return PMetalValueError(body.message)
+    if body.kind == "cancelled":   # pmetal.cancel of a running async method
+        return TaskCancelledError(f"{on_death}: {body.message}" if on_death else body.message)
     if body.kind == "timeout":   # e.g. a creation that waited in a node's queue too long
         return PMetalTimeoutError(body.message)
     builtin = _BUILTIN_ERRORS.get(body.error_type)

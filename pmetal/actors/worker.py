@@ -47,13 +47,17 @@ from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, Call, CallBatch, Failure, InitActor, Message, Ping, Pong, Result,
+from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, Message, Ping, Pong, Result,
                          RunTask, Shutdown, Status, StatusRequest,
                          WorkerReady)
 
 __all__ = ["Worker", "failure_from", "main"]
 
 log = logging.getLogger(__name__)
+
+_CANCELLED_KEPT = 1024
+"""How many CancelCalls for calls not running a worker remembers."""
+
 
 def failure_from(exc: BaseException, kind: str = "user") -> Failure:
     """A Failure describing ``exc`` (raised while running user code)."""
@@ -123,6 +127,9 @@ class Worker:
         self.needs_loop = False   # set once the actor is built: serve it from asyncio
         self.calls = 0
         self.refused = 0   # requests answered with a Failure for being malformed
+        # Async methods running, by (caller's route, call's corr): CancelCall.
+        self._running: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
+        self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
 
     @property
     def address(self) -> str:
@@ -273,6 +280,8 @@ class Worker:
             return self._task(body)  # type: ignore[arg-type]
         if kind is InitActor:
             return self._init(body)  # type: ignore[arg-type]
+        if kind is CancelCall:
+            return None   # nothing runs while a sync worker reads: the call is done
         if kind is Ping:
             return Pong(body.payload)  # type: ignore[attr-defined]
         if kind is Shutdown:
@@ -434,6 +443,8 @@ class Worker:
                                     incoming, entry, corr, limit, threads))
                         else:
                             group.create_task(self._refuse_batch_async(incoming))
+                    elif type(body) is CancelCall:
+                        self._cancel_running(incoming.route, body.corr)  # type: ignore[attr-defined]
                     elif type(body) is Call:
                         await limit.acquire()
                         group.create_task(self._handle_async(incoming, limit, threads))
@@ -450,9 +461,26 @@ class Worker:
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
+    def _cancel_running(self, route: bytes, corr: int) -> None:
+        """CancelCall: cancel the async method running for call ``corr`` of
+        the caller at ``route`` (pmetal.cancel); nothing when none runs."""
+        running = self._running.pop((route, corr), None)
+        if running is not None:
+            running.cancel()
+            return
+        # Not started yet (its task waits for the loop) or done already:
+        # remembered, so that it does not start (a few, the newest).
+        self._cancelled[(route, corr)] = None
+        if len(self._cancelled) > _CANCELLED_KEPT:
+            del self._cancelled[next(iter(self._cancelled))]
+
     async def _invoke_async(self, actor_id: str, name: str, args: list[Any],
                             kwargs: dict[str, Any],
-                            threads: concurrent.futures.Executor) -> Message:
+                            threads: concurrent.futures.Executor,
+                            key: tuple[bytes, int] = (b"", 0)) -> Message:
+        if self._cancelled and self._cancelled.pop(key, 0) is None:
+            return Failure("cancelled", "TaskCancelledError",
+                           f"{name} was cancelled by pmetal.cancel before it started")
         method = self._method(actor_id, name)
         if isinstance(method, Failure):
             return method
@@ -463,7 +491,20 @@ class Worker:
             a = unpack_values(args)
             kw = {k: unpack_value(v) for k, v in kwargs.items()}
             if inspect.iscoroutinefunction(method):
-                value = await method(*a, **kw)
+                # Its own asyncio task, so that a CancelCall cancels the
+                # method and not the reply to it.
+                running = asyncio.ensure_future(method(*a, **kw))
+                self._running[key] = running
+                try:
+                    value = await running
+                except asyncio.CancelledError:
+                    if key in self._running or not running.cancelled():
+                        raise   # this worker is stopping, or the method cancelled itself
+                    return Failure("cancelled", "TaskCancelledError",
+                                   f"{name} was cancelled by pmetal.cancel")
+                finally:
+                    if self._running.get(key) is running:
+                        del self._running[key]
             else:
                 value = await asyncio.get_running_loop().run_in_executor(
                     threads, lambda: (context.current_task.set(task), method(*a, **kw))[1])
@@ -479,7 +520,8 @@ class Worker:
             reply: Message | None = await self._admit_async()
             if reply is None:
                 reply = await self._deliverable_async(
-                    await self._invoke_async(body.actor_id, *entry, threads)  # type: ignore[attr-defined]
+                    await self._invoke_async(body.actor_id, *entry, threads,  # type: ignore[attr-defined]
+                                             (incoming.route, corr))
                     if _well_formed(entry) else _BAD_ENTRY)
             try:
                 await self.listener.asend(incoming.route, reply, corr=corr)
@@ -499,7 +541,8 @@ class Worker:
                 reply: Message | None = await self._admit_async()
                 if reply is None:
                     reply = await self._deliverable_async(await self._invoke_async(
-                        body.actor_id, body.method, body.args, body.kwargs, threads))  # type: ignore[attr-defined]
+                        body.actor_id, body.method, body.args, body.kwargs, threads,  # type: ignore[attr-defined]
+                        (incoming.route, incoming.envelope.corr)))
             else:
                 reply = self._handle_safely(incoming) or Ack()
             if incoming.envelope.corr:

@@ -55,3 +55,27 @@ class Recorder:
 
     def log(self) -> list[str]:
         return list(self.seen)
+
+
+@pmetal.remote
+class AsyncSleeper:
+    """An async actor whose ``block`` waits for a file and notes being cancelled."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def block(self, started: str, gate: str) -> str:
+        import asyncio
+        Path(started).write_text("started")
+        try:
+            for _ in range(int(WAIT / 0.01)):
+                if Path(gate).exists():
+                    return "finished"
+                await asyncio.sleep(0.01)
+            return "gave up"
+        except asyncio.CancelledError:
+            self.cancelled.append(started)
+            raise
+
+    async def seen(self) -> list[str]:
+        return list(self.cancelled)

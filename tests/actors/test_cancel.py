@@ -12,8 +12,8 @@ import pmetal
 from pmetal import PMetalTypeError, PMetalValueError, TaskCancelledError
 from pmetal.actors import context
 
-from .cancel_classes import Recorder, plus_one, touch, wait_for_file
-from .conftest import WAIT
+from .cancel_classes import AsyncSleeper, Recorder, plus_one, touch, wait_for_file
+from .conftest import WAIT, wait_until
 
 NUM_WORKERS = 2
 
@@ -106,3 +106,20 @@ def test_misuse_is_a_type_error(call, match: str) -> None:
         call()
     with pytest.raises(TypeError):
         call()
+
+
+def test_a_running_async_method_is_cancelled_through_asyncio(tmp_path: Path) -> None:
+    sleeper = AsyncSleeper.remote()
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    running = sleeper.block.remote(str(started), str(gate))
+    wait_until(started.exists, WAIT, what="the async method to start")
+    pmetal.cancel(running)
+    with pytest.raises(TaskCancelledError, match="async method is cancelled"):
+        pmetal.get(running, timeout=WAIT)
+    # The coroutine got CancelledError (no gate was ever created).
+    wait_until(lambda: pmetal.get(sleeper.seen.remote(), timeout=WAIT) == [str(started)],
+               WAIT, what="the coroutine to see CancelledError")
+    # The actor goes on serving, its connection too.
+    other = tmp_path / "other"
+    gate.touch()
+    assert pmetal.get(sleeper.block.remote(str(other), str(gate)), timeout=WAIT) == "finished"
