@@ -452,9 +452,11 @@ def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> No
     or queued behind calls in flight) is dropped: it never runs. An async
     actor method already sent is cancelled through asyncio (CancelCall).
     Any other call already sent runs to completion in its worker and its
-    result is discarded (pmetal does not interrupt running sync code). ``force=True`` on an
-    actor method is refused (use :func:`kill`), as in Ray; on a task it does
-    the same as without it. ``recursive`` is accepted for Ray's signature:
+    result is discarded (pmetal does not interrupt running sync code).
+    ``force=True`` on a task already sent kills its worker process (the node
+    starts another; other calls queued there fail as for a crashed worker),
+    and ``get`` raises TaskCancelledError; on an actor method it is refused
+    (use :func:`kill`), as in Ray. ``recursive`` is accepted for Ray's signature:
     tasks the cancelled task started are not cancelled. Cancelling a ref that
     is done, or twice, does nothing."""
     if not isinstance(ref, ObjectRef):

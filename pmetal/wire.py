@@ -399,11 +399,14 @@ class LookupActor(Message):
 class KillActor(Message):
     """Kill an actor's process. ``node_id``: the node that hosts it (from
     the handle); a node that does not host the actor passes the request on
-    to that member."""
+    to that member. With ``worker_address`` (pmetal.cancel(force=True) of a
+    running task; ``actor_id`` is then ignored): kill this node's task
+    worker at that address instead; the node starts another."""
 
     actor_id: str
     no_restart: bool = True
     node_id: str = ""
+    worker_address: str = ""
 
 
 @_message(Kind.LEASE_WORKERS)

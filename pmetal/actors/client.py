@@ -484,6 +484,7 @@ class CoreClient:
         asked to cancel it (an async method stops; anything else runs on).
         Either way the ref fails with TaskCancelledError at once."""
         base = ref._base if isinstance(ref, ItemRef) else ref
+        kill = ""   # the task worker to kill (force=True on a task sent)
         with self.lock:
             if base.done():
                 return   # finished (or cancelled before): nothing to stop
@@ -513,8 +514,18 @@ class CoreClient:
                                          "through asyncio, a sync one runs to completion and "
                                          "its result is discarded")
                                 self._cancel_sent(link, base._corr)
+                            elif force:
+                                kill = link.address
+                                state = ("while it was sent or running; force=True killed its "
+                                         "worker process (the node starts another)")
             base._link = None
             base._error = TaskCancelledError(f"{what} was cancelled by pmetal.cancel {state}")
+        if kill:
+            # Outside the lock: other calls go on. The worker's other calls
+            # fail (or are retried) as when a worker crashes.
+            reply = self.request_node(KillActor("", True, "", kill))
+            if isinstance(reply, Failure) and reply.kind != "not_found":   # not_found: gone
+                raise failure_error(reply)
 
     def _cancel_sent(self, link: PeerLink, corr: int) -> None:
         """Ask the actor's worker to cancel call ``corr`` if it is an async

@@ -289,6 +289,23 @@ class WorkerPool:
             except ProcessLookupError:
                 pass
 
+    def kill_task_worker(self, address: str) -> Message:
+        """KillActor(worker_address=...): pmetal.cancel(force=True) of a task
+        running there. Not marked killed: it is replaced as a crashed one."""
+        worker = next((w for w in self.workers.values()
+                       if w.role == "task" and w.address == address), None)
+        if worker is None:
+            return Failure("not_found", "ValueError",
+                           f"no task worker of this node at {address} (it exited already?)")
+        log.info("killing task worker %s: a task running there was cancelled with force=True",
+                 worker.worker_id)
+        if worker.proc.returncode is None:
+            try:
+                worker.proc.kill()
+            except ProcessLookupError:
+                pass
+        return Ack()
+
     def kill_all(self) -> None:
         for worker in list(self.workers.values()):
             self.kill(worker)

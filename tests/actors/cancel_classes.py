@@ -79,3 +79,12 @@ class AsyncSleeper:
 
     async def seen(self) -> list[str]:
         return list(self.cancelled)
+
+
+@pmetal.remote
+def note_pid_and_block(started: str, gate: str) -> str:
+    """Write this worker's pid to ``started``, then block until ``gate`` exists."""
+    import os
+    Path(started).write_text(str(os.getpid()))
+    _wait_for(gate)
+    return "finished"

@@ -12,8 +12,9 @@ import pmetal
 from pmetal import PMetalTypeError, PMetalValueError, TaskCancelledError
 from pmetal.actors import context
 
-from .cancel_classes import AsyncSleeper, Recorder, plus_one, touch, wait_for_file
-from .conftest import WAIT, wait_until
+from .cancel_classes import (AsyncSleeper, Recorder, note_pid_and_block, plus_one, touch,
+                             wait_for_file)
+from .conftest import EXIT_WAIT, WAIT, pid_alive, wait_until
 
 NUM_WORKERS = 2
 
@@ -123,3 +124,19 @@ def test_a_running_async_method_is_cancelled_through_asyncio(tmp_path: Path) -> 
     other = tmp_path / "other"
     gate.touch()
     assert pmetal.get(sleeper.block.remote(str(other), str(gate)), timeout=WAIT) == "finished"
+
+
+def test_force_kills_the_worker_of_a_running_task(tmp_path: Path) -> None:
+    started, gate = tmp_path / "started", tmp_path / "gate"
+    running = note_pid_and_block.remote(str(started), str(gate))
+    pid = int(wait_until(lambda: started.exists() and started.read_text(), WAIT,
+                         what="the task to start"))
+    pmetal.cancel(running, force=True)
+    with pytest.raises(TaskCancelledError, match="force=True killed its worker"):
+        pmetal.get(running, timeout=WAIT)
+    wait_until(lambda: not pid_alive(pid), EXIT_WAIT, what=f"worker {pid} to exit")
+    # The node replaces it; tasks go on (a retry covers one sent before
+    # this process noticed the worker's connection close).
+    again = plus_one.options(max_retries=3)
+    assert pmetal.get([again.remote(i) for i in range(4)], timeout=WAIT) == [1, 2, 3, 4]
+    assert not gate.exists()
