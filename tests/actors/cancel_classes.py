@@ -38,6 +38,11 @@ def touch(_after: Any, path: str) -> str:
 
 
 @pmetal.remote
+def pair(x: int) -> tuple[int, int]:
+    return x, x + 1
+
+
+@pmetal.remote
 def plus_one(x: int) -> int:
     return x + 1
 

@@ -12,8 +12,15 @@ import pmetal
 from pmetal import PMetalTypeError, PMetalValueError, TaskCancelledError
 from pmetal.actors import context
 
-from .cancel_classes import (AsyncSleeper, Recorder, note_pid_and_block, plus_one, touch,
-                             wait_for_file)
+from .cancel_classes import (
+    AsyncSleeper,
+    Recorder,
+    note_pid_and_block,
+    pair,
+    plus_one,
+    touch,
+    wait_for_file,
+)
 from .conftest import EXIT_WAIT, WAIT, pid_alive, wait_until
 
 NUM_WORKERS = 2
@@ -29,7 +36,7 @@ def test_a_task_waiting_for_its_arguments_never_runs(tmp_path: Path) -> None:
     with pytest.raises(TaskCancelledError, match="cancelled by pmetal.cancel before it was sent"):
         pmetal.get(waiting, timeout=WAIT)
     # It left the queue of calls waiting for their arguments: nothing can send it.
-    assert not context.current()._deferrals._items
+    assert all(item.ref is not waiting for item in context.current()._deferrals._items)
     gate.touch()
     assert pmetal.get(first, timeout=WAIT) == 1
     # A task over the same argument, not cancelled, still runs.
@@ -140,3 +147,17 @@ def test_force_kills_the_worker_of_a_running_task(tmp_path: Path) -> None:
     again = plus_one.options(max_retries=3)
     assert pmetal.get([again.remote(i) for i in range(4)], timeout=WAIT) == [1, 2, 3, 4]
     assert not gate.exists()
+
+
+def test_cancelling_one_item_ref_cancels_the_call(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    first = wait_for_file.remote(str(gate), 0)
+    items = pair.options(num_returns=2).remote(first)
+    pmetal.cancel(items[0])
+    ready, _ = pmetal.wait(items, num_returns=2, timeout=WAIT)
+    assert ready == items
+    for item in items:
+        with pytest.raises(TaskCancelledError, match="before it was sent"):
+            pmetal.get(item, timeout=WAIT)
+    gate.touch()
+    assert pmetal.get(first, timeout=WAIT) == 0
