@@ -73,10 +73,7 @@ def _run_generate(args: argparse.Namespace) -> int:
                    seed=args.seed, max_tokens=args.max_tokens)
     err = sys.stderr
     started = time.perf_counter()
-    if args.address:
-        _join(pmetal, args.address)
-    else:
-        pmetal.init(num_workers=max(args.stages, 2))
+    connect(pmetal, args.address, args.stages)
     try:
         pipe = Pipeline.from_pretrained(args.model, stages=args.stages, codec=args.codec,
                                         max_len=args.max_len, threads=args.threads,
@@ -104,6 +101,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     finally:
         pmetal.shutdown()
     return 0
+
+
+def connect(pmetal: Any, address: str | None, stages: int) -> None:
+    """The cluster a pipeline command runs on: ``--address`` joins it (see
+    :func:`_join`); without one, a local node with a worker per stage."""
+    if address:
+        _join(pmetal, address)
+    else:
+        pmetal.init(num_workers=max(stages, 2))
 
 
 def _join(pmetal: Any, address: str) -> None:

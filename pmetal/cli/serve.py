@@ -95,16 +95,13 @@ def _run_serve(args: argparse.Namespace) -> int:
     _check_port(args.host, args.port)
 
     import pmetal
-    from pmetal.cli.generate import _join
+    from pmetal.cli.generate import connect
     from pmetal.pipeline.pipeline import Pipeline
     from pmetal.serve.server import OpenAIServer, serve_forever, served_name
 
     err = sys.stderr
     started = time.perf_counter()
-    if args.address:
-        _join(pmetal, args.address)
-    else:
-        pmetal.init(num_workers=max(args.stages, 2))
+    connect(pmetal, args.address, args.stages)
     try:
         with Pipeline.from_pretrained(args.model, stages=args.stages, codec=args.codec,
                                       max_len=args.max_len, threads=args.threads,
