@@ -11,7 +11,7 @@ from typing import Any
 from pmetal.actors import context
 from pmetal.actors.refs import split_ref
 from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
-from pmetal.actors.strategies import placement_options
+from pmetal.actors.strategies import PG_OPTIONS, placement_options, task_strategy
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
@@ -22,9 +22,9 @@ __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT
 # Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
 # for compatibility (see docs/api.md for what each does today).
 _COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns", "name",
-                     "runtime_env"})
+                     "runtime_env", "scheduling_strategy", *PG_OPTIONS})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
-                           "lifetime", "namespace", "scheduling_strategy", "get_if_exists"}
+                           "lifetime", "namespace", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
 
 DEFAULT_MAX_RETRIES = 3
@@ -107,7 +107,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
     if options.get("get_if_exists") is not None and type(options["get_if_exists"]) is not bool:
         raise PMetalTypeError(f"{where}: get_if_exists must be True or False, not "
                               f"{options['get_if_exists']!r:.40}")
-    if "scheduling_strategy" in options:
+    if "scheduling_strategy" in options or any(k in options for k in PG_OPTIONS):
         placement_options(options, where)
     check_runtime_env(options.get("runtime_env"), where)
     retry_on = options.get("retry_exceptions")
@@ -146,6 +146,8 @@ class RemoteFunction:
         self._code: tuple[str, Any] | None = None
         self._env_code: dict[tuple[tuple[str, str], ...], tuple[str, Any]] = {}
         self._placement_checked: Any = None   # the client that checked the resources
+        # Where its tasks run: None is the caller's node (the fast path).
+        self._strategy = task_strategy(self._options, f"@pmetal.remote {fn.__qualname__}")
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", "remote_function")
@@ -166,6 +168,12 @@ class RemoteFunction:
             if self._code is None:
                 self._code = code_ref(self._fn)
             fn_id, ref = self._code
+        if self._strategy is not None:   # SPREAD, a node or a placement group
+            from pmetal.actors.routing import run_placed
+            result = run_placed(client, self._strategy, needed_resources(self._options), fn_id,
+                                ref, list(args), kwargs, self._fn.__qualname__,
+                                self._max_retries, self._retry_exceptions)
+            return split_ref(result, self._options.get("num_returns") or 1)
         if self._placement_checked is not client:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")
