@@ -1,0 +1,221 @@
+"""Placement groups and scheduling strategies across machines: three hosts
+of a network-namespace lab (tests/netlab.py), one node daemon on each
+(static peers), one driver on host 1 for the whole module.
+
+The driver runs the steps the tests send on its stdin and prints one JSON
+line per step (node ids as its actors and tasks report them with
+``pmetal.get_runtime_context().get_node_id()``, and
+``available_resources()`` before, during and after). Needs root (the lab)
+and skips otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from netlab import lab_available
+
+from cluster.lab import LabCluster, formed_cluster, read_line
+
+pytestmark = pytest.mark.skipif(lab_available() is not None,
+                                reason=lab_available() or "")
+
+HOSTS = [1, 2, 3]
+
+DRIVER = r"""
+import json, sys, threading, time
+import pmetal
+from pmetal.util import (get_placement_group, placement_group, placement_group_table,
+                         remove_placement_group)
+from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+from pmetal.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
+
+@pmetal.remote
+class Where:
+    def node(self):
+        return pmetal.get_runtime_context().get_node_id()
+
+@pmetal.remote
+def where():
+    return pmetal.get_runtime_context().get_node_id()
+
+def cpus():
+    return pmetal.available_resources()["CPU"]
+
+def in_group(strategy, count, cpu):
+    before = cpus()
+    pg = placement_group([{"CPU": cpu}] * count, strategy=strategy)
+    assert pg.wait(10), placement_group_table(pg)
+    held = cpus()
+    actors = [Where.options(num_cpus=cpu, scheduling_strategy=InGroup(pg, i)).remote()
+              for i in range(count)]
+    nodes = pmetal.get([a.node.remote() for a in actors], timeout=10)
+    tasks = pmetal.get([where.options(scheduling_strategy=InGroup(pg, i)).remote()
+                        for i in range(count)], timeout=10)
+    table = placement_group_table(pg)["bundles_to_node_id"]
+    remove_placement_group(pg)
+    return {"actors": nodes, "tasks": tasks, "bundles": [table[i] for i in range(count)],
+            "before": before, "held": held, "after": cpus()}
+
+def infeasible(count):
+    before = cpus()
+    pg = placement_group([{"CPU": 1}] * count, strategy="STRICT_SPREAD")
+    waited = pg.wait(1.0)
+    entry = placement_group_table(pg)
+    during = cpus()
+    ready = pg.ready()
+    remove_placement_group(pg)
+    try:
+        pmetal.get(ready, timeout=10)
+        error = ""
+    except pmetal.PlacementError as exc:
+        error = str(exc)
+    return {"waited": waited, "state": entry["state"], "why": entry["stats"]["scheduling_state"],
+            "before": before, "during": during, "after": cpus(), "error": error}
+
+def affinity(*nodes):
+    refs = [where.options(scheduling_strategy=On(n)).remote() for n in nodes for _ in range(2)]
+    try:
+        pmetal.get(where.options(scheduling_strategy=On("f" * 16)).remote(), timeout=10)
+        error = ""
+    except pmetal.PlacementError as exc:
+        error = str(exc)
+    soft = pmetal.get(where.options(scheduling_strategy=On("f" * 16, soft=True)).remote(),
+                      timeout=10)
+    return {"ran": pmetal.get(refs, timeout=10), "error": error, "soft": soft}
+
+def spread(count):
+    return {"ran": pmetal.get([where.options(scheduling_strategy="SPREAD").remote()
+                               for _ in range(count)], timeout=10)}
+
+def owner_gone(name):
+    deadline = time.monotonic() + 10
+    pause = threading.Event()
+    while time.monotonic() < deadline:
+        try:
+            get_placement_group(name)
+        except ValueError:
+            return {"gone": True, "after": cpus()}
+        pause.wait(0.05)
+    return {"gone": False}
+
+def created(name):
+    return {"state": placement_group_table(get_placement_group(name))["state"],
+            "cpus": cpus()}
+
+STEPS = {"in_group": in_group, "infeasible": infeasible, "affinity": affinity,
+         "spread": spread, "owner_gone": owner_gone, "created": created}
+pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab")
+print(json.dumps({"step": "ready", "node": pmetal.get_runtime_context().get_node_id(),
+                  "cpus": cpus()}), flush=True)
+for line in sys.stdin:
+    cmd = json.loads(line)
+    try:
+        out = STEPS[cmd["step"]](*cmd.get("args", []))
+    except Exception as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps({"step": cmd["step"], **out}), flush=True)
+"""
+
+# A second driver (host 2) that makes a group, says so, and exits.
+OWNER = r"""
+import json, sys
+import pmetal
+from pmetal.util import placement_group
+pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab")
+pg = placement_group([{"CPU": 1}], strategy="STRICT_PACK", name=sys.argv[3])
+assert pg.wait(10)
+print(json.dumps({"step": "made"}), flush=True)
+sys.stdin.readline()
+"""
+
+
+class Driver:
+    def __init__(self, proc: Any, hello: dict[str, Any]) -> None:
+        self.proc = proc
+        self.node = hello["node"]
+        self.cpus = hello["cpus"]
+
+    def run(self, step: str, *args: Any, timeout: float = 15.0) -> dict[str, Any]:
+        self.proc.stdin.write(json.dumps({"step": step, "args": list(args)}).encode() + b"\n")
+        self.proc.stdin.flush()
+        out = read_line(self.proc, timeout, step)
+        assert "error" not in out or step in ("affinity", "infeasible"), out
+        return out
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabCluster]:
+    with formed_cluster(HOSTS, tmp_path_factory.mktemp("pglab")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def driver(lab: LabCluster) -> Iterator[Driver]:
+    with lab.driver(1, DRIVER, [lab.nodes[1].address, lab.psk.hex()], "pg-driver",
+                    stdin=True) as proc:
+        yield Driver(proc, read_line(proc, 30.0, "ready"))
+
+
+def ids(lab: LabCluster) -> list[str]:
+    return [lab.nodes[i].node_id for i in HOSTS]
+
+
+def test_strict_spread_puts_each_bundle_on_another_host(lab: LabCluster,
+                                                        driver: Driver) -> None:
+    out = driver.run("in_group", "STRICT_SPREAD", 3, 1.0)
+    assert sorted(out["actors"]) == sorted(ids(lab)), out   # one actor on each host
+    assert out["actors"] == out["bundles"] == out["tasks"], out   # each in its bundle's host
+    assert (out["before"] - out["held"], out["after"]) == (3.0, out["before"]), out
+
+
+def test_strict_pack_puts_every_bundle_on_one_host(lab: LabCluster, driver: Driver) -> None:
+    out = driver.run("in_group", "STRICT_PACK", 3, 0.5)
+    assert set(out["actors"]) == set(out["tasks"]) == set(out["bundles"]) == {driver.node}, out
+    assert (out["before"] - out["held"], out["after"]) == (1.5, out["before"]), out
+
+
+def test_spread_and_pack_groups(lab: LabCluster, driver: Driver) -> None:
+    spread = driver.run("in_group", "SPREAD", 3, 1.0)
+    assert sorted(spread["bundles"]) == sorted(ids(lab)), spread
+    pack = driver.run("in_group", "PACK", 2, 1.0)   # fits the driver's host: stays there
+    assert pack["bundles"] == [driver.node] * 2 and pack["actors"] == pack["bundles"], pack
+
+
+def test_an_infeasible_strict_spread_stays_pending_until_removed(driver: Driver) -> None:
+    out = driver.run("infeasible", 4)
+    assert (out["waited"], out["state"]) == (False, "PENDING"), out
+    assert "STRICT_SPREAD needs 4 nodes" in out["why"] and "has 3" in out["why"], out
+    assert out["before"] == out["during"] == out["after"] == driver.cpus, out
+    assert "was removed" in out["error"], out
+
+
+def test_tasks_with_node_affinity_run_on_the_named_host(lab: LabCluster,
+                                                        driver: Driver) -> None:
+    out = driver.run("affinity", *ids(lab))
+    assert out["ran"] == [n for n in ids(lab) for _ in range(2)], out
+    assert "node affinity: node ffffffffffffffff is not a live member" in out["error"], out
+    assert out["soft"] == driver.node, out
+
+
+def test_spread_tasks_land_on_every_host(lab: LabCluster, driver: Driver) -> None:
+    out = driver.run("spread", 6)
+    assert sorted(set(out["ran"])) == sorted(ids(lab)), out
+
+
+def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driver) -> None:
+    with lab.driver(2, OWNER, [lab.nodes[2].address, lab.psk.hex(), "owned"], "pg-owner",
+                    stdin=True) as owner:
+        read_line(owner, 20.0, "made")
+        made = driver.run("created", "owned")
+        assert made["state"] == "CREATED" and made["cpus"] == driver.cpus - 1, made
+        owner.stdin.close()   # the owner exits: its node sees its pid go
+        owner.wait(timeout=10)
+    out = driver.run("owner_gone", "owned")
+    assert out["gone"] and out["after"] == driver.cpus, out
+
+
+
