@@ -155,6 +155,12 @@ def placement_group(bundles: list[dict[str, float]], strategy: str = "PACK", nam
         {"lifetime": lifetime or "", "owner_pid": os.getpid()}))
     entry = _one(reply, f"{where}({strategy})")
     client._created = True   # our node is told when we shut down (Detach): the group ends
+    lease = float(entry.get("owner_lease") or 0.0)
+    if lease > 0 and not client.node_link.renew_every:
+        # Our node cannot watch our process (another machine): keep our
+        # lease on the group, as for an actor (the flush thread renews it).
+        client.node_link.hold_lease(lease)
+        client._start_flusher()
     return PlacementGroup(entry["group_id"], clean, strategy, name)
 
 

@@ -12,9 +12,11 @@ or a :class:`PlacementGroupSchedulingStrategy` (or the older
   a live member, PlacementError naming the live ones, or with ``soft=True``
   the caller's node;
 * a placement group: the node of the bundle (index -1: the bundles that
-  could hold the task, in turn). The group must be created (``pg.ready()``)
-  and not removed; the task's resources must fit the bundle. As everywhere
-  in pmetal, a task's resources are checked, not held.
+  could hold the task, in turn). A task for a group still pending waits
+  (in the caller, as a task waits for its ObjectRef arguments) until the
+  group is created, and fails if it is removed first; the task's resources
+  must fit the bundle. As everywhere in pmetal, a task's resources are
+  checked, not held.
 
 A task for another node goes straight to one of that node's task workers:
 the client asks that node (a session of its own with it, opened on first
@@ -32,6 +34,7 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.links import _TASKS, PeerLink
@@ -44,7 +47,7 @@ from pmetal.wire import Failure, LeaseWorkers, PlacementGroupQuery, PlacementGro
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
 
-__all__ = ["FRESH_FOR", "NODE_SESSION", "forget_group", "run_placed"]
+__all__ = ["FRESH_FOR", "NODE_SESSION", "after_ready", "forget_group", "run_placed"]
 
 NODE_SESSION = "<node>"   # owner of a client's link to a node (not a worker)
 
@@ -62,19 +65,34 @@ def _router(client: CoreClient) -> _Router:
         return router
 
 
-def run_placed(client: CoreClient, strategy: Any, need: dict[str, float], fn_id: str,
-               fn_ref: Any, args: list[Any], kwargs: dict[str, Any], name: str,
-               max_retries: int, retry_exceptions: Any) -> ObjectRef:
+def run_placed(client: CoreClient, strategy: Any, need: dict[str, float],
+               code: tuple[str, Any], waiting_code: Callable[[], tuple[str, Any]],
+               args: list[Any], kwargs: dict[str, Any], name: str, max_retries: int,
+               retry_exceptions: Any) -> ObjectRef:
     """Submit a task that runs where ``strategy`` says (see the module doc);
-    a retry picks its node again."""
+    a retry picks its node again. ``code`` is the function's (id, ref);
+    ``waiting_code()`` the same function behind :func:`after_ready`, for a
+    task that must wait for its placement group to be created: the group's
+    ``ready()`` ref goes first among its arguments, so the task is sent
+    once it resolves (and fails as it does if the group is removed first)."""
     router = _router(client)
     what = f"remote function {name}"
+    fn_id, fn_ref = code
     try:   # errors in the strategy itself show at .remote(), as for actors
         router.check(strategy, need, what)
+    except _Pending:
+        fn_id, fn_ref = waiting_code()
+        args = [strategy.placement_group.ready(), *args]
     except PMetalError as exc:
         return ObjectRef.of_error(exc)
     return client.run_task(fn_id, fn_ref, args, kwargs, name, max_retries, retry_exceptions,
                            where=lambda w: router.link_for(strategy, need, w))
+
+
+def after_ready(fn: Callable[..., Any], _group: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, for a task that waited for its placement
+    group (``_group``, what ``pg.ready()`` resolved to)."""
+    return fn(*args, **kwargs)
 
 
 def forget_group(client: CoreClient, group_id: str) -> None:
@@ -82,6 +100,10 @@ def forget_group(client: CoreClient, group_id: str) -> None:
     router = _routers.get(client)
     if router is not None:
         router.groups.pop(group_id, None)
+
+
+class _Pending(PlacementError):
+    """The task's placement group is not created yet."""
 
 
 class _Router:
@@ -131,7 +153,7 @@ class _Router:
                                  f"({entry.get('reason') or 'remove_placement_group'}); "
                                  f"create another one")
         if state != "CREATED":
-            raise PlacementError(f"{what}: placement group {group_id} is not created yet "
+            raise _Pending(f"{what}: placement group {group_id} is not created yet "
                                  f"({entry.get('reason') or state}); wait for it first: "
                                  f"pmetal.get(pg.ready()) or pg.wait(timeout)")
         return entry

@@ -68,7 +68,7 @@ from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
-                         PlacementGroupQuery, Pong, Probe, ReserveBundles, Resources,
+                         PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
                          ResourcesRequest, Shutdown, Status, StatusRequest, Vote, VoteRequest,
                          WatchCluster, WorkerReady)
 
@@ -434,7 +434,11 @@ class NodeDaemon:
             return Failure("actor_died", "ActorDiedError",
                            f"the process that creates the placement group (pid "
                            f"{body.options.get('owner_pid')}) has exited")
-        return await self.groups.create(body, options)
+        reply = await self.groups.create(body, options)
+        if isinstance(reply, PlacementGroups) and reply.groups and not local:
+            # Another machine's client: it keeps the group by renewing a lease.
+            reply.groups[0]["owner_lease"] = self.owners.leases.timeout
+        return reply
 
     def _end_owned(self, owned_by: Any, why: str) -> int:
         """An owner went: its actors end and its placement groups are removed."""

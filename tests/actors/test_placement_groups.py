@@ -140,9 +140,19 @@ def test_a_pending_group_is_created_once_resources_free(groups: list[PlacementGr
     groups.append(second)
     assert second.wait(0.1) is False
     assert "waiting for resources" in placement_group_table(second)["stats"]["scheduling_state"]
+    # A task for the pending group waits for it (an actor's creation would
+    # wait too, up to its deadline); so does one for a group removed meanwhile.
+    waiting = pid.options(scheduling_strategy=InGroup(second)).remote()
+    doomed = placement_group([{"CPU": 4}])
+    never = pid.options(scheduling_strategy=InGroup(doomed)).remote()
+    assert pmetal.wait([waiting, never], num_returns=1, timeout=0.1)[0] == []
+    remove_placement_group(doomed)
+    with pytest.raises(PlacementError, match="was removed"):
+        pmetal.get(never, timeout=WAIT)
     remove_placement_group(first)
     assert second.wait(WAIT)
     assert cpus() == CPUS - 2
+    assert pmetal.get(waiting, timeout=WAIT) > 0
 
 
 def test_a_detached_group_and_names(groups: list[PlacementGroup]) -> None:
