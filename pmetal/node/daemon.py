@@ -506,6 +506,7 @@ class NodeDaemon:
                                                       f"{why}")
                 ended += 1
         log.warning("fenced: ended %d actors, restarting %d owned here", ended, restarted)
+        self.groups.fenced()
 
     # --------------------------------------------------------------- status
 

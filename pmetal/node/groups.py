@@ -3,7 +3,8 @@
 Two roles, both in every node:
 
 * **the group's node** (the node of the driver that made it) holds the
-  group: its bundles, strategy, state (PENDING, CREATED, REMOVED) and owner.
+  group: its bundles, strategy, state (PENDING, CREATED, RESCHEDULING,
+  REMOVED) and owner.
   It plans where the bundles go (:func:`pmetal.node.bundles.plan`, from what
   every member has free now) and asks each chosen node to hold its share
   (:class:`~pmetal.wire.ReserveBundles`). All or nothing: when one node
@@ -30,9 +31,12 @@ release that overtakes its reserve leaves nothing held.
 The group ends with its owner (the driver process, or a remote driver's
 session) unless ``lifetime="detached"``, through the same path as actors
 (:mod:`pmetal.node.owners`). A host whose group's node is declared dead
-releases that group's bundles. Not done: the bundles of a host that dies
-are not placed again (Ray reschedules them); the group's entry names the
-dead node.
+releases that group's bundles. When a host dies (this node's detector
+declares it dead), the group's node places the bundles it held again, as
+Ray does: the group is RESCHEDULING (actors in its other bundles go on; new
+ones for a lost bundle wait) until they are placed (the strategy holds:
+STRICT_SPREAD avoids the nodes of the other bundles). A fenced host gives
+its bundles back.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ _ASK = 2.0          # s a member may take to answer a question about resources o
 _RESERVE_ASK = 5.0  # s a host may take to hold its bundles before the attempt is rolled back
 _TAIL = 100         # removed groups kept for the table; released attempts remembered: more
 _TOMBSTONES = 4096
+_WAITING = ("PENDING", "RESCHEDULING")   # states in which a group is (re)placed
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
@@ -193,37 +198,60 @@ class PlacementGroupService:
         return free, total
 
     async def _place(self, record: GroupRecord) -> None:
-        """One attempt: plan, ask every chosen node to hold its share, and
-        roll the attempt back on every node asked unless all of them did."""
+        """One attempt: plan the bundles not placed (all of a PENDING group;
+        those of a dead node for a RESCHEDULING one), ask every chosen node
+        to hold its share, and roll the attempt back on every node asked
+        unless all of them did."""
         free, total = await self._free()
-        if record.state != "PENDING":
+        if record.state not in _WAITING:
             return
-        nodes = plan(record.bundles, free, record.strategy, home=self.node_id)
+        placed = record.bundle_nodes or [""] * len(record.bundles)
+        lost = [i for i, n in enumerate(placed) if not n]
+        if not lost:
+            return
+        nodes = self._plan(record, [record.bundles[i] for i in lost],
+                           {n for n in placed if n}, free)
         if nodes is None:
             record.reason = why_pending(record.bundles, free, total, record.strategy)
+            if len(lost) < len(placed):
+                record.reason = f"bundles {lost} lost with their node; {record.reason}"
             return
         record.attempt += 1
         attempt = record.attempt
         shares: dict[str, list[list[Any]]] = {}
-        for index, node in enumerate(nodes):
+        for index, node in zip(lost, nodes):
             shares.setdefault(node, []).append([index, record.bundles[index]])
         record.asked.update(shares)
         answers = await asyncio.gather(*(
             self._on(node, ReserveBundles(record.group_id, attempt, share, False, self.node_id))
             for node, share in shares.items()))
         refused = [a for a in answers if not isinstance(a, Ack)]
-        if not refused and record.state == "PENDING":
-            record.state, record.bundle_nodes, record.reason = "CREATED", nodes, ""
+        if not refused and record.state in _WAITING:
+            for index, node in zip(lost, nodes):
+                placed[index] = node
+            record.state, record.bundle_nodes, record.reason = "CREATED", placed, ""
             record.settled.set()
             log.info("placement group %s created (%s): bundles on %s", record.group_id,
-                     record.strategy, [n[:8] for n in nodes])
+                     record.strategy, [n[:8] for n in placed])
             return
         self._counts["rolled_back"] += 1
-        await self._release_on(shares, record.group_id, attempt)
-        if record.state == "PENDING":
+        await self._release_on(shares, record.group_id, attempt, shares)
+        if record.state in _WAITING:
             record.reason = ("a node refused its bundles (its resources went meanwhile); "
                              "trying again: " + "; ".join(getattr(a, "message", str(a))
                                                           for a in refused)[:300])
+
+    def _plan(self, record: GroupRecord, bundles: list[dict[str, float]], kept: set[str],
+              free: dict[str, dict[str, float]]) -> list[str] | None:
+        """Nodes for ``bundles``, the others of the group staying on ``kept``:
+        STRICT_SPREAD avoids those nodes, SPREAD tries to, STRICT_PACK
+        needs the node they are on (none is left: all were lost together)."""
+        if record.strategy in ("STRICT_SPREAD", "SPREAD") and kept:
+            others = {n: f for n, f in free.items() if n not in kept}
+            nodes = plan(bundles, others, record.strategy, home=self.node_id) if others else None
+            if nodes is not None or record.strategy == "STRICT_SPREAD":
+                return nodes
+        return plan(bundles, free, record.strategy, home=self.node_id)
 
     async def _on(self, node: str, body: ReserveBundles) -> Message:
         """``body`` carried out by ``node`` (this one: at once)."""
@@ -238,9 +266,15 @@ class PlacementGroupService:
             return Failure("placement", "PeerError",
                            f"node {node[:8]} did not answer within {_RESERVE_ASK:g} s")
 
-    async def _release_on(self, nodes: Any, group_id: str, attempt: int) -> None:
+    async def _release_on(self, nodes: Any, group_id: str, attempt: int,
+                          shares: dict[str, list[list[Any]]] | None = None) -> None:
+        """Tell ``nodes`` to release the group's bundles of attempts up to
+        ``attempt``: those of ``shares`` only, when given (a rolled-back
+        attempt must not release the bundles that stayed), else all."""
         answers = await asyncio.gather(*(
-            self._on(node, ReserveBundles(group_id, attempt, [], True, self.node_id))
+            self._on(node, ReserveBundles(group_id, attempt,
+                                          [[i, {}] for i, _ in (shares or {}).get(node, [])],
+                                          True, self.node_id))
             for node in nodes))
         for node, answer in zip(nodes, answers):
             if isinstance(answer, Failure):
@@ -251,7 +285,7 @@ class PlacementGroupService:
         """Try a pending group again (sooner when kicked) until it is
         created or removed; owned by the node's task group."""
         delay = 0.05
-        while record.state == "PENDING":
+        while record.state in _WAITING:
             try:
                 await asyncio.wait_for(record.kick.wait(), delay)
             except asyncio.TimeoutError:
@@ -264,7 +298,7 @@ class PlacementGroupService:
         """Resources may have freed (a member joined, a group was removed):
         try the pending groups now."""
         for record in self.groups.values():
-            if record.state == "PENDING":
+            if record.state in _WAITING:
                 record.kick.set()
 
     async def remove(self, record: GroupRecord, why: str) -> None:
@@ -360,17 +394,34 @@ class PlacementGroupService:
 
     def node_dead(self, node_id: str) -> None:
         """A node was declared dead: the bundles held here for its groups
-        are released (nobody is left to remove those groups)."""
+        are released (nobody is left to remove those groups), and the
+        bundles of this node's groups that it held are placed again
+        (RESCHEDULING until they are; the bundles elsewhere stay, with
+        their actors)."""
         freed = self._release(lambda b: b.owner_node == node_id,
                               f"the node {node_id[:8]} of its placement group died")
         if freed:
             log.info("released %d bundles of placement groups of dead node %s", freed,
                      node_id[:8])
+        self._lost(node_id)
+
+    def _lost(self, node_id: str) -> None:
+        """Place again the bundles of this node's groups that ``node_id`` held."""
         for record in self.groups.values():
             if record.state == "CREATED" and node_id in record.bundle_nodes:
-                record.reason = (f"node {node_id[:8]} holding bundles "
-                                 f"{[i for i, n in enumerate(record.bundle_nodes) if n == node_id]}"
-                                 f" died; those bundles are lost")
+                lost = [i for i, n in enumerate(record.bundle_nodes) if n == node_id]
+                record.bundle_nodes = ["" if n == node_id else n for n in record.bundle_nodes]
+                record.state = "RESCHEDULING"
+                record.reason = f"bundles {lost} lost with node {node_id[:8]}; placing them again"
+                record.settled = asyncio.Event()
+                log.info("placement group %s: %s", record.group_id, record.reason)
+                self._spawn(self._keep_trying(record))
+
+    def fenced(self) -> None:
+        """This node was fenced (held dead): its actors ended, and the groups'
+        nodes place the bundles held here again elsewhere; give them back."""
+        self._release(lambda b: True, "this node was fenced")
+        self._lost(self.node_id)
 
     def bundle_for(self, options: dict[str, Any],
                    need: dict[str, float]) -> tuple[PlacementQueue, dict[str, float]] | Failure:
@@ -474,13 +525,16 @@ class PlacementGroupService:
         group_id = str(options.get("placement_group"))
         index = options.get("bundle_index", -1)
         entry = await self._entry(group_id)
-        if isinstance(entry, dict) and entry.get("state") == "PENDING":
+        if isinstance(entry, dict) and entry.get("state") in _WAITING and not (
+                type(index) is int and 0 <= index < len(entry["bundle_nodes"])
+                and entry["bundle_nodes"][index]):   # (a bundle that stayed: go ahead)
             waited = await self._until_created(group_id, deadline - time.monotonic())
             entry = waited if isinstance(waited, Failure) else await self._entry(group_id)
         if isinstance(entry, Failure):
             return entry
         state = entry.get("state")
-        if state != "CREATED":
+        if state not in ("CREATED", "RESCHEDULING") or (
+                state == "RESCHEDULING" and index == -1):
             why = entry.get("reason") or ""
             if state == "REMOVED":
                 return Failure("placement", "PlacementError",
@@ -489,7 +543,7 @@ class PlacementGroupService:
             text = (f"placement group {group_id} is {str(state).lower()}"
                     f"{': ' + why if why else ''}; an actor can be placed in it only once it is "
                     f"created (pg.ready())")
-            if state == "PENDING":
+            if state in _WAITING:
                 return Failure("timeout", "PMetalTimeoutError",
                                f"{text}, and it was not created within the creation's deadline")
             return Failure("placement", "PlacementError", text)

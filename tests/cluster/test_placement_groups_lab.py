@@ -106,8 +106,43 @@ def created(name):
     return {"state": placement_group_table(get_placement_group(name))["state"],
             "cpus": cpus()}
 
+KEPT = {}
+
+def before_loss():
+    moving = placement_group([{"CPU": 0.5}] * 3, strategy="SPREAD", name="moving")
+    stuck = placement_group([{"CPU": 0.5}] * 3, strategy="STRICT_SPREAD", name="stuck")
+    assert moving.wait(10) and stuck.wait(10)
+    table = placement_group_table(moving)["bundles_to_node_id"]
+    here = [i for i in range(3) if table[i] == pmetal.get_runtime_context().get_node_id()][0]
+    KEPT["actor"] = Where.options(num_cpus=0.25,
+                                  scheduling_strategy=InGroup(moving, here)).remote()
+    pmetal.get(KEPT["actor"].node.remote(), timeout=10)
+    return {"moving": [table[i] for i in range(3)]}
+
+def after_loss(dead):
+    moving, stuck = get_placement_group("moving"), get_placement_group("stuck")
+    deadline = time.monotonic() + 15
+    pause = threading.Event()
+    while time.monotonic() < deadline:
+        entry = placement_group_table(moving)
+        if entry["state"] == "CREATED" and dead not in entry["bundles_to_node_id"].values():
+            break
+        pause.wait(0.05)
+    nodes = [entry["bundles_to_node_id"].get(i) for i in range(3)]
+    actors = [Where.options(num_cpus=0.25, scheduling_strategy=InGroup(moving, i)).remote()
+              for i in range(3)]
+    out = {"moving": nodes, "state": entry["state"],
+           "stuck": placement_group_table(stuck)["state"],
+           "stuck_ready": stuck.wait(0.2),
+           "kept": pmetal.get(KEPT["actor"].node.remote(), timeout=10),
+           "actors": pmetal.get([a.node.remote() for a in actors], timeout=10)}
+    remove_placement_group(moving)
+    remove_placement_group(stuck)
+    return out
+
 STEPS = {"in_group": in_group, "infeasible": infeasible, "affinity": affinity,
-         "spread": spread, "owner_gone": owner_gone, "created": created}
+         "spread": spread, "owner_gone": owner_gone, "created": created,
+         "before_loss": before_loss, "after_loss": after_loss}
 pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab")
 print(json.dumps({"step": "ready", "node": pmetal.get_runtime_context().get_node_id(),
                   "cpus": cpus()}), flush=True)
@@ -219,3 +254,25 @@ def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driv
 
 
 
+
+
+def test_the_bundles_of_a_dead_host_are_placed_again(lab: LabCluster, driver: Driver) -> None:
+    """Last in the module (it kills host 3, then starts its node again): a
+    SPREAD group's bundle on the dead host goes to a live one, its other
+    bundles (and the actor in one) stay; a STRICT_SPREAD group of three
+    cannot, and is RESCHEDULING (not ready) until a third host is back."""
+    before = driver.run("before_loss")
+    dead = lab.nodes[3].node_id
+    assert sorted(before["moving"]) == sorted(ids(lab)), before
+    lab.kill(3)
+    try:
+        out = driver.run("after_loss", dead, timeout=30.0)
+        assert out["state"] == "CREATED" and dead not in out["moving"], out
+        assert [n for n in out["moving"] if n] == out["moving"], out
+        kept = [n for n, m in zip(before["moving"], out["moving"]) if n != dead]
+        assert kept == [n for n, b in zip(out["moving"], before["moving"]) if b != dead], out
+        assert out["actors"] == out["moving"] and out["kept"] == driver.node, out
+        assert (out["stuck"], out["stuck_ready"]) == ("RESCHEDULING", False), out
+    finally:
+        lab.start(3)
+        lab.wait(lambda: lab.agreed(HOSTS, members=HOSTS), 30.0, "host 3 back")
