@@ -22,10 +22,12 @@ A task for another node goes straight to one of that node's task workers:
 the client asks that node (a session of its own with it, opened on first
 use and closed with the client's links) for its workers' addresses (``LeaseWorkers``), as it asks its own, and
 calls the worker directly. A worker that dies, or whose node dies, fails
-(or retries) its tasks as on the caller's node. What the client learns of
-the cluster (live nodes, a group's bundles) is kept for
-:data:`FRESH_FOR` seconds, so a loop of SPREAD tasks costs one status
-request per second, not one per task.
+(or retries) its tasks as on the caller's node. The live nodes are the
+client's cluster watch's (a long poll its node answers at each change), with
+each node's address and resources from one status request; a group's
+bundles are kept for :data:`FRESH_FOR` seconds (a removal through this
+client forgets them at once), so a loop of placed tasks costs no request
+per task.
 """
 
 from __future__ import annotations
@@ -120,6 +122,14 @@ class _Router:
     # ----------------------------------------------------------------- nodes
 
     def live(self) -> dict[str, tuple[str, dict[str, float]]]:
+        """The live nodes: the cluster watch's members (kept current by its
+        long poll) when we know each one's address and resources, else a
+        status request (at most once per FRESH_FOR)."""
+        state = self.client.watch.state
+        if state is not None and state.members:
+            members = set(state.members) - set(state.dead)
+            if members <= set(self.nodes):
+                return {n: self.nodes[n] for n in sorted(members)}
         now = time.monotonic()
         if now >= self.nodes_until:
             info = self.client.status()
