@@ -221,3 +221,23 @@ def test_a_group_is_removed_when_its_driver_shuts_down() -> None:
     assert client.detach(timeout=WAIT) == 1   # the group (it made no actor)
     assert placement_group_table(pg)["state"] == "REMOVED"
     assert cpus() == CPUS
+
+
+@pmetal.remote
+def node_of_task() -> str:
+    return pmetal.get_runtime_context().get_node_id()
+
+
+def test_task_strategies_on_a_node_alone(node: dict[str, Any]) -> None:
+    """SPREAD and node affinity on one node run on its own task workers;
+    an unknown node, or a task bigger than every node, is a PlacementError."""
+    from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+    own = node["node_id"]
+    refs = [node_of_task.options(scheduling_strategy=s).remote()
+            for s in ("SPREAD", "DEFAULT", On(own), On(own[:8]), On("f" * 16, soft=True))]
+    assert pmetal.get(refs, timeout=WAIT) == [own] * 5
+    with pytest.raises(PlacementError, match="node ffffffffffffffff is not a live member"):
+        pmetal.get(node_of_task.options(scheduling_strategy=On("f" * 16)).remote(), timeout=WAIT)
+    with pytest.raises(PlacementError, match="no node has that much"):
+        pmetal.get(node_of_task.options(num_cpus=64, scheduling_strategy="SPREAD").remote(),
+                   timeout=WAIT)
