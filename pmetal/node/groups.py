@@ -14,19 +14,19 @@ Two roles, both in every node:
   at most :data:`RETRY_MAX` s apart: as in Ray, a group is never refused
   for lack of room, it waits (``ready()`` does not resolve) until it fits
   or is removed.
-* **a host** holds bundles: each one's resources leave the node's free pool
-  (``pmetal.available_resources()`` drops) and become a pool of their own,
-  from which the actors placed in that bundle take theirs (waiting in the
-  bundle's queue when it is full). A release gives them back and ends the
-  actors placed in the bundle, as Ray does.
+* **a host** holds bundles (:mod:`pmetal.node.hosted`): each one's
+  resources leave the node's free pool (``pmetal.available_resources()``
+  drops) and become a pool of their own, from which the actors placed in
+  that bundle take theirs (waiting in the bundle's queue when it is full).
+  A release gives them back and ends the actors placed in the bundle, as
+  Ray does.
 
 Consistency comes from each node being the only authority over its own
 resources: the group's node only proposes, and each host takes or refuses
 its share at once in its own event loop, so two groups (or a group and an
 actor) planned from the same stale view can never both hold the same CPU.
-Reserves and releases carry the attempt number; a host remembers the
-newest attempt released per group and refuses reserves of older ones, so a
-release that overtakes its reserve leaves nothing held.
+Reserves and releases carry the attempt number, so a release that
+overtakes its reserve leaves nothing held (see the host's module).
 
 The group ends with its owner (the driver process, or a remote driver's
 session) unless ``lifetime="detached"``, through the same path as actors
@@ -50,7 +50,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pmetal.node.bundles import STRATEGIES, bundle_error, plan, why_pending
-from pmetal.node.placement import PlacementQueue, check_resources, fits, resources_text
+from pmetal.node.hosted import HostedBundles
+from pmetal.node.placement import check_resources, fits, resources_text
 from pmetal.wire import (Ack, CreatePlacementGroup, Failure, Message, PlacementGroupQuery,
                          PlacementGroups, ReserveBundles, Resources, ResourcesRequest, Result)
 
@@ -58,15 +59,14 @@ if TYPE_CHECKING:
     from pmetal.node.lifecycle import ActorLifecycle
     from pmetal.node.membership import Membership
 
-__all__ = ["GroupRecord", "HeldBundle", "PlacementGroupService", "RETRY_MAX"]
+__all__ = ["GroupRecord", "PlacementGroupService", "RETRY_MAX"]
 
 log = logging.getLogger(__name__)
 
 RETRY_MAX = 1.0     # s at most between two tries of a pending group
 _ASK = 2.0          # s a member may take to answer a question about resources or groups
 _RESERVE_ASK = 5.0  # s a host may take to hold its bundles before the attempt is rolled back
-_TAIL = 100         # removed groups kept for the table; released attempts remembered: more
-_TOMBSTONES = 4096
+_TAIL = 100         # removed groups kept for the table
 _WAITING = ("PENDING", "RESCHEDULING")   # states in which a group is (re)placed
 
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
@@ -103,18 +103,6 @@ class GroupRecord:
                 "reason": self.reason}
 
 
-@dataclass(eq=False)
-class HeldBundle:
-    """A bundle this node holds for a group; its actors take from ``queue``."""
-
-    group_id: str
-    index: int
-    resources: dict[str, float]
-    attempt: int
-    owner_node: str
-    queue: PlacementQueue
-
-
 class PlacementGroupService:
     """A node's placement groups (see the module doc)."""
 
@@ -127,18 +115,21 @@ class PlacementGroupService:
         self.groups: dict[str, GroupRecord] = {}
         self.names: dict[str, str] = {}
         self.removed: OrderedDict[str, GroupRecord] = OrderedDict()
-        self.held: dict[tuple[str, int], HeldBundle] = {}
-        self._released: OrderedDict[str, int] = OrderedDict()   # group -> newest attempt
+        # The bundles this node holds, for its groups and others' (the host role).
+        self.hosted = HostedBundles(node_id, actors, on_release=self.kick)
+        self.reserve = self.hosted.reserve
+        self.bundle_for = self.hosted.bundle_for
         self._counts = {"created": 0, "removed": 0, "rolled_back": 0}
 
     def statistics(self) -> dict[str, int]:
-        return {"groups": len(self.groups), "bundles_held": len(self.held), **self._counts}
+        return {"groups": len(self.groups), "bundles_held": len(self.hosted.held),
+                **self._counts}
 
     def describe(self) -> dict[str, Any]:
         return {"groups": [g.entry() for g in self.groups.values()],
                 "held": [{"group_id": b.group_id, "index": b.index, "resources": b.resources,
                           "available": b.queue.available, "owner_node": b.owner_node}
-                         for b in self.held.values()]}
+                         for b in self.hosted.held.values()]}
 
     # ------------------------------------------------------- the group's node
 
@@ -336,70 +327,14 @@ class PlacementGroupService:
                 self._spawn(self._release_on(others, record.group_id, record.attempt))
         return len(gone)
 
-    # ------------------------------------------------------------------ host
-
-    def reserve(self, body: ReserveBundles) -> Message:
-        """Hold (or release) bundles of a group here: all or none."""
-        released = self._released.get(body.group_id, -1)
-        if body.release:
-            self._released[body.group_id] = max(released, body.attempt)
-            self._released.move_to_end(body.group_id)
-            while len(self._released) > _TOMBSTONES:
-                self._released.popitem(last=False)
-            indexes = {int(i) for i, _ in body.bundles} if body.bundles else None
-            freed = self._release(lambda b: b.group_id == body.group_id
-                                  and b.attempt <= body.attempt
-                                  and (indexes is None or b.index in indexes),
-                                  f"its placement group {body.group_id} was removed")
-            return Ack(freed)
-        if body.attempt <= released:
-            return Failure("placement", "PlacementError",
-                           f"placement group {body.group_id}: attempt {body.attempt} was "
-                           f"released already")
-        share = []
-        for pair in body.bundles:
-            if (not isinstance(pair, list) or len(pair) != 2 or type(pair[0]) is not int
-                    or pair[0] < 0):
-                raise ValueError(f"ReserveBundles: bundles must be [[index, resources], ...], "
-                                 f"not {pair!r:.60}")
-            share.append((pair[0], check_resources(pair[1], "ReserveBundles")))
-        share = [(i, r) for i, r in share if (body.group_id, i) not in self.held]
-        need: dict[str, float] = {}
-        for _, resources in share:
-            for k, v in resources.items():
-                need[k] = need.get(k, 0.0) + v
-        if not fits(need, self.actors.available):
-            return Failure("placement", "PlacementError",
-                           f"node {self.node_id[:8]} cannot hold {resources_text(need)} for "
-                           f"placement group {body.group_id}: it has "
-                           f"{resources_text(self.actors.available)} free")
-        self.actors.queue.take(need)
-        for index, resources in share:
-            self.held[(body.group_id, index)] = HeldBundle(
-                body.group_id, index, resources, body.attempt, body.owner_node,
-                PlacementQueue(dict(resources)))
-        return Ack(len(share))
-
-    def _release(self, which: Callable[[HeldBundle], bool], why: str) -> int:
-        bundles = [b for b in self.held.values() if which(b)]
-        for bundle in bundles:
-            del self.held[(bundle.group_id, bundle.index)]
-            for record in list(self.actors.actors.values()):
-                if record.pool is bundle.queue and record.state != "dead":
-                    self.actors.kill_record(record, True, why)
-            self.actors.queue.give(bundle.resources)
-        if bundles:
-            self.kick()
-        return len(bundles)
-
     def node_dead(self, node_id: str) -> None:
         """A node was declared dead: the bundles held here for its groups
         are released (nobody is left to remove those groups), and the
         bundles of this node's groups that it held are placed again
         (RESCHEDULING until they are; the bundles elsewhere stay, with
         their actors)."""
-        freed = self._release(lambda b: b.owner_node == node_id,
-                              f"the node {node_id[:8]} of its placement group died")
+        freed = self.hosted.release(lambda b: b.owner_node == node_id,
+                                    f"the node {node_id[:8]} of its placement group died")
         if freed:
             log.info("released %d bundles of placement groups of dead node %s", freed,
                      node_id[:8])
@@ -420,24 +355,8 @@ class PlacementGroupService:
     def fenced(self) -> None:
         """This node was fenced (held dead): its actors ended, and the groups'
         nodes place the bundles held here again elsewhere; give them back."""
-        self._release(lambda b: True, "this node was fenced")
+        self.hosted.release(lambda b: True, "this node was fenced")
         self._lost(self.node_id)
-
-    def bundle_for(self, options: dict[str, Any],
-                   need: dict[str, float]) -> tuple[PlacementQueue, dict[str, float]] | Failure:
-        """The pool an actor placed in a bundle takes its resources from."""
-        group_id = str(options.get("placement_group"))
-        index = options.get("bundle_index")
-        bundle = self.held.get((group_id, index)) if type(index) is int else None
-        if bundle is None:
-            return Failure("placement", "PlacementError",
-                           f"bundle {index} of placement group {group_id} is not held on node "
-                           f"{self.node_id[:8]} (the group was removed, or its node died)")
-        if not fits(need, bundle.resources):
-            return Failure("placement", "PlacementError",
-                           f"the actor needs {resources_text(need)}, more than bundle {index} of "
-                           f"placement group {group_id} holds ({resources_text(bundle.resources)})")
-        return bundle.queue, bundle.resources
 
     # ---------------------------------------------------------------- queries
 
@@ -450,7 +369,7 @@ class PlacementGroupService:
                     body.name and record.name != body.name):
                 continue
             out[record.group_id] = record.entry()
-        for bundle in self.held.values():
+        for bundle in self.hosted.held.values():
             if body.group_id and bundle.group_id != body.group_id:
                 continue
             entry = out.get(bundle.group_id)
