@@ -552,9 +552,9 @@ class ReserveBundles(Message):
     """The group's node to a node: hold ``bundles`` (``[[index, {resource:
     amount}], ...]``) of group ``group_id`` out of the free resources, all
     or none (a Failure of kind "placement" when they do not fit now); with
-    ``release``, give back the bundles of that group held for attempts up
-    to ``attempt`` (all of them when ``bundles`` is empty) and end the
-    actors placed in them. A reserve of an attempt already released is
+    ``release``, give back the bundles listed of attempt ``attempt`` (a
+    rolled-back attempt), or, with none listed, every bundle of that group
+    held for attempts up to ``attempt``, and end the actors placed in them. A reserve of an attempt already released is
     refused, so a release that overtakes its reserve leaves nothing held."""
 
     group_id: str

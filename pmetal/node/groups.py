@@ -90,6 +90,7 @@ class GroupRecord:
     asked: set[str] = field(default_factory=set)   # nodes ever asked to hold bundles
     settled: asyncio.Event = field(default_factory=asyncio.Event)   # created or removed
     kick: asyncio.Event = field(default_factory=asyncio.Event)      # try again now
+    trying: bool = False          # a _keep_trying loop runs for it
 
     @property
     def detached(self) -> bool:
@@ -163,7 +164,11 @@ class PlacementGroupService:
         if record.name:
             self.names[record.name] = record.group_id
         self._counts["created"] += 1
-        await self._place(record)
+        record.trying = True   # (the first try, before the loop)
+        try:
+            await self._place(record)
+        finally:
+            record.trying = False
         if record.state == "PENDING":
             log.info("placement group %s is pending: %s", record.group_id, record.reason)
             self._spawn(self._keep_trying(record))
@@ -275,6 +280,16 @@ class PlacementGroupService:
     async def _keep_trying(self, record: GroupRecord) -> None:
         """Try a pending group again (sooner when kicked) until it is
         created or removed; owned by the node's task group."""
+        if record.trying:   # one loop per group: two would race for its bundles
+            record.kick.set()
+            return
+        record.trying = True
+        try:
+            await self._try_until_placed(record)
+        finally:
+            record.trying = False
+
+    async def _try_until_placed(self, record: GroupRecord) -> None:
         delay = 0.05
         while record.state in _WAITING:
             try:
@@ -343,12 +358,13 @@ class PlacementGroupService:
     def _lost(self, node_id: str) -> None:
         """Place again the bundles of this node's groups that ``node_id`` held."""
         for record in self.groups.values():
-            if record.state == "CREATED" and node_id in record.bundle_nodes:
+            if record.state in ("CREATED", "RESCHEDULING") and node_id in record.bundle_nodes:
                 lost = [i for i, n in enumerate(record.bundle_nodes) if n == node_id]
                 record.bundle_nodes = ["" if n == node_id else n for n in record.bundle_nodes]
-                record.state = "RESCHEDULING"
+                if record.state == "CREATED":
+                    record.state = "RESCHEDULING"
+                    record.settled = asyncio.Event()
                 record.reason = f"bundles {lost} lost with node {node_id[:8]}; placing them again"
-                record.settled = asyncio.Event()
                 log.info("placement group %s: %s", record.group_id, record.reason)
                 self._spawn(self._keep_trying(record))
 

@@ -66,11 +66,13 @@ class HostedBundles:
             self._released.move_to_end(body.group_id)
             while len(self._released) > TOMBSTONES:
                 self._released.popitem(last=False)
+            # Listed bundles: those of this attempt only (a rolled-back
+            # attempt); none listed: every bundle of the group up to it.
             indexes = {int(i) for i, _ in body.bundles} if body.bundles else None
-            freed = self.release(lambda b: b.group_id == body.group_id
-                                  and b.attempt <= body.attempt
-                                  and (indexes is None or b.index in indexes),
-                                  f"its placement group {body.group_id} was removed")
+            freed = self.release(lambda b: b.group_id == body.group_id and (
+                b.attempt <= body.attempt if indexes is None
+                else b.attempt == body.attempt and b.index in indexes),
+                f"its placement group {body.group_id} was removed")
             return Ack(freed)
         if body.attempt <= released:
             return Failure("placement", "PlacementError",
