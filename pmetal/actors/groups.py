@@ -37,8 +37,9 @@ from pmetal.actors.strategies import GROUP_STRATEGIES, bundle_error
 from pmetal.errors import PeerError, PlacementError, PMetalTypeError, PMetalValueError
 from pmetal.wire import CreatePlacementGroup, Failure, PlacementGroupQuery, PlacementGroups
 
-__all__ = ["PlacementGroup", "PlacementGroupID", "get_placement_group", "placement_group",
-           "placement_group_table", "remove_placement_group"]
+__all__ = ["PlacementGroup", "PlacementGroupID", "get_current_placement_group",
+           "get_placement_group", "placement_group", "placement_group_table",
+           "remove_placement_group"]
 
 
 class PlacementGroupID(str):
@@ -174,6 +175,14 @@ def remove_placement_group(placement_group: PlacementGroup) -> None:
     _one(client.request_node(PlacementGroupQuery(placement_group.id, remove=True)),
          "remove_placement_group")
     forget_group(client, placement_group.id)
+
+
+def get_current_placement_group() -> PlacementGroup | None:
+    """The placement group the calling actor runs in; None in a driver, in
+    a task, and in an actor outside any group."""
+    from pmetal.actors.strategies import current_group
+    group = current_group()
+    return group if isinstance(group, PlacementGroup) else None
 
 
 def get_placement_group(placement_group_name: str) -> PlacementGroup:

@@ -11,7 +11,8 @@ from typing import Any
 from pmetal.actors import context
 from pmetal.actors.refs import split_ref
 from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
-from pmetal.actors.strategies import PG_OPTIONS, placement_options, task_strategy
+from pmetal.actors import strategies
+from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
@@ -168,7 +169,10 @@ class RemoteFunction:
             if self._code is None:
                 self._code = code_ref(self._fn)
             fn_id, ref = self._code
-        if self._strategy is not None:   # SPREAD, a node or a placement group
+        strategy = self._strategy
+        if strategy is None and strategies._capture is not None:   # in a capturing actor
+            strategy = captured(self._options)
+        if strategy is not None:   # SPREAD, a node or a placement group
             from pmetal.actors.routing import after_ready, run_placed
 
             def waiting_code() -> tuple[str, Any]:
@@ -180,7 +184,7 @@ class RemoteFunction:
                            else self._fn)
                     self._env_code[key] = code_ref(functools.partial(after_ready, run))
                 return self._env_code[key]
-            result = run_placed(client, self._strategy, needed_resources(self._options),
+            result = run_placed(client, strategy, needed_resources(self._options),
                                 (fn_id, ref), waiting_code, list(args), kwargs,
                                 self._fn.__qualname__, self._max_retries,
                                 self._retry_exceptions)
@@ -261,6 +265,8 @@ class ActorClass:
         is_async = any(inspect.iscoroutinefunction(m)
                        for _, m in inspect.getmembers(cls, inspect.isfunction))
         opts = dict(self._options)
+        if strategies._capture is not None and captured(opts) is not None:
+            opts["scheduling_strategy"] = captured(opts)   # made by a capturing actor
         resources = dict(opts.get("resources") or {})
         if opts.get("num_gpus"):
             resources["GPU"] = float(opts["num_gpus"])

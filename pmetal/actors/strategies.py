@@ -22,8 +22,8 @@ from typing import Any
 from pmetal.errors import PMetalTypeError, PMetalValueError
 
 __all__ = ["GROUP_STRATEGIES", "NodeAffinitySchedulingStrategy", "PG_OPTIONS",
-           "PlacementGroupSchedulingStrategy", "bundle_error", "placement_options",
-           "task_strategy"]
+           "PlacementGroupSchedulingStrategy", "bundle_error", "captured", "current_group",
+           "placement_options", "set_current", "task_strategy"]
 
 _NAMED = ("DEFAULT", "SPREAD")
 GROUP_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -68,8 +68,10 @@ class PlacementGroupSchedulingStrategy:
     """Place the actor or task in bundle ``placement_group_bundle_index`` of
     ``placement_group`` (-1: any bundle with room): it runs on that
     bundle's node, and an actor holds its resources out of the bundle's.
-    ``placement_group_capture_child_tasks`` is accepted; the tasks and
-    actors it starts are not placed in the group (see docs/ray-compat.md)."""
+    With ``placement_group_capture_child_tasks=True`` on an actor, the
+    tasks and actors its methods start without a strategy of their own go
+    in the same group (any bundle); a task's children are not captured
+    (see docs/ray-compat.md)."""
 
     __slots__ = ("placement_group", "placement_group_bundle_index",
                  "placement_group_capture_child_tasks")
@@ -89,6 +91,41 @@ class PlacementGroupSchedulingStrategy:
     def __repr__(self) -> str:
         return (f"PlacementGroupSchedulingStrategy({self.placement_group!r}, "
                 f"placement_group_bundle_index={self.placement_group_bundle_index})")
+
+
+def captured(options: dict[str, Any]) -> Any:
+    """The strategy a task or actor started from an actor created with
+    ``placement_group_capture_child_tasks=True`` gets when ``options``
+    choose no node themselves (None: no capture)."""
+    if _capture is None or options.get("scheduling_strategy") is not None or any(
+            options.get(k) is not None for k in ("node", "placement_group")):
+        return None
+    return _capture
+
+
+# Set in an actor's worker (set_current): the group it runs in, and the
+# strategy its children get when it was created to capture them.
+_current: Any = None
+_capture: PlacementGroupSchedulingStrategy | None = None
+
+
+def set_current(options: dict[str, Any]) -> None:
+    """Called by an actor's worker with its creation options: the group it
+    runs in (``current_group``), and whether its children go there too."""
+    global _current, _capture
+    group_id = options.get("placement_group")
+    _current = _capture = None
+    if group_id:
+        from pmetal.actors.groups import PlacementGroup
+        _current = PlacementGroup(group_id, options.get("group_bundles") or [],
+                                  options.get("group_strategy") or "")
+        if options.get("capture_child_tasks"):
+            _capture = PlacementGroupSchedulingStrategy(_current, -1, True)
+
+
+def current_group() -> Any:
+    """The placement group this process's actor runs in (None: none)."""
+    return _current
 
 
 def _check_group(group: Any, where: str) -> None:
@@ -143,9 +180,14 @@ def placement_options(options: dict[str, Any], where: str) -> dict[str, Any]:
     if isinstance(strategy, NodeAffinitySchedulingStrategy):
         return {"node": strategy.node_id, "soft": strategy.soft, "strategy": "DEFAULT"}
     if isinstance(strategy, PlacementGroupSchedulingStrategy):
+        group = strategy.placement_group
+        # The group's bundles and strategy ride along so that the actor's
+        # worker knows its group (get_current_placement_group, capture).
         return {"node": "", "soft": False, "strategy": "DEFAULT",
-                "placement_group": strategy.placement_group.id,
-                "bundle_index": strategy.placement_group_bundle_index}
+                "placement_group": group.id,
+                "bundle_index": strategy.placement_group_bundle_index,
+                "group_bundles": group.bundle_specs, "group_strategy": group.strategy,
+                "capture_child_tasks": bool(strategy.placement_group_capture_child_tasks)}
     if isinstance(strategy, str):
         if strategy in _NAMED:
             return {"node": "", "soft": False, "strategy": strategy}

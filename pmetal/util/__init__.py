@@ -6,8 +6,10 @@
 
 from pmetal.util import queue, scheduling_strategies
 from pmetal.util.actor_pool import ActorPool
-from pmetal.util.placement_group import (PlacementGroup, get_placement_group, placement_group,
+from pmetal.util.placement_group import (PlacementGroup, get_current_placement_group,
+                                         get_placement_group, placement_group,
                                          placement_group_table, remove_placement_group)
 
-__all__ = ["ActorPool", "PlacementGroup", "get_placement_group", "placement_group",
-           "placement_group_table", "queue", "remove_placement_group", "scheduling_strategies"]
+__all__ = ["ActorPool", "PlacementGroup", "get_current_placement_group", "get_placement_group",
+           "placement_group", "placement_group_table", "queue", "remove_placement_group",
+           "scheduling_strategies"]

@@ -5,8 +5,9 @@ As in Ray, ``pmetal.util.placement_group`` is the function once
 ``pmetal.util`` is imported; ``from pmetal.util.placement_group import ...``
 reads this module."""
 
-from pmetal.actors.groups import (PlacementGroup, get_placement_group, placement_group,
-                                  placement_group_table, remove_placement_group)
+from pmetal.actors.groups import (PlacementGroup, get_current_placement_group,
+                                  get_placement_group, placement_group, placement_group_table,
+                                  remove_placement_group)
 
-__all__ = ["PlacementGroup", "get_placement_group", "placement_group", "placement_group_table",
-           "remove_placement_group"]
+__all__ = ["PlacementGroup", "get_current_placement_group", "get_placement_group",
+           "placement_group", "placement_group_table", "remove_placement_group"]

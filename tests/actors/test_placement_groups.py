@@ -21,7 +21,7 @@ from pmetal.util import (PlacementGroup, get_placement_group, placement_group,
                          placement_group_table, remove_placement_group)
 from pmetal.util.scheduling_strategies import PlacementGroupSchedulingStrategy as InGroup
 
-from .conftest import WAIT, shutdown_quietly
+from .conftest import WAIT, shutdown_quietly, wait_until
 
 CPUS = 4.0
 
@@ -241,3 +241,37 @@ def test_task_strategies_on_a_node_alone(node: dict[str, Any]) -> None:
     with pytest.raises(PlacementError, match="no node has that much"):
         pmetal.get(node_of_task.options(num_cpus=64, scheduling_strategy="SPREAD").remote(),
                    timeout=WAIT)
+
+
+@pmetal.remote
+class Parent:
+    """Starts a child actor and a child task with no strategy of their own."""
+
+    def group(self) -> Any:
+        current = pmetal.util.get_current_placement_group()
+        return current.id if current is not None else None
+
+    def children(self) -> tuple[Any, Any, float]:
+        child = Parent.options(num_cpus=1).remote()
+        task = pmetal.get(node_of_task.remote(), timeout=WAIT)
+        return pmetal.get(child.group.remote(), timeout=WAIT), task, cpus()
+
+
+def test_an_actor_knows_its_group_and_captures_its_children(groups: list[PlacementGroup],
+                                                           node: dict[str, Any]) -> None:
+    assert pmetal.util.get_current_placement_group() is None   # a driver is in no group
+    pg = placement_group([{"CPU": 2}])
+    groups.append(pg)
+    assert pg.wait(WAIT)
+    capturing = Parent.options(num_cpus=1, scheduling_strategy=InGroup(
+        pg, placement_group_capture_child_tasks=True)).remote()
+    assert pmetal.get(capturing.group.remote(), timeout=WAIT) == pg.id
+    child_group, ran_on, free = pmetal.get(capturing.children.remote(), timeout=WAIT)
+    assert (child_group, ran_on) == (pg.id, node["node_id"])
+    assert free == CPUS - 2   # the child's CPU came out of the bundle, not the node
+    plain = Parent.options(scheduling_strategy=InGroup(pg)).remote()
+    assert pmetal.get(plain.group.remote(), timeout=WAIT) == pg.id
+    child_group, _, free = pmetal.get(plain.children.remote(), timeout=WAIT)
+    assert child_group is None and free == CPUS - 3   # not captured: the node's CPU
+    pmetal.kill(plain)   # its child dies with it (the node watches the owner's pid)
+    wait_until(lambda: cpus() == CPUS - 2, WAIT, what="the uncaptured child's CPU back")
