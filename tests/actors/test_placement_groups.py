@@ -275,3 +275,16 @@ def test_an_actor_knows_its_group_and_captures_its_children(groups: list[Placeme
     assert child_group is None and free == CPUS - 3   # not captured: the node's CPU
     pmetal.kill(plain)   # its child dies with it (the node watches the owner's pid)
     wait_until(lambda: cpus() == CPUS - 2, WAIT, what="the uncaptured child's CPU back")
+
+
+def test_pmetal_status_lists_the_groups(groups: list[PlacementGroup],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from pmetal.actors import context
+    from pmetal.cli.status import _print_status
+    pg = placement_group([{"CPU": 1}] * 2, strategy="STRICT_SPREAD", name="shown")
+    groups.append(pg)
+    _print_status(context.current().status(), {"pid": 0})
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if pg.id in line)
+    assert "shown" in row and "STRICT_SPREAD" in row and "PENDING" in row, out
+    assert "infeasible: STRICT_SPREAD needs 2 nodes" in row, out
