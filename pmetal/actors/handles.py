@@ -8,10 +8,9 @@ import threading
 import time
 from typing import Any
 
-from pmetal.actors import context
+from pmetal.actors import context, strategies
 from pmetal.actors.refs import split_ref
 from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
-from pmetal.actors import strategies
 from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
@@ -145,7 +144,7 @@ class RemoteFunction:
         retry_on = options.get("retry_exceptions") or False
         self._retry_exceptions = retry_on if retry_on is True else tuple(retry_on or ())
         self._code: tuple[str, Any] | None = None
-        self._env_code: dict[tuple[Any, ...], tuple[str, Any]] = {}
+        self._env_code: dict[tuple[tuple[str, str], ...], tuple[str, Any]] = {}
         self._placement_checked: Any = None   # the client that checked the resources
         # Where its tasks run: None is the caller's node (the fast path).
         self._strategy = task_strategy(self._options, f"@pmetal.remote {fn.__qualname__}")
@@ -173,22 +172,10 @@ class RemoteFunction:
         if strategy is None and strategies._capture is not None:   # in a capturing actor
             strategy = captured(self._options)
         if strategy is not None:   # SPREAD, a node or a placement group
-            from pmetal.actors.routing import after_ready, run_placed
-
-            def waiting_code() -> tuple[str, Any]:
-                # For a group still pending: the task waits for pg.ready(),
-                # passed first, and this runs fn without it.
-                key = ("<after ready>", *sorted(env_vars.items()))
-                if key not in self._env_code:
-                    run = (functools.partial(call_with_env, env_vars, self._fn) if env_vars
-                           else self._fn)
-                    self._env_code[key] = code_ref(functools.partial(after_ready, run))
-                return self._env_code[key]
-            result = run_placed(client, strategy, needed_resources(self._options),
-                                (fn_id, ref), waiting_code, list(args), kwargs,
-                                self._fn.__qualname__, self._max_retries,
-                                self._retry_exceptions)
-            return split_ref(result, self._options.get("num_returns") or 1)
+            from pmetal.actors.routing import run_placed
+            return split_ref(run_placed(client, strategy, self, env_vars, (fn_id, ref),
+                                        list(args), kwargs),
+                             self._options.get("num_returns") or 1)
         if self._placement_checked is not client:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")

@@ -32,6 +32,7 @@ per task.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -41,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.links import _TASKS, PeerLink
 from pmetal.actors.refs import ObjectRef, failure_error
+from pmetal.actors.runtime_env import call_with_env
+from pmetal.actors.serialization import code_ref
 from pmetal.actors.strategies import (NodeAffinitySchedulingStrategy,
                                       PlacementGroupSchedulingStrategy)
 from pmetal.errors import ActorDiedError, PlacementError, PMetalError
@@ -48,6 +51,7 @@ from pmetal.wire import Failure, LeaseWorkers, PlacementGroupQuery, PlacementGro
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
+    from pmetal.actors.handles import RemoteFunction
 
 __all__ = ["FRESH_FOR", "NODE_SESSION", "after_ready", "forget_group", "run_placed"]
 
@@ -67,27 +71,34 @@ def _router(client: CoreClient) -> _Router:
         return router
 
 
-def run_placed(client: CoreClient, strategy: Any, need: dict[str, float],
-               code: tuple[str, Any], waiting_code: Callable[[], tuple[str, Any]],
-               args: list[Any], kwargs: dict[str, Any], name: str, max_retries: int,
-               retry_exceptions: Any) -> ObjectRef:
-    """Submit a task that runs where ``strategy`` says (see the module doc);
-    a retry picks its node again. ``code`` is the function's (id, ref);
-    ``waiting_code()`` the same function behind :func:`after_ready`, for a
-    task that must wait for its placement group to be created: the group's
-    ``ready()`` ref goes first among its arguments, so the task is sent
-    once it resolves (and fails as it does if the group is removed first)."""
+def run_placed(client: CoreClient, strategy: Any, fn: RemoteFunction,
+               env_vars: dict[str, str], code: tuple[str, Any], args: list[Any],
+               kwargs: dict[str, Any]) -> ObjectRef:
+    """Submit a task of remote function ``fn`` (its code: ``code``) that
+    runs where ``strategy`` says (see the module doc); a retry picks its
+    node again. A task that must wait for its placement group to be created
+    gets the group's ``ready()`` ref first among its arguments and runs
+    ``fn`` behind :func:`after_ready`, so it is sent once the ref resolves
+    (and fails as it does if the group is removed first)."""
+    from pmetal.actors.handles import needed_resources
     router = _router(client)
+    name = fn._fn.__qualname__
     what = f"remote function {name}"
+    need = needed_resources(fn._options)
     fn_id, fn_ref = code
     try:   # errors in the strategy itself show at .remote(), as for actors
         router.check(strategy, need, what)
     except _Pending:
-        fn_id, fn_ref = waiting_code()
+        key = ("<after ready>", *sorted(env_vars.items()))
+        if key not in fn._env_code:
+            run = functools.partial(call_with_env, env_vars, fn._fn) if env_vars else fn._fn
+            fn._env_code[key] = code_ref(functools.partial(after_ready, run))
+        fn_id, fn_ref = fn._env_code[key]
         args = [strategy.placement_group.ready(), *args]
     except PMetalError as exc:
         return ObjectRef.of_error(exc)
-    return client.run_task(fn_id, fn_ref, args, kwargs, name, max_retries, retry_exceptions,
+    return client.run_task(fn_id, fn_ref, args, kwargs, name, fn._max_retries,
+                           fn._retry_exceptions,
                            where=lambda w: router.link_for(strategy, need, w))
 
 
