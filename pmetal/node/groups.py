@@ -115,6 +115,7 @@ class PlacementGroupService:
         self._spawn = spawn
         self.groups: dict[str, GroupRecord] = {}
         self.names: dict[str, str] = {}
+        self._claiming: set[str] = set()   # names being looked up on the members
         self.removed: OrderedDict[str, GroupRecord] = OrderedDict()
         # The bundles this node holds, for its groups and others' (the host role).
         self.hosted = HostedBundles(node_id, actors, on_release=self.kick)
@@ -175,10 +176,18 @@ class PlacementGroupService:
         return PlacementGroups([record.entry()])
 
     async def _name_taken(self, name: str) -> bool:
-        if name in self.names:
+        """Whether a live group has ``name`` here or on a member. The name
+        is claimed while the members are asked, so a second creation of it
+        through this node meanwhile is refused."""
+        if name in self.names or name in self._claiming:
             return True
-        entries = await self._ask_members(PlacementGroupQuery(name=name, local=True))
-        return any(e.get("name") == name and e.get("state") != "REMOVED" for e in entries)
+        self._claiming.add(name)
+        try:
+            entries = await self._ask_members(PlacementGroupQuery(name=name, local=True))
+        finally:
+            self._claiming.discard(name)
+        return name in self.names or any(
+            e.get("name") == name and e.get("state") != "REMOVED" for e in entries)
 
     async def _free(self) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
         """What each node that answers has free now, and in all."""
