@@ -44,13 +44,15 @@ class NodeAffinitySchedulingStrategy:
     __slots__ = ("node_id", "soft")
 
     def __init__(self, node_id: str, soft: bool = False) -> None:
-        if type(node_id) is not str or not node_id:
+        if hasattr(node_id, "hex") and not isinstance(node_id, str):
+            node_id = node_id.hex()   # an id object, as Ray's NodeID
+        if not isinstance(node_id, str) or not node_id:
             raise PMetalTypeError(f"NodeAffinitySchedulingStrategy: node_id must be a non-empty "
                                   f"str (a NodeID from pmetal.nodes()), not {node_id!r:.40}")
         if type(soft) is not bool:
             raise PMetalTypeError(f"NodeAffinitySchedulingStrategy: soft must be True or False, "
                                   f"not {soft!r:.40}")
-        self.node_id = node_id
+        self.node_id = str(node_id)   # (the runtime context's ids are a str subclass)
         self.soft = soft
 
     def __repr__(self) -> str:
@@ -68,6 +70,8 @@ class PlacementGroupSchedulingStrategy:
     """Place the actor or task in bundle ``placement_group_bundle_index`` of
     ``placement_group`` (-1: any bundle with room): it runs on that
     bundle's node, and an actor holds its resources out of the bundle's.
+    ``placement_group=None`` means no group, as ``"DEFAULT"`` (Ray's way
+    to keep a capturing actor's child out of its group).
     With ``placement_group_capture_child_tasks=True`` on an actor, the
     tasks and actors its methods start without a strategy of their own go
     in the same group (any bundle); a task's children are not captured
@@ -79,8 +83,9 @@ class PlacementGroupSchedulingStrategy:
     def __init__(self, placement_group: Any, placement_group_bundle_index: int = -1,
                  placement_group_capture_child_tasks: bool | None = None) -> None:
         where = "PlacementGroupSchedulingStrategy"
-        _check_group(placement_group, where)
-        _check_index(placement_group, placement_group_bundle_index, where)
+        if placement_group is not None:   # None: no group (Ray: opts out of a capture)
+            _check_group(placement_group, where)
+            _check_index(placement_group, placement_group_bundle_index, where)
         if placement_group_capture_child_tasks not in (None, True, False):
             raise PMetalTypeError(f"{where}: placement_group_capture_child_tasks must be True, "
                                   f"False or None, not {placement_group_capture_child_tasks!r:.40}")
@@ -179,6 +184,8 @@ def placement_options(options: dict[str, Any], where: str) -> dict[str, Any]:
                                f"NodeAffinitySchedulingStrategy(X, soft=False))")
     if isinstance(strategy, NodeAffinitySchedulingStrategy):
         return {"node": strategy.node_id, "soft": strategy.soft, "strategy": "DEFAULT"}
+    if isinstance(strategy, PlacementGroupSchedulingStrategy) and strategy.placement_group is None:
+        return {"node": "", "soft": False, "strategy": "DEFAULT"}
     if isinstance(strategy, PlacementGroupSchedulingStrategy):
         group = strategy.placement_group
         # The group's bundles and strategy ride along so that the actor's

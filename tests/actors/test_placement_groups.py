@@ -288,3 +288,16 @@ def test_pmetal_status_lists_the_groups(groups: list[PlacementGroup],
     row = next(line for line in out.splitlines() if pg.id in line)
     assert "shown" in row and "STRICT_SPREAD" in row and "PENDING" in row, out
     assert "infeasible: STRICT_SPREAD needs 2 nodes" in row, out
+
+
+def test_rays_spellings_of_no_group_and_of_a_node_id(node: dict[str, Any]) -> None:
+    """``PlacementGroupSchedulingStrategy(placement_group=None)`` is no group
+    (Ray's way out of a capture); a node id from the runtime context (a str
+    subclass with ``.hex()``) names a node, as in Ray's scheduling example."""
+    from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy as On
+    here = pmetal.get_runtime_context().node_id
+    assert On(here).node_id == node["node_id"] and type(On(here).node_id) is str
+    assert pmetal.get(node_of_task.options(scheduling_strategy=On(here)).remote(),
+                      timeout=WAIT) == node["node_id"]
+    assert pmetal.get(node_of_task.options(scheduling_strategy=InGroup(None)).remote(),
+                      timeout=WAIT) == node["node_id"]
