@@ -241,15 +241,21 @@ def test_spread_tasks_land_on_every_host(lab: LabCluster, driver: Driver) -> Non
     assert sorted(set(out["ran"])) == sorted(ids(lab)), out
 
 
-def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driver) -> None:
-    with lab.driver(2, OWNER, [lab.nodes[2].address, lab.psk.hex(), "owned"], "pg-owner",
+@pytest.mark.parametrize("host", [2, 3], ids=["on-its-node's-host", "on-another-host"])
+def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driver,
+                                                    host: int) -> None:
+    """The owner is a driver of node 2: on host 2 its node watches its pid;
+    on host 3 it holds a lease (and says goodbye at exit, as pmetal.shutdown
+    does)."""
+    name = f"owned-{host}"
+    with lab.driver(host, OWNER, [lab.nodes[2].address, lab.psk.hex(), name], f"pg-owner-{host}",
                     stdin=True) as owner:
         read_line(owner, 20.0, "made")
-        made = driver.run("created", "owned")
+        made = driver.run("created", name)
         assert made["state"] == "CREATED" and made["cpus"] == driver.cpus - 1, made
-        owner.stdin.close()   # the owner exits: its node sees its pid go
+        owner.stdin.close()   # the owner exits
         owner.wait(timeout=10)
-    out = driver.run("owner_gone", "owned")
+    out = driver.run("owner_gone", name)
     assert out["gone"] and out["after"] == driver.cpus, out
 
 
