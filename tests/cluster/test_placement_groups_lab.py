@@ -16,9 +16,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from netlab import lab_available
+from netlab import NetLab, lab_available
 
-from cluster.lab import LabCluster, formed_cluster, read_line
+from cluster.lab import LabCluster, read_line
 
 pytestmark = pytest.mark.skipif(lab_available() is not None,
                                 reason=lab_available() or "")
@@ -91,6 +91,15 @@ def spread(count):
     return {"ran": pmetal.get([where.options(scheduling_strategy="SPREAD").remote()
                                for _ in range(count)], timeout=10)}
 
+def stays(name, seconds):
+    deadline = time.monotonic() + seconds
+    pause = threading.Event()
+    states = set()
+    while time.monotonic() < deadline:
+        states.add(placement_group_table(get_placement_group(name))["state"])
+        pause.wait(0.1)
+    return {"states": sorted(states)}
+
 def owner_gone(name):
     deadline = time.monotonic() + 10
     pause = threading.Event()
@@ -144,7 +153,7 @@ def after_loss(dead):
 
 STEPS = {"in_group": in_group, "infeasible": infeasible, "affinity": affinity,
          "spread": spread, "owner_gone": owner_gone, "created": created,
-         "before_loss": before_loss, "after_loss": after_loss}
+         "before_loss": before_loss, "after_loss": after_loss, "stays": stays}
 pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab")
 print(json.dumps({"step": "ready", "node": pmetal.get_runtime_context().get_node_id(),
                   "cpus": cpus()}), flush=True)
@@ -158,10 +167,15 @@ for line in sys.stdin:
 """
 
 # A second driver (host 2) that makes a group, says so, and exits.
+# "remote": as a driver on another machine (no shared-memory token to prove
+# it shares its node's machine), so its node gives it a lease to renew.
 OWNER = r"""
 import json, sys
 import pmetal
 from pmetal.util import placement_group
+if sys.argv[4] == "remote":
+    from pmetal import shm
+    shm._posixshmem = None
 pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab")
 pg = placement_group([{"CPU": 1}], strategy="STRICT_PACK", name=sys.argv[3])
 assert pg.wait(10)
@@ -184,10 +198,20 @@ class Driver:
         return out
 
 
+LEASE = 2.0   # s: the nodes' owner lease (a driver that is not watched renews it)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabCluster]:
-    with formed_cluster(HOSTS, tmp_path_factory.mktemp("pglab")) as c:
-        yield c
+    with NetLab(len(HOSTS)) as net:
+        c = LabCluster(net, tmp_path_factory.mktemp("pglab"), discovery=False,
+                       env={"PMETAL_ACTORS_OWNER_LEASE": str(LEASE)})
+        try:
+            c.start_many(HOSTS)
+            c.wait(lambda: c.agreed(HOSTS, members=HOSTS), 30.0, "3 members agreed")
+            yield c
+        finally:
+            c.close()
 
 
 @pytest.fixture(scope="module")
@@ -243,20 +267,23 @@ def test_spread_tasks_land_on_every_host(lab: LabCluster, driver: Driver) -> Non
     assert sorted(set(out["ran"])) == sorted(ids(lab)), out
 
 
-@pytest.mark.parametrize("end, why", [("shutdown", "shut down"), ("killed", "exited")])
-def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driver, end: str,
-                                                    why: str) -> None:
-    """A driver on host 2 makes a group, then shuts down (pmetal.shutdown
-    at exit tells its node) or is killed (its node watches its pid; the
-    lab's hosts share one kernel, so a driver on another host is watched
-    too: a driver on another machine keeps its groups by a lease instead,
-    as its actors)."""
-    name = f"owned-{end}"
-    with lab.driver(2, OWNER, [lab.nodes[2].address, lab.psk.hex(), name], f"pg-owner-{end}",
+@pytest.mark.parametrize("where, end, why", [
+    ("local", "shutdown", "shut down"), ("local", "killed", "exited"),
+    ("remote", "killed", "lease lapsed")])
+def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driver, where: str,
+                                                    end: str, why: str) -> None:
+    """A driver of node 2 makes a group, then shuts down (pmetal.shutdown at
+    exit tells its node) or is killed: its node watches its pid, or, for a
+    driver that cannot prove it shares the node's machine ("remote"), the
+    lease it renews (it does: the group outlives 1.5 leases) lapses."""
+    name = f"owned-{where}-{end}"
+    with lab.driver(2, OWNER, [lab.nodes[2].address, lab.psk.hex(), name, where], name,
                     stdin=True) as owner:
         read_line(owner, 20.0, "made")
         made = driver.run("created", name)
         assert made["state"] == "CREATED" and made["cpus"] == driver.cpus - 1, made
+        if where == "remote":
+            assert driver.run("stays", name, 1.5 * LEASE)["states"] == ["CREATED"]
         if end == "killed":
             owner.kill()
         else:
