@@ -127,8 +127,12 @@ def before_loss():
     here = [i for i in range(3) if table[i] == pmetal.get_runtime_context().get_node_id()][0]
     KEPT["actor"] = Where.options(num_cpus=0.25,
                                   scheduling_strategy=InGroup(moving, here)).remote()
-    pmetal.get(KEPT["actor"].node.remote(), timeout=10)
-    return {"moving": [table[i] for i in range(3)]}
+    # On the host to die (the last bundle's, not ours): restarted in its bundle's new place.
+    doomed = [i for i in range(3) if table[i] != table[here]][-1]
+    KEPT["restarted"] = Where.options(num_cpus=0.25, max_restarts=1, max_task_retries=1,
+                                      scheduling_strategy=InGroup(moving, doomed)).remote()
+    pmetal.get([KEPT["actor"].node.remote(), KEPT["restarted"].node.remote()], timeout=10)
+    return {"moving": [table[i] for i in range(3)], "doomed": doomed, "doomed_on": table[doomed]}
 
 def after_loss(dead):
     moving, stuck = get_placement_group("moving"), get_placement_group("stuck")
@@ -146,6 +150,7 @@ def after_loss(dead):
            "stuck": placement_group_table(stuck)["state"],
            "stuck_ready": stuck.wait(0.2),
            "kept": pmetal.get(KEPT["actor"].node.remote(), timeout=10),
+           "restarted": pmetal.get(KEPT["restarted"].node.remote(), timeout=15),
            "actors": pmetal.get([a.node.remote() for a in actors], timeout=10)}
     remove_placement_group(moving)
     remove_placement_group(stuck)
@@ -295,14 +300,16 @@ def test_a_group_ends_with_the_driver_that_made_it(lab: LabCluster, driver: Driv
 
 
 def test_the_bundles_of_a_dead_host_are_placed_again(lab: LabCluster, driver: Driver) -> None:
-    """Last in the module (it kills host 3, then starts its node again): a
-    SPREAD group's bundle on the dead host goes to a live one, its other
+    """Last in the module (it kills a host other than the driver's, then
+    starts its node again): a SPREAD group's bundle on the dead host goes to
+    a live one, and the restartable actor placed in it follows; its other
     bundles (and the actor in one) stay; a STRICT_SPREAD group of three
     cannot, and is RESCHEDULING (not ready) until a third host is back."""
     before = driver.run("before_loss")
-    dead = lab.nodes[3].node_id
+    dead = before["doomed_on"]
     assert sorted(before["moving"]) == sorted(ids(lab)), before
-    lab.kill(3)
+    host = next(i for i in HOSTS if lab.nodes[i].node_id == dead)
+    lab.kill(host)
     try:
         out = driver.run("after_loss", dead, timeout=30.0)
         assert out["state"] == "CREATED" and dead not in out["moving"], out
@@ -311,6 +318,8 @@ def test_the_bundles_of_a_dead_host_are_placed_again(lab: LabCluster, driver: Dr
         assert kept == [n for n, b in zip(out["moving"], before["moving"]) if b != dead], out
         assert out["actors"] == out["moving"] and out["kept"] == driver.node, out
         assert (out["stuck"], out["stuck_ready"]) == ("RESCHEDULING", False), out
+        # The actor of the lost bundle came back where that bundle went.
+        assert out["restarted"] == out["moving"][before["doomed"]] != dead, out
     finally:
-        lab.start(3)
+        lab.start(host)
         lab.wait(lambda: lab.agreed(HOSTS, members=HOSTS), 30.0, "host 3 back")
