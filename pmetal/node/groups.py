@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from pmetal.node.lifecycle import ActorLifecycle
     from pmetal.node.membership import Membership
 
-__all__ = ["GroupRecord", "PlacementGroupService", "RETRY_MAX"]
+__all__ = ["GroupRecord", "GroupStatistics", "PlacementGroupService", "RETRY_MAX"]
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,15 @@ class GroupRecord:
                 "reason": self.reason}
 
 
+@dataclass(frozen=True)
+class GroupStatistics:
+    groups: int          # groups this node holds (pending, created or rescheduling)
+    bundles_held: int    # bundles this node holds, for its groups and others'
+    created: int         # groups created through this node
+    removed: int
+    rolled_back: int     # attempts a host refused (or did not answer), released everywhere
+
+
 class PlacementGroupService:
     """A node's placement groups (see the module doc)."""
 
@@ -123,12 +132,13 @@ class PlacementGroupService:
         self.bundle_for = self.hosted.bundle_for
         self._counts = {"created": 0, "removed": 0, "rolled_back": 0}
 
-    def statistics(self) -> dict[str, int]:
-        return {"groups": len(self.groups), "bundles_held": len(self.hosted.held),
-                **self._counts}
+    def statistics(self) -> GroupStatistics:
+        return GroupStatistics(len(self.groups), len(self.hosted.held), self._counts["created"],
+                               self._counts["removed"], self._counts["rolled_back"])
 
     def describe(self) -> dict[str, Any]:
-        return {"groups": [g.entry() for g in self.groups.values()],
+        return {"statistics": self.statistics().__dict__,
+                "groups": [g.entry() for g in self.groups.values()],
                 "held": [{"group_id": b.group_id, "index": b.index, "resources": b.resources,
                           "available": b.queue.available, "owner_node": b.owner_node}
                          for b in self.hosted.held.values()]}

@@ -97,7 +97,7 @@ def test_a_refused_share_rolls_the_attempt_back_everywhere() -> None:
             assert entry["state"] == "PENDING" and "refused" in entry["reason"], entry
             assert net.free() == [2.0, 0.0, 2.0]   # a and c gave their bundles back
             owner = net.nodes[IDS[0]]
-            assert owner.statistics()["rolled_back"] == 1
+            assert owner.statistics().rolled_back == 1
             net.nodes[IDS[1]].actors.queue.give({"CPU": 2.0})
             record = owner.groups[entry["group_id"]]
             await until(lambda: record.state == "CREATED", "created once b has room")
