@@ -20,9 +20,13 @@ or a :class:`PlacementGroupSchedulingStrategy` (or the older
 
 A task for another node goes straight to one of that node's task workers:
 the client asks that node (a session of its own with it, opened on first
-use and closed with the client's links) for its workers' addresses (``LeaseWorkers``), as it asks its own, and
-calls the worker directly. A worker that dies, or whose node dies, fails
-(or retries) its tasks as on the caller's node. The live nodes are the
+use and closed with the client's links) for its workers' addresses
+(``LeaseWorkers``), as it asks its own, and calls the worker directly.
+Inside a worker it asks for workers lent to it alone, as on its own node:
+a task that waits for the tasks it starts must not queue them behind
+itself (with one task worker per node, SPREAD tasks that fan out SPREAD
+tasks deadlocked without that). A worker that dies, or whose node dies,
+fails (or retries) its tasks as on the caller's node. The live nodes are the
 client's cluster watch's (a long poll its node answers at each change), with
 each node's address and resources from one status request; a group's
 bundles are kept for :data:`FRESH_FOR` seconds (a removal through this
@@ -243,8 +247,10 @@ class _Router:
             if not addresses:
                 try:
                     session = self._session(node)
+                    # Inside a worker, workers of our own, as on our node: a
+                    # task that waits for its child must not queue it behind itself.
                     reply = session.channel.request(
-                        LeaseWorkers(0, tuple(sorted(dead))),
+                        LeaseWorkers(1 if client.self_address else 0, tuple(sorted(dead))),
                         timeout=client.config.transport.request_timeout).body
                 except (PMetalError, KeyError) as exc:
                     self.nodes_until = 0.0
@@ -252,7 +258,8 @@ class _Router:
                 if isinstance(reply, Failure):
                     return failure_error(reply)
                 assert isinstance(reply, WorkerList)
-                addresses = self.workers[node] = list(reply.addresses)
+                addresses = self.workers[node] = [a for a in reply.addresses
+                                                  if a != client.self_address]
                 if not addresses:
                     return PlacementError(f"{what}: node {node[:8]} has no task worker ready")
             address = client._least_busy(addresses)

@@ -42,6 +42,13 @@ class Where:
 def where():
     return pmetal.get_runtime_context().get_node_id()
 
+@pmetal.remote
+def fan_out(count):
+    # A task that starts SPREAD tasks and waits for them (each node has one
+    # task worker: the children must not queue behind their parents).
+    return pmetal.get([where.options(scheduling_strategy="SPREAD").remote()
+                       for _ in range(count)], timeout=20)
+
 def cpus():
     return pmetal.available_resources()["CPU"]
 
@@ -89,7 +96,9 @@ def affinity(*nodes):
 
 def spread(count):
     return {"ran": pmetal.get([where.options(scheduling_strategy="SPREAD").remote()
-                               for _ in range(count)], timeout=10)}
+                               for _ in range(count)], timeout=10),
+            "nested": pmetal.get([fan_out.options(scheduling_strategy="SPREAD").remote(3)
+                                  for _ in range(3)], timeout=30)}
 
 def stays(name, seconds):
     deadline = time.monotonic() + seconds
@@ -268,8 +277,10 @@ def test_tasks_with_node_affinity_run_on_the_named_host(lab: LabCluster,
 
 
 def test_spread_tasks_land_on_every_host(lab: LabCluster, driver: Driver) -> None:
-    out = driver.run("spread", 6)
+    out = driver.run("spread", 6, timeout=40.0)
     assert sorted(set(out["ran"])) == sorted(ids(lab)), out
+    # SPREAD tasks started by SPREAD tasks (one task worker per host) all ran.
+    assert all(len(ran) == 3 and set(ran) <= set(ids(lab)) for ran in out["nested"]), out
 
 
 @pytest.mark.parametrize("where, end, why", [
