@@ -90,8 +90,9 @@ def run_placed(client: CoreClient, strategy: Any, fn: RemoteFunction,
     what = f"remote function {name}"
     need = needed_resources(fn._options)
     fn_id, fn_ref = code
+    first: list[str] = []   # the node picked now, for the first send (a retry picks again)
     try:   # errors in the strategy itself show at .remote(), as for actors
-        router.check(strategy, need, what)
+        first.append(router.node_for(strategy, need, what))
     except _Pending:
         key = ("<after ready>", *sorted(env_vars.items()))
         if key not in fn._env_code:
@@ -103,7 +104,8 @@ def run_placed(client: CoreClient, strategy: Any, fn: RemoteFunction,
         return ObjectRef.of_error(exc)
     return client.run_task(fn_id, fn_ref, args, kwargs, name, fn._max_retries,
                            fn._retry_exceptions,
-                           where=lambda w: router.link_for(strategy, need, w))
+                           where=lambda w: router.link_for(strategy, need, w,
+                                                           first.pop() if first else ""))
 
 
 def after_ready(fn: Callable[..., Any], _group: Any, *args: Any, **kwargs: Any) -> Any:
@@ -130,6 +132,7 @@ class _Router:
         self.client = client
         self.nodes: dict[str, tuple[str, dict[str, float]]] = {}   # id -> (address, resources)
         self.nodes_until = 0.0
+        self._seen: tuple[Any, dict[str, tuple[str, dict[str, float]]]] = (None, {})
         self.groups: dict[str, tuple[float, dict[str, Any]]] = {}   # id -> (until, entry)
         self.workers: dict[str, list[str]] = {}    # node id -> its task workers' addresses
         self.turn = itertools.count()
@@ -142,9 +145,13 @@ class _Router:
         status request (at most once per FRESH_FOR)."""
         state = self.client.watch.state
         if state is not None and state.members:
+            if state is self._seen[0]:
+                return self._seen[1]   # (nothing changed since we last looked)
             members = set(state.members) - set(state.dead)
             if members <= set(self.nodes):
-                return {n: self.nodes[n] for n in sorted(members)}
+                live = {n: self.nodes[n] for n in sorted(members)}
+                self._seen = (state, live)
+                return live
         now = time.monotonic()
         if now >= self.nodes_until:
             info = self.client.status()
@@ -153,7 +160,7 @@ class _Router:
             nodes = {m["node_id"]: (m.get("address") or "", dict(m.get("resources") or {}))
                      for m in members}
             nodes[info["node_id"]] = (info["address"], dict(info["resources"]))
-            self.nodes, self.nodes_until = nodes, now + FRESH_FOR
+            self.nodes, self.nodes_until, self._seen = nodes, now + FRESH_FOR, (None, {})
         return self.nodes
 
     def group(self, strategy: PlacementGroupSchedulingStrategy, what: str) -> dict[str, Any]:
@@ -182,11 +189,6 @@ class _Router:
                                  f"({entry.get('reason') or state}); wait for it first: "
                                  f"pmetal.get(pg.ready()) or pg.wait(timeout)")
         return entry
-
-    def check(self, strategy: Any, need: dict[str, float], what: str) -> None:
-        """Raise now what would make every try fail (a removed or pending
-        group, a task bigger than its bundle, an unknown node)."""
-        self.node_for(strategy, need, what)
 
     def node_for(self, strategy: Any, need: dict[str, float], what: str) -> str:
         own = self.client.node_id
@@ -221,13 +223,15 @@ class _Router:
 
     # ----------------------------------------------------------------- links
 
-    def link_for(self, strategy: Any, need: dict[str, float],
-                 what: str) -> PeerLink | BaseException:
-        """A link to a task worker of the node ``strategy`` picks (client lock held)."""
-        try:
-            node = self.node_for(strategy, need, what)
-        except PMetalError as exc:
-            return exc
+    def link_for(self, strategy: Any, need: dict[str, float], what: str,
+                 node: str = "") -> PeerLink | BaseException:
+        """A link to a task worker of ``node``, or of the node ``strategy``
+        picks now (client lock held)."""
+        if not node:
+            try:
+                node = self.node_for(strategy, need, what)
+            except PMetalError as exc:
+                return exc
         if node == self.client.node_id:
             return self.client._task_link(what)
         return self._worker_on(node, what)
