@@ -148,3 +148,24 @@ def test_a_dead_host_s_bundles_go_elsewhere_and_strict_spread_waits() -> None:
         finally:
             await net.close()
     asyncio.run(run())
+
+
+def test_any_node_answers_about_a_group_and_removes_it_through_its_node() -> None:
+    async def run() -> None:
+        net = Net()
+        other = net.nodes[IDS[1]]
+        try:
+            group_id = (await create(net, "PACK", 2, group="5")).groups[0]["group_id"]
+            table = await other.query(PlacementGroupQuery())
+            entry = next(e for e in table.groups if e["group_id"] == group_id)
+            assert entry["state"] == "CREATED" and entry["bundle_nodes"] == [IDS[0]] * 2
+            assert entry["available"] == {"0": {"CPU": 1.0}, "1": {"CPU": 1.0}}
+            ready = await other.query(PlacementGroupQuery(group_id, wait=True))
+            assert type(ready).__name__ == "Result"
+            removed = await other.query(PlacementGroupQuery(group_id, remove=True))
+            assert removed.groups[0]["state"] == "REMOVED" and net.free() == [2.0, 2.0, 2.0]
+            gone = await other.query(PlacementGroupQuery("f" * 36, remove=True))
+            assert isinstance(gone, Failure) and "no placement group" in gone.message
+        finally:
+            await net.close()
+    asyncio.run(run())
