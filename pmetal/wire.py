@@ -46,7 +46,11 @@ raises :class:`~pmetal.errors.ProtocolError` and nothing else.
 Kinds added after version 1 was fixed (still version 1: an old node answers
 them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
 (37) and ``Resources`` (38), node to node, for actor lifetime and placement;
-``Detach`` (32), a client to its node when it shuts down.
+``Detach`` (32), a client to its node when it shuts down. Placement groups
+(33-35, 39: ``CreatePlacementGroup`` and ``PlacementGroupQuery`` from a
+client to its node, ``ReserveBundles`` from the group's node to the nodes
+that hold its bundles, ``PlacementGroupQuery`` with ``local`` node to node,
+``PlacementGroups`` the answer).
 The cluster's kinds (50-58: ``Beat``, ``BeatEcho``, ``VoteRequest``, ``Vote``,
 ``ClusterView``, ``JoinCluster``, ``WatchCluster``, ``ClusterState``, ``Probe``)
 are node to node, but for the watch, which a client asks of its own node.
@@ -82,6 +86,7 @@ __all__ = [
     "ClusterView",
     "Confirm",
     "CreateActor",
+    "CreatePlacementGroup",
     "Detach",
     "ErrorReply",
     "Failure",
@@ -102,9 +107,12 @@ __all__ = [
     "PieceData",
     "PieceRead",
     "Ping",
+    "PlacementGroupQuery",
+    "PlacementGroups",
     "Pong",
     "Probe",
     "Rejected",
+    "ReserveBundles",
     "Resources",
     "ResourcesRequest",
     "Result",
@@ -148,10 +156,14 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 30
     NODE_JOIN = 31
     DETACH = 32
-    # (33-35 left free for other node-control kinds)
+    # placement groups (pmetal.node.groups)
+    CREATE_PLACEMENT_GROUP = 33
+    RESERVE_BUNDLES = 34
+    PLACEMENT_GROUP_QUERY = 35
     OWNER_DIED = 36
     RESOURCES_REQUEST = 37
     RESOURCES = 38
+    PLACEMENT_GROUPS = 39
     # actor runtime: execution in workers
     INIT_ACTOR = 40
     CALL = 41
@@ -507,6 +519,73 @@ class Resources(Message):
     queued: int = 0
     actors: int = 0
     capacity: dict | None = None
+
+
+# ---------------------------------------------------------- placement groups
+#
+# A bundle is a map of resource name to amount ({"CPU": 1.0, "GPU": 1.0}).
+# A group entry (``PlacementGroups.groups``) is a map with the keys
+# ``group_id``, ``name``, ``strategy``, ``state`` ("PENDING", "CREATED" or
+# "REMOVED"), ``bundles`` (list of bundle maps), ``bundle_nodes`` (list of
+# node ids, "" for a bundle not reserved yet), ``owner_node``, ``lifetime``
+# and ``reason`` (why it is pending), plus, in a host's answer,
+# ``available``: {index: the bundle's resources not held by its actors}.
+
+@_message(Kind.CREATE_PLACEMENT_GROUP)
+class CreatePlacementGroup(Message):
+    """Client to its node: create a placement group of ``bundles`` (resource
+    maps) by ``strategy`` ("PACK", "SPREAD", "STRICT_PACK" or
+    "STRICT_SPREAD"). This node holds the group and reserves its bundles on
+    the nodes it picks; ``options`` holds ``lifetime`` and ``owner_pid``.
+    The answer is a :class:`PlacementGroups` with the group's entry, at
+    once, pending or created."""
+
+    group_id: str
+    name: str
+    bundles: list
+    strategy: str
+    options: dict
+
+
+@_message(Kind.RESERVE_BUNDLES)
+class ReserveBundles(Message):
+    """The group's node to a node: hold ``bundles`` (``[[index, {resource:
+    amount}], ...]``) of group ``group_id`` out of the free resources, all
+    or none (a Failure of kind "placement" when they do not fit now); with
+    ``release``, give back the bundles listed of attempt ``attempt`` (a
+    rolled-back attempt), or, with none listed, every bundle of that group
+    held for attempts up to ``attempt``, and end the actors placed in them. A reserve of an attempt already released is
+    refused, so a release that overtakes its reserve leaves nothing held."""
+
+    group_id: str
+    attempt: int
+    bundles: list
+    release: bool = False
+    owner_node: str = ""
+
+
+@_message(Kind.PLACEMENT_GROUP_QUERY)
+class PlacementGroupQuery(Message):
+    """Ask a node about placement groups: the one with ``group_id`` or
+    ``name``, or every one (both empty). ``remove``: remove it (its bundles
+    are released, their actors end). ``wait``: answer with a
+    :class:`Result` once the group is created, or a Failure once it is
+    removed (``pg.ready()``). ``local``: from this node's own groups and
+    bundles only (a node asking its members). The answer is
+    :class:`PlacementGroups`."""
+
+    group_id: str = ""
+    name: str = ""
+    remove: bool = False
+    wait: bool = False
+    local: bool = False
+
+
+@_message(Kind.PLACEMENT_GROUPS)
+class PlacementGroups(Message):
+    """Entries of placement groups (see the comment above)."""
+
+    groups: list
 
 
 # ------------------------------------------------------------ the cluster

@@ -21,7 +21,8 @@ PACKAGES = sorted(
 MODULES = ["pmetal.actors.context", "pmetal.actors.handles", "pmetal.api", "pmetal.config",
            "pmetal.actors.runtime_context", "pmetal.exceptions",
            "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels",
-           "pmetal.util.actor_pool", "pmetal.util.queue", "pmetal.wire"]
+           "pmetal.util.actor_pool", "pmetal.util.placement_group", "pmetal.util.queue",
+           "pmetal.util.scheduling_strategies", "pmetal.wire"]
 
 
 def test_the_package_list_is_found() -> None:

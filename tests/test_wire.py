@@ -74,6 +74,12 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.DETACH: wire.Detach("pmetal.shutdown()"),
     Kind.RESOURCES_REQUEST: wire.ResourcesRequest(),
     Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1),
+    Kind.CREATE_PLACEMENT_GROUP: wire.CreatePlacementGroup(
+        "pg-1", "train", [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "STRICT_SPREAD",
+        {"lifetime": "", "owner_pid": 12}),
+    Kind.RESERVE_BUNDLES: wire.ReserveBundles("pg-1", 2, [[0, {"CPU": 1.0}]], False, "n" * 16),
+    Kind.PLACEMENT_GROUP_QUERY: wire.PlacementGroupQuery("pg-1", "", False, True, False),
+    Kind.PLACEMENT_GROUPS: wire.PlacementGroups([{"group_id": "pg-1", "state": "CREATED"}]),
     Kind.BEAT: wire.Beat("a" * 32, 7, ADDRESS, 3, "b" * 32, 5, 4, 12.5, ADDRESS),
     Kind.BEAT_ECHO: wire.BeatEcho("a" * 32, 12.5),
     Kind.VOTE_REQUEST: wire.VoteRequest(4, "a" * 32, 5, True),

@@ -368,27 +368,30 @@ class CoreClient:
 
     def run_task(self, fn_id: str, fn_ref: Any, args: list[Any], kwargs: dict[str, Any],
                  name: str, max_retries: int = 0,
-                 retry_exceptions: bool | tuple[type[BaseException], ...] = False) -> ObjectRef:
+                 retry_exceptions: bool | tuple[type[BaseException], ...] = False,
+                 where: Any = None) -> ObjectRef:
         """Submit a remote function; with ObjectRef arguments not ready yet,
         it is sent once they are (tasks keep no order). It is sent again, up
         to ``max_retries`` times (-1: without limit), when its worker dies or
-        it raises one of ``retry_exceptions`` (True: any)."""
+        it raises one of ``retry_exceptions`` (True: any). ``where(what)``
+        (lock held) gives the link to a task worker elsewhere (a scheduling
+        strategy: pmetal.actors.routing); None: one of our node's."""
         def submit(a: list[Any], kw: dict[str, Any]) -> ObjectRef:
-            return self._run_task_now(fn_id, fn_ref, a, kw, name)
+            return self._run_task_now(fn_id, fn_ref, a, kw, name, where=where)
         retry = (Retry(submit, args, kwargs, "", max_retries, retry_exceptions)
                  if max_retries else None)
         if Deferrals.unready(args, kwargs):
             return self._deferrals.add(submit, args, kwargs, "", f"remote function {name}",
                                        retry)
         args, kwargs = self._resolve_args(args, kwargs)
-        return self._run_task_now(fn_id, fn_ref, args, kwargs, name, retry)
+        return self._run_task_now(fn_id, fn_ref, args, kwargs, name, retry, where)
 
     def _run_task_now(self, fn_id: str, fn_ref: Any, args: list[Any],
                       kwargs: dict[str, Any], name: str,
-                      retry: Retry | None = None) -> ObjectRef:
+                      retry: Retry | None = None, where: Any = None) -> ObjectRef:
         what = f"remote function {name}"
         with self.lock:
-            link = self._task_link(what)
+            link = self._task_link(what) if where is None else where(what)
             if isinstance(link, BaseException):
                 return ObjectRef.of_error(link)
             ref_body = None if fn_id in link.functions else fn_ref

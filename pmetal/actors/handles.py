@@ -8,10 +8,10 @@ import threading
 import time
 from typing import Any
 
-from pmetal.actors import context
+from pmetal.actors import context, strategies
 from pmetal.actors.refs import split_ref
 from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
-from pmetal.actors.strategies import placement_options
+from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
 
@@ -22,9 +22,9 @@ __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT
 # Options, as in Ray. "num_returns", "lifetime" and "namespace" are accepted
 # for compatibility (see docs/api.md for what each does today).
 _COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns", "name",
-                     "runtime_env"})
+                     "runtime_env", "scheduling_strategy", *PG_OPTIONS})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
-                           "lifetime", "namespace", "scheduling_strategy", "get_if_exists"}
+                           "lifetime", "namespace", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
 
 DEFAULT_MAX_RETRIES = 3
@@ -107,7 +107,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
     if options.get("get_if_exists") is not None and type(options["get_if_exists"]) is not bool:
         raise PMetalTypeError(f"{where}: get_if_exists must be True or False, not "
                               f"{options['get_if_exists']!r:.40}")
-    if "scheduling_strategy" in options:
+    if "scheduling_strategy" in options or any(k in options for k in PG_OPTIONS):
         placement_options(options, where)
     check_runtime_env(options.get("runtime_env"), where)
     retry_on = options.get("retry_exceptions")
@@ -146,6 +146,8 @@ class RemoteFunction:
         self._code: tuple[str, Any] | None = None
         self._env_code: dict[tuple[tuple[str, str], ...], tuple[str, Any]] = {}
         self._placement_checked: Any = None   # the client that checked the resources
+        # Where its tasks run: None is the caller's node (the fast path).
+        self._strategy = task_strategy(self._options, f"@pmetal.remote {fn.__qualname__}")
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
         self.__name__ = getattr(fn, "__name__", "remote_function")
@@ -166,6 +168,14 @@ class RemoteFunction:
             if self._code is None:
                 self._code = code_ref(self._fn)
             fn_id, ref = self._code
+        strategy = self._strategy
+        if strategy is None and strategies._capture is not None:   # in a capturing actor
+            strategy = captured(self._options)
+        if strategy is not None:   # SPREAD, a node or a placement group
+            from pmetal.actors.routing import run_placed
+            return split_ref(run_placed(client, strategy, self, env_vars, (fn_id, ref),
+                                        list(args), kwargs),
+                             self._options.get("num_returns") or 1)
         if self._placement_checked is not client:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")
@@ -242,6 +252,8 @@ class ActorClass:
         is_async = any(inspect.iscoroutinefunction(m)
                        for _, m in inspect.getmembers(cls, inspect.isfunction))
         opts = dict(self._options)
+        if strategies._capture is not None and captured(opts) is not None:
+            opts["scheduling_strategy"] = captured(opts)   # made by a capturing actor
         resources = dict(opts.get("resources") or {})
         if opts.get("num_gpus"):
             resources["GPU"] = float(opts["num_gpus"])

@@ -34,7 +34,7 @@ import threading
 import traceback
 from typing import Any
 
-from pmetal.actors import context
+from pmetal.actors import context, strategies
 from pmetal.actors.client import CoreClient
 from pmetal.actors.runtime_env import restore_env, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
@@ -303,6 +303,7 @@ class Worker:
             self.actor_id = body.actor_id
             # Before the constructor: it may join a collective group.
             context.set_actor_id(body.actor_id)
+            strategies.set_current(body.options)   # its placement group, if any
             if self.gate is not None:
                 self.gate.adopt()
                 self._generation = self.gate.generation

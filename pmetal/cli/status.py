@@ -136,6 +136,18 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
     if len(shown) < len(actors):
         print(f"  ({len(actors) - len(shown)} older dead actors left out; "
               f"'pmetal status --json' lists them)")
+    groups = (s.get("placement_groups") or {}).get("groups") or []
+    held = (s.get("placement_groups") or {}).get("held") or []
+    if groups or held:   # (a node without any says nothing about them)
+        _table("PLACEMENT GROUPS", ("GROUP ID", "NAME", "STRATEGY", "STATE", "BUNDLES", "NODES",
+                                    "REASON"),
+               [(g["group_id"], g.get("name") or "-", g.get("strategy", ""), g.get("state", ""),
+                 len(g.get("bundles") or []),
+                 ",".join(sorted({str(n)[:8] for n in g.get("bundle_nodes") or [] if n})) or "-",
+                 g.get("reason") or "") for g in groups])
+        if held:
+            print(f"  this node holds {len(held)} bundle(s) of "
+                  f"{len({b['group_id'] for b in held})} group(s)")
     if s.get("refused_peers"):
         _table("REFUSED PEERS", ("ADDRESS", "REASON"),
                [(p["address"], p["reason"]) for p in s["refused_peers"]])

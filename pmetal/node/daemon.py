@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pmetal.node.groups import PlacementGroupService
 from pmetal.node.lifecycle import ActorLifecycle
 from pmetal.node.membership import Membership
 from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
@@ -64,10 +65,12 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.store.serve import STORE_KINDS, PieceServer
 from pmetal.transport import ZmqTransport
-from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor, Detach, Failure,
-                         JoinCluster, KillActor, LeaseWorkers, LookupActor, Message, NodeJoin,
-                         OwnerDied, Ping, Pong, Probe, Resources, ResourcesRequest, Shutdown,
-                         Status, StatusRequest, Vote, VoteRequest, WatchCluster, WorkerReady)
+from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
+                         CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
+                         LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
+                         PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
+                         ResourcesRequest, Shutdown, Status, StatusRequest, Vote, VoteRequest,
+                         WatchCluster, WorkerReady)
 
 # READY_LINE, node_file, read_ready_line, is_node_process and routable_address
 # live in pmetal.node.process and stay importable from here.
@@ -172,8 +175,13 @@ class NodeDaemon:
                                          self.owners.forwarded(options, member))
         self.actors.current_term = lambda: self.cluster.term
         self.actors.node_incarnation = lambda: self.cluster.incarnation
+        # Placement groups: held by the node of the driver that made them,
+        # their bundles by the nodes they are placed on (pmetal.node.groups).
+        self.groups = PlacementGroupService(self.node_id, self.actors, self.membership,
+                                            self._cancellable_task)
+        self.actors.bundle_for = self.groups.bundle_for
         self.owners = Owners(self.node_id, config.actors.owner_lease, self.membership,
-                             self.actors.kill_owned, self._cancellable_task)
+                             self._end_owned, self._cancellable_task)
         # The cluster: heartbeats, health, election, the master's member list
         # (pmetal.cluster.service); the master places actors (pmetal.node.scheduler).
         self.discover = config.discovery.enabled if discovery is None else discovery
@@ -358,6 +366,14 @@ class NodeDaemon:
                 return None
             return Resources(self.resources, self.actors.available, len(self.actors.queue),
                              self.actors.alive())
+        if kind is ReserveBundles:
+            return self.groups.reserve(body)  # type: ignore[arg-type]
+        if kind is PlacementGroupQuery:
+            self._later(incoming, self.groups.query(body))  # type: ignore[arg-type]
+            return None
+        if kind is CreatePlacementGroup:
+            self._later(incoming, self._create_group(body, incoming))  # type: ignore[arg-type]
+            return None
         if kind is OwnerDied:
             if body.node_id != incoming.peer:  # type: ignore[attr-defined]
                 raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
@@ -409,6 +425,25 @@ class NodeDaemon:
             reply = replace(reply, owner_lease=self.owners.leases.timeout)
         return reply
 
+    async def _create_group(self, body: CreatePlacementGroup, incoming: Incoming) -> Message:
+        """A client's new placement group: this node holds it, owned like
+        an actor by the process (or remote session) that made it."""
+        local = bool(getattr(self.listener.session(incoming.route), "local", False))
+        options = self.owners.name(dict(body.options), incoming.peer, local)
+        if options is None:
+            return Failure("actor_died", "ActorDiedError",
+                           f"the process that creates the placement group (pid "
+                           f"{body.options.get('owner_pid')}) has exited")
+        reply = await self.groups.create(body, options)
+        if isinstance(reply, PlacementGroups) and reply.groups and not local:
+            # Another machine's client: it keeps the group by renewing a lease.
+            reply.groups[0]["owner_lease"] = self.owners.leases.timeout
+        return reply
+
+    def _end_owned(self, owned_by: Any, why: str) -> int:
+        """An owner went: its actors end and its placement groups are removed."""
+        return self.actors.kill_owned(owned_by, why) + self.groups.remove_owned(owned_by, why)
+
     async def _worker_exited(self, worker: WorkerProc, code: int) -> None:
         await self.actors.worker_exited(worker, code)
 
@@ -432,11 +467,13 @@ class NodeDaemon:
         """The master's member list changed: members are its live nodes."""
         self.membership.sync(state, self.node_id)
         self.scheduler.view_changed(state)
+        self.groups.kick()
 
     def _node_dead(self, node_id: str) -> None:
         """Our detector declared ``node_id`` dead: never wait on it again."""
         self.membership.drop(node_id)
         self.scheduler.node_dead(node_id)
+        self.groups.node_dead(node_id)
 
     def _fenced(self, why: str) -> None:
         """This node was (or may have been) declared dead: the cluster has
@@ -469,6 +506,7 @@ class NodeDaemon:
                                                       f"{why}")
                 ended += 1
         log.warning("fenced: ended %d actors, restarting %d owned here", ended, restarted)
+        self.groups.fenced()
 
     # --------------------------------------------------------------- status
 
@@ -531,6 +569,7 @@ class NodeDaemon:
             "owner_leases": self.owners.leases.describe(time.monotonic()),
             "statistics": self.statistics().__dict__,
             "scheduler": self.scheduler.statistics(),
+            "placement_groups": self.groups.describe(),
             "leases": self.owners.leases.statistics().__dict__,
             "pool": self.pool.statistics().__dict__,
             "membership": self.membership.statistics().__dict__,

@@ -71,6 +71,11 @@ class ActorLifecycle:
         self.current_term: Callable[[], int] = lambda: 0
         # This node's incarnation (the node sets it; a fence renews it).
         self.node_incarnation: Callable[[], int] = lambda: 0
+        # The pool of a placement group's bundle held here, for an actor
+        # placed in it (the node sets it: pmetal.node.groups).
+        self.bundle_for: Callable[[dict[str, Any], dict[str, float]], Any] = \
+            lambda options, need: Failure("placement", "PlacementError",
+                                          "this node holds no placement groups")
 
     @property
     def created(self) -> int:
@@ -114,7 +119,7 @@ class ActorLifecycle:
     def _release(self, record: ActorRecord) -> None:
         held, record.held = record.held, {}
         if held:
-            self.queue.give(held)
+            (self.queue if record.pool is None else record.pool).give(held)
         record.worker_id = ""
 
     def _mark_dead(self, record: ActorRecord, reason: str) -> None:
@@ -140,7 +145,15 @@ class ActorLifecycle:
             elsewhere = await self._place_elsewhere(need)
             if elsewhere is not None:
                 return await self._forward(elsewhere.node_id, spec)
-        if not fits(need, self.resources):
+        queue = self.queue
+        if options.get("placement_group"):
+            # In a bundle of a placement group: its resources come from the
+            # bundle, not from the node's free pool.
+            bundle = self.bundle_for(options, need)
+            if isinstance(bundle, Failure):
+                return bundle
+            queue = bundle[0]
+        elif not fits(need, self.resources):
             return Failure("placement", "PlacementError",
                            f"node {self.node_id[:8]} has {self.resources} in all, the actor "
                            f"needs {need}; no node of this cluster could ever hold it "
@@ -173,7 +186,8 @@ class ActorLifecycle:
                              incarnation=int(options.get("incarnation") or 0),
                              owner=(options["owner_node"], int(options.get("owner_pid") or 0)),
                              owner_client=options.get("owner_client") or "")
-        record.reason = "waiting for resources" if not fits(need, self.available) else ""
+        record.pool = queue if queue is not self.queue else None
+        record.reason = "waiting for resources" if not fits(need, queue.available) else ""
         self.actors[spec.actor_id] = record
         if name:
             self.names[name] = spec.actor_id
@@ -181,7 +195,7 @@ class ActorLifecycle:
         timeout = float(options.get("timeout") or self.config.transport.request_timeout)
         what = f"actor {options.get('class_name') or spec.actor_id}"
         try:
-            reserved = await self.queue.reserve(need, time.monotonic() + timeout - _REPLY_MARGIN,
+            reserved = await queue.reserve(need, time.monotonic() + timeout - _REPLY_MARGIN,
                                                 what, self._holders, record.cancelled)
         except PMetalTimeoutError as exc:
             self._mark_dead(record, str(exc))

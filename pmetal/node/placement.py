@@ -106,6 +106,13 @@ def check_options(options: dict[str, Any]) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"{where}: strategy must be one of {list(STRATEGIES)}, not "
                          f"{strategy!r:.40}")
+    group = options.get("placement_group")
+    if group is not None and (not isinstance(group, str) or not group):
+        raise TypeError(f"{where}: placement_group must be a group id (a string), not "
+                        f"{group!r:.40}")
+    index = options.get("bundle_index")
+    if index is not None and (type(index) is not int or index < -1):
+        raise ValueError(f"{where}: bundle_index must be an integer >= -1, not {index!r:.40}")
     if type(options.get("soft", False)) is not bool:
         raise TypeError(f"{where}: soft must be a bool, not {type(options['soft']).__name__}")
     if (options.get("lifetime") or "") not in LIFETIMES:

@@ -40,6 +40,7 @@ class ActorRecord:
     owner: tuple[str, int] = ("", 0)   # (node id, pid) of the process that created it
     owner_client: str = ""         # the creator's client session (pid 0: it holds a lease)
     held: dict[str, float] = field(default_factory=dict)   # resources reserved for it
+    pool: Any = None               # the PlacementQueue it holds them from (None: the node's)
     constructing: bool = False     # its constructor runs: _construct owns a worker exit
     moved: bool = False            # ended by a fence; its owner's node restarts it elsewhere
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)   # killed while queued

@@ -112,6 +112,13 @@ class Scheduler:
     async def place(self, spec: CreateActor) -> Message:
         """Place a creation this node named the owner of (see module doc)."""
         node = self.node
+        if spec.options.get("placement_group"):
+            # In a placement group: on the node of its bundle (pmetal.node.groups).
+            timeout = float(spec.options.get("timeout") or node.config.transport.request_timeout)
+            options = await node.groups.resolve(spec.options, time.monotonic() + timeout)
+            if isinstance(options, Failure):
+                return options
+            spec = replace(spec, options=options)
         if not node.membership.members and (not node.cluster.master or
                                             node.cluster.is_master()):
             target = spec.options.get("node") or ""

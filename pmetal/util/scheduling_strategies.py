@@ -1,6 +1,8 @@
 """Ray's import path for scheduling strategies
-(``from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy``)."""
+(``from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy,
+PlacementGroupSchedulingStrategy``)."""
 
-from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
+from pmetal.actors.strategies import (NodeAffinitySchedulingStrategy,
+                                      PlacementGroupSchedulingStrategy)
 
-__all__ = ["NodeAffinitySchedulingStrategy"]
+__all__ = ["NodeAffinitySchedulingStrategy", "PlacementGroupSchedulingStrategy"]

@@ -110,12 +110,12 @@ def test_a_misspelt_or_mistyped_strategy_is_refused_when_given() -> None:
         Plain.options(scheduling_strategy="SPRAED")
     with pytest.raises(PMetalValueError, match="did you mean 'SPREAD'"):
         Plain.options(scheduling_strategy="spread")
-    with pytest.raises(PMetalTypeError, match="NodeAffinitySchedulingStrategy, not dict"):
+    with pytest.raises(PMetalTypeError, match="PlacementGroupSchedulingStrategy, not dict"):
         Plain.options(scheduling_strategy={"node_id": "x"})
     with pytest.raises(PMetalValueError, match="both choose the node"):
         Plain.options(node="abc", scheduling_strategy="SPREAD")
     with pytest.raises(PMetalTypeError, match="only for actors"):
-        pmetal.remote(scheduling_strategy="SPREAD")(lambda: 1)
+        pmetal.remote(max_restarts=1, scheduling_strategy="SPREAD")(lambda: 1)
     with pytest.raises(PMetalTypeError, match="node_id must be a non-empty str"):
         NodeAffinitySchedulingStrategy("")
     with pytest.raises(PMetalTypeError, match="soft must be True or False"):
