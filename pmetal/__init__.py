@@ -7,6 +7,7 @@ import logging as _logging
 
 from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
+from pmetal.actors.generators import ObjectRefGenerator
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, method, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
 from pmetal.api import (available_resources, cancel, cluster_resources, get, get_actor,
@@ -85,6 +86,7 @@ __all__ = [
     "NotInitializedError",
     "ObjectLostError",
     "ObjectRef",
+    "ObjectRefGenerator",
     "OwnerDiedError",
     "PMetalConfig",
     "PMetalError",

@@ -23,6 +23,7 @@ from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
+from pmetal.actors.generators import ObjectRefGenerator
 from pmetal.actors.handles import ActorHandle
 from pmetal.actors.runtime_context import get_runtime_context
 from pmetal.actors.runtime_env import check_runtime_env, set_job_env_vars
@@ -390,6 +391,8 @@ def get(refs: ObjectRef | list[ObjectRef], *, timeout: float | None = None) -> A
 def _ref_list(refs: Any, fn: str, what: str) -> list[ObjectRef]:
     if not isinstance(refs, (list, tuple)):
         hint = f"; for one ref: pmetal.{fn}([ref])" if isinstance(refs, ObjectRef) else ""
+        if isinstance(refs, ObjectRefGenerator):
+            hint = "; iterate it (for ref in gen) for the refs of its items"
         raise PMetalTypeError(f"pmetal.{fn} takes {what}, not {type(refs).__name__}{hint}")
     bad = next((r for r in refs if not isinstance(r, ObjectRef)), None)
     if bad is not None:
@@ -444,7 +447,8 @@ def put(value: Any) -> ObjectRef:
     return ObjectRef.of_value(value)
 
 
-def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> None:
+def cancel(ref: ObjectRef | ObjectRefGenerator, *, force: bool = False,
+           recursive: bool = True) -> None:
     """Cancel ``ref``'s task or actor call, as Ray's ``ray.cancel``; from now
     on ``get(ref)`` raises TaskCancelledError.
 
@@ -458,7 +462,20 @@ def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> No
     and ``get`` raises TaskCancelledError; on an actor method it is refused
     (use :func:`kill`), as in Ray. ``recursive`` is accepted for Ray's signature:
     tasks the cancelled task started are not cancelled. Cancelling a ref that
-    is done, or twice, does nothing."""
+    is done, or twice, does nothing.
+
+    Cancelling an ObjectRefGenerator (``num_returns="streaming"``) stops its
+    generator in the worker (an async one waiting is cancelled through
+    asyncio; a sync one stops before its next item): the items that arrived
+    are still yielded, then one ref whose ``get`` raises TaskCancelledError,
+    then the iteration ends."""
+    if isinstance(ref, ObjectRefGenerator):
+        for name, value in (("force", force), ("recursive", recursive)):
+            if type(value) is not bool:
+                raise PMetalTypeError(f"pmetal.cancel: {name} must be a bool, not "
+                                      f"{type(value).__name__}")
+        ref._cancel(force)
+        return
     if not isinstance(ref, ObjectRef):
         raise PMetalTypeError(f"pmetal.cancel takes an ObjectRef (what .remote() returns), "
                               f"not {type(ref).__name__}; to end an actor use pmetal.kill")

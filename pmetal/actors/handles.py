@@ -9,8 +9,11 @@ import time
 from typing import Any
 
 from pmetal.actors import context
+from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
+                                      stream_task)
 from pmetal.actors.refs import split_ref
-from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
+from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, merged_env_vars,
+                                       stream_with_env)
 from pmetal.actors.strategies import placement_options
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor
@@ -25,7 +28,8 @@ _COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns
                      "runtime_env"})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
                            "lifetime", "namespace", "scheduling_strategy", "get_if_exists"}
-FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
+FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions",
+                              "_generator_backpressure_num_objects"}
 
 DEFAULT_MAX_RETRIES = 3
 """Ray's default: a task is re-run up to 3 times when its worker dies."""
@@ -55,14 +59,16 @@ def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
 
 
 def check_num_returns(value: Any, where: str) -> None:
-    """``num_returns``: None or an int >= 1 (a call then returns that many
-    refs, one per item of the returned sequence); Ray's generator modes are
-    refused by name."""
-    if value is None:
+    """``num_returns``: None, an int >= 1 (a call then returns that many
+    refs, one per item of the returned sequence) or ``"streaming"`` (an
+    ObjectRefGenerator, see pmetal.actors.generators); Ray's older
+    ``"dynamic"`` is refused by name."""
+    if value is None or value == STREAMING:
         return
-    if value in ("streaming", "dynamic"):
-        raise PMetalValueError(f"{where}: num_returns={value!r} (generator tasks) is not "
-                               f"supported yet; return a tuple and use num_returns=N (an int)")
+    if value == "dynamic":
+        raise PMetalValueError(f"{where}: num_returns='dynamic' (Ray's older generator "
+                               f"tasks) is not supported; use num_returns='streaming': the "
+                               f"call returns an ObjectRefGenerator to iterate for the refs")
     if type(value) is not int:
         raise PMetalTypeError(f"{where}: num_returns must be an int, not "
                               f"{type(value).__name__} {value!r:.40}")
@@ -82,6 +88,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
         raise PMetalTypeError(f"{where}: unknown option(s) {sorted(unknown)}{hint}; "
                               f"valid: {sorted(known)}")
     check_num_returns(options.get("num_returns"), where)
+    check_window(options.get("_generator_backpressure_num_objects"), where)
     _number(options, "num_cpus", where, 0)
     _number(options, "num_gpus", where, 0)
     _number(options, "memory", where, 0)   # bytes, as in Ray
@@ -154,13 +161,15 @@ class RemoteFunction:
         from pmetal.actors.serialization import code_ref
         client = _client()   # first: auto-init may set the job's runtime_env
         env_vars = merged_env_vars(self._options, f"{self._fn.__qualname__}.remote()")
+        num_returns = self._options.get("num_returns") or 1
         if env_vars:
             # The worker runs fn through call_with_env: the variables are set
-            # for this call only (one code id per environment).
+            # for this call only (one code id per environment); a generator's
+            # while it runs (stream_with_env).
             key = tuple(sorted(env_vars.items()))
             if key not in self._env_code:
-                self._env_code[key] = code_ref(functools.partial(call_with_env, env_vars,
-                                                                 self._fn))
+                wrap = stream_with_env if num_returns == STREAMING else call_with_env
+                self._env_code[key] = code_ref(functools.partial(wrap, env_vars, self._fn))
             fn_id, ref = self._env_code[key]
         else:
             if self._code is None:
@@ -170,9 +179,13 @@ class RemoteFunction:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")
             self._placement_checked = client
+        if num_returns == STREAMING:
+            return stream_task(client, fn_id, ref, list(args), kwargs, self._fn.__qualname__,
+                               check_window(self._options.get(
+                                   "_generator_backpressure_num_objects"), ""))
         result = client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
                                  self._max_retries, self._retry_exceptions)
-        return split_ref(result, self._options.get("num_returns") or 1)
+        return split_ref(result, num_returns)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
@@ -270,17 +283,27 @@ class ActorClass:
                         f"{self.__name__}.remote(...)")
 
 
-def method(*, num_returns: int = 1) -> Any:
+def method(*, num_returns: int | str = 1,
+           _generator_backpressure_num_objects: int | None = None) -> Any:
     """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
     ``@ray.method``: a call of it returns N refs, one per item of the tuple
-    the method returns."""
+    the method returns; ``num_returns="streaming"`` on a generator method:
+    an ObjectRefGenerator (at most ``_generator_backpressure_num_objects``
+    items produced ahead of the caller)."""
     check_num_returns(num_returns, "@pmetal.method")
+    window = _generator_backpressure_num_objects
+    if window is not None:
+        check_window(window, "@pmetal.method")
+        if num_returns != STREAMING:
+            raise PMetalValueError("@pmetal.method: _generator_backpressure_num_objects "
+                                   "applies to num_returns='streaming' only")
 
     def wrap(fn: Any) -> Any:
         if not callable(fn):
             raise PMetalTypeError(f"@pmetal.method applies to methods, not "
                                   f"{type(fn).__name__}")
-        fn.__pmetal_num_returns__ = num_returns
+        fn.__pmetal_num_returns__ = (num_returns if window is None
+                                     else f"{num_returns}:{window}")
         return fn
     return wrap
 
@@ -288,44 +311,61 @@ def method(*, num_returns: int = 1) -> Any:
 def _method_entry(name: str, member: Any) -> str:
     """How a method travels in the actor's method list (kept by its node, so
     that a handle from get_actor or a pickled one knows it too):
-    ``"name"``, or ``"name/N"`` for ``@pmetal.method(num_returns=N)``
-    (no method name holds a "/")."""
+    ``"name"``, ``"name/N"`` for ``@pmetal.method(num_returns=N)``, or
+    ``"name/streaming"`` (``"name/streaming:W"`` with a backpressure
+    window W) for a generator method (no method name holds a "/")."""
     count = getattr(member, "__pmetal_num_returns__", 1)
     return name if count == 1 else f"{name}/{count}"
 
 
-def _parse_methods(entries: tuple[str, ...]) -> dict[str, int]:
-    """Method name -> num_returns, from the entries of ``_method_entry``."""
-    out = {}
+def _parse_methods(entries: tuple[str, ...]) -> dict[str, int | str]:
+    """Method name -> num_returns, from the entries of ``_method_entry``
+    (``"streaming"`` or ``"streaming:W"`` for a generator method)."""
+    out: dict[str, int | str] = {}
     for entry in entries:
         name, _, count = entry.partition("/")
-        out[name] = int(count) if count.isdigit() else 1
+        out[name] = (int(count) if count.isdigit() else
+                     count if count.startswith(STREAMING) else 1)
     return out
 
 
 class ActorMethod:
-    __slots__ = ("_handle", "_name", "_num_returns")
+    __slots__ = ("_handle", "_name", "_num_returns", "_window")
 
-    def __init__(self, handle: ActorHandle, name: str, num_returns: int = 1) -> None:
+    def __init__(self, handle: ActorHandle, name: str, num_returns: int | str = 1,
+                 window: int | None = None) -> None:
         self._handle = handle
         self._name = name
+        if isinstance(num_returns, str) and ":" in num_returns:   # "streaming:W"
+            num_returns, _, w = num_returns.partition(":")
+            window = int(w) if w.isdigit() else None
         self._num_returns = num_returns
+        self._window = window
 
     def options(self, **options: Any) -> ActorMethod:
         """``handle.method.options(num_returns=N).remote(...)``, as in Ray;
-        num_returns is the only method option pmetal has."""
-        unknown = set(options) - {"num_returns"}
+        num_returns (and ``_generator_backpressure_num_objects`` for
+        ``"streaming"``) are the only method options pmetal has."""
+        valid = {"num_returns", "_generator_backpressure_num_objects"}
+        unknown = set(options) - valid
         if unknown:
             raise PMetalTypeError(f"actor method {self._name}: unknown option(s) "
-                                  f"{sorted(unknown)}; valid: ['num_returns']")
+                                  f"{sorted(unknown)}; valid: {sorted(valid)}")
         count = options.get("num_returns", self._num_returns)
-        check_num_returns(count, f"actor method {self._name}")
-        return ActorMethod(self._handle, self._name, count)
+        where = f"actor method {self._name}"
+        check_num_returns(count, where)
+        window = options.get("_generator_backpressure_num_objects", self._window)
+        if window is not None:
+            check_window(window, where)
+        return ActorMethod(self._handle, self._name, count, window)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         handle = self._handle
         origin = handle._origin
         client = _client() if origin is None or not origin.closed else _after_shutdown(handle)
+        if self._num_returns == STREAMING:
+            return stream_actor_call(client, handle, self._name, list(args), kwargs,
+                                     check_window(self._window, ""))
         return split_ref(client.call(handle, self._name, list(args), kwargs), self._num_returns)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

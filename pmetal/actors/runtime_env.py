@@ -13,14 +13,15 @@ packages yet.
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pmetal.errors import PMetalTypeError, PMetalValueError
 
 __all__ = ["call_with_env", "check_runtime_env", "job_env_vars", "merged_env_vars",
-           "set_job_env_vars"]
+           "set_job_env_vars", "stream_with_env"]
 
 _PLANNED = {"working_dir": " (planned)"}
 
@@ -95,5 +96,35 @@ def call_with_env(env_vars: dict[str, str], fn: Callable[..., Any], *args: Any,
     before = set_env(env_vars)
     try:
         return fn(*args, **kwargs)
+    finally:
+        restore_env(before)
+
+
+def stream_with_env(env_vars: dict[str, str], fn: Callable[..., Any], *args: Any,
+                    **kwargs: Any) -> Any:
+    """``call_with_env`` for a generator function (``num_returns="streaming"``):
+    the variables are set while the generator runs, up to its end or close
+    (a task worker serves one stream at a time)."""
+    made = fn(*args, **kwargs)
+    if inspect.isasyncgen(made):
+        return _async_stream_with_env(env_vars, made)
+    if not isinstance(made, Iterator):
+        return made   # not a generator: the worker says so
+    return _stream_with_env(env_vars, made)
+
+
+def _stream_with_env(env_vars: dict[str, str], made: Any) -> Any:
+    before = set_env(env_vars)
+    try:
+        yield from made
+    finally:
+        restore_env(before)
+
+
+async def _async_stream_with_env(env_vars: dict[str, str], made: Any) -> Any:
+    before = set_env(env_vars)
+    try:
+        async for item in made:
+            yield item
     finally:
         restore_env(before)

@@ -1,0 +1,333 @@
+"""``num_returns="streaming"`` as in Ray: a call returns an
+ObjectRefGenerator that yields one ref per item as the worker produces it,
+with backpressure, cancellation, and a worker's death failing the next ref.
+
+Generators that must pause until the test lets them go wait for a file (a
+gate) the test creates; progress is read from the generator's own records
+(a file, or an actor's attribute)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import pmetal
+from pmetal import (ActorDiedError, ObjectRefGenerator, PMetalTypeError, PMetalValueError,
+                    TaskCancelledError, WorkerCrashedError)
+
+from .conftest import WAIT, wait_until
+
+NUM_WORKERS = 2
+
+pytestmark = pytest.mark.usefixtures("cluster")
+
+
+def _wait_for(path: str) -> None:
+    """Block (in a worker) until the test creates ``path``."""
+    deadline = time.monotonic() + WAIT
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.005)
+
+
+@pmetal.remote(num_returns="streaming")
+def count(n: int) -> Any:
+    for i in range(n):
+        yield i
+
+
+@pmetal.remote(num_returns="streaming")
+def gated(gate: str) -> Any:
+    yield os.getpid()
+    _wait_for(gate)
+    yield "after the gate"
+
+
+@pmetal.remote(num_returns="streaming")
+def recorded(record: str, n: int) -> Any:
+    """Writes how many items it produced (and "closed" when it is closed)."""
+    try:
+        for i in range(n):
+            Path(record + ".new").write_text(str(i + 1))
+            os.replace(record + ".new", record)   # whole, for a reader at any time
+            yield i
+    finally:
+        with open(record + ".closed", "w") as f:
+            f.write("closed")
+
+
+@pmetal.remote(num_returns="streaming")
+def fails_after(n: int) -> Any:
+    for i in range(n):
+        yield i
+    raise ValueError(f"failed after {n}")
+
+
+@pmetal.remote(num_returns="streaming")
+def not_a_generator() -> int:
+    return 7
+
+
+@pmetal.remote(num_returns="streaming")
+async def async_count(n: int) -> Any:
+    for i in range(n):
+        await asyncio.sleep(0)
+        yield i * 10
+
+
+@pmetal.remote
+def plain(x: int) -> int:
+    return x
+
+
+@pmetal.remote
+class Producer:
+    @pmetal.method(num_returns="streaming")
+    def items(self, n: int) -> Any:
+        for i in range(n):
+            yield f"item {i}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def gen(self, n: int) -> Any:   # streaming only through .options
+        yield from range(n)
+
+    @pmetal.method(num_returns="streaming")
+    def gated(self, gate: str) -> Any:
+        yield 1
+        _wait_for(gate)
+        yield 2
+
+
+@pmetal.remote
+class AsyncProducer:
+    def __init__(self) -> None:
+        self.produced = 0
+        self.closed = False
+
+    @pmetal.method(num_returns="streaming")
+    async def forever(self) -> Any:
+        try:
+            while True:
+                self.produced += 1
+                yield self.produced
+        finally:
+            self.closed = True
+
+    @pmetal.method(num_returns="streaming")
+    async def one_then_wait(self) -> Any:
+        try:
+            yield 1
+            await asyncio.Event().wait()   # until cancelled
+        finally:
+            self.closed = True
+
+    async def state(self) -> tuple[int, bool]:
+        return self.produced, self.closed
+
+
+def test_a_task_streams_its_items_as_refs() -> None:
+    gen = count.remote(4)
+    assert isinstance(gen, ObjectRefGenerator)
+    refs = list(gen)
+    assert all(isinstance(r, pmetal.ObjectRef) for r in refs)
+    assert pmetal.get(refs, timeout=WAIT) == [0, 1, 2, 3]
+    assert gen.is_finished()
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert pmetal.get(gen.completed(), timeout=WAIT) == 4
+    assert list(count.remote(0)) == []
+
+
+def test_items_arrive_before_the_generator_finishes(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    gen = gated.remote(str(gate))
+    pid = pmetal.get(next(gen), timeout=WAIT)   # the generator is still blocked at the gate
+    assert pid != os.getpid() and not gate.exists()
+    gate.touch()
+    assert pmetal.get(next(gen), timeout=WAIT) == "after the gate"
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+def test_an_exception_is_raised_by_the_next_ref_then_the_iteration_ends() -> None:
+    gen = fails_after.remote(2)
+    first, second, third = next(gen), next(gen), next(gen)
+    assert pmetal.get([first, second], timeout=WAIT) == [0, 1]
+    with pytest.raises(ValueError, match="failed after 2"):
+        pmetal.get(third, timeout=WAIT)
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+def test_a_function_that_is_not_a_generator_fails_its_first_ref() -> None:
+    refs = list(not_a_generator.remote())
+    assert len(refs) == 1
+    with pytest.raises(TypeError, match="not a generator"):
+        pmetal.get(refs[0], timeout=WAIT)
+
+
+def test_async_generator_tasks_and_async_iteration() -> None:
+    async def main() -> list[int]:
+        out = []
+        async for ref in async_count.remote(3):
+            out.append(await ref)
+        gen = count.remote(1)
+        out.append(await (await gen.__anext__()))
+        with pytest.raises(StopAsyncIteration):
+            await gen.__anext__()
+        return out
+    assert asyncio.run(main()) == [0, 10, 20, 0]
+
+
+def test_actor_methods_stream_by_decorator_and_by_options(reap: list[Any]) -> None:
+    actor = Producer.remote()
+    reap.append(actor)
+    assert pmetal.get(list(actor.items.remote(3)), timeout=WAIT) == [
+        "item 0", "item 1", "item 2"]
+    gen = actor.gen.options(num_returns="streaming").remote(2)
+    assert pmetal.get(list(gen), timeout=WAIT) == [0, 1]
+    # a call after a stream runs after it (calls to an actor keep their order)
+    assert pmetal.get(actor.pid.remote(), timeout=WAIT) > 0
+    # a handle found by name knows the method streams
+    named = Producer.options(name="streaming-producer").remote()
+    reap.append(named)
+    found = pmetal.get_actor("streaming-producer")
+    assert pmetal.get(list(found.items.remote(2)), timeout=WAIT) == ["item 0", "item 1"]
+
+
+def test_async_actor_streams_an_async_generator(reap: list[Any]) -> None:
+    actor = AsyncProducer.remote()
+    reap.append(actor)
+    gen = actor.forever.options(_generator_backpressure_num_objects=2).remote()
+    assert [pmetal.get(next(gen), timeout=WAIT) for _ in range(5)] == [1, 2, 3, 4, 5]
+
+
+def test_backpressure_stops_an_async_generator_until_the_caller_takes(reap: list[Any]) -> None:
+    actor = AsyncProducer.remote()
+    reap.append(actor)
+    gen = actor.forever.options(_generator_backpressure_num_objects=3).remote()
+    wait_until(lambda: pmetal.get(actor.state.remote(), timeout=WAIT)[0] >= 3, WAIT,
+               what="three items produced")
+    # The generator waits for the caller: whatever else the actor does, it
+    # produces no fourth item.
+    for _ in range(20):
+        assert pmetal.get(actor.state.remote(), timeout=WAIT) == (3, False)
+    assert pmetal.get(next(gen), timeout=WAIT) == 1   # taking one lets one more be made
+    wait_until(lambda: pmetal.get(actor.state.remote(), timeout=WAIT)[0] >= 4, WAIT,
+               what="a fourth item")
+    for _ in range(20):
+        assert pmetal.get(actor.state.remote(), timeout=WAIT) == (4, False)
+    del gen   # dropped unread: the worker closes the generator
+    wait_until(lambda: pmetal.get(actor.state.remote(), timeout=WAIT)[1], WAIT,
+               what="the generator closed")
+
+
+def test_backpressure_bounds_a_task_generator(tmp_path: Path) -> None:
+    record = str(tmp_path / "record")
+    gen = recorded.options(_generator_backpressure_num_objects=2).remote(record, 12)
+    wait_until(lambda: Path(record).exists() and Path(record).read_text() == "2", WAIT,
+               what="two items produced")
+    taken = 0
+    for ref in gen:
+        taken += 1
+        # never more than the items taken plus the window
+        assert int(Path(record).read_text()) <= taken + 2
+        assert pmetal.get(ref, timeout=WAIT) == taken - 1
+    assert taken == 12
+
+
+def test_dropping_a_generator_stops_its_task_and_frees_the_worker(tmp_path: Path) -> None:
+    record = str(tmp_path / "record")
+    gen = recorded.options(_generator_backpressure_num_objects=1).remote(record, 1_000_000)
+    assert pmetal.get(next(gen), timeout=WAIT) == 0
+    del gen
+    wait_until(lambda: Path(record + ".closed").exists(), WAIT, what="the generator closed")
+    assert int(Path(record).read_text()) <= 2
+    # both task workers serve tasks again
+    assert pmetal.get([plain.remote(i) for i in range(8)], timeout=WAIT) == list(range(8))
+
+
+def test_cancel_stops_a_task_generator(tmp_path: Path) -> None:
+    record = str(tmp_path / "record")
+    gen = recorded.options(_generator_backpressure_num_objects=2).remote(record, 1_000_000)
+    assert pmetal.get(next(gen), timeout=WAIT) == 0
+    pmetal.cancel(gen)
+    refs = list(gen)   # what had arrived, then one cancelled ref, then the end
+    with pytest.raises(TaskCancelledError):
+        pmetal.get(refs[-1], timeout=WAIT)
+    assert len(refs) <= 3
+    wait_until(lambda: Path(record + ".closed").exists(), WAIT, what="the generator closed")
+
+
+def test_cancel_stops_an_async_generator_through_asyncio(reap: list[Any]) -> None:
+    actor = AsyncProducer.remote()
+    reap.append(actor)
+    gen = actor.one_then_wait.remote()
+    assert pmetal.get(next(gen), timeout=WAIT) == 1
+    pmetal.cancel(gen)
+    with pytest.raises(TaskCancelledError):
+        pmetal.get(next(gen), timeout=WAIT)
+    with pytest.raises(StopIteration):
+        next(gen)
+    assert pmetal.get(actor.state.remote(), timeout=WAIT)[1] is True
+    with pytest.raises(PMetalValueError, match="cannot be force-cancelled"):
+        pmetal.cancel(actor.forever.remote(), force=True)
+
+
+def test_an_actor_dying_mid_stream_fails_the_next_ref(tmp_path: Path,
+                                                      reap: list[Any]) -> None:
+    actor = Producer.remote()
+    reap.append(actor)
+    gen = actor.gated.remote(str(tmp_path / "never"))
+    assert pmetal.get(next(gen), timeout=WAIT) == 1
+    os.kill(_pid_of(actor), signal.SIGKILL)   # the node's record: the actor is busy
+    with pytest.raises(ActorDiedError):
+        pmetal.get(next(gen), timeout=WAIT)
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+def _pid_of(actor: Any) -> int:
+    from .conftest import worker_of
+    return int(worker_of(actor)["pid"])
+
+
+def test_a_task_worker_dying_mid_stream_fails_the_next_ref(tmp_path: Path) -> None:
+    gen = gated.remote(str(tmp_path / "never"))
+    pid = pmetal.get(next(gen), timeout=WAIT)
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(WorkerCrashedError):
+        pmetal.get(next(gen), timeout=WAIT)
+    with pytest.raises(StopIteration):
+        next(gen)
+
+
+def test_env_vars_reach_a_streaming_task() -> None:
+    @pmetal.remote(num_returns="streaming",
+                   runtime_env={"env_vars": {"PMETAL_STREAM_TEST": "on"}})
+    def env() -> Any:
+        yield os.environ.get("PMETAL_STREAM_TEST")
+        yield os.environ.get("PMETAL_STREAM_TEST")
+    assert pmetal.get(list(env.remote()), timeout=WAIT) == ["on", "on"]
+
+
+def test_bad_streaming_options_are_refused() -> None:
+    with pytest.raises(PMetalValueError, match="use num_returns='streaming'"):
+        count.options(num_returns="dynamic")
+    with pytest.raises(PMetalValueError, match="at least 1"):
+        count.options(_generator_backpressure_num_objects=0)
+    with pytest.raises(PMetalTypeError, match="must be an int"):
+        count.options(_generator_backpressure_num_objects=1.5)
+    with pytest.raises(PMetalValueError, match="streaming' only"):
+        pmetal.method(num_returns=2, _generator_backpressure_num_objects=3)
+    with pytest.raises(PMetalTypeError, match="iterate it"):
+        pmetal.get(count.remote(1))  # type: ignore[arg-type]
