@@ -21,7 +21,8 @@ from pmetal.errors import (ActorDiedError, ActorError, ActorUnavailableError,
                            IdentityError, NotInitializedError, ObjectLostError, OwnerDiedError,
                            PeerError, PipelineError, PlacementError, PMetalError,
                            PMetalTimeoutError, PMetalTypeError, PMetalValueError, ProtocolError,
-                           RemoteError, ReplayError, RequestTimeoutError, SecurityError,
+                           RemoteError, ReplayError, RequestTimeoutError,
+                           RuntimeEnvSetupError, SecurityError,
                            TaskCancelledError, TransportError, WorkerCrashedError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
@@ -104,6 +105,7 @@ __all__ = [
     "ReplayError",
     "RequestTimeoutError",
     "RingBackend",
+    "RuntimeEnvSetupError",
     "SecurityConfig",
     "SecurityError",
     "TaskCancelledError",

@@ -26,7 +26,8 @@ from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.generators import ObjectRefGenerator
 from pmetal.actors.handles import ActorHandle
 from pmetal.actors.runtime_context import get_runtime_context
-from pmetal.actors.runtime_env import check_runtime_env, set_job_env_vars
+from pmetal.actors.runtime_env import (check_runtime_env, set_job_env_vars,
+                                       set_job_working_dir, working_dir_spec)
 from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
@@ -130,8 +131,9 @@ def init(address: str | None = None, *, namespace: str | None = None,
     ``num_cpus``, ``num_gpus`` and ``resources`` set what the embedded node
     advertises (its ``CPU``, ``GPU`` and custom resources), as in Ray; with
     ``address=`` they are refused: the node joined has its own.
-    ``runtime_env={"env_vars": {...}}`` sets variables in the workers of
-    every task and actor this driver starts (:mod:`pmetal.actors.runtime_env`).
+    ``runtime_env={"env_vars": {...}, "working_dir": path}`` sets variables
+    in the workers of every task and actor this driver starts, and runs them
+    in a copy of the folder (:mod:`pmetal.actors.runtime_env`).
 
     Returns a dict with the node id and address.
     """
@@ -147,6 +149,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
             raise PMetalValueError(str(exc)) from exc
     node_resources = _node_resources(num_cpus, num_gpus, resources)
     job_env = check_runtime_env(runtime_env, "pmetal.init")
+    job_dir = working_dir_spec(runtime_env, "pmetal.init")   # packed by the check: cached
     given = [name for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
                                       ("resources", resources)) if value is not None]
     if given and address is not None:
@@ -217,6 +220,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
             raise
         _node_proc = node_proc
         set_job_env_vars(job_env)
+        set_job_working_dir(job_dir)
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
 
@@ -341,6 +345,7 @@ def shutdown(timeout: float = 10.0) -> None:
         client_, proc = context.take(), _node_proc
         _node_proc = None
         set_job_env_vars({})
+        set_job_working_dir(None)
     if client_ is None:
         return
     try:

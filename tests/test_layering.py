@@ -83,7 +83,7 @@ ALLOWED = {
     "core": set(),
     "cluster": {"core"},
     "model": {"core"},
-    "actors": {"core", "cluster"},
+    "actors": {"core", "cluster", "store"},   # store: runtime_env working_dir archives
     "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
     "node": {"core", "cluster", "actors", "store"},   # the daemon; the client side never imports it
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline

@@ -12,11 +12,12 @@ from pmetal.actors import context
 from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
                                       stream_task)
 from pmetal.actors.refs import split_ref
-from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, merged_env_vars,
-                                       stream_with_env)
+from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, job_working_dir,
+                                       merged_env_vars, stream_with_env, working_dir_spec)
 from pmetal.actors.strategies import placement_options
+from pmetal.actors.workdir import WorkingDirTask
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
-from pmetal.wire import ActorLocation, CreateActor
+from pmetal.wire import ActorLocation, CreateActor, Pickled
 
 __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
            "FUNCTION_OPTIONS", "RemoteFunction", "check_num_returns", "check_options", "method",
@@ -151,7 +152,9 @@ class RemoteFunction:
         retry_on = options.get("retry_exceptions") or False
         self._retry_exceptions = retry_on if retry_on is True else tuple(retry_on or ())
         self._code: tuple[str, Any] | None = None
-        self._env_code: dict[tuple[tuple[str, str], ...], tuple[str, Any]] = {}
+        self._env_code: dict[Any, tuple[str, Any]] = {}
+        self._working_dir = working_dir_spec(options.get("runtime_env"),
+                                             f"@pmetal.remote {fn.__qualname__}")
         self._placement_checked: Any = None   # the client that checked the resources
         self.__wrapped__ = fn
         self.__doc__ = fn.__doc__
@@ -162,14 +165,24 @@ class RemoteFunction:
         client = _client()   # first: auto-init may set the job's runtime_env
         env_vars = merged_env_vars(self._options, f"{self._fn.__qualname__}.remote()")
         num_returns = self._options.get("num_returns") or 1
-        if env_vars:
+        working_dir = self._working_dir or job_working_dir()
+        if env_vars or working_dir:
             # The worker runs fn through call_with_env: the variables are set
             # for this call only (one code id per environment); a generator's
-            # while it runs (stream_with_env).
-            key = tuple(sorted(env_vars.items()))
+            # while it runs (stream_with_env). With a working_dir, fn is
+            # loaded in the worker once the folder is in place (WorkingDirTask).
+            sources = [client.node_address]
+            key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
+                   client.node_address)
             if key not in self._env_code:
-                wrap = stream_with_env if num_returns == STREAMING else call_with_env
-                self._env_code[key] = code_ref(functools.partial(wrap, env_vars, self._fn))
+                target: Any = self._fn
+                if env_vars:
+                    wrap = stream_with_env if num_returns == STREAMING else call_with_env
+                    target = functools.partial(wrap, env_vars, self._fn)
+                if working_dir:
+                    target = WorkingDirTask({**working_dir, "sources": sources},
+                                            Pickled.dumps(target))
+                self._env_code[key] = code_ref(target)
             fn_id, ref = self._env_code[key]
         else:
             if self._code is None:
@@ -206,6 +219,8 @@ class ActorClass:
             raise PMetalValueError(f"@pmetal.remote {cls.__qualname__}: num_returns applies to "
                                    f"remote functions and actor methods (@pmetal.method), not "
                                    f"to creating an actor")
+        self._working_dir = working_dir_spec(options.get("runtime_env"),
+                                             f"@pmetal.remote {cls.__qualname__}")
         self.__wrapped__ = cls
         self.__doc__ = cls.__doc__
         self.__name__ = cls.__name__
@@ -271,8 +286,12 @@ class ActorClass:
                    "class_name": cls.__qualname__, "methods": list(methods),
                    "is_async": is_async}
         env_vars = merged_env_vars(opts, f"{cls.__qualname__}.remote()")
-        if env_vars:   # set in the worker before the constructor runs
+        working_dir = self._working_dir or job_working_dir()
+        if env_vars or working_dir:   # set in the worker before the class is loaded
             options["runtime_env"] = {"env_vars": env_vars}
+            if working_dir:
+                options["runtime_env"]["working_dir"] = {**working_dir,
+                                                         "sources": [client.node_address]}
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)

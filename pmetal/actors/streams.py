@@ -46,6 +46,7 @@ from pmetal.actors.serialization import (
     unpack_value,
     unpack_values,
 )
+from pmetal.actors.workdir import WorkingDirTask
 from pmetal.endpoint import Incoming
 from pmetal.errors import (
     ClosedError,
@@ -180,8 +181,11 @@ class StreamServer:
         context.current_task.set(worker.calls)
         gen: Any = None
         loop: asyncio.AbstractEventLoop | None = None
+        leave_dir = None
         try:
             try:
+                if type(fn) is WorkingDirTask:   # a task with a runtime_env working_dir
+                    fn, leave_dir = fn.enter()
                 gen = fn(*unpack_values(body.args),
                          **{k: unpack_value(v) for k, v in body.kwargs.items()})
             except Exception as exc:  # noqa: BLE001 - the user's error goes to the first item
@@ -207,6 +211,8 @@ class StreamServer:
                 self._send_item(stream, self._item(value))
         finally:
             self._close_sync(gen, loop)
+            if leave_dir is not None:
+                leave_dir()
             self._end(incoming, stream)
 
     def _send_item(self, stream: _Stream, item: Message) -> None:

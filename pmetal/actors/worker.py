@@ -34,7 +34,7 @@ import threading
 import traceback
 from typing import Any
 
-from pmetal.actors import context
+from pmetal.actors import context, workdir
 from pmetal.actors.client import CoreClient
 from pmetal.actors.runtime_env import restore_env, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
@@ -304,7 +304,14 @@ class Worker:
             return Failure("bad_request", "ActorError",
                            f"worker already hosts actor {self.actor_id}")
         env_before: dict[str, str | None] = {}
+        leave_dir = None
         try:
+            # Ray's runtime_env working_dir: the actor's current directory and
+            # first on sys.path for its life, before its class is loaded
+            # (it may live in a module of the folder).
+            working_dir = (body.options.get("runtime_env") or {}).get("working_dir")
+            if working_dir:
+                leave_dir = workdir.enter(workdir.ensure(working_dir))
             cls = load_code(body.cls_ref)
             self.actor_id = body.actor_id
             # Before the constructor: it may join a collective group.
@@ -331,6 +338,8 @@ class Worker:
             self.actor_id = ""
             context.set_actor_id("")
             restore_env(env_before)
+            if leave_dir is not None:
+                leave_dir()
             return failure_from(_user_traceback(exc))
         # Decided once here, not per call: inspecting the class costs more
         # than a whole call of a small method.
@@ -419,8 +428,11 @@ class Worker:
         self.calls += 1
         context.current_task.set(self.calls)
         try:
-            value = fn(*unpack_values(body.args),
-                       **{k: unpack_value(v) for k, v in body.kwargs.items()})
+            if type(fn) is workdir.WorkingDirTask:   # runs in its runtime_env working_dir
+                value = fn.run(body.args, body.kwargs)
+            else:
+                value = fn(*unpack_values(body.args),
+                           **{k: unpack_value(v) for k, v in body.kwargs.items()})
             return Result(pack_value(value))
         except Exception as exc:
             return failure_from(_user_traceback(exc))
