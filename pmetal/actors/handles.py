@@ -16,6 +16,7 @@ from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, job_wor
                                        merged_env_vars, stream_with_env, working_dir_spec)
 from pmetal.actors.strategies import placement_options
 from pmetal.actors.workdir import WorkingDirTask
+from pmetal.actors.workdir import sources as workdir_sources
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor, Pickled
 
@@ -171,7 +172,6 @@ class RemoteFunction:
             # for this call only (one code id per environment); a generator's
             # while it runs (stream_with_env). With a working_dir, fn is
             # loaded in the worker once the folder is in place (WorkingDirTask).
-            sources = [client.node_address]
             key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
                    client.node_address)
             if key not in self._env_code:
@@ -180,7 +180,8 @@ class RemoteFunction:
                     wrap = stream_with_env if num_returns == STREAMING else call_with_env
                     target = functools.partial(wrap, env_vars, self._fn)
                 if working_dir:
-                    target = WorkingDirTask({**working_dir, "sources": sources},
+                    where = f"{self._fn.__qualname__}.remote()"
+                    target = WorkingDirTask(workdir_sources(working_dir, client, where),
                                             Pickled.dumps(target))
                 self._env_code[key] = code_ref(target)
             fn_id, ref = self._env_code[key]
@@ -290,8 +291,8 @@ class ActorClass:
         if env_vars or working_dir:   # set in the worker before the class is loaded
             options["runtime_env"] = {"env_vars": env_vars}
             if working_dir:
-                options["runtime_env"]["working_dir"] = {**working_dir,
-                                                         "sources": [client.node_address]}
+                options["runtime_env"]["working_dir"] = workdir_sources(
+                    working_dir, client, f"{cls.__qualname__}.remote()")
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)

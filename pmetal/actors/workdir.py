@@ -50,7 +50,8 @@ from pmetal.errors import (
 )
 from pmetal.wire import Pickled
 
-__all__ = ["MAX_BYTES", "WorkingDirTask", "check_spec", "ensure", "enter", "publish"]
+__all__ = ["MAX_BYTES", "WorkingDirTask", "check_spec", "ensure", "enter", "publish",
+           "sources"]
 
 MAX_BYTES = 100 << 20
 """The most bytes of files a working_dir may hold (Ray's limit)."""
@@ -180,6 +181,29 @@ def _store(listing: list[tuple[str, Path, os.stat_result]], where: str) -> dict[
     return {"sha256": sha, "digest": manifest.digest, "size": size}
 
 
+_held: set[tuple[int, str]] = set()   # (client, sha256) whose node holds the archive
+
+
+def sources(spec: dict[str, Any], client: Any, where: str) -> dict[str, Any]:
+    """``spec`` with the address that serves it: the node of ``client``,
+    which must hold the archive (it shares our PMETAL_HOME: an embedded
+    node, or ``pmetal start`` on this machine with the same home). Asked
+    once per client and archive; RuntimeEnvSetupError when it does not."""
+    sha = spec["sha256"]
+    if (id(client), sha) not in _held:
+        from pmetal.wire import ModelHoldings, ModelQuery
+        reply = client.request_node(ModelQuery(sha))
+        if not isinstance(reply, ModelHoldings) or not all(bytes(reply.held)):
+            raise RuntimeEnvSetupError(
+                f"{where}: runtime_env working_dir {sha[:12]} was stored in "
+                f"{pmetal_home() / 'models'}, but the node this driver joined "
+                f"({client.node_address}) does not hold it: its PMETAL_HOME is another one. "
+                f"Run the driver with the node's PMETAL_HOME, or without address= (an "
+                f"embedded node)")
+        _held.add((id(client), sha))
+    return {**spec, "sources": [client.node_address]}
+
+
 def check_spec(spec: Any, where: str) -> None:
     """Check a working_dir spec as it travels (the node checks an actor's)."""
     ok = (isinstance(spec, dict) and isinstance(spec.get("sha256"), str)
@@ -223,8 +247,9 @@ def ensure(spec: dict[str, Any], client: Any = None) -> Path:
     except ModelError as exc:
         raise RuntimeEnvSetupError(
             f"{what}: the archive is not on this machine and could not be had from the "
-            f"driver's node or another member ({exc}); the driver's node keeps it in its "
-            f"store ($PMETAL_HOME/models) from pmetal.init/.options on") from exc
+            f"driver's node or another member ({exc}); the driver's node serves it from its "
+            f"store ($PMETAL_HOME/models) once pmetal.init/.options packed it there: was it "
+            f"removed from there?") from exc
     if got != sha:
         raise RuntimeEnvSetupError(
             f"{what}: the archive in {entry.path} has sha256 {got[:12]}, not {sha[:12]}: it "

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,11 @@ from typing import Any
 import pytest
 
 import pmetal
+from pmetal import api
 from pmetal import (ActorDiedError, ObjectRefGenerator, PMetalTypeError, PMetalValueError,
                     TaskCancelledError, WorkerCrashedError)
 
-from .conftest import WAIT, wait_until
+from .conftest import EXIT_WAIT, WAIT, read_line, stop_process, wait_until
 
 NUM_WORKERS = 2
 
@@ -331,3 +334,64 @@ def test_bad_streaming_options_are_refused() -> None:
         pmetal.method(num_returns=2, _generator_backpressure_num_objects=3)
     with pytest.raises(PMetalTypeError, match="iterate it"):
         pmetal.get(count.remote(1))  # type: ignore[arg-type]
+
+
+def test_force_cancel_of_a_task_generator_kills_its_worker(tmp_path: Path) -> None:
+    gen = gated.remote(str(tmp_path / "never"))
+    pid = pmetal.get(next(gen), timeout=WAIT)
+    pmetal.cancel(gen, force=True)
+    with pytest.raises(TaskCancelledError):
+        pmetal.get(next(gen), timeout=WAIT)
+    wait_until(lambda: not _alive(pid), EXIT_WAIT, what="the worker killed")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:   # a zombie is gone
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+# A second driver that starts a stream and is then killed without a word:
+# the worker must notice and close the generator (it waits for ids that
+# will never come).
+CALLER = r"""
+import os, sys
+from pathlib import Path
+import pmetal
+pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace=sys.argv[3])
+
+@pmetal.remote(num_returns="streaming", _generator_backpressure_num_objects=1)
+def endless(record):
+    try:
+        i = 0
+        while True:
+            i += 1
+            yield i
+    finally:
+        Path(record).write_text("closed")
+
+gen = endless.remote(sys.argv[4])
+print(pmetal.get(next(gen), timeout=30), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_caller_dying_mid_stream_closes_the_generator(tmp_path: Path) -> None:
+    client = api.client()
+    record = tmp_path / "closed"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CALLER, client.node_address, client.namespace.psk.hex(),
+         client.namespace.name, str(record)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert read_line(proc, WAIT, "the caller's first item").strip() == "1"
+        proc.kill()
+        proc.wait(EXIT_WAIT)
+        wait_until(record.exists, WAIT, what="the generator closed after its caller died")
+    finally:
+        stop_process(proc, signal.SIGKILL)
+    # the task workers serve on
+    assert pmetal.get([plain.remote(i) for i in range(4)], timeout=WAIT) == list(range(4))

@@ -152,13 +152,44 @@ def test_a_tampered_archive_is_refused(home: Path, tmp_path: Path) -> None:
 
 
 def test_an_absent_archive_is_refused(home: Path, tmp_path: Path) -> None:
+    import shutil
     from pmetal.store import PieceStore
     folder = make_folder(tmp_path / "wd", "f")
     task = in_folder.options(runtime_env={"working_dir": str(folder)})
     spec = workdir.publish(str(folder), None, "test")
+    first = pmetal.get(task.remote("wd_helper_f"), timeout=WAIT)
+    # Gone from everywhere after the call was made once: the worker has
+    # nowhere to take it from.
+    shutil.rmtree(first["cwd"])
     assert PieceStore(home / "models").remove(spec["sha256"])
     with pytest.raises(RuntimeEnvSetupError, match="could not be had"):
         pmetal.get(task.remote("wd_helper_f"), timeout=WAIT)
+    # Gone before the first call: the driver says so at .remote().
+    other = make_folder(tmp_path / "wd2", "f2")
+    late = in_folder.options(runtime_env={"working_dir": str(other)})
+    assert PieceStore(home / "models").remove(workdir.publish(str(other), None, "t")["sha256"])
+    with pytest.raises(RuntimeEnvSetupError, match="does not hold it"):
+        late.remote("wd_helper_f2")
+
+
+def test_code_from_a_module_of_the_working_dir_travels_by_reference(home: Path,
+                                                                    tmp_path: Path) -> None:
+    """As a Ray script run from its project folder: the function and the
+    class come from a module there; the workers import them from their copy."""
+    folder = make_folder(tmp_path / "wd", "h")
+    sys.path.insert(0, str(folder))
+    try:
+        import wd_helper_h  # type: ignore[import-not-found]
+        env = {"working_dir": str(folder)}
+        where = pmetal.remote(wd_helper_h.where).options(runtime_env=env)
+        assert Path(pmetal.get(where.remote(), timeout=WAIT)).parent == (
+            home / "runtime_resources" / "working_dir")
+        tool = pmetal.remote(wd_helper_h.Tool).options(runtime_env=env).remote()
+        assert pmetal.get(tool.mark.remote(), timeout=WAIT) == "h"
+        pmetal.kill(tool)
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("wd_helper_h", None)
 
 
 def test_a_missing_or_too_big_folder_is_refused_at_options_time(home: Path,
