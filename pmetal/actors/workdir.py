@@ -231,7 +231,7 @@ def ensure(spec: dict[str, Any], client: Any = None) -> Path:
     target = _target(sha)
     if target.is_dir():
         return target
-    from pmetal.store import ModelError, PieceStore, file_sha256
+    from pmetal.store import ChecksumError, ModelError, PieceStore, file_sha256
     store = PieceStore(pmetal_home() / "models")
     what = f"runtime_env working_dir {sha[:12]}"
     try:
@@ -244,6 +244,10 @@ def ensure(spec: dict[str, Any], client: Any = None) -> Path:
             raise RuntimeEnvSetupError(f"{what}: this machine's store ({store.root}) holds "
                                        f"another manifest for it than the driver's; refused")
         got = file_sha256(entry.path)
+    except ChecksumError as exc:
+        raise RuntimeEnvSetupError(
+            f"{what}: the bytes received do not match the archive's sha256 (altered at its "
+            f"source or on the way); refused, nothing was unpacked ({exc})") from exc
     except ModelError as exc:
         raise RuntimeEnvSetupError(
             f"{what}: the archive is not on this machine and could not be had from the "
