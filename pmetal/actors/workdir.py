@@ -181,7 +181,7 @@ def _store(listing: list[tuple[str, Path, os.stat_result]], where: str) -> dict[
     return {"sha256": sha, "digest": manifest.digest, "size": size}
 
 
-_held: set[tuple[int, str]] = set()   # (client, sha256) whose node holds the archive
+_held: set[tuple[str, str]] = set()   # (node id, sha256): that node holds the archive
 
 
 def sources(spec: dict[str, Any], client: Any, where: str) -> dict[str, Any]:
@@ -190,7 +190,7 @@ def sources(spec: dict[str, Any], client: Any, where: str) -> dict[str, Any]:
     node, or ``pmetal start`` on this machine with the same home). Asked
     once per client and archive; RuntimeEnvSetupError when it does not."""
     sha = spec["sha256"]
-    if (id(client), sha) not in _held:
+    if (client.node_id, sha) not in _held:
         from pmetal.wire import ModelHoldings, ModelQuery
         reply = client.request_node(ModelQuery(sha))
         if not isinstance(reply, ModelHoldings) or not all(bytes(reply.held)):
@@ -200,7 +200,7 @@ def sources(spec: dict[str, Any], client: Any, where: str) -> dict[str, Any]:
                 f"({client.node_address}) does not hold it: its PMETAL_HOME is another one. "
                 f"Run the driver with the node's PMETAL_HOME, or without address= (an "
                 f"embedded node)")
-        _held.add((id(client), sha))
+        _held.add((client.node_id, sha))
     return {**spec, "sources": [client.node_address]}
 
 
