@@ -148,6 +148,8 @@ def test_a_task_streams_its_items_as_refs() -> None:
         next(gen)
     assert pmetal.get(gen.completed(), timeout=WAIT) == 4
     assert list(count.remote(0)) == []
+    # an item's ref is a ref like any other: an argument of another call
+    assert pmetal.get(plain.remote(next(count.remote(2))), timeout=WAIT) == 0
 
 
 def test_items_arrive_before_the_generator_finishes(tmp_path: Path) -> None:
@@ -155,6 +157,8 @@ def test_items_arrive_before_the_generator_finishes(tmp_path: Path) -> None:
     gen = gated.remote(str(gate))
     pid = pmetal.get(next(gen), timeout=WAIT)   # the generator is still blocked at the gate
     assert pid != os.getpid() and not gate.exists()
+    with pytest.raises(pmetal.GetTimeoutError):
+        gen._next_sync(timeout_s=0.05)
     gate.touch()
     assert pmetal.get(next(gen), timeout=WAIT) == "after the gate"
     with pytest.raises(StopIteration):
