@@ -24,6 +24,7 @@ from typing import Any
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
 from pmetal.actors.generators import ObjectRefGenerator
+from pmetal.actors.generators import wait as stream_wait
 from pmetal.actors.handles import ActorHandle
 from pmetal.actors.runtime_context import get_runtime_context
 from pmetal.actors.runtime_env import (check_runtime_env, set_job_env_vars,
@@ -430,7 +431,21 @@ class _DoneOnly:
 def wait(refs: list[ObjectRef], *, num_returns: int = 1,
          timeout: float | None = None) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """``(ready, not_ready)``: the first ``num_returns`` refs that are done, in
-    input order, once that many are done or ``timeout`` passes."""
+    input order, once that many are done or ``timeout`` passes. The list may
+    hold ObjectRefGenerators too (Ray's ``ray.wait([gen])``): one is ready
+    when ``next`` on it would not block."""
+    if isinstance(refs, (list, tuple)) and any(isinstance(r, ObjectRefGenerator) for r in refs):
+        refs = list(refs)
+        others = [r for r in refs if not isinstance(r, ObjectRefGenerator)]
+        _ref_list(others, "wait", "a list of ObjectRefs and ObjectRefGenerators")
+        if timeout is not None:
+            _check_timeout(timeout, "wait")
+        if len(set(map(id, refs))) != len(refs):
+            raise PMetalValueError("pmetal.wait got the same ObjectRef or generator twice")
+        if type(num_returns) is not int or not 0 <= num_returns <= len(refs):
+            raise PMetalValueError(f"num_returns={num_returns!r}; it must be an int from 0 "
+                                   f"to {len(refs)}")
+        return stream_wait(refs, num_returns, timeout)
     refs = _ref_list(refs, "wait", "a list of ObjectRefs")
     if timeout is not None:
         _check_timeout(timeout, "wait")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.refs import ObjectRef, call_name
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
     from pmetal.actors.links import PeerLink
 
 __all__ = ["DEFAULT_WINDOW", "STREAMING", "ObjectRefGenerator", "check_window",
-           "stream_actor_call", "stream_task"]
+           "stream_actor_call", "stream_task", "wait"]
 
 STREAMING = "streaming"
 
@@ -92,6 +93,43 @@ class _TaskItemRef(_ItemRef):
             self._error = WorkerCrashedError(f"{self._what()}: {why}")
 
 
+class _EndRef(ObjectRef):
+    """The StreamCall's own reply: ``Result(count)`` when the stream ends.
+    When it comes, the item ids granted past the end will never be answered:
+    the generator stops waiting for them at once (they count as calls in
+    flight on the link, which steers later calls)."""
+
+    __slots__ = ("_gen", "_open_on", "_task")
+
+    def _opened(self, link: PeerLink, task: bool) -> None:
+        """Count the stream open on ``link`` until it ends (client lock held)."""
+        self._task = task
+        self._open_on: PeerLink | None = link
+        link.streams += 1
+
+    def _closed(self) -> None:
+        link = getattr(self, "_open_on", None)
+        if link is not None:
+            self._open_on = None
+            link.streams -= 1
+
+    def _settle(self, env: Any) -> None:
+        super()._settle(env)
+        self._closed()
+        owner = getattr(self, "_gen", None)
+        gen = owner() if owner is not None else None
+        if gen is not None:
+            gen._release(None)
+
+    def _fail_link(self, why: str) -> None:
+        self._closed()
+        if not getattr(self, "_task", False):
+            super()._fail_link(why)
+        elif not self.done():
+            self._link = None
+            self._error = WorkerCrashedError(f"{self._what()}: {why}")
+
+
 class ObjectRefGenerator:
     """What a ``num_returns="streaming"`` call returns (Ray's
     ``ray.ObjectRefGenerator``): iterate it (``for ref in gen``,
@@ -112,6 +150,8 @@ class ObjectRefGenerator:
         self._taken = 0         # items handed to the caller
         self._last_failed = False
         self._finished = end.done() and not items
+        if isinstance(end, _EndRef):
+            end._gen = weakref.ref(self)   # not the generator itself: no cycle, prompt __del__
 
     @classmethod
     def _failed(cls, error: BaseException, what: Any) -> ObjectRefGenerator:
@@ -266,6 +306,8 @@ class ObjectRefGenerator:
                 del link.refs[end._corr]   # its reply is dropped when it comes
             end._link = None
             end._error = error
+            if isinstance(end, _EndRef):
+                end._closed()   # the worker stops it; our next tasks may go there
         if force:
             reply = client.request_node(KillActor("", True, "", link.address))
             if isinstance(reply, Failure) and reply.kind != "not_found":
@@ -292,6 +334,62 @@ class ObjectRefGenerator:
         return f"ObjectRefGenerator({self._describe()}, {state})"
 
 
+class _NextReady:
+    """What ``pmetal.wait`` waits on for an ObjectRefGenerator (Ray's
+    ``ray.wait([gen])``): done when ``next(gen)`` would not block (its next
+    item arrived, or the stream ended). It reads as a ref to the client's
+    wait: the generator's link, and a death on it fails the next item."""
+
+    __slots__ = ("gen",)
+
+    def __init__(self, gen: ObjectRefGenerator) -> None:
+        self.gen = gen
+
+    _deferred = False
+
+    @property
+    def _client(self) -> Any:
+        return self.gen._client
+
+    def _pending(self) -> ObjectRef | None:
+        gen = self.gen
+        if gen._finished or gen._end.done():
+            return None
+        head = gen._items[0] if gen._items else None
+        return None if head is None or head.done() else head
+
+    def done(self) -> bool:
+        return self._pending() is None
+
+    @property
+    def _link(self) -> PeerLink | None:
+        head = self._pending()
+        return None if head is None else head._link
+
+    def _fail_link(self, why: str) -> None:
+        head = self._pending()
+        if head is not None:
+            head._fail_link(why)
+            self.gen._end._fail_link(why)
+
+
+def wait(waitables: list[Any], num_returns: int,
+         timeout: float | None) -> tuple[list[Any], list[Any]]:
+    """``pmetal.wait`` over refs and ObjectRefGenerators (a generator is
+    ready when its next item has arrived or its stream has ended)."""
+    stand_ins = [_NextReady(w) if isinstance(w, ObjectRefGenerator) else w for w in waitables]
+    client = next((w._client for w in stand_ins if not w.done() and w._client is not None),
+                  None)
+    if client is None:   # all done (or made without a client): nothing to wait for
+        ready = [w for w, s in zip(waitables, stand_ins) if s.done()][:num_returns]
+    else:
+        done, _ = client.wait(stand_ins, num_returns, timeout)
+        chosen = set(map(id, done))
+        ready = [w for w, s in zip(waitables, stand_ins) if id(s) in chosen]
+    picked = set(map(id, ready))
+    return ready, [w for w in waitables if id(w) not in picked]
+
+
 def _send_stop(link: PeerLink, stream: int, cancel: bool, timeout: float) -> None:
     if link.dead:
         return
@@ -310,7 +408,9 @@ def _drop(client: CoreClient, link: PeerLink, stream: int, corrs: list[int]) -> 
             return
         if stream:
             _send_stop(link, stream, False, client._send_timeout)
-            link.refs.pop(stream, None)
+            end = link.refs.pop(stream, None)
+            if isinstance(end, _EndRef):
+                end._closed()
         for corr in corrs:
             link.refs.pop(corr, None)
         link.channel.forget(corrs)
@@ -333,7 +433,8 @@ def _open(client: CoreClient, link: PeerLink, body_of: Any, what: Any, window: i
         end = ObjectRef.of_error((WorkerCrashedError if task else ActorDiedError)(
             f"{name}: {exc}"))
     else:
-        end = cls(client, link, corr, what)
+        end = _EndRef(client, link, corr, what)
+        end._opened(link, task)
     client.calls += 1
     return ObjectRefGenerator(client, link, what, items, end, task)
 

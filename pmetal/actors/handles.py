@@ -165,7 +165,9 @@ class RemoteFunction:
         from pmetal.actors.serialization import code_ref
         client = _client()   # first: auto-init may set the job's runtime_env
         env_vars = merged_env_vars(self._options, f"{self._fn.__qualname__}.remote()")
-        num_returns = self._options.get("num_returns") or 1
+        # As in Ray (2.8 on), a generator function streams unless told otherwise.
+        num_returns = self._options.get("num_returns") or (
+            STREAMING if _is_generator(self._fn) else 1)
         working_dir = self._working_dir or job_working_dir()
         if env_vars or working_dir:
             # The worker runs fn through call_with_env: the variables are set
@@ -303,18 +305,19 @@ class ActorClass:
                         f"{self.__name__}.remote(...)")
 
 
-def method(*, num_returns: int | str = 1,
+def method(*, num_returns: int | str | None = None,
            _generator_backpressure_num_objects: int | None = None) -> Any:
     """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
     ``@ray.method``: a call of it returns N refs, one per item of the tuple
-    the method returns; ``num_returns="streaming"`` on a generator method:
-    an ObjectRefGenerator (at most ``_generator_backpressure_num_objects``
-    items produced ahead of the caller)."""
+    the method returns; ``num_returns="streaming"`` (the default for a
+    generator method, as in Ray) returns an ObjectRefGenerator, which lets
+    the generator run at most ``_generator_backpressure_num_objects`` items
+    ahead of the caller."""
     check_num_returns(num_returns, "@pmetal.method")
     window = _generator_backpressure_num_objects
     if window is not None:
         check_window(window, "@pmetal.method")
-        if num_returns != STREAMING:
+        if num_returns not in (None, STREAMING):
             raise PMetalValueError("@pmetal.method: _generator_backpressure_num_objects "
                                    "applies to num_returns='streaming' only")
 
@@ -322,10 +325,16 @@ def method(*, num_returns: int | str = 1,
         if not callable(fn):
             raise PMetalTypeError(f"@pmetal.method applies to methods, not "
                                   f"{type(fn).__name__}")
-        fn.__pmetal_num_returns__ = (num_returns if window is None
-                                     else f"{num_returns}:{window}")
+        if window is not None:
+            fn.__pmetal_num_returns__ = f"{STREAMING}:{window}"
+        elif num_returns is not None:
+            fn.__pmetal_num_returns__ = num_returns
         return fn
     return wrap
+
+
+def _is_generator(fn: Any) -> bool:
+    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 def _method_entry(name: str, member: Any) -> str:
@@ -334,7 +343,9 @@ def _method_entry(name: str, member: Any) -> str:
     ``"name"``, ``"name/N"`` for ``@pmetal.method(num_returns=N)``, or
     ``"name/streaming"`` (``"name/streaming:W"`` with a backpressure
     window W) for a generator method (no method name holds a "/")."""
-    count = getattr(member, "__pmetal_num_returns__", 1)
+    count = getattr(member, "__pmetal_num_returns__", None)
+    if count is None:
+        count = STREAMING if _is_generator(member) else 1
     return name if count == 1 else f"{name}/{count}"
 
 

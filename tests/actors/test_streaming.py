@@ -91,6 +91,11 @@ def plain(x: int) -> int:
 
 
 @pmetal.remote
+def by_default(n: int) -> Any:   # a generator streams without num_returns (Ray 2.8 on)
+    yield from range(n)
+
+
+@pmetal.remote
 class Producer:
     @pmetal.method(num_returns="streaming")
     def items(self, n: int) -> Any:
@@ -399,3 +404,46 @@ def test_a_caller_dying_mid_stream_closes_the_generator(tmp_path: Path) -> None:
         stop_process(proc, signal.SIGKILL)
     # the task workers serve on
     assert pmetal.get([plain.remote(i) for i in range(4)], timeout=WAIT) == list(range(4))
+
+
+def test_a_generator_streams_without_num_returns(reap: list[Any]) -> None:
+    gen = by_default.remote(3)
+    assert isinstance(gen, ObjectRefGenerator)
+    assert pmetal.get(list(gen), timeout=WAIT) == [0, 1, 2]
+    actor = Producer.remote()
+    reap.append(actor)
+    assert pmetal.get(list(actor.gen.remote(2)), timeout=WAIT) == [0, 1]   # no decorator
+    assert isinstance(by_default.options(num_returns=1).remote(1), pmetal.ObjectRef)
+
+
+def test_wait_on_generators_and_refs(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    waiting = gated.remote(str(gate))
+    pmetal.get(next(waiting), timeout=WAIT)   # the next item waits for the gate
+    ready_gen = count.remote(1)   # to the other task worker: this one serves `waiting`
+    ref = pmetal.put(5)
+    ready, not_ready = pmetal.wait([waiting, ready_gen, ref], num_returns=2, timeout=WAIT)
+    assert ready == [ready_gen, ref] and not_ready == [waiting]
+    ready, not_ready = pmetal.wait([waiting], timeout=0.05)
+    assert ready == [] and not_ready == [waiting]
+    gate.touch()
+    ready, _ = pmetal.wait([waiting], timeout=WAIT)
+    assert ready == [waiting]
+    assert pmetal.get(next(waiting), timeout=WAIT) == "after the gate"
+    # an ended stream is ready: next() raises StopIteration at once
+    assert pmetal.wait([waiting], timeout=WAIT)[0] == [waiting]
+    with pytest.raises(StopIteration):
+        next(waiting)
+
+
+def test_tasks_avoid_a_task_worker_that_serves_a_stream(tmp_path: Path) -> None:
+    """A task worker runs nothing else while its stream is open (here: held
+    at a gate): tasks submitted meanwhile go to the other worker, however
+    many there are, instead of queueing behind the stream."""
+    gate = tmp_path / "gate"
+    held = gated.remote(str(gate))
+    pmetal.get(next(held), timeout=WAIT)
+    refs = [plain.remote(i) for i in range(100)]
+    assert pmetal.get(refs, timeout=WAIT) == list(range(100))
+    gate.touch()
+    assert pmetal.get(list(held), timeout=WAIT) == ["after the gate"]
