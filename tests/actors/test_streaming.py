@@ -447,3 +447,38 @@ def test_tasks_avoid_a_task_worker_that_serves_a_stream(tmp_path: Path) -> None:
     assert pmetal.get(refs, timeout=WAIT) == list(range(100))
     gate.touch()
     assert pmetal.get(list(held), timeout=WAIT) == ["after the gate"]
+
+
+@pmetal.remote(max_concurrency=3)
+class Threaded:
+    def items(self, n: int) -> Any:   # a sync generator, in the actor's threads
+        for i in range(n):
+            yield i * i
+
+
+def test_a_threaded_actor_streams_a_sync_generator(reap: list[Any]) -> None:
+    actor = Threaded.remote()
+    reap.append(actor)
+    gens = [actor.items.remote(4) for _ in range(3)]   # three at once
+    assert [pmetal.get(list(g), timeout=WAIT) for g in gens] == [[0, 1, 4, 9]] * 3
+
+
+def test_rays_wait_loop_over_generators_and_refs() -> None:
+    """Ray's documented pattern (ray-generator.rst, "ray.wait"): wait on a
+    mix of generators and refs, taking one item of each ready generator."""
+    from pmetal._raylet import ObjectRefGenerator as RayletGenerator
+    assert RayletGenerator is ObjectRefGenerator
+    unready: list[Any] = [count.remote(3), plain.remote("done")]
+    result = []
+    while unready:
+        ready, unready = pmetal.wait(unready, timeout=WAIT)
+        for r in ready:
+            if isinstance(r, RayletGenerator):
+                try:
+                    result.append(pmetal.get(next(r), timeout=WAIT))
+                except StopIteration:
+                    continue
+                unready.append(r)
+            else:
+                result.append(pmetal.get(r, timeout=WAIT))
+    assert sorted(result, key=str) == [0, 1, 2, "done"]
