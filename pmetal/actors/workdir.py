@@ -131,7 +131,14 @@ def publish(folder: Any, excludes: Any, where: str) -> dict[str, Any]:
             isinstance(e, str) and e for e in excludes):
         raise PMetalTypeError(f"{where}: runtime_env['excludes'] must be a list of "
                               f"patterns (non-empty str), not {excludes!r:.60}")
+    if "://" in str(folder):
+        raise PMetalValueError(f"{where}: runtime_env['working_dir'] {str(folder)!r} is a URI; "
+                               f"pmetal ships local folders only (it fetches nothing from "
+                               f"s3://, gs:// or https://): download and unpack it first")
     root = Path(folder).expanduser()
+    if root.is_file() and root.suffix == ".zip":
+        raise PMetalValueError(f"{where}: runtime_env['working_dir'] {str(folder)!r} is a zip "
+                               f"file; pmetal ships folders only: unzip it and give the folder")
     if not root.is_dir():
         raise PMetalValueError(f"{where}: runtime_env['working_dir'] {str(folder)!r} is not a "
                                f"folder ({'it does not exist' if not root.exists() else 'a file'}"

@@ -20,9 +20,15 @@ from typing import Any
 import pytest
 
 import pmetal
-from pmetal import api
-from pmetal import (ActorDiedError, ObjectRefGenerator, PMetalTypeError, PMetalValueError,
-                    TaskCancelledError, WorkerCrashedError)
+from pmetal import (
+    ActorDiedError,
+    ObjectRefGenerator,
+    PMetalTypeError,
+    PMetalValueError,
+    TaskCancelledError,
+    WorkerCrashedError,
+    api,
+)
 
 from .conftest import EXIT_WAIT, WAIT, read_line, stop_process, wait_until
 
@@ -42,8 +48,7 @@ def _wait_for(path: str) -> None:
 
 @pmetal.remote(num_returns="streaming")
 def count(n: int) -> Any:
-    for i in range(n):
-        yield i
+    yield from range(n)
 
 
 @pmetal.remote(num_returns="streaming")
@@ -68,8 +73,7 @@ def recorded(record: str, n: int) -> Any:
 
 @pmetal.remote(num_returns="streaming")
 def fails_after(n: int) -> Any:
-    for i in range(n):
-        yield i
+    yield from range(n)
     raise ValueError(f"failed after {n}")
 
 

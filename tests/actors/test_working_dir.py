@@ -153,6 +153,7 @@ def test_a_tampered_archive_is_refused(home: Path, tmp_path: Path) -> None:
 
 def test_an_absent_archive_is_refused(home: Path, tmp_path: Path) -> None:
     import shutil
+
     from pmetal.store import PieceStore
     folder = make_folder(tmp_path / "wd", "f")
     task = in_folder.options(runtime_env={"working_dir": str(folder)})
@@ -208,6 +209,12 @@ def test_a_missing_or_too_big_folder_is_refused_at_options_time(home: Path,
     in_folder.options(runtime_env={"working_dir": str(big), "excludes": ["*.bin"]})
     with pytest.raises(PMetalTypeError, match="excludes"):
         in_folder.options(runtime_env={"working_dir": str(big), "excludes": "*.bin"})
+    with pytest.raises(PMetalValueError, match="is a URI"):
+        in_folder.options(runtime_env={"working_dir": "s3://bucket/project.zip"})
+    archive = tmp_path / "project.zip"
+    archive.write_bytes(b"PK")
+    with pytest.raises(PMetalValueError, match="unzip it"):
+        in_folder.options(runtime_env={"working_dir": str(archive)})
     with pytest.raises(PMetalValueError, match="'pip' not supported"):
         in_folder.options(runtime_env={"pip": ["requests"]})
 
