@@ -329,6 +329,10 @@ class ObjectRefGenerator:
         except RuntimeError:   # the interpreter is shutting down: the worker sees us go
             pass
 
+    def __reduce__(self) -> Any:
+        raise TypeError(f"{self!r} cannot be sent to another process (as in Ray): its items "
+                        f"come to this one; pass the refs it yields instead")
+
     def __repr__(self) -> str:
         state = "finished" if self._finished else f"{self._taken} taken"
         return f"ObjectRefGenerator({self._describe()}, {state})"

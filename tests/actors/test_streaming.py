@@ -347,6 +347,8 @@ def test_bad_streaming_options_are_refused() -> None:
         pmetal.method(num_returns=2, _generator_backpressure_num_objects=3)
     with pytest.raises(PMetalTypeError, match="iterate it"):
         pmetal.get(count.remote(1))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="cannot be sent to another process"):
+        plain.remote(count.remote(1))
 
 
 def test_force_cancel_of_a_task_generator_kills_its_worker(tmp_path: Path) -> None:
