@@ -1,6 +1,8 @@
 """Ray's streaming generators, the caller's side: ``num_returns="streaming"``
-makes a call return an :class:`ObjectRefGenerator` whose iteration yields one
-ObjectRef per item as the worker produces it.
+(the default for a generator function or method, as in Ray 2.8 on) makes a
+call return an :class:`ObjectRefGenerator` whose iteration yields one
+ObjectRef per item as the worker produces it; :func:`wait` is
+``pmetal.wait`` over generators and refs.
 
 The call goes out as one :class:`~pmetal.wire.StreamCall` carrying a
 correlation id for each of the first ``window`` items (Ray's
@@ -20,6 +22,11 @@ unread (``break`` out of a loop) stops its worker the same way, from a
 short-lived thread (``__del__`` may run in any thread, in the middle of a
 send). Streaming calls are not retried (``max_retries``, ``max_task_retries``
 do not apply) and wait in ``.remote()`` for their ObjectRef arguments.
+
+A task worker serving a stream runs nothing else until it ends, so a link
+counts its open streams (``PeerLink.streams``, from the StreamCall until its
+end arrives or the stream is dropped) and the client's choice of task worker
+weighs them: other tasks go to other workers while one is free.
 """
 
 from __future__ import annotations
