@@ -140,7 +140,7 @@ class Worker:
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
                 "refused": self.refused, "held": self.held, "withheld": self.withheld,
-                "listener": self.listener.statistics()}
+                "streams": self.streams.served, "listener": self.listener.statistics()}
 
     # ------------------------------------------------------------- serving
 

@@ -120,6 +120,23 @@ class Producer:
 
 
 @pmetal.remote
+class Ledger:
+    """A sync actor: one call at a time, a stream included."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+
+    def items(self, n: int) -> Any:
+        for i in range(n):
+            self.log.append(f"item {i}")
+            yield i
+
+    def note(self, what: str) -> list[str]:
+        self.log.append(what)
+        return list(self.log)
+
+
+@pmetal.remote
 class AsyncProducer:
     def __init__(self) -> None:
         self.produced = 0
@@ -488,3 +505,19 @@ def test_rays_wait_loop_over_generators_and_refs() -> None:
             else:
                 result.append(pmetal.get(r, timeout=WAIT))
     assert sorted(result, key=str) == [0, 1, 2, "done"]
+
+
+def test_calls_made_during_a_sync_actors_stream_run_after_it_in_order(
+        reap: list[Any]) -> None:
+    """The stream holds the actor (one call at a time) while it waits for its
+    caller; calls sent meanwhile wait in the worker and run after the stream's
+    end, in the order they were made."""
+    actor = Ledger.remote()
+    reap.append(actor)
+    gen = actor.items.options(_generator_backpressure_num_objects=1).remote(3)
+    first = next(gen)
+    notes = [actor.note.remote(f"call {i}") for i in range(3)]
+    assert pmetal.wait(notes, num_returns=1, timeout=0.2)[0] == []   # held behind the stream
+    assert pmetal.get([first, *gen], timeout=WAIT) == [0, 1, 2]
+    assert pmetal.get(notes[-1], timeout=WAIT) == [
+        "item 0", "item 1", "item 2", "call 0", "call 1", "call 2"]
