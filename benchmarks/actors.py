@@ -92,6 +92,10 @@ class Target:
             def pid(self) -> int:
                 return os.getpid()
 
+            @mod.method(num_returns="streaming")
+            def items(self, n: int) -> Any:
+                yield from range(n)
+
         @remote
         def task(x: Any) -> Any:
             return x
@@ -163,10 +167,18 @@ class Target:
             t = time.perf_counter()
             assert mod.get(actor.nbytes.remote(arr), timeout=60) == arr.nbytes
             array.append(arr.nbytes / (time.perf_counter() - t))
+        stream_n = 2000 if quick else 10_000
+        stream = []
+        for _ in range(max(1, reps // 2)):
+            t = time.perf_counter()
+            for ref in actor.items.remote(stream_n):
+                mod.get(ref)
+            stream.append(stream_n / (time.perf_counter() - t))
         out = {"rtt_us": median(rtt) * 1e6, "rtt_p99_us": pct(rtt, 0.99) * 1e6,
                "pipelined_per_s": median(pipe), "task_rtt_us": median(task_rtt) * 1e6,
                "create_first_call_ms": median(create) * 1e3,
-               "ninth_actor_ms": median(ninth) * 1e3, "array_gbs": median(array) / 1e9}
+               "ninth_actor_ms": median(ninth) * 1e3, "array_gbs": median(array) / 1e9,
+               "stream_items_per_s": median(stream)}
         if os.path.isdir("/proc/self/task"):
             worker = mod.get(actor.pid.remote(), timeout=60)
             out["cpu"] = cpu_per_call(lambda: mod.get(actor.f.remote(1)),
@@ -220,6 +232,8 @@ def main(quick: bool = False) -> dict[str, dict[str, float]]:
         ["ninth actor create + first call, pool used up (ms)", ours["ninth_actor_ms"],
          theirs["ninth_actor_ms"], "< 50"],
         ["64 MiB array to an actor (GB/s)", ours["array_gbs"], theirs["array_gbs"], ">= 1.65"],
+        ["streamed items/s (num_returns='streaming', get each)", ours["stream_items_per_s"],
+         theirs.get("stream_items_per_s", float("nan")), ""],
     ]
     print(table(f"actors: pmetal vs {ray_name}", ["measure", "pmetal", "ray", "target"], rows))
     if "cpu" in ours:

@@ -7,6 +7,7 @@ import logging as _logging
 
 from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
+from pmetal.actors.generators import ObjectRefGenerator
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, method, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
 from pmetal.api import (available_resources, cancel, cluster_resources, get, get_actor,
@@ -20,7 +21,8 @@ from pmetal.errors import (ActorDiedError, ActorError, ActorUnavailableError,
                            IdentityError, NotInitializedError, ObjectLostError, OwnerDiedError,
                            PeerError, PipelineError, PlacementError, PMetalError,
                            PMetalTimeoutError, PMetalTypeError, PMetalValueError, ProtocolError,
-                           RemoteError, ReplayError, RequestTimeoutError, SecurityError,
+                           RemoteError, ReplayError, RequestTimeoutError,
+                           RuntimeEnvSetupError, SecurityError,
                            TaskCancelledError, TransportError, WorkerCrashedError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
@@ -85,6 +87,7 @@ __all__ = [
     "NotInitializedError",
     "ObjectLostError",
     "ObjectRef",
+    "ObjectRefGenerator",
     "OwnerDiedError",
     "PMetalConfig",
     "PMetalError",
@@ -102,6 +105,7 @@ __all__ = [
     "ReplayError",
     "RequestTimeoutError",
     "RingBackend",
+    "RuntimeEnvSetupError",
     "SecurityConfig",
     "SecurityError",
     "TaskCancelledError",

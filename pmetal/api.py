@@ -23,9 +23,12 @@ from typing import Any
 
 from pmetal.actors import context
 from pmetal.actors.client import CoreClient, ObjectRef
+from pmetal.actors.generators import ObjectRefGenerator
+from pmetal.actors.generators import wait as stream_wait
 from pmetal.actors.handles import ActorHandle
 from pmetal.actors.runtime_context import get_runtime_context
-from pmetal.actors.runtime_env import check_runtime_env, set_job_env_vars
+from pmetal.actors.runtime_env import (check_runtime_env, set_job_env_vars,
+                                       set_job_working_dir, working_dir_spec)
 from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
@@ -129,8 +132,9 @@ def init(address: str | None = None, *, namespace: str | None = None,
     ``num_cpus``, ``num_gpus`` and ``resources`` set what the embedded node
     advertises (its ``CPU``, ``GPU`` and custom resources), as in Ray; with
     ``address=`` they are refused: the node joined has its own.
-    ``runtime_env={"env_vars": {...}}`` sets variables in the workers of
-    every task and actor this driver starts (:mod:`pmetal.actors.runtime_env`).
+    ``runtime_env={"env_vars": {...}, "working_dir": path}`` sets variables
+    in the workers of every task and actor this driver starts, and runs them
+    in a copy of the folder (:mod:`pmetal.actors.runtime_env`).
 
     Returns a dict with the node id and address.
     """
@@ -146,6 +150,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
             raise PMetalValueError(str(exc)) from exc
     node_resources = _node_resources(num_cpus, num_gpus, resources)
     job_env = check_runtime_env(runtime_env, "pmetal.init")
+    job_dir = working_dir_spec(runtime_env, "pmetal.init")   # packed by the check: cached
     given = [name for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
                                       ("resources", resources)) if value is not None]
     if given and address is not None:
@@ -216,6 +221,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
             raise
         _node_proc = node_proc
         set_job_env_vars(job_env)
+        set_job_working_dir(job_dir)
         context.set_current(client)
         return {"node_id": client.node_id, "address": node_address}
 
@@ -340,6 +346,7 @@ def shutdown(timeout: float = 10.0) -> None:
         client_, proc = context.take(), _node_proc
         _node_proc = None
         set_job_env_vars({})
+        set_job_working_dir(None)
     if client_ is None:
         return
     try:
@@ -390,6 +397,8 @@ def get(refs: ObjectRef | list[ObjectRef], *, timeout: float | None = None) -> A
 def _ref_list(refs: Any, fn: str, what: str) -> list[ObjectRef]:
     if not isinstance(refs, (list, tuple)):
         hint = f"; for one ref: pmetal.{fn}([ref])" if isinstance(refs, ObjectRef) else ""
+        if isinstance(refs, ObjectRefGenerator):
+            hint = "; iterate it (for ref in gen) for the refs of its items"
         raise PMetalTypeError(f"pmetal.{fn} takes {what}, not {type(refs).__name__}{hint}")
     bad = next((r for r in refs if not isinstance(r, ObjectRef)), None)
     if bad is not None:
@@ -422,7 +431,21 @@ class _DoneOnly:
 def wait(refs: list[ObjectRef], *, num_returns: int = 1,
          timeout: float | None = None) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """``(ready, not_ready)``: the first ``num_returns`` refs that are done, in
-    input order, once that many are done or ``timeout`` passes."""
+    input order, once that many are done or ``timeout`` passes. The list may
+    hold ObjectRefGenerators too (Ray's ``ray.wait([gen])``): one is ready
+    when ``next`` on it would not block."""
+    if isinstance(refs, (list, tuple)) and any(isinstance(r, ObjectRefGenerator) for r in refs):
+        refs = list(refs)
+        others = [r for r in refs if not isinstance(r, ObjectRefGenerator)]
+        _ref_list(others, "wait", "a list of ObjectRefs and ObjectRefGenerators")
+        if timeout is not None:
+            _check_timeout(timeout, "wait")
+        if len(set(map(id, refs))) != len(refs):
+            raise PMetalValueError("pmetal.wait got the same ObjectRef or generator twice")
+        if type(num_returns) is not int or not 0 <= num_returns <= len(refs):
+            raise PMetalValueError(f"num_returns={num_returns!r}; it must be an int from 0 "
+                                   f"to {len(refs)}")
+        return stream_wait(refs, num_returns, timeout)
     refs = _ref_list(refs, "wait", "a list of ObjectRefs")
     if timeout is not None:
         _check_timeout(timeout, "wait")
@@ -444,7 +467,8 @@ def put(value: Any) -> ObjectRef:
     return ObjectRef.of_value(value)
 
 
-def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> None:
+def cancel(ref: ObjectRef | ObjectRefGenerator, *, force: bool = False,
+           recursive: bool = True) -> None:
     """Cancel ``ref``'s task or actor call, as Ray's ``ray.cancel``; from now
     on ``get(ref)`` raises TaskCancelledError.
 
@@ -458,7 +482,20 @@ def cancel(ref: ObjectRef, *, force: bool = False, recursive: bool = True) -> No
     and ``get`` raises TaskCancelledError; on an actor method it is refused
     (use :func:`kill`), as in Ray. ``recursive`` is accepted for Ray's signature:
     tasks the cancelled task started are not cancelled. Cancelling a ref that
-    is done, or twice, does nothing."""
+    is done, or twice, does nothing.
+
+    Cancelling an ObjectRefGenerator (``num_returns="streaming"``) stops its
+    generator in the worker (an async one waiting is cancelled through
+    asyncio; a sync one stops before its next item): the items that arrived
+    are still yielded, then one ref whose ``get`` raises TaskCancelledError,
+    then the iteration ends."""
+    if isinstance(ref, ObjectRefGenerator):
+        for name, value in (("force", force), ("recursive", recursive)):
+            if type(value) is not bool:
+                raise PMetalTypeError(f"pmetal.cancel: {name} must be a bool, not "
+                                      f"{type(value).__name__}")
+        ref._cancel(force)
+        return
     if not isinstance(ref, ObjectRef):
         raise PMetalTypeError(f"pmetal.cancel takes an ObjectRef (what .remote() returns), "
                               f"not {type(ref).__name__}; to end an actor use pmetal.kill")

@@ -431,6 +431,14 @@ class Channel:
             return _checked(env) if check else env
         return env
 
+    def forget(self, corrs: list[int]) -> None:
+        """Stop waiting for replies to ``corrs`` (ids :meth:`reserve`\\ d for
+        replies that will not come: a stream's unused item ids); a reply
+        that comes anyway is filed as unsolicited."""
+        for corr in corrs:
+            self._waiting.discard(corr)
+            self._replies.pop(corr, None)
+
     def abandon(self) -> list[int]:
         """Forget every pending request (the peer died); returns their ids."""
         lost = list(self._waiting)

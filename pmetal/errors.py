@@ -30,9 +30,11 @@ code written for Ray's builtin exceptions keeps working::
     │   └── OwnerDiedError                   (Ray's name; not raised yet)
     ├── ActorError
     │   ├── ActorDiedError                   the actor's process died or was killed
-    │   │   └── WorkerCrashedError           (Ray's name; tasks raise ActorDiedError)
+    │   │   └── WorkerCrashedError           (Ray's name) a streaming task's worker died
     │   └── ActorUnavailableError            (Ray's name; not raised yet)
     ├── PlacementError                       no node can host it (resources, node)
+    ├── RuntimeEnvSetupError                 a runtime_env could not be set up in a
+    │                                        worker (a working_dir missing or altered)
     ├── CollectiveError                      a collective operation failed: a member
     │                                        died, stalled or sent the wrong chunk
     ├── PipelineError                        pipeline inference failed: a stage died
@@ -74,6 +76,7 @@ __all__ = [
     "RemoteError",
     "ReplayError",
     "RequestTimeoutError",
+    "RuntimeEnvSetupError",
     "SecurityError",
     "TaskCancelledError",
     "TransportError",
@@ -199,10 +202,11 @@ class ActorDiedError(ActorError):
 
 
 class WorkerCrashedError(ActorDiedError):
-    """Ray's error for a task whose worker process died. pmetal does not
-    raise it yet: a task whose worker dies (after its ``max_retries``)
-    raises its base, :class:`ActorDiedError`, which ``except
-    WorkerCrashedError`` does not catch; catch ActorDiedError."""
+    """Ray's error for a task whose worker process died. pmetal raises it
+    for the next ref of a streaming task (``num_returns="streaming"``)
+    whose worker died; any other task whose worker dies (after its
+    ``max_retries``) raises its base, :class:`ActorDiedError`, which
+    ``except WorkerCrashedError`` does not catch; catch ActorDiedError."""
 
 
 class ActorUnavailableError(ActorError):
@@ -233,6 +237,12 @@ class OwnerDiedError(ObjectLostError):
 class PlacementError(PMetalError):
     """No node can host the actor or task: the resources asked for exceed
     what every node has, or the named node is not in the cluster."""
+
+
+class RuntimeEnvSetupError(PMetalError):
+    """Ray's error for a ``runtime_env`` that could not be set up where the
+    work runs: a ``working_dir`` archive that no member could send, or whose
+    bytes do not match its sha256 (altered or damaged). The work did not run."""
 
 
 class CollectiveError(PMetalError):

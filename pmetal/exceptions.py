@@ -17,12 +17,15 @@ Ray name                   what it is in pmetal
                            ``ActorDiedError``): the actor died or was killed
 ``ActorDiedError``         :class:`~pmetal.errors.ActorDiedError`
 ``ActorUnavailableError``  :class:`~pmetal.errors.ActorUnavailableError` (not raised yet)
-``WorkerCrashedError``     :class:`~pmetal.errors.WorkerCrashedError` (not raised yet:
-                           a task whose worker died raises ``ActorDiedError``)
+``WorkerCrashedError``     :class:`~pmetal.errors.WorkerCrashedError`: the next ref of a
+                           streaming task whose worker died (other tasks whose worker
+                           died raise ``ActorDiedError``)
 ``GetTimeoutError``        :class:`~pmetal.errors.GetTimeoutError` (also ``TimeoutError``)
 ``TaskCancelledError``     :class:`~pmetal.errors.TaskCancelledError` (not raised yet)
 ``ObjectLostError``        :class:`~pmetal.errors.ObjectLostError` (not raised yet)
 ``OwnerDiedError``         :class:`~pmetal.errors.OwnerDiedError` (not raised yet)
+``RuntimeEnvSetupError``   :class:`~pmetal.errors.RuntimeEnvSetupError`: a working_dir
+                           could not be had or did not match its sha256
 ``TaskUnschedulableError`` :class:`~pmetal.errors.PlacementError`: no node can host it
 ``ActorUnschedulableError`` :class:`~pmetal.errors.PlacementError`
 =========================  =========================================================
@@ -32,7 +35,8 @@ from __future__ import annotations
 
 from pmetal.errors import (ActorDiedError, ActorUnavailableError, GetTimeoutError,
                            ObjectLostError, OwnerDiedError, PlacementError, PMetalError,
-                           RemoteError, TaskCancelledError, WorkerCrashedError)
+                           RemoteError, RuntimeEnvSetupError, TaskCancelledError,
+                           WorkerCrashedError)
 
 __all__ = [
     "ActorDiedError",
@@ -45,6 +49,7 @@ __all__ = [
     "RayError",
     "RaySystemError",
     "RayTaskError",
+    "RuntimeEnvSetupError",
     "TaskCancelledError",
     "TaskUnschedulableError",
     "WorkerCrashedError",

@@ -50,7 +50,9 @@ them with a ``bad_request`` Failure): ``OwnerDied`` (36), ``ResourcesRequest``
 (33-35, 39: ``CreatePlacementGroup`` and ``PlacementGroupQuery`` from a
 client to its node, ``ReserveBundles`` from the group's node to the nodes
 that hold its bundles, ``PlacementGroupQuery`` with ``local`` node to node,
-``PlacementGroups`` the answer).
+``PlacementGroups`` the answer). ``StreamCall``, ``StreamCredit`` and
+``StreamStop`` (47-49), a caller to a worker, for generators
+(``num_returns="streaming"``).
 The cluster's kinds (50-58: ``Beat``, ``BeatEcho``, ``VoteRequest``, ``Vote``,
 ``ClusterView``, ``JoinCluster``, ``WatchCluster``, ``ClusterState``, ``Probe``)
 are node to node, but for the watch, which a client asks of its own node.
@@ -120,6 +122,9 @@ __all__ = [
     "Shutdown",
     "Status",
     "StatusRequest",
+    "StreamCall",
+    "StreamCredit",
+    "StreamStop",
     "Vote",
     "VoteRequest",
     "WatchCluster",
@@ -172,6 +177,10 @@ class Kind(enum.IntEnum):
     FAILURE = 44
     CALL_BATCH = 45
     CANCEL_CALL = 46
+    # actor runtime: streaming generators (num_returns="streaming")
+    STREAM_CALL = 47
+    STREAM_CREDIT = 48
+    STREAM_STOP = 49
     # the cluster: health, election, membership, topology (pmetal.cluster)
     BEAT = 50
     BEAT_ECHO = 51
@@ -823,6 +832,53 @@ class CancelCall(Message):
     done) is left as it is."""
 
     corr: int
+
+
+@_message(Kind.STREAM_CALL)
+class StreamCall(Message):
+    """Caller to a worker: run a generator (``num_returns="streaming"``) and
+    send each item it yields as it comes. ``actor_id`` names the actor whose
+    method ``name`` runs; an empty ``actor_id`` makes it a task: ``name`` is
+    then a function id and ``fn_ref`` its code (None when the worker has it,
+    as in :class:`RunTask`). ``corrs`` are the correlation ids for the first
+    items, one each: item i is answered with ``Result`` (or ``Failure``, the
+    exception the generator raised, after which it ends) on ``corrs[i]``.
+    The worker pulls an item only while it holds an unused id, so the caller
+    bounds how far the generator runs ahead (backpressure) by the ids it
+    grants (:class:`StreamCredit`). When the generator ends the worker
+    answers the StreamCall's own correlation id with ``Result(count)``, the
+    number of items sent; a call that cannot start (no such actor or method,
+    unknown function) is answered there with a ``Failure`` and no item."""
+
+    actor_id: str
+    name: str
+    fn_ref: Any
+    args: list
+    kwargs: dict
+    corrs: tuple[int, ...]
+
+
+@_message(Kind.STREAM_CREDIT)
+class StreamCredit(Message):
+    """Caller to a worker, one-way: more correlation ids for the items of
+    the stream that the StreamCall with correlation id ``stream`` opened on
+    this connection (sent as the caller consumes items). Ids for a stream
+    that has ended are ignored."""
+
+    stream: int
+    corrs: tuple[int, ...]
+
+
+@_message(Kind.STREAM_STOP)
+class StreamStop(Message):
+    """Caller to a worker, one-way: stop the stream ``stream`` (the
+    caller's ObjectRefGenerator was cancelled with ``pmetal.cancel``:
+    ``cancel``; or dropped unread). The worker pulls no further item, closes
+    the generator (an async generator waiting in ``__anext__`` is cancelled
+    through asyncio) and answers ``stream`` as when it ends."""
+
+    stream: int
+    cancel: bool = False
 
 
 _CODEC = frozenset({"Envelope", "WireLimits", "decode", "encode", "frame_bytes"})

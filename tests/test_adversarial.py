@@ -691,3 +691,36 @@ def test_a_reply_too_large_to_send_is_answered_with_an_error(daemon: Daemon, act
         pmetal.kill(victim)
     driver_works(actor)
     assert daemon.alive, daemon.log()
+
+
+def test_malformed_streams_from_a_member_are_answered_with_errors(daemon: Daemon, actor: Any,
+                                                                  member: Any) -> None:
+    """StreamCall (num_returns="streaming") to the actor's live worker with
+    no item ids, an unknown actor or method, a method that is no generator;
+    grants and stops for streams that do not exist: each stream is answered
+    on its own id within seconds, the rest is ignored, and the driver's calls
+    succeed during and after."""
+    from pmetal.wire import StreamCall, StreamCredit, StreamStop
+    channel = member(worker_record(actor)["address"])
+    aid = actor._actor_id
+    assert answered(channel, StreamCall(aid, "inc", None, [], {}, ())).kind == "bad_request"
+    for body, kind in [(StreamCall("no-such-actor", "inc", None, [], {}, ()), "actor_died"),
+                       (StreamCall(aid, "missing", None, [], {}, ()), "no_such_method"),
+                       (StreamCall("", "no:such-function", None, [], {}, ()),
+                        "unknown_function")]:
+        ids = tuple(channel.reserve(2))
+        reply = answered(channel, dataclasses.replace(body, corrs=ids))
+        assert isinstance(reply, Failure) and reply.kind == kind, (body, reply)
+        channel.forget(list(ids))
+        driver_works(actor, count=1)
+    channel.send(StreamCredit(stream=123456, corrs=(1, 2, 3)))
+    channel.send(StreamStop(stream=123456, cancel=True))
+    # A method that is no generator: its first item says so, then the end.
+    ids = tuple(channel.reserve(2))
+    end = channel.submit(StreamCall(aid, "value", None, [], {}, ids))
+    first = channel.result(ids[0], timeout=ANSWER_WAIT).body
+    assert isinstance(first, Failure) and "not a generator" in first.message, first
+    assert channel.result(end, timeout=ANSWER_WAIT).body == Result(1)
+    channel.forget([ids[1]])
+    driver_works(actor)
+    assert daemon.alive, daemon.log()

@@ -78,12 +78,12 @@ def test_the_codec_imports_nothing_of_shared_memory() -> None:
 # front: the facade (the package root, pmetal.api, pmetal.collective);
 # cli: the command line (pmetal.cli, python -m pmetal).
 LAYER_OF_ROOT = {"__init__": "front", "api": "front", "collective": "front",
-                 "__main__": "cli"}
+                 "_raylet": "front", "__main__": "cli"}
 ALLOWED = {
     "core": set(),
     "cluster": {"core"},
     "model": {"core"},
-    "actors": {"core", "cluster"},
+    "actors": {"core", "cluster", "store"},   # store: runtime_env working_dir archives
     "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
     "node": {"core", "cluster", "actors", "store"},   # the daemon; the client side never imports it
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline

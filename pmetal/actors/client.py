@@ -75,6 +75,7 @@ _EVENTS = int(zmq.EVENTS)
 _BATCH_MAX = 256          # calls per CallBatch
 _LEASE_AGAIN_AFTER = 0.2  # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
+_STREAM_LOAD = 1 << 20     # a task worker serving a stream runs nothing else until it ends
 _CLOSED = ("the result was still pending when pmetal.shutdown() closed the client that "
            "made the call; it will never arrive")
 
@@ -447,7 +448,8 @@ class CoreClient:
         for i in range(len(addresses)):
             address = addresses[(start + i) % len(addresses)]
             link = self.links.get(address)
-            load = 0 if link is None else link.channel.pending() + len(link.outbox)
+            load = 0 if link is None else (link.channel.pending() + len(link.outbox)
+                                           + link.streams * _STREAM_LOAD)
             if load == 0:
                 return address
             if best_load < 0 or load < best_load:

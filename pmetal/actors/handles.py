@@ -9,11 +9,16 @@ import time
 from typing import Any
 
 from pmetal.actors import context, strategies
+from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
+                                      stream_task)
 from pmetal.actors.refs import split_ref
-from pmetal.actors.runtime_env import call_with_env, check_runtime_env, merged_env_vars
+from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, job_working_dir,
+                                       merged_env_vars, stream_with_env, working_dir_spec)
 from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
+from pmetal.actors.workdir import WorkingDirTask
+from pmetal.actors.workdir import sources as workdir_sources
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
-from pmetal.wire import ActorLocation, CreateActor
+from pmetal.wire import ActorLocation, CreateActor, Pickled
 
 __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
            "FUNCTION_OPTIONS", "RemoteFunction", "check_num_returns", "check_options", "method",
@@ -25,7 +30,8 @@ _COMMON = frozenset({"num_cpus", "num_gpus", "memory", "resources", "num_returns
                      "runtime_env", "scheduling_strategy", *PG_OPTIONS})
 ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_concurrency",
                            "lifetime", "namespace", "get_if_exists"}
-FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions"}
+FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions",
+                              "_generator_backpressure_num_objects"}
 
 DEFAULT_MAX_RETRIES = 3
 """Ray's default: a task is re-run up to 3 times when its worker dies."""
@@ -55,14 +61,16 @@ def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
 
 
 def check_num_returns(value: Any, where: str) -> None:
-    """``num_returns``: None or an int >= 1 (a call then returns that many
-    refs, one per item of the returned sequence); Ray's generator modes are
-    refused by name."""
-    if value is None:
+    """``num_returns``: None, an int >= 1 (a call then returns that many
+    refs, one per item of the returned sequence) or ``"streaming"`` (an
+    ObjectRefGenerator, see pmetal.actors.generators); Ray's older
+    ``"dynamic"`` is refused by name."""
+    if value is None or value == STREAMING:
         return
-    if value in ("streaming", "dynamic"):
-        raise PMetalValueError(f"{where}: num_returns={value!r} (generator tasks) is not "
-                               f"supported yet; return a tuple and use num_returns=N (an int)")
+    if value == "dynamic":
+        raise PMetalValueError(f"{where}: num_returns='dynamic' (Ray's older generator "
+                               f"tasks) is not supported; use num_returns='streaming': the "
+                               f"call returns an ObjectRefGenerator to iterate for the refs")
     if type(value) is not int:
         raise PMetalTypeError(f"{where}: num_returns must be an int, not "
                               f"{type(value).__name__} {value!r:.40}")
@@ -82,6 +90,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
         raise PMetalTypeError(f"{where}: unknown option(s) {sorted(unknown)}{hint}; "
                               f"valid: {sorted(known)}")
     check_num_returns(options.get("num_returns"), where)
+    check_window(options.get("_generator_backpressure_num_objects"), where)
     _number(options, "num_cpus", where, 0)
     _number(options, "num_gpus", where, 0)
     _number(options, "memory", where, 0)   # bytes, as in Ray
@@ -144,7 +153,9 @@ class RemoteFunction:
         retry_on = options.get("retry_exceptions") or False
         self._retry_exceptions = retry_on if retry_on is True else tuple(retry_on or ())
         self._code: tuple[str, Any] | None = None
-        self._env_code: dict[tuple[tuple[str, str], ...], tuple[str, Any]] = {}
+        self._env_code: dict[Any, tuple[str, Any]] = {}
+        self._working_dir = working_dir_spec(options.get("runtime_env"),
+                                             f"@pmetal.remote {fn.__qualname__}")
         self._placement_checked: Any = None   # the client that checked the resources
         # Where its tasks run: None is the caller's node (the fast path).
         self._strategy = task_strategy(self._options, f"@pmetal.remote {fn.__qualname__}")
@@ -156,13 +167,27 @@ class RemoteFunction:
         from pmetal.actors.serialization import code_ref
         client = _client()   # first: auto-init may set the job's runtime_env
         env_vars = merged_env_vars(self._options, f"{self._fn.__qualname__}.remote()")
-        if env_vars:
+        # As in Ray (2.8 on), a generator function streams unless told otherwise.
+        num_returns = self._options.get("num_returns") or (
+            STREAMING if _is_generator(self._fn) else 1)
+        working_dir = self._working_dir or job_working_dir()
+        if env_vars or working_dir:
             # The worker runs fn through call_with_env: the variables are set
-            # for this call only (one code id per environment).
-            key = tuple(sorted(env_vars.items()))
+            # for this call only (one code id per environment); a generator's
+            # while it runs (stream_with_env). With a working_dir, fn is
+            # loaded in the worker once the folder is in place (WorkingDirTask).
+            key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
+                   client.node_address)
             if key not in self._env_code:
-                self._env_code[key] = code_ref(functools.partial(call_with_env, env_vars,
-                                                                 self._fn))
+                target: Any = self._fn
+                if env_vars:
+                    wrap = stream_with_env if num_returns == STREAMING else call_with_env
+                    target = functools.partial(wrap, env_vars, self._fn)
+                if working_dir:
+                    where = f"{self._fn.__qualname__}.remote()"
+                    target = WorkingDirTask(workdir_sources(working_dir, client, where),
+                                            Pickled.dumps(target))
+                self._env_code[key] = code_ref(target)
             fn_id, ref = self._env_code[key]
         else:
             if self._code is None:
@@ -172,6 +197,11 @@ class RemoteFunction:
         if strategy is None and strategies._capture is not None:   # in a capturing actor
             strategy = captured(self._options)
         if strategy is not None:   # SPREAD, a node or a placement group
+            if num_returns == STREAMING:
+                raise PMetalValueError(
+                    f"{self._fn.__qualname__}.remote(): a streaming generator task cannot have "
+                    f"a scheduling_strategy yet (it runs on this node's task workers); drop "
+                    f"the strategy, or run the generator as an actor method placed by it")
             from pmetal.actors.routing import run_placed
             return split_ref(run_placed(client, strategy, self, env_vars, (fn_id, ref),
                                         list(args), kwargs),
@@ -180,9 +210,13 @@ class RemoteFunction:
             client.check_placement(needed_resources(self._options),
                                    f"remote function {self._fn.__qualname__}")
             self._placement_checked = client
+        if num_returns == STREAMING:
+            return stream_task(client, fn_id, ref, list(args), kwargs, self._fn.__qualname__,
+                               check_window(self._options.get(
+                                   "_generator_backpressure_num_objects"), ""))
         result = client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
                                  self._max_retries, self._retry_exceptions)
-        return split_ref(result, self._options.get("num_returns") or 1)
+        return split_ref(result, num_returns)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
@@ -203,6 +237,8 @@ class ActorClass:
             raise PMetalValueError(f"@pmetal.remote {cls.__qualname__}: num_returns applies to "
                                    f"remote functions and actor methods (@pmetal.method), not "
                                    f"to creating an actor")
+        self._working_dir = working_dir_spec(options.get("runtime_env"),
+                                             f"@pmetal.remote {cls.__qualname__}")
         self.__wrapped__ = cls
         self.__doc__ = cls.__doc__
         self.__name__ = cls.__name__
@@ -270,8 +306,12 @@ class ActorClass:
                    "class_name": cls.__qualname__, "methods": list(methods),
                    "is_async": is_async}
         env_vars = merged_env_vars(opts, f"{cls.__qualname__}.remote()")
-        if env_vars:   # set in the worker before the constructor runs
+        working_dir = self._working_dir or job_working_dir()
+        if env_vars or working_dir:   # set in the worker before the class is loaded
             options["runtime_env"] = {"env_vars": env_vars}
+            if working_dir:
+                options["runtime_env"]["working_dir"] = workdir_sources(
+                    working_dir, client, f"{cls.__qualname__}.remote()")
         c_args, c_kwargs = client._resolve_args(list(args), kwargs)
         spec = CreateActor(client.new_actor_id(), cls_id, ref, c_args, c_kwargs, options)
         loc = client.create_actor(spec, timeout=client.config.transport.request_timeout)
@@ -282,62 +322,98 @@ class ActorClass:
                         f"{self.__name__}.remote(...)")
 
 
-def method(*, num_returns: int = 1) -> Any:
+def method(*, num_returns: int | str | None = None,
+           _generator_backpressure_num_objects: int | None = None) -> Any:
     """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
     ``@ray.method``: a call of it returns N refs, one per item of the tuple
-    the method returns."""
+    the method returns; ``num_returns="streaming"`` (the default for a
+    generator method, as in Ray) returns an ObjectRefGenerator, which lets
+    the generator run at most ``_generator_backpressure_num_objects`` items
+    ahead of the caller."""
     check_num_returns(num_returns, "@pmetal.method")
+    window = _generator_backpressure_num_objects
+    if window is not None:
+        check_window(window, "@pmetal.method")
+        if num_returns not in (None, STREAMING):
+            raise PMetalValueError("@pmetal.method: _generator_backpressure_num_objects "
+                                   "applies to num_returns='streaming' only")
 
     def wrap(fn: Any) -> Any:
         if not callable(fn):
             raise PMetalTypeError(f"@pmetal.method applies to methods, not "
                                   f"{type(fn).__name__}")
-        fn.__pmetal_num_returns__ = num_returns
+        if window is not None:
+            fn.__pmetal_num_returns__ = f"{STREAMING}:{window}"
+        elif num_returns is not None:
+            fn.__pmetal_num_returns__ = num_returns
         return fn
     return wrap
+
+
+def _is_generator(fn: Any) -> bool:
+    return inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn)
 
 
 def _method_entry(name: str, member: Any) -> str:
     """How a method travels in the actor's method list (kept by its node, so
     that a handle from get_actor or a pickled one knows it too):
-    ``"name"``, or ``"name/N"`` for ``@pmetal.method(num_returns=N)``
-    (no method name holds a "/")."""
-    count = getattr(member, "__pmetal_num_returns__", 1)
+    ``"name"``, ``"name/N"`` for ``@pmetal.method(num_returns=N)``, or
+    ``"name/streaming"`` (``"name/streaming:W"`` with a backpressure
+    window W) for a generator method (no method name holds a "/")."""
+    count = getattr(member, "__pmetal_num_returns__", None)
+    if count is None:
+        count = STREAMING if _is_generator(member) else 1
     return name if count == 1 else f"{name}/{count}"
 
 
-def _parse_methods(entries: tuple[str, ...]) -> dict[str, int]:
-    """Method name -> num_returns, from the entries of ``_method_entry``."""
-    out = {}
+def _parse_methods(entries: tuple[str, ...]) -> dict[str, int | str]:
+    """Method name -> num_returns, from the entries of ``_method_entry``
+    (``"streaming"`` or ``"streaming:W"`` for a generator method)."""
+    out: dict[str, int | str] = {}
     for entry in entries:
         name, _, count = entry.partition("/")
-        out[name] = int(count) if count.isdigit() else 1
+        out[name] = (int(count) if count.isdigit() else
+                     count if count.startswith(STREAMING) else 1)
     return out
 
 
 class ActorMethod:
-    __slots__ = ("_handle", "_name", "_num_returns")
+    __slots__ = ("_handle", "_name", "_num_returns", "_window")
 
-    def __init__(self, handle: ActorHandle, name: str, num_returns: int = 1) -> None:
+    def __init__(self, handle: ActorHandle, name: str, num_returns: int | str = 1,
+                 window: int | None = None) -> None:
         self._handle = handle
         self._name = name
+        if isinstance(num_returns, str) and ":" in num_returns:   # "streaming:W"
+            num_returns, _, w = num_returns.partition(":")
+            window = int(w) if w.isdigit() else None
         self._num_returns = num_returns
+        self._window = window
 
     def options(self, **options: Any) -> ActorMethod:
         """``handle.method.options(num_returns=N).remote(...)``, as in Ray;
-        num_returns is the only method option pmetal has."""
-        unknown = set(options) - {"num_returns"}
+        num_returns (and ``_generator_backpressure_num_objects`` for
+        ``"streaming"``) are the only method options pmetal has."""
+        valid = {"num_returns", "_generator_backpressure_num_objects"}
+        unknown = set(options) - valid
         if unknown:
             raise PMetalTypeError(f"actor method {self._name}: unknown option(s) "
-                                  f"{sorted(unknown)}; valid: ['num_returns']")
+                                  f"{sorted(unknown)}; valid: {sorted(valid)}")
         count = options.get("num_returns", self._num_returns)
-        check_num_returns(count, f"actor method {self._name}")
-        return ActorMethod(self._handle, self._name, count)
+        where = f"actor method {self._name}"
+        check_num_returns(count, where)
+        window = options.get("_generator_backpressure_num_objects", self._window)
+        if window is not None:
+            check_window(window, where)
+        return ActorMethod(self._handle, self._name, count, window)
 
     def remote(self, *args: Any, **kwargs: Any) -> Any:
         handle = self._handle
         origin = handle._origin
         client = _client() if origin is None or not origin.closed else _after_shutdown(handle)
+        if self._num_returns == STREAMING:
+            return stream_actor_call(client, handle, self._name, list(args), kwargs,
+                                     check_window(self._window, ""))
         return split_ref(client.call(handle, self._name, list(args), kwargs), self._num_returns)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -223,6 +223,7 @@ class PeerLink:
         # Calls queued behind calls in flight, sent together as one CallBatch.
         self.outbox: list[tuple[ObjectRef, list[Any]]] = []
         self.outbox_actor = ""
+        self.streams = 0   # streams (num_returns="streaming") open on it (generators.py)
         self.owner = ""   # the actor this worker hosts, or _TASKS (see CoreClient._link_for)
         self.node_id = ""  # the node of that worker, when known
         self.watch: ClusterWatch | None = None   # set for a worker of another node

@@ -1,4 +1,5 @@
-"""Ray's ``runtime_env``, the part pmetal has: ``{"env_vars": {...}}``.
+"""Ray's ``runtime_env``, the part pmetal has: ``{"env_vars": {...},
+"working_dir": path, "excludes": [...]}``.
 
 ``pmetal.init(runtime_env=...)`` sets the job's environment variables (every
 task and actor this driver starts gets them); ``.options(runtime_env=...)``
@@ -6,42 +7,50 @@ adds to them for one remote function or actor class (its values win, as
 Ray merges ``env_vars``). An actor's variables are set in its worker before
 the constructor runs and stay for its life; a task's are set for that call
 only and the worker's own are restored after it (a task worker runs one
-call at a time). Every other key Ray knows (``working_dir``, ``pip``,
-``conda``, ...) is refused by name: pmetal does not ship code or install
-packages yet.
+call at a time). ``working_dir`` (with ``excludes``) ships a folder to the
+machines that run the work (:mod:`pmetal.actors.workdir`); one given to
+``.options`` replaces the job's. Every other key Ray knows (``pip``,
+``conda``, ``py_modules``, ...) is refused by name: pmetal does not install
+packages.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pmetal.errors import PMetalTypeError, PMetalValueError
 
-__all__ = ["call_with_env", "check_runtime_env", "job_env_vars", "merged_env_vars",
-           "set_job_env_vars"]
+__all__ = ["call_with_env", "check_runtime_env", "job_env_vars", "job_working_dir",
+           "merged_env_vars", "set_job_env_vars", "set_job_working_dir", "stream_with_env",
+           "working_dir_spec"]
 
-_PLANNED = {"working_dir": " (planned)"}
+_KEYS = ("env_vars", "working_dir", "excludes")
 
 _job_env_vars: dict[str, str] = {}   # this driver's, from pmetal.init(runtime_env=...)
+_job_working_dir: dict[str, Any] | None = None   # ... its working_dir, packed
 
 
 def check_runtime_env(runtime_env: Any, where: str) -> dict[str, str]:
-    """The ``env_vars`` of ``runtime_env`` (a dict, or None for none);
-    PMetalTypeError/PMetalValueError saying what is wrong otherwise."""
+    """The ``env_vars`` of ``runtime_env`` (a dict, or None for none), its
+    ``working_dir`` checked too (packed, when a path: a folder that does not
+    exist or is too big is refused here); PMetalTypeError/PMetalValueError
+    saying what is wrong otherwise."""
     if runtime_env is None:
         return {}
     if not isinstance(runtime_env, dict):
         raise PMetalTypeError(f"{where}: runtime_env must be a dict like "
-                              f"{{'env_vars': {{'NAME': 'value'}}}}, not "
-                              f"{type(runtime_env).__name__}")
-    other = sorted(str(k) for k in runtime_env if k != "env_vars")
+                              f"{{'env_vars': {{'NAME': 'value'}}, 'working_dir': 'path'}}, "
+                              f"not {type(runtime_env).__name__}")
+    other = sorted(str(k) for k in runtime_env if k not in _KEYS)
     if other:
-        named = ", ".join(f"{k!r}{_PLANNED.get(k, '')}" for k in other)
-        raise PMetalValueError(f"{where}: runtime_env key(s) {named} not supported yet; "
-                               f"pmetal supports only 'env_vars' (install packages and "
-                               f"copy code to every node yourself meanwhile)")
+        named = ", ".join(repr(k) for k in other)
+        raise PMetalValueError(f"{where}: runtime_env key(s) {named} not supported; pmetal "
+                               f"supports {', '.join(map(repr, _KEYS))} (install packages on "
+                               f"every node yourself)")
+    working_dir_spec(runtime_env, where)
     env_vars = runtime_env.get("env_vars") or {}
     if not isinstance(env_vars, dict):
         raise PMetalTypeError(f"{where}: runtime_env['env_vars'] must be a dict of str to "
@@ -58,6 +67,34 @@ def check_runtime_env(runtime_env: Any, where: str) -> dict[str, str]:
             raise PMetalValueError(f"{where}: runtime_env['env_vars'][{name!r}] holds a "
                                    f"NUL character")
     return dict(env_vars)
+
+
+def working_dir_spec(runtime_env: Any, where: str) -> dict[str, Any] | None:
+    """``runtime_env``'s working_dir as it travels (``sha256``, ``digest``,
+    ...: see pmetal.actors.workdir), packing a path given by the user;
+    None when it has none."""
+    if not runtime_env:
+        return None
+    folder = runtime_env.get("working_dir")
+    if folder is None:
+        if runtime_env.get("excludes") is not None:
+            raise PMetalValueError(f"{where}: runtime_env['excludes'] applies to a "
+                                   f"working_dir; give runtime_env['working_dir'] too")
+        return None
+    from pmetal.actors import workdir
+    if isinstance(folder, dict):   # packed already: a spec from the wire
+        workdir.check_spec(folder, where)
+        return folder
+    return workdir.publish(folder, runtime_env.get("excludes"), where)
+
+
+def set_job_working_dir(spec: dict[str, Any] | None) -> None:
+    global _job_working_dir
+    _job_working_dir = spec
+
+
+def job_working_dir() -> dict[str, Any] | None:
+    return _job_working_dir
 
 
 def set_job_env_vars(env_vars: dict[str, str]) -> None:
@@ -95,5 +132,35 @@ def call_with_env(env_vars: dict[str, str], fn: Callable[..., Any], *args: Any,
     before = set_env(env_vars)
     try:
         return fn(*args, **kwargs)
+    finally:
+        restore_env(before)
+
+
+def stream_with_env(env_vars: dict[str, str], fn: Callable[..., Any], *args: Any,
+                    **kwargs: Any) -> Any:
+    """``call_with_env`` for a generator function (``num_returns="streaming"``):
+    the variables are set while the generator runs, up to its end or close
+    (a task worker serves one stream at a time)."""
+    made = fn(*args, **kwargs)
+    if inspect.isasyncgen(made):
+        return _async_stream_with_env(env_vars, made)
+    if not isinstance(made, Iterator):
+        return made   # not a generator: the worker says so
+    return _stream_with_env(env_vars, made)
+
+
+def _stream_with_env(env_vars: dict[str, str], made: Any) -> Any:
+    before = set_env(env_vars)
+    try:
+        yield from made
+    finally:
+        restore_env(before)
+
+
+async def _async_stream_with_env(env_vars: dict[str, str], made: Any) -> Any:
+    before = set_env(env_vars)
+    try:
+        async for item in made:
+            yield item
     finally:
         restore_env(before)

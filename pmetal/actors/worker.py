@@ -34,11 +34,12 @@ import threading
 import traceback
 from typing import Any
 
-from pmetal.actors import context, strategies
+from pmetal.actors import context, strategies, workdir
 from pmetal.actors.client import CoreClient
 from pmetal.actors.runtime_env import restore_env, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
                                          unpack_values)
+from pmetal.actors.streams import StreamServer
 from pmetal.cluster.clock import GateView
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, SecureListener
@@ -48,8 +49,8 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, Message, Ping, Pong, Result,
-                         RunTask, Shutdown, Status, StatusRequest,
-                         WorkerReady)
+                         RunTask, Shutdown, Status, StatusRequest, StreamCall,
+                         StreamCredit, StreamStop, WorkerReady)
 
 __all__ = ["Worker", "failure_from", "main"]
 
@@ -72,7 +73,7 @@ _HOLD = 5.0
 """Seconds a call (or a result) waits for the node's gate to open after a
 pause of the node before it is refused (or withheld)."""
 
-_GATED = (Call, RunTask, InitActor)   # what executes user code
+_GATED = (Call, RunTask, InitActor)   # what executes user code (StreamCall: streams.py)
 
 _BAD_ENTRY = Failure("bad_request", "ProtocolError",
                      "a batch entry is not [method, args, kwargs]")
@@ -130,6 +131,7 @@ class Worker:
         # Async methods running, by (caller's route, call's corr): CancelCall.
         self._running: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
+        self.streams = StreamServer(self)   # num_returns="streaming" calls
 
     @property
     def address(self) -> str:
@@ -138,7 +140,7 @@ class Worker:
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
                 "refused": self.refused, "held": self.held, "withheld": self.withheld,
-                "listener": self.listener.statistics()}
+                "streams": self.streams.served, "listener": self.listener.statistics()}
 
     # ------------------------------------------------------------- serving
 
@@ -165,11 +167,15 @@ class Worker:
     def _serve_sync(self) -> None:
         """Blocking loop; returns when stopped or when the actor needs asyncio."""
         listener = self.listener
+        backlog = self.streams.backlog   # what came while a stream waited
         while not self._stop:
-            incoming = listener.recv()
+            incoming = backlog.popleft() if backlog else listener.recv()
             kind = type(incoming.body)
             if kind is CallBatch:
                 self._call_batch(incoming)
+                continue
+            if kind is StreamCall:
+                self.streams.serve(incoming)
                 continue
             if kind in _GATED:
                 reply = self._admit()
@@ -280,7 +286,7 @@ class Worker:
             return self._task(body)  # type: ignore[arg-type]
         if kind is InitActor:
             return self._init(body)  # type: ignore[arg-type]
-        if kind is CancelCall:
+        if kind is CancelCall or kind is StreamCredit or kind is StreamStop:
             return None   # nothing runs while a sync worker reads: the call is done
         if kind is Ping:
             return Pong(body.payload)  # type: ignore[attr-defined]
@@ -298,7 +304,14 @@ class Worker:
             return Failure("bad_request", "ActorError",
                            f"worker already hosts actor {self.actor_id}")
         env_before: dict[str, str | None] = {}
+        leave_dir = None
         try:
+            # Ray's runtime_env working_dir: the actor's current directory and
+            # first on sys.path for its life, before its class is loaded
+            # (it may live in a module of the folder).
+            working_dir = (body.options.get("runtime_env") or {}).get("working_dir")
+            if working_dir:
+                leave_dir = workdir.enter(workdir.ensure(working_dir))
             cls = load_code(body.cls_ref)
             self.actor_id = body.actor_id
             # Before the constructor: it may join a collective group.
@@ -326,6 +339,8 @@ class Worker:
             self.actor_id = ""
             context.set_actor_id("")
             restore_env(env_before)
+            if leave_dir is not None:
+                leave_dir()
             return failure_from(_user_traceback(exc))
         # Decided once here, not per call: inspecting the class costs more
         # than a whole call of a small method.
@@ -414,8 +429,11 @@ class Worker:
         self.calls += 1
         context.current_task.set(self.calls)
         try:
-            value = fn(*unpack_values(body.args),
-                       **{k: unpack_value(v) for k, v in body.kwargs.items()})
+            if type(fn) is workdir.WorkingDirTask:   # runs in its runtime_env working_dir
+                value = fn.run(body.args, body.kwargs)
+            else:
+                value = fn(*unpack_values(body.args),
+                           **{k: unpack_value(v) for k, v in body.kwargs.items()})
             return Result(pack_value(value))
         except Exception as exc:
             return failure_from(_user_traceback(exc))
@@ -430,7 +448,8 @@ class Worker:
             async with asyncio.TaskGroup() as group:
                 while not self._stop:
                     try:
-                        incoming = await self.listener.arecv()
+                        backlog = self.streams.backlog
+                        incoming = backlog.popleft() if backlog else await self.listener.arecv()
                     except ClosedError:
                         return
                     body = incoming.body
@@ -446,6 +465,11 @@ class Worker:
                             group.create_task(self._refuse_batch_async(incoming))
                     elif type(body) is CancelCall:
                         self._cancel_running(incoming.route, body.corr)  # type: ignore[attr-defined]
+                    elif type(body) is StreamCall:
+                        await limit.acquire()
+                        group.create_task(self.streams.serve_async(incoming, limit, threads))
+                    elif type(body) is StreamCredit or type(body) is StreamStop:
+                        self.streams.control(incoming)
                     elif type(body) is Call:
                         await limit.acquire()
                         group.create_task(self._handle_async(incoming, limit, threads))

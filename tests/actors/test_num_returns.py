@@ -1,6 +1,7 @@
 """``num_returns=N`` as in Ray: a remote function or actor method call
 returns N refs, one per item of the returned tuple; a return value of the
-wrong shape fails every one of them; the generator modes are refused."""
+wrong shape fails every one of them; Ray's older "dynamic" generators are
+refused (test_streaming.py has "streaming")."""
 
 from __future__ import annotations
 
@@ -136,8 +137,7 @@ def test_a_handle_found_by_name_knows_the_method_num_returns() -> None:
 
 
 @pytest.mark.parametrize("value, error, match", [
-    ("streaming", PMetalValueError, "not supported yet"),
-    ("dynamic", PMetalValueError, "not supported yet"),
+    ("dynamic", PMetalValueError, "use num_returns='streaming'"),
     (0, PMetalValueError, "at least 1"),
     (2.0, PMetalTypeError, "must be an int"),
     (True, PMetalTypeError, "must be an int"),

@@ -65,8 +65,9 @@ def test_an_actor_has_its_variables_before_its_constructor(job: dict[str, Any]) 
 
 
 @pytest.mark.parametrize("runtime_env, error, words", [
-    ({"working_dir": "."}, ValueError, r"'working_dir' \(planned\) not supported yet"),
-    ({"pip": ["requests"], "env_vars": {}}, ValueError, "'pip' not supported yet"),
+    ({"working_dir": 3}, TypeError, r"runtime_env\['working_dir'\] must be the path"),
+    ({"excludes": ["*.log"]}, ValueError, r"give runtime_env\['working_dir'\] too"),
+    ({"pip": ["requests"], "env_vars": {}}, ValueError, "'pip' not supported"),
     ({"conda": "env", "py_modules": []}, ValueError, "'conda', 'py_modules' not supported"),
     ({"env_vars": {"N": 1}}, TypeError, r"\['N'\] must be a str, not int"),
     ({"env_vars": ["N=1"]}, TypeError, "must be a dict of str to str, not list"),

@@ -1,0 +1,12 @@
+"""Ray's ``ray._raylet`` import path for the names scripts import from it
+(``from ray._raylet import ObjectRefGenerator``, as Ray's own generator
+examples do), so that ``import pmetal as ray`` keeps them working. Nothing
+else lives here."""
+
+from pmetal.actors.generators import ObjectRefGenerator
+from pmetal.actors.refs import ObjectRef
+
+StreamingObjectRefGenerator = ObjectRefGenerator
+"""The name Ray 2.7 and earlier used."""
+
+__all__ = ["ObjectRef", "ObjectRefGenerator", "StreamingObjectRefGenerator"]
