@@ -478,12 +478,15 @@ def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[A
 
 
 def stream_task(client: CoreClient, fn_id: str, fn_ref: Any, args: list[Any],
-                kwargs: dict[str, Any], name: str, window: int) -> ObjectRefGenerator:
-    """``f.options(num_returns="streaming").remote(...)``."""
+                kwargs: dict[str, Any], name: str, window: int,
+                where: Any = None) -> ObjectRefGenerator:
+    """``f.options(num_returns="streaming").remote(...)``; ``where(what)``
+    (client lock held) gives the link to a task worker elsewhere (a
+    scheduling strategy: pmetal.actors.routing); None: one of our node's."""
     what = f"remote function {name}"
     args, kwargs = client._resolve_args(args, kwargs)
     with client.lock:
-        link = client._task_link(what)
+        link = client._task_link(what) if where is None else where(what)
         if isinstance(link, BaseException):
             return ObjectRefGenerator._failed(link, what)
         ref_body = None if fn_id in link.functions else fn_ref

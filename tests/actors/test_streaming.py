@@ -507,6 +507,32 @@ def test_rays_wait_loop_over_generators_and_refs() -> None:
     assert sorted(result, key=str) == [0, 1, 2, "done"]
 
 
+def test_a_streaming_task_goes_where_its_scheduling_strategy_says() -> None:
+    from pmetal.util import placement_group, remove_placement_group
+    from pmetal.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+    node = pmetal.get_runtime_context().get_node_id()
+    for strategy in ("SPREAD", NodeAffinitySchedulingStrategy(node, soft=False)):
+        gen = count.options(scheduling_strategy=strategy).remote(3)
+        assert pmetal.get(list(gen), timeout=WAIT) == [0, 1, 2]
+    pg = placement_group([{"CPU": 0.5}])
+    try:
+        assert pg.wait(WAIT)
+        gen = count.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote(2)
+        assert pmetal.get(list(gen), timeout=WAIT) == [0, 1]
+    finally:
+        remove_placement_group(pg)
+    # a group not created yet: a stream cannot wait for it
+    pending = placement_group([{"CPU": 10_000}])
+    try:
+        with pytest.raises(pmetal.PlacementError, match="cannot wait for its placement group"):
+            count.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pending)).remote(1)
+    finally:
+        remove_placement_group(pending)
+
+
 def test_calls_made_during_a_sync_actors_stream_run_after_it_in_order(
         reap: list[Any]) -> None:
     """The stream holds the actor (one call at a time) while it waits for its
