@@ -547,3 +547,62 @@ def test_calls_made_during_a_sync_actors_stream_run_after_it_in_order(
     assert pmetal.get([first, *gen], timeout=WAIT) == [0, 1, 2]
     assert pmetal.get(notes[-1], timeout=WAIT) == [
         "item 0", "item 1", "item 2", "call 0", "call 1", "call 2"]
+
+
+def test_a_stream_with_pending_ref_arguments_returns_at_once(tmp_path: Path,
+                                                            reap: list[Any]) -> None:
+    """As any call: ``.remote()`` returns its generator while an argument is
+    still being computed; the stream starts once it is there, and a later
+    call to the same actor runs after the stream's call."""
+    gate = tmp_path / "gate"
+
+    @pmetal.remote
+    def slow(n: int) -> int:
+        _wait_for(str(gate))
+        return n
+
+    n = slow.remote(3)
+    gen = count.remote(n)   # returns before the gate opens
+    assert not gate.exists() and not n.done()
+    actor = Ledger.remote()
+    reap.append(actor)
+    stream = actor.items.remote(n)
+    after = actor.note.remote("after")
+    ready, _ = pmetal.wait([gen], timeout=0.05)
+    assert ready == []
+    gate.touch()
+    assert pmetal.get(list(gen), timeout=WAIT) == [0, 1, 2]
+    assert pmetal.get(list(stream), timeout=WAIT) == [0, 1, 2]
+    assert pmetal.get(after, timeout=WAIT)[-1] == "after"
+    assert pmetal.get(after, timeout=WAIT)[:3] == ["item 0", "item 1", "item 2"]
+    # a failed argument fails the first ref, then the iteration ends
+    gate2 = tmp_path / "gate2"
+
+    @pmetal.remote
+    def boom() -> int:
+        _wait_for(str(gate2))
+        raise ValueError("no count")
+
+    failed = count.remote(boom.remote())
+    gate2.touch()
+    refs = list(failed)
+    assert len(refs) == 1
+    with pytest.raises(ValueError, match="no count"):
+        pmetal.get(refs[0], timeout=WAIT)
+
+
+def test_cancel_of_a_stream_waiting_for_its_arguments(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+
+    @pmetal.remote
+    def slow() -> int:
+        _wait_for(str(gate))
+        return 2
+
+    gen = count.remote(slow.remote())
+    pmetal.cancel(gen)
+    refs = list(gen)
+    assert len(refs) == 1
+    with pytest.raises(TaskCancelledError, match="before it was sent"):
+        pmetal.get(refs[0], timeout=WAIT)
+    gate.touch()
