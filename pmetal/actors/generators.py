@@ -21,7 +21,10 @@ fails the items not arrived with TaskCancelledError; a generator dropped
 unread (``break`` out of a loop) stops its worker the same way, from a
 short-lived thread (``__del__`` may run in any thread, in the middle of a
 send). Streaming calls are not retried (``max_retries``, ``max_task_retries``
-do not apply) and wait in ``.remote()`` for their ObjectRef arguments.
+do not apply). One with ObjectRef arguments not done yet returns its
+generator at once and waits with the other such calls (pmetal.actors.deferred):
+the generator's end ref stands in the queue and adopts the real one when the
+call is sent, and the stream's state moves into the generator then.
 
 A task worker serving a stream runs nothing else until it ends, so a link
 counts its open streams (``PeerLink.streams``, from the StreamCall until its
@@ -34,9 +37,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from pmetal.actors.deferred import Deferrals
 from pmetal.actors.refs import ObjectRef, call_name
 from pmetal.errors import (
     ActorDiedError,
@@ -205,6 +210,17 @@ class ObjectRefGenerator:
         start or the worker died."""
         return self._end
 
+    def _take_over(self, inner: ObjectRefGenerator) -> None:
+        """Become the stream ``inner`` opened for this generator, whose call
+        waited for its arguments (client lock held; our end adopts inner's
+        next, in the deferred-call watcher)."""
+        self._link, self._items = inner._link, inner._items
+        end, ours = inner._end, self._end
+        if isinstance(end, _EndRef) and isinstance(ours, _EndRef):
+            ours._open_on, end._open_on = getattr(end, "_open_on", None), None
+        inner._client = None   # its __del__ must not stop the stream it handed over
+        inner._items = collections.deque()
+
     def _next(self, timeout: float | None) -> ObjectRef | None:
         client = self._client
         while True:
@@ -233,6 +249,10 @@ class ObjectRefGenerator:
                     self._finish()
                     return None
             assert client is not None   # a failed generator's end is done
+            if head is None and end._deferred:   # the call waits for its arguments
+                deadline = None if timeout is None else time.monotonic() + timeout
+                client._deferrals.await_submitted(end, deadline, timeout)
+                continue
             waiting = [r for r in (head, end) if r is not None and not r.done()]
             ready, _ = client.wait(waiting, 1, timeout)
             if not ready and timeout is not None:
@@ -298,8 +318,17 @@ class ObjectRefGenerator:
         arrived fail with TaskCancelledError (the next ``next`` returns one,
         then the iteration ends)."""
         client, link, end = self._client, self._link, self._end
-        if client is None or link is None or self._finished or end.done():
+        if client is None or self._finished or end.done():
             return
+        if link is None:   # not sent yet: it waits for its arguments
+            with client.lock:
+                if end._deferred and client._deferrals.drop(end):
+                    end._error = TaskCancelledError(
+                        f"{self._describe()} was cancelled by pmetal.cancel before it was sent")
+                    return
+            link = self._link
+            if link is None or end.done():
+                return
         if force and not self._task:
             raise PMetalValueError(
                 f"pmetal.cancel(force=True) of {self._describe()}: an actor method cannot be "
@@ -356,21 +385,27 @@ class _NextReady:
     def __init__(self, gen: ObjectRefGenerator) -> None:
         self.gen = gen
 
-    _deferred = False
-
     @property
     def _client(self) -> Any:
         return self.gen._client
 
     def _pending(self) -> ObjectRef | None:
+        """The ref ``next`` would wait for; None when it would not wait."""
         gen = self.gen
         if gen._finished or gen._end.done():
             return None
         head = gen._items[0] if gen._items else None
-        return None if head is None or head.done() else head
+        if head is None:   # not sent yet (it waits for its arguments)
+            return gen._end
+        return None if head.done() else head
 
     def done(self) -> bool:
         return self._pending() is None
+
+    @property
+    def _deferred(self) -> bool:
+        pending = self._pending()
+        return pending is not None and pending._deferred
 
     @property
     def _link(self) -> PeerLink | None:
@@ -379,7 +414,7 @@ class _NextReady:
 
     def _fail_link(self, why: str) -> None:
         head = self._pending()
-        if head is not None:
+        if head is not None and not head._deferred:
             head._fail_link(why)
             self.gen._end._fail_link(why)
 
@@ -450,14 +485,64 @@ def _open(client: CoreClient, link: PeerLink, body_of: Any, what: Any, window: i
     return ObjectRefGenerator(client, link, what, items, end, task)
 
 
+class _Later:
+    """How a stream whose call waits for its ObjectRef arguments is sent:
+    the deferred-call watcher (pmetal.actors.deferred) calls it, client lock
+    held, once they are done (``prepare`` first, without the lock, finds an
+    actor). It opens the stream and hands it to the generator ``.remote()``
+    returned at once; a generator dropped meanwhile sends nothing."""
+
+    def __init__(self, gen: ObjectRefGenerator, send: Any, prepare: Any) -> None:
+        self._gen = weakref.ref(gen)
+        self._send = send
+        self.prepare = prepare
+
+    def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
+        gen = self._gen()
+        if gen is None:
+            return ObjectRef.of_error(PMetalValueError("the ObjectRefGenerator was dropped "
+                                                       "before its call was sent"))
+        inner = self._send(args, kwargs)
+        gen._take_over(inner)
+        return inner._end
+
+
+def _later(client: CoreClient, send: Any, args: list[Any], kwargs: dict[str, Any],
+           actor_id: str, what: Any, task: bool, prepare: Any = None) -> ObjectRefGenerator:
+    """A generator now, its stream opened by ``send`` once the arguments are
+    done (calls to the same actor made later wait behind it, as for calls)."""
+    end = _EndRef(client, None, 0, what)
+    end._task = task
+    gen = ObjectRefGenerator(client, None, what, collections.deque(), end, task)
+    # The queue of deferred.py, with our own ref: the generator's end, which
+    # adopts the real one when the call is sent.
+    client._deferrals._queue(end, _Later(gen, send, prepare), list(args), kwargs, actor_id)
+    return gen
+
+
 def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[Any],
                       kwargs: dict[str, Any], window: int) -> ObjectRefGenerator:
     """``handle.method.options(num_returns="streaming").remote(...)``."""
     what = (handle, method)
+
+    def send(a: list[Any], kw: dict[str, Any], link: PeerLink | None = None) -> Any:
+        """Open the stream (client lock held, the actor found)."""
+        link = link or client.locator.ready(handle)
+        if link is None or link.dead:
+            return ObjectRefGenerator._failed(ActorDiedError(
+                f"{call_name(handle, method)}: its worker went away while the call was "
+                f"being sent"), what)
+        if link.outbox:
+            client._flush(link)   # calls queued before this one are sent first
+        return _open(client, link, lambda corrs: StreamCall(handle._actor_id, method, None,
+                                                            a, kw, corrs),
+                     what, window, task=False)
+
     deferrals = client._deferrals
-    # Calls to this actor that wait for their arguments go first (order).
-    while deferrals.actors and handle._actor_id in deferrals.actors:
-        deferrals.await_change(0.05)
+    if ((deferrals.actors and handle._actor_id in deferrals.actors)
+            or Deferrals.unready(args, kwargs)):
+        return _later(client, send, args, kwargs, handle._actor_id, what, task=False,
+                      prepare=lambda: client.locator.prepare(handle))
     args, kwargs = client._resolve_args(args, kwargs)
     with client.lock:
         link = client.locator.ready(handle)
@@ -470,25 +555,30 @@ def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[A
         if link.dead:
             return ObjectRefGenerator._failed(
                 ActorDiedError(f"{call_name(handle, method)}: {link.dead}"), what)
-        if link.outbox:
-            client._flush(link)   # calls queued before this one are sent first
-        return _open(client, link, lambda corrs: StreamCall(handle._actor_id, method, None,
-                                                            args, kwargs, corrs),
-                     what, window, task=False)
+        return send(args, kwargs, link)
 
 
 def stream_task(client: CoreClient, fn_id: str, fn_ref: Any, args: list[Any],
-                kwargs: dict[str, Any], name: str, window: int) -> ObjectRefGenerator:
-    """``f.options(num_returns="streaming").remote(...)``."""
+                kwargs: dict[str, Any], name: str, window: int,
+                where: Any = None) -> ObjectRefGenerator:
+    """``f.options(num_returns="streaming").remote(...)``; ``where(what)``
+    (client lock held) gives the link to a task worker elsewhere (a
+    scheduling strategy: pmetal.actors.routing); None: one of our node's."""
     what = f"remote function {name}"
-    args, kwargs = client._resolve_args(args, kwargs)
-    with client.lock:
-        link = client._task_link(what)
+
+    def send(a: list[Any], kw: dict[str, Any]) -> ObjectRefGenerator:
+        """Open the stream (client lock held)."""
+        link = client._task_link(what) if where is None else where(what)
         if isinstance(link, BaseException):
             return ObjectRefGenerator._failed(link, what)
         ref_body = None if fn_id in link.functions else fn_ref
-        gen = _open(client, link, lambda corrs: StreamCall("", fn_id, ref_body, args, kwargs,
-                                                           corrs),
+        gen = _open(client, link, lambda corrs: StreamCall("", fn_id, ref_body, a, kw, corrs),
                     what, window, task=True)
         link.functions.add(fn_id)
         return gen
+
+    if Deferrals.unready(args, kwargs):
+        return _later(client, send, args, kwargs, "", what, task=True)
+    args, kwargs = client._resolve_args(args, kwargs)
+    with client.lock:
+        return send(args, kwargs)

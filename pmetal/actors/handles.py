@@ -196,12 +196,13 @@ class RemoteFunction:
         strategy = self._strategy
         if strategy is None and strategies._capture is not None:   # in a capturing actor
             strategy = captured(self._options)
+        if strategy is not None and num_returns == STREAMING:
+            from pmetal.actors.routing import stream_place
+            return stream_task(client, fn_id, ref, list(args), kwargs, self._fn.__qualname__,
+                               check_window(self._options.get(
+                                   "_generator_backpressure_num_objects"), ""),
+                               where=stream_place(client, strategy, self))
         if strategy is not None:   # SPREAD, a node or a placement group
-            if num_returns == STREAMING:
-                raise PMetalValueError(
-                    f"{self._fn.__qualname__}.remote(): a streaming generator task cannot have "
-                    f"a scheduling_strategy yet (it runs on this node's task workers); drop "
-                    f"the strategy, or run the generator as an actor method placed by it")
             from pmetal.actors.routing import run_placed
             return split_ref(run_placed(client, strategy, self, env_vars, (fn_id, ref),
                                         list(args), kwargs),

@@ -46,8 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.links import _TASKS, PeerLink
 from pmetal.actors.refs import ObjectRef, failure_error
-from pmetal.actors.runtime_env import call_with_env
-from pmetal.actors.serialization import code_ref
+from pmetal.actors.serialization import code_ref, load_code
 from pmetal.actors.strategies import (NodeAffinitySchedulingStrategy,
                                       PlacementGroupSchedulingStrategy)
 from pmetal.errors import ActorDiedError, PlacementError, PMetalError
@@ -94,10 +93,10 @@ def run_placed(client: CoreClient, strategy: Any, fn: RemoteFunction,
     try:   # errors in the strategy itself show at .remote(), as for actors
         first.append(router.node_for(strategy, need, what))
     except _Pending:
-        key = ("<after ready>", *sorted(env_vars.items()))
+        key = ("<after ready>", fn_id)
         if key not in fn._env_code:
-            run = functools.partial(call_with_env, env_vars, fn._fn) if env_vars else fn._fn
-            fn._env_code[key] = code_ref(functools.partial(after_ready, run))
+            # The task's own code (with its env_vars, its working_dir), behind the wait.
+            fn._env_code[key] = code_ref(functools.partial(after_ready, load_code(fn_ref)))
         fn_id, fn_ref = fn._env_code[key]
         args = [strategy.placement_group.ready(), *args]
     except PMetalError as exc:
@@ -106,6 +105,24 @@ def run_placed(client: CoreClient, strategy: Any, fn: RemoteFunction,
                            fn._retry_exceptions,
                            where=lambda w: router.link_for(strategy, need, w,
                                                            first.pop() if first else ""))
+
+
+def stream_place(client: CoreClient, strategy: Any,
+                 fn: RemoteFunction) -> Callable[[str], PeerLink | BaseException]:
+    """Where a streaming task of ``fn`` goes: a function giving the link to
+    a task worker of the node ``strategy`` picks now (called under the
+    client lock). A stream is not retried, and it cannot wait for its
+    placement group: a group not created yet is a PlacementError here."""
+    from pmetal.actors.handles import needed_resources
+    router = _router(client)
+    need = needed_resources(fn._options)
+    what = f"remote function {fn._fn.__qualname__}"
+    try:
+        node = router.node_for(strategy, need, what)
+    except _Pending as exc:
+        raise PlacementError(f"{what}: a streaming task cannot wait for its placement group "
+                             f"to be created ({exc}); pmetal.get(pg.ready()) first") from exc
+    return lambda w: router.link_for(strategy, need, w, node)
 
 
 def after_ready(fn: Callable[..., Any], _group: Any, *args: Any, **kwargs: Any) -> Any:

@@ -356,6 +356,15 @@ class WorkingDirTask:
             raise
         return self._fn, leave
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function in the folder (for a wrapper that calls it with
+        its arguments already unpacked: a task waiting for its placement group)."""
+        fn, leave = self.enter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            leave()
+
     def run(self, args: list[Any], kwargs: dict[str, Any]) -> Any:
         """Call the function in the folder with packed arguments."""
         from pmetal.actors.serialization import unpack_value, unpack_values

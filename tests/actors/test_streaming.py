@@ -507,6 +507,32 @@ def test_rays_wait_loop_over_generators_and_refs() -> None:
     assert sorted(result, key=str) == [0, 1, 2, "done"]
 
 
+def test_a_streaming_task_goes_where_its_scheduling_strategy_says() -> None:
+    from pmetal.util import placement_group, remove_placement_group
+    from pmetal.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+    node = pmetal.get_runtime_context().get_node_id()
+    for strategy in ("SPREAD", NodeAffinitySchedulingStrategy(node, soft=False)):
+        gen = count.options(scheduling_strategy=strategy).remote(3)
+        assert pmetal.get(list(gen), timeout=WAIT) == [0, 1, 2]
+    pg = placement_group([{"CPU": 0.5}])
+    try:
+        assert pg.wait(WAIT)
+        gen = count.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote(2)
+        assert pmetal.get(list(gen), timeout=WAIT) == [0, 1]
+    finally:
+        remove_placement_group(pg)
+    # a group not created yet: a stream cannot wait for it
+    pending = placement_group([{"CPU": 10_000}])
+    try:
+        with pytest.raises(pmetal.PlacementError, match="cannot wait for its placement group"):
+            count.options(scheduling_strategy=PlacementGroupSchedulingStrategy(pending)).remote(1)
+    finally:
+        remove_placement_group(pending)
+
+
 def test_calls_made_during_a_sync_actors_stream_run_after_it_in_order(
         reap: list[Any]) -> None:
     """The stream holds the actor (one call at a time) while it waits for its
@@ -521,3 +547,62 @@ def test_calls_made_during_a_sync_actors_stream_run_after_it_in_order(
     assert pmetal.get([first, *gen], timeout=WAIT) == [0, 1, 2]
     assert pmetal.get(notes[-1], timeout=WAIT) == [
         "item 0", "item 1", "item 2", "call 0", "call 1", "call 2"]
+
+
+def test_a_stream_with_pending_ref_arguments_returns_at_once(tmp_path: Path,
+                                                            reap: list[Any]) -> None:
+    """As any call: ``.remote()`` returns its generator while an argument is
+    still being computed; the stream starts once it is there, and a later
+    call to the same actor runs after the stream's call."""
+    gate = tmp_path / "gate"
+
+    @pmetal.remote
+    def slow(n: int) -> int:
+        _wait_for(str(gate))
+        return n
+
+    n = slow.remote(3)
+    gen = count.remote(n)   # returns before the gate opens
+    assert not gate.exists() and not n.done()
+    actor = Ledger.remote()
+    reap.append(actor)
+    stream = actor.items.remote(n)
+    after = actor.note.remote("after")
+    ready, _ = pmetal.wait([gen], timeout=0.05)
+    assert ready == []
+    gate.touch()
+    assert pmetal.get(list(gen), timeout=WAIT) == [0, 1, 2]
+    assert pmetal.get(list(stream), timeout=WAIT) == [0, 1, 2]
+    assert pmetal.get(after, timeout=WAIT)[-1] == "after"
+    assert pmetal.get(after, timeout=WAIT)[:3] == ["item 0", "item 1", "item 2"]
+    # a failed argument fails the first ref, then the iteration ends
+    gate2 = tmp_path / "gate2"
+
+    @pmetal.remote
+    def boom() -> int:
+        _wait_for(str(gate2))
+        raise ValueError("no count")
+
+    failed = count.remote(boom.remote())
+    gate2.touch()
+    refs = list(failed)
+    assert len(refs) == 1
+    with pytest.raises(ValueError, match="no count"):
+        pmetal.get(refs[0], timeout=WAIT)
+
+
+def test_cancel_of_a_stream_waiting_for_its_arguments(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+
+    @pmetal.remote
+    def slow() -> int:
+        _wait_for(str(gate))
+        return 2
+
+    gen = count.remote(slow.remote())
+    pmetal.cancel(gen)
+    refs = list(gen)
+    assert len(refs) == 1
+    with pytest.raises(TaskCancelledError, match="before it was sent"):
+        pmetal.get(refs[0], timeout=WAIT)
+    gate.touch()

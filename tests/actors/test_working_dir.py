@@ -227,3 +227,23 @@ def test_packing_is_deterministic(tmp_path: Path) -> None:
     a, b = tmp_path / "a.zip", tmp_path / "b.zip"
     assert workdir._pack(listing, a) == workdir._pack(workdir._listing(two, ()), b)
     assert a.read_bytes() == b.read_bytes()
+
+
+def test_a_task_waiting_for_its_placement_group_runs_in_the_working_dir(
+        home: Path, tmp_path: Path) -> None:
+    from pmetal.util import placement_group, remove_placement_group
+    from pmetal.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    folder = make_folder(tmp_path / "wd", "pg")
+    cpus = pmetal.available_resources()["CPU"]
+    first = placement_group([{"CPU": cpus}])
+    assert first.wait(WAIT)
+    second = placement_group([{"CPU": cpus}])   # pending until the first is removed
+    try:
+        assert second.wait(0.1) is False
+        task = in_folder.options(runtime_env={"working_dir": str(folder)},
+                                 scheduling_strategy=PlacementGroupSchedulingStrategy(second))
+        ref = task.remote("wd_helper_pg")
+        remove_placement_group(first)
+        assert pmetal.get(ref, timeout=WAIT)["mark"] == "pg"
+    finally:
+        remove_placement_group(second)
