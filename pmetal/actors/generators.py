@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import sys
 import threading
 import time
 import weakref
@@ -352,7 +353,10 @@ class ObjectRefGenerator:
 
     def __del__(self) -> None:
         client, link, end = self._client, self._link, self._end
-        if client is None or link is None or self._finished or link.dead:
+        if (client is None or link is None or self._finished or link.dead or client.closed
+                or sys.is_finalizing()):
+            # At interpreter exit a new thread never starts (Thread.start
+            # would wait for it forever): the worker sees our link close.
             return
         # Stop the worker, which may wait for ids that will never come, and
         # stop waiting for the items not taken. Not here: __del__ may run
