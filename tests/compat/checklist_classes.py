@@ -190,6 +190,36 @@ class Counter:
         yield from range(n)
 
 
+@pmetal.remote
+class Parent:
+    """Creates a child actor, which it owns."""
+
+    def child(self) -> Any:
+        self.kept = Counter.remote()
+        return self.kept
+
+
+@pmetal.remote
+class Canceller:
+    """A sync actor whose method polls for its own cancellation."""
+
+    def __init__(self) -> None:
+        self.outcome = "did not run"
+
+    def until_cancelled(self) -> str:
+        deadline = time.monotonic() + WAIT
+        self.outcome = "never saw it"
+        while time.monotonic() < deadline:
+            if pmetal.get_runtime_context().is_canceled():
+                self.outcome = "saw it"
+                break
+            time.sleep(0.01)
+        return self.outcome
+
+    def last_outcome(self) -> str:
+        return self.outcome
+
+
 @pmetal.remote(max_restarts=1, max_task_retries=1)
 class Phoenix:
     """Dies in ``die_once`` the first time; its restart reruns the constructor."""

@@ -35,10 +35,12 @@ from pmetal.util.queue import Empty, Full, Queue
 
 from .checklist_classes import (
     WAIT,
+    Canceller,
     Counter,
     Flaky,
     Gate,
     Meeting,
+    Parent,
     Phoenix,
     Sleeper,
     ThreadedMeeting,
@@ -70,6 +72,7 @@ PSK = secrets.token_hex(16)
 NUM_CPUS = (os.cpu_count() or 1) + 2
 """More than the machine's cores, so that what ``num_cpus`` allows is seen."""
 BOARDS = 2
+GPUS = 2
 
 
 def branch(item: int, name: str, what: str) -> pytest.MarkDecorator:
@@ -92,7 +95,8 @@ def gap(what: str) -> pytest.MarkDecorator:
 def cluster() -> Any:
     if pmetal.is_initialized():
         pmetal.shutdown(timeout=3.0)
-    info = pmetal.init(num_cpus=NUM_CPUS, resources={"board": BOARDS}, num_workers=3, psk=PSK,
+    info = pmetal.init(num_cpus=NUM_CPUS, num_gpus=GPUS, resources={"board": BOARDS},
+                       num_workers=3, psk=PSK,
                        runtime_env={"env_vars": {"CHECKLIST_JOB_VAR": "job"}})
     yield info
     pmetal.shutdown(timeout=3.0)
@@ -395,6 +399,24 @@ def test_threaded_actor_runs_max_concurrency_calls_at_once(reap: list) -> None:
                              timeout=WAIT)) == [0, 1, 2]
 
 
+def test_an_actor_dies_with_the_actor_that_created_it(reap: list) -> None:
+    """ray-core/fault_tolerance/actors.html (actor creator failure): "Actors
+    can fail if ... the owner of the actor dies"; the owner is the worker
+    that created it, and calls to the orphan raise ``RayActorError``."""
+    parent = Parent.remote()
+    child = pmetal.get(parent.child.remote(), timeout=WAIT)
+    assert pmetal.get(child.increment.remote(), timeout=WAIT) == 1
+    pmetal.kill(parent)
+
+    def child_dead() -> bool:
+        try:
+            pmetal.get(child.increment.remote(), timeout=WAIT)
+        except pmetal.exceptions.RayActorError:
+            return True
+        return False
+    wait_until(child_dead, WAIT, "the child's death with its creator")
+
+
 def test_detached_actor_outlives_its_driver_and_an_owned_one_does_not(
         cluster: dict[str, Any]) -> None:
     """ray-core/actors/named-actors.html (actor lifetimes) and
@@ -463,6 +485,18 @@ def test_init_num_cpus_and_resources_size_the_node(reap: list) -> None:
                "the killed actor's board back in available_resources()")
 
 
+def test_memory_and_num_gpus_are_held_like_num_cpus(reap: list) -> None:
+    """ray-core/scheduling/resources.html: ``memory`` and ``num_gpus`` are
+    logical resources like ``num_cpus``: ``ray.init(num_gpus=...)`` sets the
+    node's GPUs (none need exist), and an actor holds what it asked for."""
+    assert pmetal.cluster_resources()["GPU"] == GPUS
+    before = pmetal.available_resources()["memory"]
+    holder = Counter.options(num_gpus=1, memory=2**20).remote()
+    reap.append(holder)
+    now = pmetal.available_resources()
+    assert now["GPU"] == GPUS - 1 and now["memory"] == before - 2**20
+
+
 def test_runtime_env_env_vars_reach_the_worker() -> None:
     """ray-core/handling-dependencies.html: ``runtime_env={"env_vars": ...}``
     given to ``ray.init`` applies to the job's tasks, and one given in
@@ -515,6 +549,40 @@ def test_ray_exception_names() -> None:
     for name in ("RayTaskError", "RayActorError", "TaskCancelledError", "WorkerCrashedError",
                  "OwnerDiedError", "ObjectLostError", "GetTimeoutError"):
         assert issubclass(getattr(ex, name), ex.RayError), name
+
+
+@gap("ray.wait has no fetch_local argument")
+def test_wait_accepts_fetch_local() -> None:
+    """ray-core/api/doc/ray.wait.html: ``ray.wait(refs, *, num_returns=1,
+    timeout=None, fetch_local=True)``."""
+    ref = pmetal.put(1)
+    assert pmetal.wait([ref], timeout=WAIT, fetch_local=False) == ([ref], [])
+
+
+@gap("no pmetal.actor module (Ray's ray.actor.ActorHandle, exit_actor)")
+def test_ray_actor_module_names_the_handle_type(reap: list) -> None:
+    """ray-core/api/doc/ray.actor.ActorHandle.html: the handle type is
+    ``ray.actor.ActorHandle`` (scripts annotate with it)."""
+    import importlib
+    actor_module = importlib.import_module("pmetal.actor")
+    counter = Counter.remote()
+    reap.append(counter)
+    assert isinstance(counter, actor_module.ActorHandle)
+
+
+@gap("get_runtime_context().is_canceled() is absent")
+def test_a_sync_actor_method_sees_its_cancel_through_is_canceled(reap: list) -> None:
+    """ray-core/actors.html (cancelling actor tasks): a running sync actor
+    method is not interrupted; it can check
+    ``ray.get_runtime_context().is_canceled()`` and return early."""
+    actor = Canceller.remote()
+    reap.append(actor)
+    ref = actor.until_cancelled.remote()
+    pmetal.cancel(ref)
+    with pytest.raises(pmetal.exceptions.TaskCancelledError):
+        pmetal.get(ref, timeout=WAIT)
+    # calls run in order: this one runs once the cancelled one returned
+    assert pmetal.get(actor.last_outcome.remote(), timeout=2 * WAIT) == "saw it"
 
 
 # ------------------------------- ownership: ObjectRefs inside values (own)
