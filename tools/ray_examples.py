@@ -99,7 +99,8 @@ BLOCKERS: list[tuple[str, str]] = [
     ("nested refs", (r"ObjectRef cannot be sent inside|cannot send \w+ object .*ObjectRef"
                      r"|OwnerDiedError|ObjectRef\(bytes|'ObjectRef' object has no attribute")),
     ("streaming generators", (r"streaming|dynamic|ObjectRefGenerator|GeneratorType"
-                              r"|generator object|cannot send generator")),
+                              r"|generator object|cannot send generator"
+                              r"|'ObjectRef' object is not (an iterator|iterable)")),
     ("placement groups", r"placement_group|PlacementGroup(?!Scheduling)"),
     ("scheduling_strategy", r"scheduling_strategy|SchedulingStrategy"),
     ("runtime_env", r"runtime_env|worker_process_setup_hook"),
@@ -281,7 +282,8 @@ def table(rows: list[Row]) -> str:
         run = r.pmetal
         blocker = run.blocker if run and not run.ok else ""
         if with_ray and r.ray and not r.ray.ok:
-            blocker = "example cannot run here (fails on Ray too)"
+            blocker = ("example cannot run here (fails on Ray too)" if run and not run.ok
+                       else "fails on Ray here; passes on pmetal")
         error = run.error if run and not run.ok else ""
         if r.ray and not r.ray.ok:
             error = f"{error} (Ray: {r.ray.error})" if error else f"(Ray: {r.ray.error})"

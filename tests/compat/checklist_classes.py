@@ -267,6 +267,18 @@ class ThreadedMeeting:
         return self.barrier.wait()
 
 
+@pmetal.remote
+class AsyncBuilt:
+    """Its constructor is a coroutine (Ray runs it on the actor's loop)."""
+
+    async def __init__(self, value: int) -> None:
+        await asyncio.sleep(0)
+        self.value = value
+
+    async def get(self) -> int:
+        return self.value
+
+
 @pmetal.remote(max_concurrency=8)
 class Gate:
     """``wait(key)`` returns once ``open(key)`` was called (or after ``WAIT``)."""

@@ -35,6 +35,7 @@ from pmetal.util.queue import Empty, Full, Queue
 
 from .checklist_classes import (
     WAIT,
+    AsyncBuilt,
     Canceller,
     Counter,
     Flaky,
@@ -549,6 +550,32 @@ def test_ray_exception_names() -> None:
     for name in ("RayTaskError", "RayActorError", "TaskCancelledError", "WorkerCrashedError",
                  "OwnerDiedError", "ObjectLostError", "GetTimeoutError"):
         assert issubclass(getattr(ex, name), ex.RayError), name
+
+
+@gap("a cancelled running method raises TaskCancelledError, which is no RayTaskError")
+def test_a_cancelled_running_async_method_raises_a_RayTaskError(reap: list) -> None:
+    """ray-core/actors.html (cancelling actor tasks; doc_code/actors.py): the
+    documented way to catch the cancel of a running async actor method is
+    ``except ray.exceptions.RayTaskError`` (Ray raises
+    ``RayTaskError(TaskCancelledError)``, an instance of both)."""
+    sleeper = Sleeper.remote()
+    reap.append(sleeper)
+    ref = sleeper.nap.remote()
+    pmetal.get(sleeper.wait_started.remote(), timeout=WAIT)
+    pmetal.cancel(ref)
+    with pytest.raises(pmetal.exceptions.RayTaskError) as info:
+        pmetal.get(ref, timeout=WAIT)
+    assert isinstance(info.value, pmetal.exceptions.TaskCancelledError)
+
+
+@gap("an actor's constructor cannot be a coroutine (async def __init__)")
+def test_an_async_actor_constructor_is_awaited(reap: list) -> None:
+    """ray-core/actors/async_api.html, doc_code/actor-http-server.py: an async
+    actor may define ``async def __init__``; Ray awaits it before the first
+    call."""
+    actor = AsyncBuilt.remote(5)
+    reap.append(actor)
+    assert pmetal.get(actor.get.remote(), timeout=WAIT) == 5
 
 
 @gap("ray.wait has no fetch_local argument")

@@ -116,6 +116,7 @@ def alive(pid: int) -> bool:
     ("TypeError: an ObjectRef cannot be sent inside another value; pass it", "nested refs"),
     ("PMetalValueError: num_returns='streaming' (generator tasks) is not supported yet",
      "streaming generators"),
+    ("TypeError: 'ObjectRef' object is not an iterator", "streaming generators"),
     ("ModuleNotFoundError: No module named 'ray.util.placement_group'", "placement groups"),
     ("PMetalTypeError: unknown option(s) ['scheduling_strategy'] for a remote function",
      "scheduling_strategy"),
