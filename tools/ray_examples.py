@@ -176,8 +176,8 @@ class Row:
 
 def first_error_line(stderr: str) -> str:
     """The exception line of the first traceback in ``stderr`` (what ended the
-    script), else its last non-empty line."""
-    lines = stderr.splitlines()
+    script), else its last non-empty line. Terminal colours are dropped."""
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", stderr).splitlines()
     for i, line in enumerate(lines):
         if line.startswith("Traceback (most recent call last)"):
             for later in lines[i + 1:]:
