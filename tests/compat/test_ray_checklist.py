@@ -764,6 +764,19 @@ def test_strict_spread_needs_as_many_nodes_as_bundles() -> None:
         remove_placement_group(pg)
 
 
+def test_scheduling_strategies_on_actors(reap: list) -> None:
+    """ray-core/scheduling/index.html: an actor takes ``scheduling_strategy``
+    "DEFAULT", "SPREAD" or ``NodeAffinitySchedulingStrategy(node_id,
+    soft=False)``, which runs it on that node (the id from
+    ``get_runtime_context().get_node_id()``)."""
+    from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    node = str(pmetal.get_runtime_context().get_node_id())
+    actors = [Counter.options(scheduling_strategy=strategy).remote() for strategy in (
+        "DEFAULT", "SPREAD", NodeAffinitySchedulingStrategy(node_id=node, soft=False))]
+    reap.extend(actors)
+    assert pmetal.get([a.node.remote() for a in actors], timeout=WAIT) == [node] * 3
+
+
 @STRATEGY
 def test_scheduling_strategy_spread_on_tasks() -> None:
     """ray-core/scheduling/index.html: ``scheduling_strategy="SPREAD"`` may be
