@@ -128,6 +128,13 @@ def count_up(n: int) -> Any:
 
 
 @pmetal.remote
+def slow_count(n: int, pause: float) -> Any:
+    for i in range(n):
+        time.sleep(pause)
+        yield i
+
+
+@pmetal.remote
 def yield_then_wait(gate: Any) -> Any:
     yield "first"
     pmetal.get(gate.wait.remote("rest"), timeout=WAIT)

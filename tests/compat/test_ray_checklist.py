@@ -717,6 +717,23 @@ def test_num_returns_streaming_option() -> None:
     assert [pmetal.get(r, timeout=WAIT) for r in gen] == [0, 1]
 
 
+@STREAM
+@pytest.mark.parametrize("drop", ["del gen", "pass"], ids=["dropped", "kept"])
+def test_a_driver_left_holding_an_unfinished_generator_exits(drop: str) -> None:
+    """ray-core/ray-generator.html (garbage collection; doc_code
+    streaming_generator.py): a script may take one item of a generator and
+    end, whether it dropped the generator or still holds it; the driver exits
+    as any other (the task's remaining items are not waited for)."""
+    script = textwrap.dedent(f"""
+        import pmetal
+        from compat.checklist_classes import slow_count
+        gen = slow_count.remote(5, 2.0)
+        assert pmetal.get(next(gen), timeout=10) == 0
+        {drop}
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=20)
+
+
 @WORKING_DIR
 def test_runtime_env_working_dir_is_the_tasks_working_folder(tmp_path: Path) -> None:
     """ray-core/handling-dependencies.html (runtime environments): with
