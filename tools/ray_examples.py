@@ -105,6 +105,7 @@ BLOCKERS: list[tuple[str, str]] = [
     ("scheduling_strategy", r"scheduling_strategy|SchedulingStrategy"),
     ("runtime_env", r"runtime_env|worker_process_setup_hook"),
     ("cancel", r"TaskCancelledError|is_canceled|cancel"),
+    ("WorkerCrashedError (a task's dead worker)", r"ActorDiedError: remote function"),
     ("ray.dag (not planned)", r"\bbind\b|ray\.dag|'dag'|experimental_compile"),
     ("ray.experimental (not planned)", r"experimental"),
     ("resources", r"num_gpus|num_cpus|\bGPU\b|\bCPU\b|resources|memory="),

@@ -124,6 +124,8 @@ def alive(pid: int) -> bool:
      "ray.dag (not planned)"),
     ("AttributeError: module 'pmetal' has no attribute 'actor'", "missing API name"),
     ("ModuleNotFoundError: No module named 'torch'", "needs a library not installed"),
+    ("pmetal.errors.ActorDiedError: remote function f: the connection dropped",
+     "WorkerCrashedError (a task's dead worker)"),
     ("AssertionError", "other"),
 ])
 def test_blocker_categories(error: str, blocker: str) -> None:
