@@ -718,7 +718,12 @@ def test_num_returns_streaming_option() -> None:
 
 
 @STREAM
-@pytest.mark.parametrize("drop", ["del gen", "pass"], ids=["dropped", "kept"])
+@pytest.mark.parametrize("drop", [
+    pytest.param("del gen", id="dropped"),
+    pytest.param("pass", id="kept", marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 20 item 2 (stream, merged at a723e04): a driver still holding an "
+        "unfinished generator does not exit"))),
+])
 def test_a_driver_left_holding_an_unfinished_generator_exits(drop: str) -> None:
     """ray-core/ray-generator.html (garbage collection; doc_code
     streaming_generator.py): a script may take one item of a generator and
@@ -727,11 +732,12 @@ def test_a_driver_left_holding_an_unfinished_generator_exits(drop: str) -> None:
     script = textwrap.dedent(f"""
         import pmetal
         from compat.checklist_classes import slow_count
-        gen = slow_count.remote(5, 2.0)
+        gen = slow_count.remote(5, 3.0)
         assert pmetal.get(next(gen), timeout=10) == 0
         {drop}
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=20)
+    # the remaining items take 12 s: a driver that waits for them misses this
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=10)
 
 
 @WORKING_DIR
