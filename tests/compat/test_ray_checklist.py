@@ -718,12 +718,7 @@ def test_num_returns_streaming_option() -> None:
 
 
 @STREAM
-@pytest.mark.parametrize("drop", [
-    pytest.param("del gen", id="dropped"),
-    pytest.param("pass", id="kept", marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 20 item 2 (stream, merged at a723e04): a driver still holding an "
-        "unfinished generator does not exit"))),
-])
+@pytest.mark.parametrize("drop", ["del gen", "pass"], ids=["dropped", "kept"])
 def test_a_driver_left_holding_an_unfinished_generator_exits(drop: str) -> None:
     """ray-core/ray-generator.html (garbage collection; doc_code
     streaming_generator.py): a script may take one item of a generator and
