@@ -428,12 +428,16 @@ class _DoneOnly:
         return refs[:num_returns], refs[num_returns:]
 
 
-def wait(refs: list[ObjectRef], *, num_returns: int = 1,
-         timeout: float | None = None) -> tuple[list[ObjectRef], list[ObjectRef]]:
+def wait(refs: list[ObjectRef], *, num_returns: int = 1, timeout: float | None = None,
+         fetch_local: bool = True) -> tuple[list[ObjectRef], list[ObjectRef]]:
     """``(ready, not_ready)``: the first ``num_returns`` refs that are done, in
     input order, once that many are done or ``timeout`` passes. The list may
     hold ObjectRefGenerators too (Ray's ``ray.wait([gen])``): one is ready
-    when ``next`` on it would not block."""
+    when ``next`` on it would not block. ``fetch_local`` is accepted for
+    Ray's scripts and changes nothing: a ref is ready when its value exists
+    at its owner, which is where ``get`` takes it from."""
+    if type(fetch_local) is not bool:
+        raise PMetalTypeError(f"fetch_local must be True or False, not {fetch_local!r:.40}")
     if isinstance(refs, (list, tuple)) and any(isinstance(r, ObjectRefGenerator) for r in refs):
         refs = list(refs)
         others = [r for r in refs if not isinstance(r, ObjectRefGenerator)]

@@ -30,7 +30,7 @@ code written for Ray's builtin exceptions keeps working::
     │   └── OwnerDiedError                   (Ray's name; not raised yet)
     ├── ActorError
     │   ├── ActorDiedError                   the actor's process died or was killed
-    │   │   └── WorkerCrashedError           (Ray's name) a streaming task's worker died
+    │   │   └── WorkerCrashedError           (Ray's name) a task's worker died
     │   └── ActorUnavailableError            (Ray's name; not raised yet)
     ├── PlacementError                       no node can host it (resources, node)
     ├── RuntimeEnvSetupError                 a runtime_env could not be set up in a
@@ -202,11 +202,10 @@ class ActorDiedError(ActorError):
 
 
 class WorkerCrashedError(ActorDiedError):
-    """Ray's error for a task whose worker process died. pmetal raises it
-    for the next ref of a streaming task (``num_returns="streaming"``)
-    whose worker died; any other task whose worker dies (after its
-    ``max_retries``) raises its base, :class:`ActorDiedError`, which
-    ``except WorkerCrashedError`` does not catch; catch ActorDiedError."""
+    """Ray's error for a task whose worker process died (after its
+    ``max_retries``), and for the next ref of a streaming task whose worker
+    died. A subclass of :class:`ActorDiedError`, so code written for either
+    name catches it."""
 
 
 class ActorUnavailableError(ActorError):

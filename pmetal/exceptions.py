@@ -17,9 +17,8 @@ Ray name                   what it is in pmetal
                            ``ActorDiedError``): the actor died or was killed
 ``ActorDiedError``         :class:`~pmetal.errors.ActorDiedError`
 ``ActorUnavailableError``  :class:`~pmetal.errors.ActorUnavailableError` (not raised yet)
-``WorkerCrashedError``     :class:`~pmetal.errors.WorkerCrashedError`: the next ref of a
-                           streaming task whose worker died (other tasks whose worker
-                           died raise ``ActorDiedError``)
+``WorkerCrashedError``     :class:`~pmetal.errors.WorkerCrashedError`: a task's worker
+                           died (also an ``ActorDiedError``)
 ``GetTimeoutError``        :class:`~pmetal.errors.GetTimeoutError` (also ``TimeoutError``)
 ``TaskCancelledError``     :class:`~pmetal.errors.TaskCancelledError` (not raised yet)
 ``ObjectLostError``        :class:`~pmetal.errors.ObjectLostError` (not raised yet)

@@ -78,7 +78,7 @@ def test_the_codec_imports_nothing_of_shared_memory() -> None:
 # front: the facade (the package root, pmetal.api, pmetal.collective);
 # cli: the command line (pmetal.cli, python -m pmetal).
 LAYER_OF_ROOT = {"__init__": "front", "api": "front", "collective": "front",
-                 "_raylet": "front", "__main__": "cli"}
+                 "_raylet": "front", "actor": "front", "__main__": "cli"}
 ALLOWED = {
     "core": set(),
     "cluster": {"core"},

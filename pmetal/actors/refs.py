@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.actors.serialization import load_exception, remote_error, unpack_value
 from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalError,
-                           PMetalTimeoutError, PMetalValueError, TaskCancelledError)
+                           PMetalTimeoutError, PMetalValueError, TaskCancelledError,
+                           WorkerCrashedError)
 from pmetal.channel import refusal
 from pmetal.codec import Envelope
 from pmetal.wire import Failure, Result
@@ -26,6 +27,14 @@ if TYPE_CHECKING:
     from pmetal.actors.links import PeerLink
 
 __all__ = ["ItemRef", "ObjectRef", "call_name", "failure_error", "split_ref"]
+
+
+TASK_WHAT = "remote function "
+"""How a task's ref names its call (``on_death``): ``"remote function NAME"``."""
+
+
+def _is_task(on_death: Any) -> bool:
+    return isinstance(on_death, str) and on_death.startswith(TASK_WHAT)
 
 
 def call_name(handle: Any, method: str) -> str:
@@ -99,7 +108,10 @@ class ObjectRef:
             self._link = None
             if self._retry is not None and self._retry.again(self, None):
                 return
-            self._error = ActorDiedError(f"{self._what()}: {why}")
+            # A task's worker is no actor: Ray's name for its death is
+            # WorkerCrashedError (an ActorDiedError here, so both catch it).
+            died = WorkerCrashedError if _is_task(self._on_death) else ActorDiedError
+            self._error = died(f"{self._what()}: {why}")
 
     def done(self) -> bool:
         return self._has_value or self._error is not None
