@@ -39,7 +39,7 @@ from pmetal.actors.links import _TASKS, NodeLink, PeerLink
 from pmetal.actors.locate import ActorCall, ActorLocator
 from pmetal.actors.watch import ClusterWatch, peers_missing
 from pmetal.actors.refs import ItemRef, ObjectRef, call_name, failure_error
-from pmetal.actors.serialization import pack_value
+from pmetal.actors.serialization import pack_value, remote_error
 from pmetal.config import PMetalConfig
 from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerError,
                            PMetalError, PMetalTimeoutError, PMetalValueError, PlacementError,
@@ -524,7 +524,14 @@ class CoreClient:
                                 state = ("while it was sent or running; force=True killed its "
                                          "worker process (the node starts another)")
             base._link = None
-            base._error = TaskCancelledError(f"{what} was cancelled by pmetal.cancel {state}")
+            message = f"{what} was cancelled by pmetal.cancel {state}"
+            if state.startswith("before"):
+                base._error = TaskCancelledError(message)
+            else:
+                # It reached its worker: as in Ray, the error of a task that
+                # ran, RayTaskError(TaskCancelledError), an instance of both.
+                base._error = remote_error("TaskCancelledError", message, "",
+                                           TaskCancelledError(message))
         if kill:
             # Outside the lock: other calls go on. The worker's other calls
             # fail (or are retried) as when a worker crashes.

@@ -245,7 +245,11 @@ def failure_error(body: Failure, on_death: str = "") -> BaseException:
     if body.kind == "not_found":
         return PMetalValueError(body.message)
     if body.kind == "cancelled":   # pmetal.cancel of a running async method
-        return TaskCancelledError(f"{on_death}: {body.message}" if on_death else body.message)
+        # As in Ray, RayTaskError(TaskCancelledError): the error of a task
+        # that ran (RemoteError) and a TaskCancelledError at once.
+        message = f"{on_death}: {body.message}" if on_death else body.message
+        return remote_error("TaskCancelledError", message, body.traceback or "",
+                            TaskCancelledError(message))
     if body.kind == "timeout":   # e.g. a creation that waited in a node's queue too long
         return PMetalTimeoutError(body.message)
     builtin = _BUILTIN_ERRORS.get(body.error_type)

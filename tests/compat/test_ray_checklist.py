@@ -560,7 +560,7 @@ def test_ray_exception_names() -> None:
         assert issubclass(getattr(ex, name), ex.RayError), name
 
 
-@gap("a cancelled running method raises TaskCancelledError, which is no RayTaskError")
+
 def test_a_cancelled_running_async_method_raises_a_RayTaskError(reap: list) -> None:
     """ray-core/actors.html (cancelling actor tasks; doc_code/actors.py): the
     documented way to catch the cancel of a running async actor method is
