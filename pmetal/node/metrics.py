@@ -241,7 +241,7 @@ class MetricsServer:
         described = pool.describe()
         try:
             await asyncio.wait_for(pool.add_calls(described), _CALLS_WAIT * 2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         self._calls.update({w["worker_id"]: int(w["calls"]) for w in described
                             if isinstance(w.get("calls"), int)}, set(pool.workers))

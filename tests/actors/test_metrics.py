@@ -22,8 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import pmetal
-from pmetal import HandshakeError, NetworkNamespace
-from pmetal import api
+from pmetal import HandshakeError, NetworkNamespace, api
 from pmetal.actors.client import CoreClient
 from pmetal.config import load_config
 from pmetal.endpoint import Channel
@@ -32,7 +31,14 @@ from pmetal.identity import NodeIdentity
 from pmetal.transport import ZmqTransport
 
 from .actor_classes import Counter
-from .conftest import WAIT, free_port, read_line, shutdown_quietly, stop_process, wait_until
+from .conftest import (
+    WAIT,
+    free_port,
+    read_line,
+    shutdown_quietly,
+    stop_process,
+    wait_until,
+)
 
 START_WAIT = 30.0
 """Deadline for a node daemon to print its ready line (a loaded 2-core box)."""
@@ -71,18 +77,23 @@ def node() -> Iterator[dict[str, Any]]:
     pmetal.init(num_workers=2, psk=SECRET, config=load_config(env={}, metrics={"port": 0}))
     try:
         client = api.client()
-        wait_until(lambda: client.status()["metrics"]["state"] != "starting", WAIT,
-                   what="the metrics listener started")
+        wait_until(lambda: (lambda st: st["metrics"]["state"] != "starting" and
+                            st["cluster"]["master"])(client.status()), WAIT,
+                   what="the metrics listener started and the node its own master")
         yield client.status()
     finally:
         shutdown_quietly()
 
 
-def test_status_reports_the_bound_address(node: dict[str, Any]) -> None:
+def test_status_reports_the_bound_address(node: dict[str, Any],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
     m = node["metrics"]
     assert m["enabled"] and m["state"] == "on", m
     host, port = m["address"].removeprefix("http://").rsplit(":", 1)
     assert host == "127.0.0.1" and int(port) > 0
+    from pmetal.cli.status import _print_status
+    _print_status(node, {"pid": node["pid"]})
+    assert f"metrics    {m['address']}/metrics" in capsys.readouterr().out.splitlines()
 
 
 def test_a_lone_node_is_its_own_master(node: dict[str, Any]) -> None:
@@ -146,7 +157,7 @@ def test_a_taken_port_leaves_the_node_up_without_metrics(tmp_path: Path) -> None
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with started(tmp_path, {"PMETAL_METRICS_PORT": str(port)}) as (proc, status):
+        with started(tmp_path, {"PMETAL_METRICS_PORT": str(port)}) as (_, status):
             m = wait_status(status, lambda s: s["metrics"]["state"] != "starting")
             assert m["metrics"]["state"] == "off" and not m["metrics"]["enabled"]
             assert str(port) in m["metrics"]["reason"]
@@ -156,7 +167,7 @@ def test_a_taken_port_leaves_the_node_up_without_metrics(tmp_path: Path) -> None
 
 
 def test_disabled_serves_nothing(tmp_path: Path) -> None:
-    with started(tmp_path, {"PMETAL_METRICS_ENABLED": "false"}) as (proc, status):
+    with started(tmp_path, {"PMETAL_METRICS_ENABLED": "false"}) as (_, status):
         m = status()["metrics"]
         assert m == {"enabled": False, "state": "disabled", "address": "",
                      "reason": "metrics.enabled is false", "scrapes": 0}
@@ -166,30 +177,33 @@ def test_two_nodes_agree_on_members_and_master(tmp_path: Path) -> None:
     ports = [free_port(), free_port()]
     homes = [tmp_path / "a", tmp_path / "b"]
     env = {"PMETAL_METRICS_PORT": "0", "PMETAL_ELECTION_BOOTSTRAP": "0.3"}
-    with started(homes[0], env, ports[0], ports[1]) as (_, sa), \
-            started(homes[1], env, ports[1], ports[0]) as (_, sb):
-        both = [wait_status(s, lambda x: len(x["cluster"]["members"]) == 2 and
-                            x["cluster"]["master"] and x["metrics"]["state"] == "on")
-                for s in (sa, sb)]
-        master = both[0]["cluster"]["master"]
+    a, b = started(homes[0], env, ports[0], ports[1]), started(homes[1], env, ports[1], ports[0])
+    try:
+        with a as (_, sa), b as (_, sb):
+            both = [wait_status(s, lambda x: len(x["cluster"]["members"]) == 2 and
+                                x["cluster"]["master"] and x["metrics"]["state"] == "on")
+                    for s in (sa, sb)]
+            master = both[0]["cluster"]["master"]
 
-        def agreed() -> bool:
+            def agreed() -> bool:
+                scrapes = [scrape(s["metrics"]["address"]) for s in both]
+                return all(value(x, "pmetal_cluster_members") == 2 and
+                           value(x, "pmetal_cluster_master", master=master[:16]) == 1
+                           for x in scrapes)
+            wait_until(agreed, WAIT, what="both nodes scrape 2 members and one master")
             scrapes = [scrape(s["metrics"]["address"]) for s in both]
-            return all(value(x, "pmetal_cluster_members") == 2 and
-                       value(x, "pmetal_cluster_master", master=master[:16]) == 1
-                       for x in scrapes)
-        wait_until(agreed, WAIT, what="both nodes scrape 2 members and one master")
-        scrapes = [scrape(s["metrics"]["address"]) for s in both]
-        assert sum(value(x, "pmetal_cluster_is_master") for x in scrapes) == 1
-        for x, other in zip(scrapes, reversed(both)):
-            peer = other["node_id"][:16]
-            assert value(x, "pmetal_peer_health", peer=peer, state="healthy") in (0, 1)
-            assert sum(value(x, "pmetal_peer_health", peer=peer, state=st)
-                       for st in ("healthy", "degraded", "suspect", "dead")) == 1
-        wait_until(lambda: all(value(scrape(s["metrics"]["address"]), "pmetal_peer_rtt_seconds",
-                                     peer=o["node_id"][:16]) > 0
-                               for s, o in zip(both, reversed(both))),
-                   WAIT, what="a round trip measured to each peer")
+            assert sum(value(x, "pmetal_cluster_is_master") for x in scrapes) == 1
+            for x, other in zip(scrapes, reversed(both)):
+                peer = other["node_id"][:16]
+                assert sum(value(x, "pmetal_peer_health", peer=peer, state=st)
+                           for st in ("healthy", "degraded", "suspect", "dead")) == 1
+            wait_until(lambda: all(
+                value(scrape(s["metrics"]["address"]), "pmetal_peer_rtt_seconds",
+                      peer=o["node_id"][:16]) > 0 for s, o in zip(both, reversed(both))),
+                WAIT, what="a round trip measured to each peer")
+    finally:   # b, when a never became ready
+        for n in (a, b):
+            stop_process(n.proc)
 
 
 def test_a_config_typo_is_the_config_error() -> None:
@@ -215,20 +229,22 @@ class started:
     status)."""
 
     def __init__(self, home: Path, env: dict[str, str], port: int = 0, peer: int = 0) -> None:
+        """Starts the process (``__enter__`` waits for its ready line, so
+        several start side by side)."""
         home.mkdir(parents=True, exist_ok=True)
-        self.home, self.env, self.port, self.peer = home, env, port, peer
-
-    def __enter__(self) -> tuple[subprocess.Popen[bytes], Any]:
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"}
-        env.update(PMETAL_PSK=SECRET, PMETAL_HOME=str(self.home), **self.env)
+        self.home = home
+        env = {**{k: v for k, v in os.environ.items()
+                  if not k.startswith("PMETAL_") or k == "PMETAL_LOG_LEVEL"},
+               "PMETAL_PSK": SECRET, "PMETAL_HOME": str(home), **env}
         cmd = [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1",
-               "--port", str(self.port), "--num-workers", "1", "--num-task-workers", "1"]
-        if self.peer:
-            cmd += ["--peers", f"127.0.0.1:{self.peer}"]
-        with open(self.home / "node.log", "ab") as log:
+               "--port", str(port), "--num-workers", "1", "--num-task-workers", "1"]
+        if peer:
+            cmd += ["--peers", f"127.0.0.1:{peer}"]
+        with open(home / "node.log", "ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                          stderr=log, env=env)
+
+    def __enter__(self) -> tuple[subprocess.Popen[bytes], Any]:
         line = read_line(self.proc, START_WAIT, "node")
         address = line.split()[1]
         config = load_config(env={})
@@ -236,7 +252,7 @@ class started:
                                  config)
         return self.proc, self.client.status
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.client.close()
         stop_process(self.proc)
 
