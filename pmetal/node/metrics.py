@@ -14,8 +14,9 @@ The listener is an aiohttp application in the node's event loop, so the
 dashboard's routes can join it later on the same port. It listens on
 ``metrics.host:metrics.port`` (127.0.0.1:8265 by default, Ray's dashboard
 port; 0 takes a free one). A port already taken leaves the node running:
-one warning names the port and the setting to change, and the node's
-status says metrics are off. aiohttp and prometheus_client are imported in
+one warning names the port and the setting to change (at INFO for the
+node a script's ``pmetal.init()`` embeds: its stderr is the script's), and
+the node's status says metrics are off. aiohttp and prometheus_client are imported in
 a thread after the node is ready (about 0.3 s of imports that the first
 actor must not wait for).
 """
@@ -217,7 +218,11 @@ class MetricsServer:
             self.state = "off"
             self.reason = (f"{self.config.host}:{self.config.port} is taken or refused "
                            f"({exc.strerror or exc})")
-            log.warning("metrics are off on this node: could not listen on %s:%d (%s); "
+            # An embedded node (pmetal.init()) is a script's own: its stderr
+            # is the user's terminal, and another node holding the port is
+            # the usual case there, not a fault.
+            level = logging.INFO if self.node.embedded else logging.WARNING
+            log.log(level, "metrics are off on this node: could not listen on %s:%d (%s); "
                         "another node on this machine may hold it. Set metrics.port "
                         "(PMETAL_METRICS_PORT; 0: any free port) to serve them",
                         self.config.host, self.config.port, exc.strerror or exc)
