@@ -117,6 +117,16 @@ class _NodeCollector:
                 rtt.add_metric([peer], summary.rtt)
         yield health
         yield rtt
+        bandwidth = Gauge("pmetal_link_bandwidth_bytes_per_second", "Bandwidth of the link "
+                          "to each peer, as last probed from this node (pmetal status "
+                          "--probe); absent until probed.", labels=["peer"])
+        topology = cluster.topology
+        if node.node_id in topology:
+            for peer in topology.nodes():
+                link = topology.link(node.node_id, peer) if peer != node.node_id else None
+                if link is not None and link.bandwidth:
+                    bandwidth.add_metric([peer[:_PEER]], link.bandwidth)
+        yield bandwidth
 
         # --- actors hosted here
         by_state = dict.fromkeys(_ACTOR_STATES, 0)

@@ -77,10 +77,9 @@ def node() -> Iterator[dict[str, Any]]:
     pmetal.init(num_workers=2, psk=SECRET, config=load_config(env={}, metrics={"port": 0}))
     try:
         client = api.client()
-        wait_until(lambda: (lambda st: st["metrics"]["state"] != "starting" and
-                            st["cluster"]["master"])(client.status()), WAIT,
-                   what="the metrics listener started and the node its own master")
-        yield client.status()
+        status = wait_status(client.status, lambda st: st["metrics"]["state"] != "starting"
+                             and st["cluster"]["master"])
+        yield status
     finally:
         shutdown_quietly()
 
@@ -201,6 +200,11 @@ def test_two_nodes_agree_on_members_and_master(tmp_path: Path) -> None:
                 value(scrape(s["metrics"]["address"]), "pmetal_peer_rtt_seconds",
                       peer=o["node_id"][:16]) > 0 for s, o in zip(both, reversed(both))),
                 WAIT, what="a round trip measured to each peer")
+            assert "pmetal_link_bandwidth_bytes_per_second" not in scrapes[0]
+            a.client.status(probe=True)   # measures the links from a
+            probed = scrape(both[0]["metrics"]["address"])
+            assert value(probed, "pmetal_link_bandwidth_bytes_per_second",
+                         peer=both[1]["node_id"][:16]) > 0
     finally:   # b, when a never became ready
         for n in (a, b):
             stop_process(n.proc)
