@@ -7,8 +7,8 @@ states the node's components already keep (their ``statistics()``, the
 actor table, the health monitor), through a custom collector on a
 :class:`~prometheus_client.CollectorRegistry` of the node's own (never the
 process-global default registry). The one thing a scrape asks over the wire
-is each worker's calls served (a ``StatusRequest``, as ``pmetal status``
-does), before rendering.
+is each worker's calls served and failed (a ``StatusRequest``, as ``pmetal
+status`` does), before rendering.
 
 The listener is an aiohttp application in the node's event loop, so the
 dashboard's routes can join it later on the same port. It listens on
@@ -50,7 +50,7 @@ def _imports() -> None:
 
 
 class _CallTotals:
-    """Calls served by this node's workers, as a counter that never goes
+    """Calls (served, or failed) by this node's workers, as a counter that never goes
     back: a worker's count is remembered from the scrape that last saw it,
     and kept once the worker is gone (calls it served after that scrape
     are lost)."""
@@ -73,9 +73,10 @@ class _CallTotals:
 class _NodeCollector:
     """Reads the node at scrape time (prometheus_client's custom collector)."""
 
-    def __init__(self, node: NodeDaemon, calls: _CallTotals) -> None:
+    def __init__(self, node: NodeDaemon, calls: _CallTotals, failed: _CallTotals) -> None:
         self.node = node
         self.calls = calls
+        self.failed = failed
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily as Counter
@@ -144,6 +145,8 @@ class _NodeCollector:
         yield Counter("pmetal_actor_calls", "Calls served by this node's workers "
                       "(actor methods and tasks), as of each scrape.",
                       value=self.calls.total)
+        yield Counter("pmetal_actor_calls_failed", "Calls served by this node's workers "
+                      "whose code raised, as of each scrape.", value=self.failed.total)
 
         # --- workers and requests
         pool = node.pool.statistics()
@@ -195,6 +198,7 @@ class MetricsServer:
         self.scrapes = 0
         self.registry: Any = None
         self._calls = _CallTotals()
+        self._failed = _CallTotals()
         self._runner: Any = None
 
     def describe(self) -> dict[str, Any]:
@@ -214,7 +218,7 @@ class MetricsServer:
         from aiohttp import web
         from prometheus_client import CollectorRegistry, ProcessCollector
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_NodeCollector(self.node, self._calls))
+        self.registry.register(_NodeCollector(self.node, self._calls, self._failed))
         ProcessCollector(registry=self.registry)
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
@@ -258,8 +262,10 @@ class MetricsServer:
             await asyncio.wait_for(pool.add_calls(described), _CALLS_WAIT * 2)
         except TimeoutError:
             pass
-        self._calls.update({w["worker_id"]: int(w["calls"]) for w in described
-                            if isinstance(w.get("calls"), int)}, set(pool.workers))
+        live = set(pool.workers)
+        for totals, key in ((self._calls, "calls"), (self._failed, "calls_failed")):
+            totals.update({w["worker_id"]: w[key] for w in described
+                           if isinstance(w.get(key), int)}, live)
 
     async def _metrics(self, request: Any) -> Any:
         from aiohttp import web

@@ -30,7 +30,7 @@ from pmetal.errors import ConfigError
 from pmetal.identity import NodeIdentity
 from pmetal.transport import ZmqTransport
 
-from .actor_classes import Counter
+from .actor_classes import Counter, fail
 from .conftest import (
     WAIT,
     free_port,
@@ -112,19 +112,27 @@ def test_actors_by_state_and_calls_counted(node: dict[str, Any]) -> None:
     alive = value(before, "pmetal_actors", state="alive")
     dead = value(before, "pmetal_actors", state="dead")
     calls = value(before, "pmetal_actor_calls_total")
+    failed = value(before, "pmetal_actor_calls_failed_total")
     actors = [Counter.remote() for _ in range(3)]
     assert pmetal.get([a.inc.remote() for a in actors], timeout=WAIT) == [1, 1, 1]
     assert pmetal.get([actors[0].inc.remote() for _ in range(197)], timeout=WAIT)[-1] == 198
     # Counted before a worker goes: the calls a worker served after the
     # last scrape that saw it are lost with it (docs/observability.md).
     assert value(scrape(address), "pmetal_actor_calls_total") == calls + 200
+    for ref in (actors[1].boom.remote("boom"), actors[1].boom.remote("boom"),
+                fail.remote("boom")):   # two methods and a remote function raise
+        with pytest.raises(ValueError, match="boom"):
+            pmetal.get(ref, timeout=WAIT)
+    now = scrape(address)
+    assert value(now, "pmetal_actor_calls_total") == calls + 203
+    assert value(now, "pmetal_actor_calls_failed_total") == failed + 3
     pmetal.kill(actors[2])
     wait_until(lambda: value(scrape(address), "pmetal_actors", state="dead") == dead + 1,
                WAIT, what="the killed actor counted dead")
     after = scrape(address)
     assert value(after, "pmetal_actors_created_total") == created + 3
     assert value(after, "pmetal_actors", state="alive") == alive + 2
-    assert value(after, "pmetal_actor_calls_total") == calls + 200   # kept once gone
+    assert value(after, "pmetal_actor_calls_total") == calls + 203   # kept once gone
     for a in actors[:2]:
         pmetal.kill(a)
 
