@@ -45,7 +45,7 @@ from typing import Any
 from pmetal.node.groups import PlacementGroupService
 from pmetal.node.lifecycle import ActorLifecycle
 from pmetal.node.membership import Membership
-from pmetal.node.metrics import MetricsServer
+from pmetal.node.metrics import EMBEDDED_DELAY, MetricsServer
 from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
 from pmetal.node.owners import Owners
@@ -227,7 +227,8 @@ class NodeDaemon:
                 self._cancellable_task(self.cluster.run(self._stopping, self._discovery()))
                 if on_ready is not None:
                     on_ready(self)
-                self._cancellable_task(self.metrics.start())
+                self._cancellable_task(self.metrics.start(
+                    EMBEDDED_DELAY if self.embedded else 0.0, self._stopping))
                 serve = group.create_task(self._serve())
                 await self._stopping.wait()
                 # interrupt() makes the pending arecv raise ClosedError: a

@@ -17,8 +17,10 @@ port; 0 takes a free one). A port already taken leaves the node running:
 one warning names the port and the setting to change (at INFO for the
 node a script's ``pmetal.init()`` embeds: its stderr is the script's), and
 the node's status says metrics are off. aiohttp and prometheus_client are imported in
-a thread after the node is ready (about 0.3 s of imports that the first
-actor must not wait for).
+a thread after the node is ready (about 0.3-0.5 s of CPU that the first
+actor must not wait for); the node a script's ``pmetal.init()`` embeds
+starts them :data:`EMBEDDED_DELAY` seconds later still, past the script's
+own start.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from pmetal.config import MetricsConfig
 if TYPE_CHECKING:
     from pmetal.node.daemon import NodeDaemon
 
-__all__ = ["MetricsServer"]
+__all__ = ["EMBEDDED_DELAY", "MetricsServer"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,8 @@ _PEER = 16            # characters of a node id in a label
 _ACTOR_STATES = ("pending", "alive", "restarting", "dead")
 _HEALTH_STATES = ("healthy", "degraded", "suspect", "dead")
 _CALLS_WAIT = 0.5     # s the workers' call counts may take, per scrape
+EMBEDDED_DELAY = 2.0
+"""Seconds after it is ready that an embedded node opens its metrics port."""
 
 
 def _imports() -> None:
@@ -205,9 +209,18 @@ class MetricsServer:
         return {"enabled": self.state == "on", "state": self.state, "address": self.address,
                 "reason": self.reason, "scrapes": self.scrapes}
 
-    async def start(self) -> None:
+    async def start(self, delay: float = 0.0, stopping: asyncio.Event | None = None) -> None:
+        """Bind, after ``delay`` seconds unless ``stopping`` is set first (an
+        embedded node waits, so that its ~0.5 s of imports do not compete
+        with the script that just started it for the CPU)."""
         if not self.config.enabled:
             return
+        if delay > 0:
+            try:
+                await asyncio.wait_for((stopping or asyncio.Event()).wait(), delay)
+                return   # the node stops
+            except TimeoutError:
+                pass
         try:
             await asyncio.to_thread(_imports)
         except ImportError as exc:
