@@ -10,6 +10,7 @@ test did.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -33,11 +34,13 @@ from pmetal.transport import ZmqTransport
 from .actor_classes import Counter, fail
 from .conftest import (
     WAIT,
+    await_restart,
     free_port,
     read_line,
     shutdown_quietly,
     stop_process,
     wait_until,
+    worker_of,
 )
 
 START_WAIT = 30.0
@@ -136,6 +139,22 @@ def test_actors_by_state_and_calls_counted(node: dict[str, Any]) -> None:
     assert value(after, "pmetal_actor_calls_total") == calls + 203   # kept once gone
     for a in actors[:2]:
         pmetal.kill(a)
+
+
+def test_a_restart_is_counted(node: dict[str, Any]) -> None:
+    address = node["metrics"]["address"]
+    before = scrape(address)
+    actor = Counter.options(max_restarts=1).remote()
+    assert pmetal.get(actor.inc.remote(), timeout=WAIT) == 1
+    os.kill(worker_of(actor)["pid"], signal.SIGKILL)
+    await_restart(actor, 1, WAIT)
+    after = scrape(address)
+    assert value(after, "pmetal_actor_restarts_total") == \
+        value(before, "pmetal_actor_restarts_total") + 1
+    assert value(after, "pmetal_actors_created_total") == \
+        value(before, "pmetal_actors_created_total") + 1
+    assert value(after, "pmetal_fenced_total") == 0
+    pmetal.kill(actor)
 
 
 def test_a_peer_without_the_psk_is_counted_refused(node: dict[str, Any],
