@@ -140,8 +140,9 @@ class Worker:
 
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
-                "failed": self.failed, "refused": self.refused, "held": self.held, "withheld": self.withheld,
-                "streams": self.streams.served, "listener": self.listener.statistics()}
+                "refused": self.refused, "held": self.held, "withheld": self.withheld,
+                "streams": self.streams.served, "listener": self.listener.statistics(),
+                "failed": self.failed}
 
     # ------------------------------------------------------------- serving
 
