@@ -103,6 +103,13 @@ class _NodeCollector:
         yield Gauge("pmetal_cluster_term", "The election term this node is in.",
                     value=state.term)
         yield Gauge("pmetal_cluster_epoch", "Version of the member list.", value=state.epoch)
+        election = cluster.election.statistics()
+        yield Counter("pmetal_elections", "Elections this node started as a candidate.",
+                      value=election.elections)
+        yield Counter("pmetal_elections_won", "Elections this node won (it became master).",
+                      value=election.won)
+        yield Counter("pmetal_peer_deaths", "Times this node's failure detector declared a "
+                      "peer dead.", value=cluster.health.statistics().deaths)
         stats = cluster.statistics()
         yield Counter("pmetal_fenced", "Times this node was fenced (declared dead by the "
                       "cluster, or unsure it was not) and ended or restarted its actors.",
@@ -141,6 +148,8 @@ class _NodeCollector:
         for name, count in by_state.items():
             actors.add_metric([name], count)
         yield actors
+        yield Gauge("pmetal_actors_queued", "Actor creations waiting for resources on "
+                    "this node.", value=len(node.actors.queue))
         yield Counter("pmetal_actors_created", "Actors constructed on this node.",
                       value=node.actors.created)
         yield Counter("pmetal_actor_restarts", "Actor restarts on this node.",

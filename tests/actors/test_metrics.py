@@ -104,6 +104,8 @@ def test_a_lone_node_is_its_own_master(node: dict[str, Any]) -> None:
     assert value(s, "pmetal_cluster_is_master") == 1
     assert value(s, "pmetal_cluster_master", master=node["node_id"][:16]) == 1
     assert value(s, "pmetal_cluster_term") >= 1
+    assert value(s, "pmetal_elections_won_total") == 1
+    assert value(s, "pmetal_peer_deaths_total") == 0
     if sys.platform == "linux":   # prometheus_client's ProcessCollector reads /proc
         assert value(s, "process_resident_memory_bytes") > 0
         assert "process_cpu_seconds_total" in s
@@ -233,6 +235,19 @@ def test_two_nodes_agree_on_members_and_master(tmp_path: Path) -> None:
             probed = scrape(both[0]["metrics"]["address"])
             assert value(probed, "pmetal_link_bandwidth_bytes_per_second",
                          peer=both[1]["node_id"][:16]) > 0
+            winner = next(x for x in scrapes if value(x, "pmetal_cluster_is_master") == 1)
+            assert value(winner, "pmetal_elections_won_total") >= 1
+
+            # b dies: a's detector declares it dead, once.
+            b_id = both[1]["node_id"][:16]
+            b.proc.kill()
+
+            def declared_dead() -> bool:
+                x = scrape(both[0]["metrics"]["address"])
+                return value(x, "pmetal_peer_deaths_total") == 1 and all(
+                    h.value == (h.labels["state"] == "dead")   # while a still watches b
+                    for h in x.get("pmetal_peer_health", ()) if h.labels["peer"] == b_id)
+            wait_until(declared_dead, WAIT, what="a scrape of a counting b's death")
     finally:   # b, when a never became ready
         for n in (a, b):
             stop_process(n.proc)
