@@ -27,10 +27,12 @@ from pmetal.errors import ConfigError
 __all__ = [
     "ActorsConfig",
     "CollectiveConfig",
+    "DEFAULT_METRICS_PORT",
     "DEFAULT_PORT",
     "DiscoveryConfig",
     "ElectionConfig",
     "HealthConfig",
+    "MetricsConfig",
     "PMetalConfig",
     "SecurityConfig",
     "TransportConfig",
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 DEFAULT_PORT = 52416
+DEFAULT_METRICS_PORT = 8265
+"""Where a node serves /metrics: Ray's dashboard port."""
 _MiB = 1 << 20
 
 # Variables that do not belong to a section.
@@ -352,6 +356,42 @@ class CollectiveConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    """The node's HTTP listener for Prometheus (``/metrics``;
+    :mod:`pmetal.node.metrics`).
+
+    ``enabled``: serve it. ``host``: a loopback address only, for now:
+    beyond loopback the listener will require the namespace's credentials,
+    which it does not check yet. ``port``: 0 takes any free port (the bound
+    address is in ``pmetal status --json``). A port already taken (a second
+    node on this machine) leaves the node running without metrics, with one
+    warning.
+    """
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_METRICS_PORT
+
+    def __post_init__(self) -> None:
+        _require(type(self.port) is int and 0 <= self.port < 65536, "metrics", "port",
+                 f"{self.port} is not a TCP port (0: any free port)")
+        _require(_is_loopback(self.host), "metrics", "host",
+                 f"{self.host!r} is not a loopback address; serving metrics beyond loopback "
+                 "will require the namespace's credentials, which pmetal does not check yet. "
+                 "Use 127.0.0.1 (and an SSH tunnel or a local Prometheus agent to reach it)")
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
 class PMetalConfig:
     """The whole configuration: one field per section."""
 
@@ -362,6 +402,7 @@ class PMetalConfig:
     election: ElectionConfig = field(default_factory=ElectionConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     collectives: CollectiveConfig = field(default_factory=CollectiveConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
 
 def pmetal_home(env: Mapping[str, str] | None = None) -> Path:

@@ -128,6 +128,7 @@ class Worker:
         self.needs_loop = False   # set once the actor is built: serve it from asyncio
         self.calls = 0
         self.refused = 0   # requests answered with a Failure for being malformed
+        self.failed = 0    # calls whose user code raised (counted off the success path)
         # Async methods running, by (caller's route, call's corr): CancelCall.
         self._running: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
@@ -140,7 +141,8 @@ class Worker:
     def statistics(self) -> dict[str, Any]:
         return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
                 "refused": self.refused, "held": self.held, "withheld": self.withheld,
-                "streams": self.streams.served, "listener": self.listener.statistics()}
+                "streams": self.streams.served, "listener": self.listener.statistics(),
+                "failed": self.failed}
 
     # ------------------------------------------------------------- serving
 
@@ -295,7 +297,7 @@ class Worker:
             return Ack()
         if kind is StatusRequest:
             return Status({"worker_id": self.worker_id, "actor_id": self.actor_id,
-                           "calls": self.calls})
+                           "calls": self.calls, "failed": self.failed})
         return Failure("bad_request", "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
@@ -376,6 +378,7 @@ class Worker:
                            **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
             return Result(pack_value(value))
         except Exception as exc:
+            self.failed += 1
             return failure_from(_user_traceback(exc))
 
     def _call_batch(self, incoming: Incoming) -> None:
@@ -436,6 +439,7 @@ class Worker:
                            **{k: unpack_value(v) for k, v in body.kwargs.items()})
             return Result(pack_value(value))
         except Exception as exc:
+            self.failed += 1
             return failure_from(_user_traceback(exc))
 
     # -------------------------------------------------------------- asyncio
@@ -535,6 +539,7 @@ class Worker:
                     threads, lambda: (context.current_task.set(task), method(*a, **kw))[1])
             return Result(pack_value(value))
         except Exception as exc:
+            self.failed += 1
             return failure_from(_user_traceback(exc))
 
     async def _batch_entry_async(self, incoming: Incoming, entry: Any, corr: int,

@@ -105,6 +105,11 @@ def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
     print(f"served     {stats.get('requests', 0)} node requests; actors created "
           f"{stats.get('actors_created', 0)}, alive {stats.get('actors_alive', 0)}, "
           f"restarts {stats.get('actor_restarts', 0)}")
+    metrics = s.get("metrics") or {}
+    if metrics.get("address"):
+        print(f"metrics    {metrics['address']}/metrics")
+    elif metrics.get("reason"):
+        print(f"metrics    off: {metrics['reason']}")
     queue = s.get("queue") or []
     if queue:
         oldest = max(q.get("waited", 0.0) for q in queue)

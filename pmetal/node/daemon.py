@@ -45,6 +45,7 @@ from typing import Any
 from pmetal.node.groups import PlacementGroupService
 from pmetal.node.lifecycle import ActorLifecycle
 from pmetal.node.membership import Membership
+from pmetal.node.metrics import EMBEDDED_DELAY, MetricsServer
 from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
 from pmetal.node.owners import Owners
@@ -202,6 +203,8 @@ class NodeDaemon:
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
         self._counts = {"requests": 0, "failed": 0, "receive_errors": 0}
+        # /metrics (and later the dashboard): pmetal.node.metrics.
+        self.metrics = MetricsServer(config.metrics, self)
 
     def statistics(self) -> NodeStatistics:
         members = self.membership.statistics()
@@ -224,6 +227,8 @@ class NodeDaemon:
                 self._cancellable_task(self.cluster.run(self._stopping, self._discovery()))
                 if on_ready is not None:
                     on_ready(self)
+                self._cancellable_task(self.metrics.start(
+                    EMBEDDED_DELAY if self.embedded else 0.0, self._stopping))
                 serve = group.create_task(self._serve())
                 await self._stopping.wait()
                 # interrupt() makes the pending arecv raise ClosedError: a
@@ -233,6 +238,7 @@ class NodeDaemon:
                 for task in self._cancellable:
                     task.cancel()
                 self.pool.kill_all()
+                await self.metrics.close()
         finally:
             self.owners.close()
             self.listener.close()
@@ -575,6 +581,7 @@ class NodeDaemon:
             "membership": self.membership.statistics().__dict__,
             "compute": self.compute.statistics().__dict__,
             "store": self.store.statistics().__dict__,
+            "metrics": self.metrics.describe(),
         }
 
 

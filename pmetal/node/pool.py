@@ -392,6 +392,7 @@ class WorkerPool:
                 return
             if isinstance(reply, Status) and worker.worker_id in by_id:
                 by_id[worker.worker_id]["calls"] = reply.info.get("calls")
+                by_id[worker.worker_id]["calls_failed"] = reply.info.get("failed")
 
         ready = [w for w in self.workers.values() if w.ready.is_set() and w.address]
         # return_exceptions: a worker that dies meanwhile has its channel
