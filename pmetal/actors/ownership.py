@@ -1,0 +1,251 @@
+"""The bookkeeping of Ray's ownership model: who holds which object.
+
+The process that made an ObjectRef (the caller of the call, or the process
+that called ``pmetal.put``) *owns* it: the value lives there. A process that
+receives the ref inside a value *borrows* it. These two tables are the pure
+part of the protocol (no sockets, no threads of their own; ``now`` is
+passed in), driven by :mod:`pmetal.actors.objects`:
+
+* :class:`OwnedObjects`, in an owner: object id -> the ObjectRef and, per
+  borrower process, a count of registrations. The sender of a ref knows the
+  receiver when it packs it (the worker of the link for call arguments, the
+  caller for a return value, the fetcher for a fetched value): an owner that
+  sends adds +1 for that receiver here; a borrower that passes the ref on
+  sends the owner an AddBorrower (+1 for the receiver) before any Release of
+  its own, on one ordered channel. A borrower whose last local instance of
+  the ref is garbage-collected sends Release (-n: the n registrations it
+  received). An entry holds its ObjectRef (and so the value) while any count
+  is not exactly zero: a Release that overtakes its AddBorrower (they come
+  from different processes) leaves a negative count until the two meet.
+  With every count at zero the entry goes, and the value lives on only as
+  long as the owner's own Python references to the ref do.
+* :class:`BorrowedObjects`, in a borrower: (owner, object id) -> the one
+  live local ObjectRef instance for it and the registrations it received.
+
+Borrowers that die: a borrower renews a lease with each owner it holds refs
+of (any message counts; ``actors.borrower_lease``, every quarter of it). An
+owner that has heard from a borrower and then hears nothing for a lease drops
+that borrower's counts (:meth:`OwnedObjects.lapse`). A registration for a
+process the owner has not heard from since (it may wait in a worker's queue
+for a long call) is kept: the lapse clock starts at the borrower's first
+message after it. Refs pickled outside a pmetal send (no receiver known: a
+remote function's closure, which is pickled once and sent to any worker;
+an actor's constructor arguments, placed by a node; ``pickle.dumps``) are
+registered for :data:`PINNED`, which never releases: they live as long as
+their owner, as in Ray.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PINNED", "BorrowedObjects", "OwnedObjects", "OwnershipStatistics"]
+
+PINNED = "*"
+"""The borrower of refs pickled with no receiver known: never released."""
+
+
+class _Entry:
+    __slots__ = ("counts", "ref")
+
+    def __init__(self, ref: Any) -> None:
+        self.ref = ref
+        self.counts: dict[str, int] = {}
+
+
+@dataclass(frozen=True)
+class OwnershipStatistics:
+    owned: int          # objects with borrowers (held for them)
+    borrowed: int       # live local instances of refs owned elsewhere
+    borrowers: int      # processes with counts here
+    freed: int          # entries dropped because every count reached zero
+    lapsed: int         # borrowers dropped because their lease lapsed
+    stale: int          # updates for objects no longer held (a lapsed borrower's)
+
+
+class OwnedObjects:
+    """Objects this process owns that other processes borrow (see the
+    module docstring). Thread-safe; :attr:`changed` is notified whenever an
+    entry goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.changed = threading.Condition(self._lock)
+        self._entries: dict[int, _Entry] = {}
+        self._next = itertools.count(1)
+        self._held: dict[str, set[int]] = {}     # borrower -> oids it has counts for
+        self._heard: dict[str, float] = {}       # borrower -> last message (confirmed ones)
+        self.freed = self.lapsed = self.stale = 0
+
+    def oid(self, ref: Any) -> int:
+        """``ref``'s object id, the same for as long as ``ref`` lives (kept
+        in its ``_oid`` slot, 0 until it is first sent)."""
+        oid: int = ref._oid
+        if not oid:
+            with self._lock:
+                oid = ref._oid
+                if not oid:
+                    oid = ref._oid = next(self._next)
+        return oid
+
+    def get(self, oid: int) -> Any:
+        """The ObjectRef held for ``oid``, or None."""
+        entry = self._entries.get(oid)
+        return None if entry is None else entry.ref
+
+    def register(self, refs: Iterable[tuple[Any, int]], receiver: str) -> None:
+        """+1 for ``receiver`` on each ``(ref, oid)`` (before the ref is sent)."""
+        with self._lock:
+            held = self._held.setdefault(receiver, set())
+            self._heard.pop(receiver, None)   # its lapse clock starts at its next message
+            for ref, oid in refs:
+                entry = self._entries.get(oid)
+                if entry is None:
+                    entry = self._entries[oid] = _Entry(ref)
+                self._add(entry, oid, receiver, 1, held)
+
+    def _add(self, entry: _Entry, oid: int, borrower: str, delta: int, held: set[int]) -> None:
+        count = entry.counts.get(borrower, 0) + delta
+        if count:
+            entry.counts[borrower] = count
+            held.add(oid)
+            return
+        del entry.counts[borrower]
+        held.discard(oid)
+        if not entry.counts:
+            del self._entries[oid]
+            self.freed += 1
+
+    def apply(self, sender: str, borrowers: tuple[str, ...], oids: tuple[int, ...],
+              who: tuple[int, ...], deltas: tuple[int, ...], now: float) -> None:
+        """A borrower's updates (one BorrowUpdates), applied together; they
+        also renew ``sender``'s lease. Raises ValueError for a malformed one
+        (nothing applied)."""
+        if not len(oids) == len(who) == len(deltas):
+            raise ValueError(f"BorrowUpdates with {len(oids)} objects, {len(who)} borrower "
+                             f"indexes and {len(deltas)} deltas")
+        if who and not 0 <= min(who) <= max(who) < len(borrowers):
+            raise ValueError(f"BorrowUpdates names borrower {max(who)} of {len(borrowers)}")
+        with self._lock:
+            self._heard[sender] = now
+            helds = [self._held.setdefault(b, set()) for b in borrowers]
+            entries = self._entries
+            before = len(entries)
+            for oid, w, delta in zip(oids, who, deltas):
+                entry = entries.get(oid)
+                if entry is None:
+                    self.stale += 1
+                    continue
+                self._add(entry, oid, borrowers[w], delta, helds[w])
+            for b, held in zip(borrowers, helds):
+                if not held:
+                    self._held.pop(b, None)
+            if len(entries) != before:
+                self.changed.notify_all()
+
+    def adjust(self, oid: int, borrower: str, delta: int) -> None:
+        """One count changed here (our own ref came back to us)."""
+        with self._lock:
+            entry = self._entries.get(oid)
+            if entry is None:
+                self.stale += 1
+                return
+            self._add(entry, oid, borrower, delta, self._held.setdefault(borrower, set()))
+            if not self._held[borrower]:
+                del self._held[borrower]
+            if oid not in self._entries:
+                self.changed.notify_all()
+
+    def heard(self, sender: str, now: float) -> None:
+        """A message from ``sender`` (a fetch): it is alive."""
+        if sender in self._held:
+            with self._lock:
+                self._heard[sender] = now
+
+    def lapse(self, now: float, lease: float) -> list[str]:
+        """Drop the counts of every borrower silent for ``lease`` since its
+        last message; the borrowers dropped."""
+        with self._lock:
+            gone = [b for b, t in self._heard.items() if now - t > lease]
+            for b in gone:
+                del self._heard[b]
+                self._drop(b)
+            if gone:
+                self.lapsed += len(gone)
+                self.changed.notify_all()
+            return gone
+
+    def _drop(self, borrower: str) -> None:
+        for oid in self._held.pop(borrower, ()):
+            entry = self._entries.get(oid)
+            if entry is not None and entry.counts.pop(borrower, None) is not None:
+                if not entry.counts:
+                    del self._entries[oid]
+                    self.freed += 1
+
+    def wait_empty(self, timeout: float, left: int = 0) -> bool:
+        """Wait until at most ``left`` objects are held for borrowers."""
+        with self.changed:
+            return self.changed.wait_for(lambda: len(self._entries) <= left, timeout)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def borrowers(self) -> int:
+        return len(self._held)
+
+
+class BorrowedObjects:
+    """Refs this process borrows: one live instance per (owner, object),
+    and the registrations it received (see the module docstring).
+    ``release(key, n)`` is called (under no lock of ours) when an instance
+    that received ``n`` registrations is garbage-collected, to queue its
+    Release."""
+
+    def __init__(self, release: Callable[[tuple[str, int], int], None]) -> None:
+        # Re-entrant: a garbage collection that runs while the lock is held
+        # (an allocation in receive) may finalize another instance here.
+        self._lock = threading.RLock()
+        self._refs: dict[tuple[str, int], weakref.ref[Any]] = {}
+        self._release = release
+        self.live: dict[str, int] = {}   # owner -> live instances of its refs
+
+    def receive(self, key: tuple[str, int], counted: bool, make: Callable[[], Any]) -> Any:
+        """The local instance for ``key`` (``make()`` if there is none), with
+        one more registration when ``counted``."""
+        with self._lock:
+            found = self._refs.get(key)
+            ref = found() if found is not None else None
+            if ref is None or ref._count < 0:   # none, or one being finalized
+                ref = make()
+                self._refs[key] = weakref.ref(ref)
+                self.live[key[0]] = self.live.get(key[0], 0) + 1
+            if counted:
+                ref._count += 1
+            return ref
+
+    def finalized(self, ref: Any) -> None:
+        """``ref`` (an instance made by ``make``) is being garbage-collected."""
+        key = (ref._owner.owner_id, ref._oid)
+        with self._lock:
+            count, ref._count = ref._count, -1
+            if count < 0:
+                return
+            found = self._refs.get(key)
+            if found is not None and found() in (None, ref):
+                del self._refs[key]
+            left = self.live.get(key[0], 1) - 1
+            if left > 0:
+                self.live[key[0]] = left
+            else:
+                self.live.pop(key[0], None)
+        if count:
+            self._release(key, count)
+
+    def __len__(self) -> int:
+        return len(self._refs)
