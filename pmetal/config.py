@@ -156,7 +156,8 @@ class ActorsConfig:
     inside values) tells each of their owners that it is alive at least every
     quarter of this many seconds; an owner that has heard from a borrower
     once and then hears nothing for this long takes it for dead and drops
-    its counts (see pmetal.actors.ownership). The owner's value counts.
+    its counts (see pmetal.actors.ownership). A borrower renews by its own
+    value and an owner lapses by its own: use one value on every machine.
     """
 
     owner_lease: float = 30.0

@@ -21,8 +21,8 @@ Ray name                   what it is in pmetal
                            a task whose worker died raises ``ActorDiedError``)
 ``GetTimeoutError``        :class:`~pmetal.errors.GetTimeoutError` (also ``TimeoutError``)
 ``TaskCancelledError``     :class:`~pmetal.errors.TaskCancelledError` (not raised yet)
-``ObjectLostError``        :class:`~pmetal.errors.ObjectLostError` (not raised yet)
-``OwnerDiedError``         :class:`~pmetal.errors.OwnerDiedError` (not raised yet)
+``ObjectLostError``        :class:`~pmetal.errors.ObjectLostError`: its owner freed it
+``OwnerDiedError``         :class:`~pmetal.errors.OwnerDiedError`: its owner died
 ``TaskUnschedulableError`` :class:`~pmetal.errors.PlacementError`: no node can host it
 ``ActorUnschedulableError`` :class:`~pmetal.errors.PlacementError`
 =========================  =========================================================

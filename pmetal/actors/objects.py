@@ -67,6 +67,8 @@ _SLICE = 0.01          # s a fetch or a pending object's wait holds a lock at a 
 _BATCH_DELAY = 0.002   # s queued updates wait for company before they are sent
 _BATCH_MAX = 50_000    # updates per BorrowUpdates
 _FETCH_WAIT = 10.0     # s an owner holds a fetch of a pending object before "ask again"
+_SUSPECT_FOR = 5.0    # s an owner's address is probed after its connection dropped
+_PROBE_EVERY = 0.2    # s between two probes
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
@@ -197,7 +199,8 @@ class ObjectManager:
         self.lease = client.config.actors.borrower_lease
         self.owned = OwnedObjects()
         self.borrowed = BorrowedObjects(self._release)
-        self._lock = threading.Lock()
+        # Re-entrant: a finalizer (BorrowedRef.__del__) may run while it is held.
+        self._lock = threading.RLock()
         self._server: ObjectServer | None = None
         self._info: OwnerInfo | None = None
         self._links: dict[str, OwnerLink] = {}
@@ -350,7 +353,7 @@ class ObjectManager:
                 adds, self._adds = self._adds, {}
             now = time.monotonic()
             owners = set(adds) | set(releases)
-            owners |= {o for o in list(self.borrowed.live)
+            owners |= {o for o in self.borrowed.owners()
                        if now - self._renewed.get(o, 0.0) > self.lease / 4}
             for owner_id in owners:
                 owner = self._owners.get(owner_id)
@@ -411,6 +414,11 @@ class OwnerLink:
         self.dead = ""
         self._fetching: dict[int, tuple[int, BorrowedRef]] = {}   # oid -> (corr, ref)
         self._oids: dict[int, int] = {}   # corr -> oid
+        # After the connection drops, the address is probed every
+        # _PROBE_EVERY until _SUSPECT_FOR has passed (a killed process's
+        # port may accept for a moment while it exits).
+        self._suspect_until = 0.0
+        self._next_probe = 0.0
 
     # ------------------------------------------------------------- liveness
 
@@ -457,11 +465,17 @@ class OwnerLink:
         if self._node_dead():
             self.dead = f"its node {self.owner.node_id[:8]} was declared dead"
         monitor = self._monitor
+        now = time.monotonic()
         while monitor is not None and not self.dead and monitor.getsockopt(_EVENTS) & _POLLIN:
             frames = monitor.recv_multipart()
-            if (frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED
-                    and not listening(self.owner.address)):
+            if frames and int.from_bytes(frames[0][:2], "little") == zmq.EVENT_DISCONNECTED:
+                self._suspect_until, self._next_probe = now + _SUSPECT_FOR, now
+        if self._suspect_until and not self.dead and now >= self._next_probe:
+            self._next_probe = now + _PROBE_EVERY
+            if not listening(self.owner.address):
                 self.dead = "the connection to it dropped and nothing listens at its address"
+            elif now > self._suspect_until:
+                self._suspect_until = 0.0   # a live owner: ZeroMQ reconnects
         if self.dead:
             self._fail_all()
 

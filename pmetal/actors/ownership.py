@@ -247,5 +247,10 @@ class BorrowedObjects:
         if count:
             self._release(key, count)
 
+    def owners(self) -> list[str]:
+        """The owners we hold live refs of (we renew our lease with them)."""
+        with self._lock:
+            return list(self.live)
+
     def __len__(self) -> int:
         return len(self._refs)
