@@ -32,7 +32,8 @@ message after it. Refs pickled outside a pmetal send (no receiver known: a
 remote function's closure, which is pickled once and sent to any worker;
 an actor's constructor arguments, placed by a node; ``pickle.dumps``) are
 registered for :data:`PINNED`, which never releases: they live as long as
-their owner, as in Ray.
+their owner, as in Ray. Who receives a value being packed is this thread's
+:data:`packing` context (:func:`pack_to`, :func:`pack_collecting`).
 """
 
 from __future__ import annotations
@@ -42,12 +43,60 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["PINNED", "BorrowedObjects", "OwnedObjects", "OwnershipStatistics"]
+from pmetal.actors.serialization import pack_value
+
+__all__ = ["PINNED", "BorrowedObjects", "OwnedObjects", "OwnerInfo", "OwnershipStatistics",
+           "pack_collecting", "pack_to", "packing"]
 
 PINNED = "*"
 """The borrower of refs pickled with no receiver known: never released."""
+
+
+class OwnerInfo(NamedTuple):
+    """Where a borrowed ref's owner is: its object server's address, its
+    process id (its identity's node id) and the node it reached us through."""
+
+    address: str
+    owner_id: str
+    node_id: str
+
+
+class _Packing(threading.local):
+    """Who receives what is being packed in this thread: ``receiver`` (a
+    process id: refs register for it as they are pickled) or ``nested`` (a
+    list that collects them, registered once the caller knows the receiver).
+    Neither: the ref is pinned (see ownership.PINNED)."""
+
+    receiver: str | None = None
+    nested: list[Any] | None = None
+
+
+packing = _Packing()
+
+
+def pack_to(value: Any, receiver: str | None) -> Any:
+    """``pack_value(value)`` for process ``receiver``: refs inside are
+    registered for it (None: unknown, they are pinned)."""
+    outer = packing.receiver, packing.nested
+    packing.receiver, packing.nested = receiver, None
+    try:
+        return pack_value(value)
+    finally:
+        packing.receiver, packing.nested = outer
+
+
+def pack_collecting(pack: Any, *args: Any) -> tuple[Any, list[Any]]:
+    """``pack(*args)``, and the refs pickled inside (not registered yet:
+    the caller lends them once it knows the receiver)."""
+    outer = packing.receiver, packing.nested
+    nested: list[Any] = []
+    packing.receiver, packing.nested = None, nested
+    try:
+        return pack(*args), nested
+    finally:
+        packing.receiver, packing.nested = outer
 
 
 class _Entry:
@@ -109,7 +158,8 @@ class OwnedObjects:
                     entry = self._entries[oid] = _Entry(ref)
                 self._add(entry, oid, receiver, 1, held)
 
-    def _add(self, entry: _Entry, oid: int, borrower: str, delta: int, held: set[int]) -> None:
+    def _add(self, entry: _Entry, oid: int, borrower: str, delta: int, held: set[int],
+             free: bool = True) -> None:
         count = entry.counts.get(borrower, 0) + delta
         if count:
             entry.counts[borrower] = count
@@ -117,7 +167,7 @@ class OwnedObjects:
             return
         del entry.counts[borrower]
         held.discard(oid)
-        if not entry.counts:
+        if free and not entry.counts:
             del self._entries[oid]
             self.freed += 1
 
@@ -141,7 +191,14 @@ class OwnedObjects:
                 if entry is None:
                     self.stale += 1
                     continue
-                self._add(entry, oid, borrowers[w], delta, helds[w])
+                self._add(entry, oid, borrowers[w], delta, helds[w], free=False)
+            # Freed only once the whole batch is in: a Release and an
+            # AddBorrower of one message never free the object between them.
+            for oid in oids:
+                entry = entries.get(oid)
+                if entry is not None and not entry.counts:
+                    del entries[oid]
+                    self.freed += 1
             for b, held in zip(borrowers, helds):
                 if not held:
                     self._held.pop(b, None)
@@ -183,10 +240,10 @@ class OwnedObjects:
     def _drop(self, borrower: str) -> None:
         for oid in self._held.pop(borrower, ()):
             entry = self._entries.get(oid)
-            if entry is not None and entry.counts.pop(borrower, None) is not None:
-                if not entry.counts:
-                    del self._entries[oid]
-                    self.freed += 1
+            if (entry is not None and entry.counts.pop(borrower, None) is not None
+                    and not entry.counts):
+                del self._entries[oid]
+                self.freed += 1
 
     def wait_empty(self, timeout: float, left: int = 0) -> bool:
         """Wait until at most ``left`` objects are held for borrowers."""

@@ -95,10 +95,10 @@ class Holder:
     def give_kept(self) -> Any:
         return self.kept
 
-    def pass_on(self, value: Any, other: Any) -> int:
+    def pass_on(self, value: Any, other: Any, timeout: float = WAIT) -> int:
         """Hand ``value`` (refs inside) to actor ``other`` to keep, and
         forget it here."""
-        return pmetal.get(other.keep.remote(value), timeout=WAIT)
+        return pmetal.get(other.keep.remote(value), timeout=timeout)
 
     def relay(self, value: Any, other: Any) -> Any:
         """Ask ``other`` to resolve ``value`` (a chain of borrowers)."""
@@ -118,8 +118,23 @@ class Holder:
         except pmetal.GetTimeoutError:
             return "timeout"
 
+    def wait_ready(self, value: list[Any], timeout: float) -> int:
+        ready, _ = pmetal.wait(value, num_returns=len(value), timeout=timeout)
+        return len(ready)
+
     def ownership(self) -> dict[str, int]:
         return ownership()
+
+
+@pmetal.remote
+class AsyncHolder:
+    """An async actor: refs in and out of coroutines."""
+
+    async def make(self, value: Any) -> list[Any]:
+        return [pmetal.put(value)]
+
+    async def resolve(self, value: list[Any]) -> list[Any]:
+        return [await ref for ref in value]
 
 
 @pmetal.remote

@@ -19,7 +19,7 @@ from pmetal.errors import OwnerDiedError
 
 from .cancel_classes import wait_for_file
 from .conftest import WAIT, pid_alive, shared_memory_objects, wait_until
-from .ownership_classes import Box, Holder, add_one, make_and_return
+from .ownership_classes import AsyncHolder, Box, Holder, add_one, make_and_return
 
 NUM_WORKERS = 2
 
@@ -92,9 +92,25 @@ def test_a_pending_ref_passed_nested_waits_at_the_borrower(reap: list, tmp_path:
     pending = wait_for_file.remote(str(gate), "late")
     assert not pending.done()
     assert pmetal.get(a.try_get.remote([pending], 0.2), timeout=WAIT) == "timeout"
+    assert pmetal.get(a.wait_ready.remote([pending], 0.2), timeout=WAIT) == 0
     later = a.resolve.remote([pending])
     gate.write_text("open")
     assert pmetal.get(later, timeout=WAIT) == ["late"]
+
+
+def test_borrowed_refs_work_with_wait(reap: list) -> None:
+    a = Holder.remote()
+    reap.append(a)
+    refs = [pmetal.put(i) for i in range(3)]
+    assert pmetal.get(a.wait_ready.remote(refs, WAIT), timeout=WAIT) == 3
+
+
+def test_an_async_actor_returns_a_ref_it_made_and_awaits_borrowed_ones(reap: list) -> None:
+    a = AsyncHolder.remote()
+    reap.append(a)
+    [made] = pmetal.get(a.make.remote("async"), timeout=WAIT)
+    assert isinstance(made, BorrowedRef) and pmetal.get(made, timeout=WAIT) == "async"
+    assert pmetal.get(a.resolve.remote([pmetal.put(1), made]), timeout=WAIT) == [1, "async"]
 
 
 def test_a_failed_objects_error_reaches_the_borrower(reap: list) -> None:
