@@ -9,6 +9,7 @@
     python -m benchmarks kernels        # opt-in: quantized matmul GB/s per GGUF format
     python -m benchmarks store          # opt-in: pulling a model between nodes
     python -m benchmarks capacity       # opt-in: what measuring a node for placement costs
+    python -m benchmarks ownership      # opt-in: ObjectRefs inside values (fetch, lend, release)
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -25,6 +26,7 @@ from benchmarks import (
     cluster,
     instructions,
     kernels,
+    ownership,
     pipeline,
     store,
     transport,
@@ -35,7 +37,7 @@ SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster
 # Run only when named: instructions needs valgrind; pipeline loads a model;
 # kernels and capacity measure compute, not the cluster; store moves the default model.
 OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main,
-          "capacity": capacity.main, "store": store.main}
+          "capacity": capacity.main, "store": store.main, "ownership": ownership.main}
 
 
 def main(argv: list[str] | None = None) -> int:
