@@ -136,6 +136,13 @@ class CoreClient:
                 objects = self._objects
         return objects
 
+    def worker_gone(self, process: str) -> None:
+        """A link to the worker whose process id is ``process`` died (its
+        process exited, or is being killed): the objects we lent it are no
+        longer held for it (pmetal.actors.ownership)."""
+        if self._objects is not None:
+            self._objects.owned.drop(process)
+
     def statistics(self) -> dict[str, Any]:
         return {"calls": self.calls, "links": len(self.links),
                 "node_channel": self.node.statistics()}
@@ -148,7 +155,8 @@ class CoreClient:
             if link is not None:
                 link.close()
             link = self.links[address] = PeerLink(self.transport, self.identity, self.namespace,
-                                                  self.config, address, self.node_link)
+                                                  self.config, address, self.node_link,
+                                                  self.worker_gone)
             # A worker busy in a long call answers the handshake only after
             # it: wait as long as for a request, not the short handshake time.
             try:

@@ -35,6 +35,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -214,10 +215,13 @@ class PeerLink:
 
     def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
                  namespace: NetworkNamespace, config: PMetalConfig, address: str,
-                 node: NodeLink) -> None:
+                 node: NodeLink, on_dead: Callable[[str], None] | None = None) -> None:
         dialer = transport.dial(address)
         self.address = address
         self.node = node
+        # Told the worker's process id when the link dies with a session
+        # open: the client's owned objects forget it as a borrower.
+        self._on_dead = on_dead
         self.channel = Channel(dialer, identity, namespace, config)
         self.socket = dialer.socket
         self.monitor = dialer.monitor_disconnects()
@@ -255,6 +259,9 @@ class PeerLink:
         if self.dead:
             return
         self.dead = why
+        peer = self.channel.peer
+        if peer and self._on_dead is not None:
+            self._on_dead(peer)
         self.channel.abandon()
         for ref in self.refs.values():
             ref._fail_link(why)

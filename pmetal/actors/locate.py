@@ -253,7 +253,7 @@ class ActorLocator:
         slice_s = min(0.5, client.config.transport.handshake_timeout)
         while True:
             link = PeerLink(client.transport, client.identity, client.namespace, client.config,
-                            address, client.node_link)
+                            address, client.node_link, client.worker_gone)
             if not _accepts(address):
                 link.die(f"nothing listens at {address} any more (its process exited)")
                 return link

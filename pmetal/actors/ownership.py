@@ -22,10 +22,12 @@ passed in), driven by :mod:`pmetal.actors.objects`:
 * :class:`BorrowedObjects`, in a borrower: (owner, object id) -> the one
   live local ObjectRef instance for it and the registrations it received.
 
-Borrowers that die: a borrower renews a lease with each owner it holds refs
-of (any message counts; ``actors.borrower_lease``, every quarter of it). An
-owner that has heard from a borrower and then hears nothing for a lease drops
-that borrower's counts (:meth:`OwnedObjects.lapse`). A registration for a
+Borrowers that die: an owner whose link to a worker dies (the worker's
+process exited or is being killed) drops that worker's counts at once
+(:meth:`OwnedObjects.drop`). Any borrower also renews a lease with each owner
+it holds refs of (any message counts; ``actors.borrower_lease``, every quarter
+of it). An owner that has heard from a borrower and then hears nothing for a
+lease drops that borrower's counts (:meth:`OwnedObjects.lapse`). A registration for a
 process the owner has not heard from since (it may wait in a worker's queue
 for a long call) is kept: the lapse clock starts at the borrower's first
 message after it. Refs pickled outside a pmetal send (no receiver known: a
@@ -236,6 +238,15 @@ class OwnedObjects:
                 self.lapsed += len(gone)
                 self.changed.notify_all()
             return gone
+
+    def drop(self, borrower: str) -> None:
+        """Forget ``borrower``: its process is known to be gone."""
+        with self._lock:
+            self._heard.pop(borrower, None)
+            before = len(self._entries)
+            self._drop(borrower)
+            if len(self._entries) != before:
+                self.changed.notify_all()
 
     def _drop(self, borrower: str) -> None:
         for oid in self._held.pop(borrower, ()):

@@ -190,3 +190,18 @@ def test_objects_are_freed_when_the_last_borrower_lets_go(reap: list) -> None:
     pmetal.get(b.drop.remote(), timeout=WAIT)
     assert pmetal.get(b.ownership.remote(), timeout=WAIT)["borrowed"] == 0
     assert objects.owned.wait_empty(WAIT, left=before), objects.statistics()
+
+
+def test_a_borrower_whose_worker_is_killed_is_forgotten_at_once(reap: list) -> None:
+    # The driver's link to the worker dies with it (pmetal.kill here; a
+    # dropped connection the same way): no lease to wait for.
+    a = Holder.remote()
+    reap.append(a)
+    objects = context.current().objects
+    before = len(objects.owned)
+    refs = [pmetal.put(i) for i in range(10)]
+    assert pmetal.get(a.keep.remote(refs), timeout=WAIT) == 10
+    del refs
+    assert len(objects.owned) == before + 10
+    pmetal.kill(a)
+    assert objects.owned.wait_empty(WAIT, left=before), objects.statistics()
