@@ -144,8 +144,11 @@ class CoreClient:
             self._objects.owned.drop(process)
 
     def statistics(self) -> dict[str, Any]:
-        return {"calls": self.calls, "links": len(self.links),
-                "node_channel": self.node.statistics()}
+        out = {"calls": self.calls, "links": len(self.links),
+               "node_channel": self.node.statistics()}
+        if self._objects is not None:
+            out["objects"] = self._objects.statistics()
+        return out
 
     # ---------------------------------------------------------------- links
 
@@ -518,6 +521,11 @@ class CoreClient:
         a call already sent has its reply discarded, and an actor's worker is
         asked to cancel it (an async method stops; anything else runs on).
         Either way the ref fails with TaskCancelledError at once."""
+        if type(ref) is BorrowedRef:
+            raise PMetalValueError(
+                f"pmetal.cancel of {ref._on_death}, a ref this process received inside a "
+                f"value: only its owner, the process that made the call "
+                f"({ref._owner.owner_id[:8]}), can cancel it; cancel it there")
         base = ref._base if isinstance(ref, ItemRef) else ref
         kill = ""   # the task worker to kill (force=True on a task sent)
         with self.lock:

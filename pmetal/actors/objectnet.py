@@ -199,8 +199,21 @@ class OwnerLink:
                 self._fail_all()
                 ref._error = ref._error or _died(ref, self.dead)
             else:
-                ref._error = PeerError(f"{ref._on_death}: cannot fetch it from its owner "
-                                       f"at {self.owner.address}: {exc}")
+                # Not kept in the ref: a later get tries again.
+                self._forget_channel()
+                raise PeerError(f"{ref._on_death}: cannot fetch it from its owner at "
+                                f"{self.owner.address} now: {exc}; call pmetal.get again "
+                                f"to retry") from exc
+
+    def _forget_channel(self) -> None:
+        """Drop the channel after an error that is not the owner's death (a
+        later fetch opens a new one and asks again)."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+            self._monitor = None
+        self._fetching.clear()
+        self._oids.clear()
 
     def _settle(self, channel: Channel) -> None:
         for corr in channel.arrived():
@@ -255,9 +268,7 @@ class OwnerLink:
 
     def close(self) -> None:
         with self.lock:
-            if self.channel is not None:
-                self.channel.close()
-                self.channel = None
+            self._forget_channel()
 
 
 class _Waiter(NamedTuple):

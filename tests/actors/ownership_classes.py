@@ -118,6 +118,13 @@ class Holder:
         except pmetal.GetTimeoutError:
             return "timeout"
 
+    def cancel(self, value: list[Any]) -> str:
+        try:
+            pmetal.cancel(value[0])
+        except pmetal.PMetalError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "cancelled"
+
     def wait_ready(self, value: list[Any], timeout: float) -> int:
         ready, _ = pmetal.wait(value, num_returns=len(value), timeout=timeout)
         return len(ready)

@@ -93,6 +93,9 @@ def test_a_pending_ref_passed_nested_waits_at_the_borrower(reap: list, tmp_path:
     assert not pending.done()
     assert pmetal.get(a.try_get.remote([pending], 0.2), timeout=WAIT) == "timeout"
     assert pmetal.get(a.wait_ready.remote([pending], 0.2), timeout=WAIT) == 0
+    # Only the owner cancels the call (Ray forwards it there; pmetal says so).
+    refused = pmetal.get(a.cancel.remote([pending]), timeout=WAIT)
+    assert refused.startswith("PMetalValueError") and "owner" in refused, refused
     later = a.resolve.remote([pending])
     gate.write_text("open")
     assert pmetal.get(later, timeout=WAIT) == ["late"]
