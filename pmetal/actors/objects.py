@@ -76,7 +76,7 @@ class BorrowedRef(ObjectRef):
     owner (once: the instance keeps it). When it is garbage-collected the
     registrations it received are released to the owner."""
 
-    __slots__ = ("_count", "_manager", "_oid", "_owner")
+    __slots__ = ("_count", "_manager", "_owner")   # _oid: ObjectRef's slot
 
     def __init__(self, manager: ObjectManager, oid: int, owner: OwnerInfo, what: str) -> None:
         super().__init__(manager.client, on_death=what)

@@ -208,3 +208,16 @@ def test_a_borrower_whose_worker_is_killed_is_forgotten_at_once(reap: list) -> N
     assert len(objects.owned) == before + 10
     pmetal.kill(a)
     assert objects.owned.wait_empty(WAIT, left=before), objects.statistics()
+
+
+def test_item_refs_of_num_returns_travel_nested(reap: list) -> None:
+    a = Holder.remote()
+    reap.append(a)
+
+    @pmetal.remote(num_returns=2)
+    def pair() -> tuple[str, str]:
+        return "left", "right"
+
+    left, right = pair.remote()
+    assert pmetal.get(a.resolve.remote({"r": right, "l": left}), timeout=WAIT) == {
+        "r": "right", "l": "left"}
