@@ -1,7 +1,7 @@
 """ObjectRefs between machines (tests/netlab.py, two hosts, a node daemon on
 each, static peers): a driver on host 1 lends refs inside a value to an
 actor on host 2, which fetches them from the driver's object server across
-the lab's bridge; refs the actor makes come back and are fetched from host
+the lab's bridge and releases them (the driver's table empties); refs the actor makes come back and are fetched from host
 2; once the actor's process is killed, a ref it owned fails with
 OwnerDiedError at once. Needs root (the lab); skips otherwise."""
 
@@ -43,9 +43,13 @@ pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab"
 far = Holder.options(node=sys.argv[3]).remote()
 refs = [pmetal.put(i) for i in range(1000)]
 got = pmetal.get(far.resolve.remote(refs), timeout=30)
+from pmetal.actors import context
+# The actor let go of them when its call ended: its Releases cross the bridge.
+released = context.current().objects.owned.wait_empty(20)
 [theirs] = pmetal.get(far.make.remote("made on host 2"), timeout=30)
 [unseen] = pmetal.get(far.make.remote("never fetched"), timeout=30)
-emit(step="ready", ok=got == list(range(1000)), value=pmetal.get(theirs, timeout=30),
+emit(step="ready", ok=got == list(range(1000)), released=released,
+     value=pmetal.get(theirs, timeout=30),
      owner=theirs._owner.address, pid=pmetal.get(far.pid.remote(), timeout=30))
 sys.stdin.readline()   # the test killed the actor's process
 started = time.monotonic()
@@ -67,6 +71,7 @@ def test_refs_lent_and_fetched_across_hosts_and_an_owner_death(
                      "driver", stdin=True) as driver:
         ready = read_line(driver, 60.0, "ready")
         assert ready["ok"] and ready["value"] == "made on host 2", ready
+        assert ready["released"], ready   # the driver's table emptied across machines
         # The actor's object server listens on host 2's lab address.
         host2 = c.nodes[2].address.partition("://")[2].rpartition(":")[0]
         assert ready["owner"].partition("://")[2].rpartition(":")[0] == host2, ready
