@@ -214,8 +214,8 @@ class ObjectManager:
         elif known is not owner:   # the same owner, another copy: share ours
             owner = known
         first = owner.owner_id not in self.borrowed.live
-        ref = self.borrowed.receive((owner.owner_id, oid), counted,
-                                    lambda: BorrowedRef(self, oid, known, what))
+        ref = self.borrowed.receive((owner.owner_id, oid), counted, BorrowedRef,
+                                    self, oid, known, what)
         if first:
             self._poke()   # tell the owner we hold its refs (our lease starts)
         return ref

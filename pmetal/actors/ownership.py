@@ -283,14 +283,15 @@ class BorrowedObjects:
         self._release = release
         self.live: dict[str, int] = {}   # owner -> live instances of its refs
 
-    def receive(self, key: tuple[str, int], counted: bool, make: Callable[[], Any]) -> Any:
-        """The local instance for ``key`` (``make()`` if there is none), with
-        one more registration when ``counted``."""
+    def receive(self, key: tuple[str, int], counted: bool, make: Callable[..., Any],
+                *args: Any) -> Any:
+        """The local instance for ``key`` (``make(*args)`` if there is none),
+        with one more registration when ``counted``."""
         with self._lock:
             found = self._refs.get(key)
             ref = found() if found is not None else None
             if ref is None or ref._count < 0:   # none, or one being finalized
-                ref = make()
+                ref = make(*args)
                 self._refs[key] = weakref.ref(ref)
                 self.live[key[0]] = self.live.get(key[0], 0) + 1
             if counted:

@@ -147,7 +147,7 @@ def test_a_borrower_has_one_instance_per_object_and_releases_what_it_received() 
     table = BorrowedObjects(lambda key, n: released.append((key, n)))
 
     def receive(key: tuple[str, int], counted: bool = True) -> Instance:
-        return table.receive(key, counted, lambda: Instance(table, key))
+        return table.receive(key, counted, Instance, table, key)
 
     a = receive(("O", 1))
     assert receive(("O", 1)) is a and receive(("O", 1), counted=False) is a
