@@ -76,6 +76,7 @@ _EVENTS = int(zmq.EVENTS)
 _BATCH_MAX = 256          # calls per CallBatch
 _LEASE_AGAIN_AFTER = 0.2  # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
+_PREFETCH = 1000          # borrowed refs a get asks their owners for at once
 _CLOSED = ("the result was still pending when pmetal.shutdown() closed the client that "
            "made the call; it will never arrive")
 
@@ -589,6 +590,16 @@ class CoreClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             self._flush_links(refs)
+        if self._objects is not None and len(refs) > 1:
+            # Borrowed refs among them: fetches are asked a window ahead,
+            # a round trip per window and owner rather than one per ref
+            # (a window stays below the sockets' high-water marks).
+            prefetch, window = self._objects.prefetch, _PREFETCH
+            for i, ref in enumerate(refs):
+                if not i % window:
+                    prefetch(refs[i:i + window])
+                self._await(ref, deadline, timeout)
+            return [ref.result() for ref in refs]
         for ref in refs:
             self._await(ref, deadline, timeout)
         return [ref.result() for ref in refs]

@@ -180,10 +180,7 @@ class OwnerLink:
             if ref._oid not in self._fetching:
                 wait = _FETCH_WAIT if deadline is None else min(
                     _FETCH_WAIT, max(0.0, deadline - time.monotonic()) + 1.0)
-                corr = channel.submit(FetchObject(ref._oid, wait),
-                                      timeout=self.manager.client.config.transport.send_timeout)
-                self._fetching[ref._oid] = (corr, ref)
-                self._oids[corr] = ref._oid
+                self._submit(channel, ref, wait)
             remaining = _SLICE if deadline is None else min(
                 _SLICE, max(0.0, deadline - time.monotonic()))
             try:
@@ -214,6 +211,27 @@ class OwnerLink:
             self._monitor = None
         self._fetching.clear()
         self._oids.clear()
+
+    def _submit(self, channel: Channel, ref: BorrowedRef, wait: float) -> None:
+        corr = channel.submit(FetchObject(ref._oid, wait),
+                              timeout=self.manager.client.config.transport.send_timeout)
+        self._fetching[ref._oid] = (corr, ref)
+        self._oids[corr] = ref._oid
+
+    def request(self, refs: list[BorrowedRef]) -> None:
+        """Ask for every ref of ``refs`` not asked for yet, without waiting
+        (a get of many: one round trip for all). Errors are left to the
+        fetch of each ref, which meets them again."""
+        with self.lock:
+            if self.dead:
+                return
+            try:
+                channel = self._open()
+                for ref in refs:
+                    if ref._oid not in self._fetching and not ref.done():
+                        self._submit(channel, ref, _FETCH_WAIT)
+            except (PeerError, TransportError) as exc:
+                log.debug("asking %s for %d objects: %s", self.owner.address, len(refs), exc)
 
     def _settle(self, channel: Channel) -> None:
         for corr in channel.arrived():

@@ -233,8 +233,19 @@ class ObjectManager:
         """Wait until ``ref`` has its value from its owner (or an error)."""
         self._link(ref._owner).fetch(ref, deadline, timeout)
 
+    def prefetch(self, refs: list[ObjectRef]) -> None:
+        """Ask the owners of the pending borrowed refs among ``refs`` for
+        all of them now (their answers are read by the gets that follow)."""
+        pending: dict[str, list[BorrowedRef]] = {}
+        for ref in refs:
+            if type(ref) is BorrowedRef and not ref.done():
+                pending.setdefault(ref._owner.owner_id, []).append(ref)
+        for group in pending.values():
+            self._link(group[0]._owner).request(group)
+
     def poll(self, refs: list[BorrowedRef], seconds: float) -> None:
         """Let pending borrowed ``refs`` progress for about ``seconds`` (wait)."""
+        self.prefetch(refs[:1000])   # type: ignore[arg-type]
         first = refs[0]
         try:
             self.fetch(first, time.monotonic() + seconds, seconds)

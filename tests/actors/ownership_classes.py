@@ -82,6 +82,9 @@ class Holder:
     def resolve(self, value: Any) -> Any:
         return resolve(value)
 
+    def get_list(self, value: list[Any]) -> list[Any]:
+        return pmetal.get(value, timeout=WAIT)
+
     def keep(self, value: Any) -> int:
         self.kept = value
         return len(value) if isinstance(value, list) else 1

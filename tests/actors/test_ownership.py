@@ -101,6 +101,16 @@ def test_a_pending_ref_passed_nested_waits_at_the_borrower(reap: list, tmp_path:
     assert pmetal.get(later, timeout=WAIT) == ["late"]
 
 
+def test_a_get_of_many_borrowed_refs_from_two_owners(reap: list) -> None:
+    # More than one prefetch window (1,000), owned by the driver and by
+    # another actor, pending and ready ones mixed.
+    a, b = Holder.remote(), Holder.remote()
+    reap.extend([a, b])
+    theirs = pmetal.get([b.make.remote(i) for i in range(3)], timeout=WAIT)
+    refs = [pmetal.put(i) for i in range(2500)] + [r for [r] in theirs]
+    assert pmetal.get(a.get_list.remote(refs), timeout=WAIT) == [*range(2500), 0, 1, 2]
+
+
 def test_borrowed_refs_work_with_wait(reap: list) -> None:
     a = Holder.remote()
     reap.append(a)
