@@ -5,6 +5,8 @@
   value itself: what a nested ref costs;
 * a 64 MiB float32 array fetched by an actor from its owner (the driver),
   beside the same array sent as an argument;
+* a get of 10,000 refs of the driver in an actor (fetched a window of 1,000
+  ahead);
 * 100,000 refs lent by the driver to an actor, which passes them to a
   second actor, and all of them released again until the driver's table is
   empty: refs per second, per round.
@@ -39,6 +41,11 @@ def main(quick: bool = False) -> dict[str, float]:
 
         def nbytes(self, a: np.ndarray) -> int:
             return int(a.nbytes)
+
+        def get_all(self, xs: list[Any]) -> float:
+            t = time.perf_counter()
+            pmetal.get(xs)
+            return len(xs) / (time.perf_counter() - t)
 
         def nbytes_of(self, xs: list[Any]) -> int:
             return int(pmetal.get(xs[0]).nbytes)
@@ -82,6 +89,8 @@ def main(quick: bool = False) -> dict[str, float]:
             t = time.perf_counter()
             pmetal.get(a.nbytes_of.remote([ref]), timeout=60)
             fetched.append(arr.nbytes / (time.perf_counter() - t))
+        many = [pmetal.get(a.get_all.remote([pmetal.put(i) for i in range(n_refs // 10)]),
+                           timeout=120) for _ in range(reps)]
         owned = context.current().objects.owned
         lent = []
         for _ in range(rounds):
@@ -98,12 +107,13 @@ def main(quick: bool = False) -> dict[str, float]:
         pmetal.shutdown()
     out = {"plain_us": median(plain) * 1e6, "nested_us": median(nested) * 1e6,
            "sent_gbs": median(sent) / 1e9, "fetched_gbs": median(fetched) / 1e9,
-           "refs_per_s": median(lent)}
+           "refs_per_s": median(lent), "fetched_per_s": median(many)}
     print(table("ObjectRefs inside values (python -m benchmarks ownership)", ["measure", "pmetal"], [
         ["call with [1], the actor returns it (us, median)", out["plain_us"]],
         ["call with [ref], the actor gets it from the driver (us, median)", out["nested_us"]],
         ["64 MiB array as an argument (GB/s)", out["sent_gbs"]],
         ["64 MiB array fetched by the actor from its owner (GB/s)", out["fetched_gbs"]],
+        [f"get of {n_refs // 10:,} borrowed refs in an actor (refs/s)", out["fetched_per_s"]],
         [f"{n_refs:,} refs driver -> actor -> actor and released (refs/s)", out["refs_per_s"]],
     ]))
     return out
