@@ -142,7 +142,7 @@ class CoreClient:
         process exited, or is being killed): the objects we lent it are no
         longer held for it (pmetal.actors.ownership)."""
         if self._objects is not None:
-            self._objects.owned.drop(process)
+            self._objects.owned.drop(process, time.monotonic())
 
     def statistics(self) -> dict[str, Any]:
         out = {"calls": self.calls, "links": len(self.links),

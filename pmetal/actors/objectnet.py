@@ -316,11 +316,12 @@ class ObjectServer:
     def _run(self) -> None:
         listener = self.listener
         lease = self.manager.lease
-        next_lapse = time.monotonic() + lease / 4
+        every = min(lease / 4, 0.25)   # also how soon a borrower known dead goes
+        next_lapse = time.monotonic() + every
         try:
             while not self._closing:
                 try:
-                    incoming = listener.recv(_SLICE if self._waiting else min(1.0, lease / 4))
+                    incoming = listener.recv(_SLICE if self._waiting else every)
                 except PMetalTimeoutError:
                     incoming = None
                 except ClosedError:
@@ -337,10 +338,11 @@ class ObjectServer:
                     self._serve_waiting()
                 now = time.monotonic()
                 if now >= next_lapse:
-                    next_lapse = now + lease / 4
+                    next_lapse = now + every
                     for borrower in self.manager.owned.lapse(now, lease):
-                        log.info("borrower %s of our ObjectRefs was silent for %.3g s: its "
-                                 "counts are dropped", borrower[:8], lease)
+                        log.info("borrower %s of our ObjectRefs is gone (its process died, "
+                                 "or it was silent for %.3g s): its counts are dropped",
+                                 borrower[:8], lease)
         finally:
             listener.close()
 

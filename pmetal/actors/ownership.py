@@ -23,8 +23,8 @@ passed in), driven by :mod:`pmetal.actors.objects`:
   live local ObjectRef instance for it and the registrations it received.
 
 Borrowers that die: an owner whose link to a worker dies (the worker's
-process exited or is being killed) drops that worker's counts at once
-(:meth:`OwnedObjects.drop`). Any borrower also renews a lease with each owner
+process exited or is being killed) drops that worker's counts after a short
+grace for its last messages (:meth:`OwnedObjects.drop`). Any borrower also renews a lease with each owner
 it holds refs of (any message counts; ``actors.borrower_lease``, every quarter
 of it). An owner that has heard from a borrower and then hears nothing for a
 lease drops that borrower's counts (:meth:`OwnedObjects.lapse`). A registration for a
@@ -54,6 +54,9 @@ __all__ = ["PINNED", "BorrowedObjects", "OwnedObjects", "OwnerInfo", "OwnershipS
 
 PINNED = "*"
 """The borrower of refs pickled with no receiver known: never released."""
+
+DROP_GRACE = 0.5
+"""Seconds a borrower known dead keeps its counts, for its last messages."""
 
 
 class OwnerInfo(NamedTuple):
@@ -116,7 +119,8 @@ class OwnershipStatistics:
     borrowers: int      # processes with counts here
     freed: int          # entries dropped because every count reached zero
     lapsed: int         # borrowers dropped because their lease lapsed
-    stale: int          # updates for objects no longer held (a lapsed borrower's)
+    stale: int          # updates for objects no longer held (sent by a borrower that
+                        # was dropped as dead meanwhile: killed with Releases in flight)
 
 
 class OwnedObjects:
@@ -131,6 +135,7 @@ class OwnedObjects:
         self._next = itertools.count(1)
         self._held: dict[str, set[int]] = {}     # borrower -> oids it has counts for
         self._heard: dict[str, float] = {}       # borrower -> last message (confirmed ones)
+        self._doomed: dict[str, float] = {}      # borrower known dead -> when to drop it
         self.freed = self.lapsed = self.stale = 0
 
     def oid(self, ref: Any) -> int:
@@ -228,7 +233,8 @@ class OwnedObjects:
 
     def lapse(self, now: float, lease: float) -> list[str]:
         """Drop the counts of every borrower silent for ``lease`` since its
-        last message; the borrowers dropped."""
+        last message, and of those known dead whose grace has passed (see
+        :meth:`drop`); the borrowers dropped."""
         with self._lock:
             gone = [b for b, t in self._heard.items() if now - t > lease]
             for b in gone:
@@ -236,17 +242,24 @@ class OwnedObjects:
                 self._drop(b)
             if gone:
                 self.lapsed += len(gone)
+            doomed = [b for b, t in self._doomed.items() if now >= t]
+            for b in doomed:
+                del self._doomed[b]
+                self._heard.pop(b, None)
+                self._drop(b)
+            if gone or doomed:
                 self.changed.notify_all()
-            return gone
+            return gone + doomed
 
-    def drop(self, borrower: str) -> None:
-        """Forget ``borrower``: its process is known to be gone."""
+    def drop(self, borrower: str, now: float, grace: float = DROP_GRACE) -> None:
+        """Forget ``borrower``, whose process is known to be gone, ``grace``
+        seconds from ``now`` (at a :meth:`lapse` after that): the messages
+        it sent before it died, which travel on another connection than the
+        news of its death, land first (an AddBorrower for a process it
+        passed refs to among them)."""
         with self._lock:
-            self._heard.pop(borrower, None)
-            before = len(self._entries)
-            self._drop(borrower)
-            if len(self._entries) != before:
-                self.changed.notify_all()
+            if borrower in self._held:
+                self._doomed.setdefault(borrower, now + grace)
 
     def _drop(self, borrower: str) -> None:
         for oid in self._held.pop(borrower, ()):
@@ -260,6 +273,17 @@ class OwnedObjects:
         """Wait until at most ``left`` objects are held for borrowers."""
         with self.changed:
             return self.changed.wait_for(lambda: len(self._entries) <= left, timeout)
+
+    def held(self, refs: Iterable[Any]) -> int:
+        """How many of ``refs`` are held here for borrowers."""
+        entries = self._entries
+        return sum(1 for r in refs if r._oid in entries and entries[r._oid].ref is r)
+
+    def wait_released(self, refs: Iterable[Any], timeout: float) -> bool:
+        """Wait until none of ``refs`` is held for a borrower (tests)."""
+        refs = list(refs)
+        with self.changed:
+            return self.changed.wait_for(lambda: not self.held(refs), timeout)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -103,6 +103,10 @@ class Holder:
         forget it here."""
         return pmetal.get(other.keep.remote(value), timeout=timeout)
 
+    def pass_kept(self, other: Any) -> int:
+        """Hand what this actor keeps to actor ``other`` to keep too."""
+        return pmetal.get(other.keep.remote(self.kept), timeout=WAIT)
+
     def relay(self, value: Any, other: Any) -> Any:
         """Ask ``other`` to resolve ``value`` (a chain of borrowers)."""
         return pmetal.get(other.resolve.remote(value), timeout=WAIT)

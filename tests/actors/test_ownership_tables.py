@@ -161,3 +161,20 @@ def test_a_borrower_has_one_instance_per_object_and_releases_what_it_received() 
     del b, c
     gc.collect()
     assert released == [(("O", 1), 2), (("P", 1), 1)] and len(table) == 0
+
+
+def test_a_borrower_known_dead_goes_after_a_grace_for_its_last_messages() -> None:
+    owned = OwnedObjects()
+    ref = Ref()
+    oid = owned.oid(ref)
+    owned.register([(ref, oid)], "B")
+    owned.drop("B", now=10.0, grace=0.5)
+    # Its AddBorrower for C, sent before it died, lands within the grace.
+    updates(owned, "B", (oid, "C", 1), now=10.1)
+    assert owned.lapse(10.4, 30.0) == [] and owned.get(oid) is ref
+    assert owned.lapse(10.6, 30.0) == ["B"]
+    assert owned.get(oid) is ref   # held for C
+    updates(owned, "C", (oid, "C", -1), now=11.0)
+    assert owned.get(oid) is None
+    owned.drop("nobody", now=0.0)   # a process we lent nothing: nothing to do
+    assert "nobody" not in owned.lapse(100.0, 30.0)
