@@ -56,9 +56,11 @@ def test_100k_refs_through_three_processes_are_all_freed(reap: list) -> None:
     pids = [os.getpid(), *pmetal.get([a.pid.remote(), b.pid.remote()], timeout=BIG_WAIT)]
     assert objects.owned.wait_empty(BIG_WAIT, left=before), objects.statistics()
     assert shared_memory_objects(*pids) == []
-    # No object survives a round: the garbage collector's count of objects
-    # stays where it was (one leaked ref per 1,000 passed would show).
-    assert all(abs(c - f) < 100 for f, c in zip(counts[0], counts[-1])), counts
+    # No object survives a round: after the first (which makes what a
+    # process makes once: sockets, threads, lazily imported modules) the
+    # garbage collector's count of objects stays put (one leaked ref per
+    # 1,000 passed would show).
+    assert all(abs(c - f) < 100 for f, c in zip(counts[-2], counts[-1])), counts
     # Memory flat: the allocator's high-water mark settles within a round or
     # two (it moves by a few MB from round to round: arenas, sockets' buffers);
     # 100,000 leaked refs would take 30 MB and more in every process (a ref,
