@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import sys
 from typing import Any
 
 import pmetal
@@ -57,7 +58,7 @@ def ownership() -> dict[str, int]:
     objects.settled(WAIT)
     stats = objects.statistics()
     return {"owned": stats.owned, "borrowed": stats.borrowed, "freed": stats.freed,
-            "rss": rss(), "objects": len(gc.get_objects())}
+            "rss": rss(), "objects": len(gc.get_objects()), "blocks": sys.getallocatedblocks()}
 
 
 def rss() -> int:
