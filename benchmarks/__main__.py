@@ -10,6 +10,7 @@
     python -m benchmarks store          # opt-in: pulling a model between nodes
     python -m benchmarks capacity       # opt-in: what measuring a node for placement costs
     python -m benchmarks placement      # opt-in: placement groups and placed tasks, 3 nodes
+    python -m benchmarks ownership      # opt-in: ObjectRefs inside values (fetch, lend, release)
 
 All traffic stays on loopback (the cluster suite uses 127.0.0.11-13).
 """
@@ -26,6 +27,7 @@ from benchmarks import (
     cluster,
     instructions,
     kernels,
+    ownership,
     pipeline,
     placement,
     store,
@@ -37,7 +39,8 @@ SUITES = {"transport": transport.main, "actors": actors.main, "cluster": cluster
 # Run only when named: instructions needs valgrind; pipeline loads a model;
 # kernels and capacity measure compute, not the cluster; store moves the default model.
 OPT_IN = {"instructions": instructions.main, "pipeline": pipeline.main, "kernels": kernels.main,
-          "capacity": capacity.main, "store": store.main, "placement": placement.main}
+          "capacity": capacity.main, "store": store.main, "placement": placement.main,
+          "ownership": ownership.main}
 
 
 def main(argv: list[str] | None = None) -> int:

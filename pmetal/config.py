@@ -155,10 +155,18 @@ class ActorsConfig:
     driver on the minority side of a partition to an actor it cannot reach.
     The default leaves room for a master's loss on a wired LAN (declared
     dead in under 1 s, a new master in about 1 s, the restart).
+
+    ``borrower_lease``: a process that borrows ObjectRefs (it received them
+    inside values) tells each of their owners that it is alive at least every
+    quarter of this many seconds; an owner that has heard from a borrower
+    once and then hears nothing for this long takes it for dead and drops
+    its counts (see pmetal.actors.ownership). A borrower renews by its own
+    value and an owner lapses by its own: use one value on every machine.
     """
 
     owner_lease: float = 30.0
     restart_wait: float = 5.0
+    borrower_lease: float = 30.0
     # Bytes of memory this node advertises to the cluster (the "memory"
     # resource that pipeline placement divides among stages); 0: the
     # machine's physical memory. A budget for a machine that does other work.
@@ -166,6 +174,8 @@ class ActorsConfig:
 
     def __post_init__(self) -> None:
         _require(self.owner_lease > 0, "actors", "owner_lease",
+                 "must be a positive number of seconds")
+        _require(self.borrower_lease > 0, "actors", "borrower_lease",
                  "must be a positive number of seconds")
         _require(self.restart_wait >= 0, "actors", "restart_wait",
                  "must be a number of seconds, 0 or more")

@@ -26,8 +26,8 @@ code written for Ray's builtin exceptions keeps working::
     ├── RemoteError                          user code raised in another process;
     │                                        also an instance of the original type
     ├── TaskCancelledError                   get of a ref that pmetal.cancel cancelled
-    ├── ObjectLostError                      (Ray's name; not raised yet)
-    │   └── OwnerDiedError                   (Ray's name; not raised yet)
+    ├── ObjectLostError                      an object its owner no longer holds
+    │   └── OwnerDiedError                   a borrowed object whose owner died
     ├── ActorError
     │   ├── ActorDiedError                   the actor's process died or was killed
     │   │   └── WorkerCrashedError           (Ray's name) a task's worker died
@@ -222,15 +222,15 @@ class TaskCancelledError(PMetalError):
 
 
 class ObjectLostError(PMetalError):
-    """Ray's error for an object whose every copy was lost. pmetal keeps a
-    result in the process that made the call, so it does not raise this yet;
-    it exists so that ``except ObjectLostError`` in code written for Ray is
-    valid."""
+    """An object is gone: its owner (the process that made the ref) no
+    longer holds it. pmetal keeps an object only in its owner and does not
+    rebuild lost objects (no lineage reconstruction)."""
 
 
 class OwnerDiedError(ObjectLostError):
-    """Ray's error for an object whose owner process died. pmetal does not
-    raise it yet (see :class:`ObjectLostError`)."""
+    """``get`` of a borrowed ref (one received inside a value) whose owner
+    process died: raised as soon as the owner is known dead, naming the
+    object and the owner (Ray's name)."""
 
 
 class PlacementError(PMetalError):

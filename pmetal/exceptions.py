@@ -20,9 +20,9 @@ Ray name                   what it is in pmetal
 ``WorkerCrashedError``     :class:`~pmetal.errors.WorkerCrashedError`: a task's worker
                            died (also an ``ActorDiedError``)
 ``GetTimeoutError``        :class:`~pmetal.errors.GetTimeoutError` (also ``TimeoutError``)
-``TaskCancelledError``     :class:`~pmetal.errors.TaskCancelledError` (not raised yet)
-``ObjectLostError``        :class:`~pmetal.errors.ObjectLostError` (not raised yet)
-``OwnerDiedError``         :class:`~pmetal.errors.OwnerDiedError` (not raised yet)
+``TaskCancelledError``     :class:`~pmetal.errors.TaskCancelledError`: ``pmetal.cancel``
+``ObjectLostError``        :class:`~pmetal.errors.ObjectLostError`: its owner freed it
+``OwnerDiedError``         :class:`~pmetal.errors.OwnerDiedError`: its owner died
 ``RuntimeEnvSetupError``   :class:`~pmetal.errors.RuntimeEnvSetupError`: a working_dir
                            could not be had or did not match its sha256
 ``TaskUnschedulableError`` :class:`~pmetal.errors.PlacementError`: no node can host it

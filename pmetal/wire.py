@@ -53,6 +53,9 @@ that hold its bundles, ``PlacementGroupQuery`` with ``local`` node to node,
 ``PlacementGroups`` the answer). ``StreamCall``, ``StreamCredit`` and
 ``StreamStop`` (47-49), a caller to a worker, for generators
 (``num_returns="streaming"``).
+Object ownership's kinds (70-71: ``FetchObject``, ``BorrowUpdates``) go from
+a process that borrows an ObjectRef to the object server of the process
+that owns it.
 The cluster's kinds (50-58: ``Beat``, ``BeatEcho``, ``VoteRequest``, ``Vote``,
 ``ClusterView``, ``JoinCluster``, ``WatchCluster``, ``ClusterState``, ``Probe``)
 are node to node, but for the watch, which a client asks of its own node.
@@ -81,6 +84,7 @@ __all__ = [
     "ActorLocation",
     "Beat",
     "BeatEcho",
+    "BorrowUpdates",
     "Call",
     "CallBatch",
     "CancelCall",
@@ -92,6 +96,7 @@ __all__ = [
     "Detach",
     "ErrorReply",
     "Failure",
+    "FetchObject",
     "Hello",
     "InitActor",
     "JoinCluster",
@@ -196,6 +201,9 @@ class Kind(enum.IntEnum):
     MODEL_HOLDINGS = 61
     PIECE_READ = 62
     PIECE_DATA = 63
+    # object ownership: borrowers and owners of ObjectRefs (pmetal.actors.objects)
+    FETCH_OBJECT = 70
+    BORROW_UPDATES = 71
 
 
 class Message:
@@ -879,6 +887,41 @@ class StreamStop(Message):
 
     stream: int
     cancel: bool = False
+
+
+# ------------------------------------------------------ object ownership
+#
+# Between processes that hold ObjectRefs: a borrower (a process that
+# received a ref inside a value) and the ref's owner (the process that made
+# it), whose object server answers. See pmetal.actors.objects and
+# docs/protocol.md#object-ownership.
+
+@_message(Kind.FETCH_OBJECT)
+class FetchObject(Message):
+    """Borrower to owner: the value of object ``oid``. The answer is a
+    Result (the packed value) once the owner has it; an owner whose object
+    is still pending holds the request up to ``wait`` s and then answers
+    ``Failure("timeout")`` (ask again). ``Failure("object")`` carries the
+    object's error (its call failed), ``Failure("not_found")`` an object
+    the owner no longer holds."""
+
+    oid: int
+    wait: float = 10.0
+
+
+@_message(Kind.BORROW_UPDATES)
+class BorrowUpdates(Message):
+    """Borrower to owner, one-way: changes to the owner's borrower counts,
+    applied together: count(``oids[i]``, ``borrowers[who[i]]``) +=
+    ``deltas[i]`` (+n: an AddBorrower for a process the sender passed the
+    ref to; -n: a Release of n registrations the borrower received). Any
+    message renews the sender's lease as a borrower; an empty one only
+    does that."""
+
+    borrowers: tuple[str, ...] = ()
+    oids: tuple[int, ...] = ()
+    who: tuple[int, ...] = ()
+    deltas: tuple[int, ...] = ()
 
 
 _CODEC = frozenset({"Envelope", "WireLimits", "decode", "encode", "frame_bytes"})

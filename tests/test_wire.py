@@ -110,6 +110,9 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.MODEL_HOLDINGS: wire.ModelHoldings(manifest=b'{"format":1}', held=b"\x01\x00"),
     Kind.PIECE_READ: wire.PieceRead(sha256="ab" * 32, offset=4096, length=1 << 20),
     Kind.PIECE_DATA: wire.PieceData(data=b"GGUF"),
+    Kind.FETCH_OBJECT: wire.FetchObject(oid=12, wait=2.5),
+    Kind.BORROW_UPDATES: wire.BorrowUpdates(borrowers=("e" * 32, "f" * 32), oids=(1, 2, 2),
+                                            who=(0, 0, 1), deltas=(1, -3, 1)),
     Kind.FAILURE: wire.Failure(
         kind="user", error_type="ValueError", message="bad", traceback="Traceback ...",
         exception=Pickled(pickle.dumps(ValueError("bad")))),

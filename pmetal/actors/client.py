@@ -37,6 +37,7 @@ from zmq.backend import zmq_poll
 from pmetal.actors.deferred import Deferrals, Retry
 from pmetal.actors.links import _TASKS, NodeLink, PeerLink
 from pmetal.actors.locate import ActorCall, ActorLocator
+from pmetal.actors.objects import BorrowedRef, ObjectManager, pack_collecting
 from pmetal.actors.watch import ClusterWatch, peers_missing
 from pmetal.actors.refs import ItemRef, ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value, remote_error
@@ -76,6 +77,7 @@ _BATCH_MAX = 256          # calls per CallBatch
 _LEASE_AGAIN_AFTER = 0.2  # s before asking again for task workers that were starting
 _FLUSH_DELAY = 0.0005     # s a queued call may wait for company when nobody waits for it
 _STREAM_LOAD = 1 << 20     # a task worker serving a stream runs nothing else until it ends
+_PREFETCH = 1000          # borrowed refs a get asks their owners for at once
 _CLOSED = ("the result was still pending when pmetal.shutdown() closed the client that "
            "made the call; it will never arrive")
 
@@ -111,6 +113,7 @@ class CoreClient:
         self._deferrals = Deferrals(self)
         self._created = False     # whether this client created actors (they die at detach)
         self._watch: ClusterWatch | None = None   # started with the first remote actor
+        self._objects: ObjectManager | None = None   # made with the first ref in a value
 
     @property
     def watch(self) -> ClusterWatch:
@@ -123,9 +126,31 @@ class CoreClient:
                                            self.config, self.node_address)
             return self._watch
 
+    @property
+    def objects(self) -> ObjectManager:
+        """This process's owned and borrowed objects (refs inside values),
+        made on first use."""
+        objects = self._objects
+        if objects is None:
+            with self.lock:
+                if self._objects is None:
+                    self._objects = ObjectManager(self)
+                objects = self._objects
+        return objects
+
+    def worker_gone(self, process: str) -> None:
+        """A link to the worker whose process id is ``process`` died (its
+        process exited, or is being killed): the objects we lent it are no
+        longer held for it (pmetal.actors.ownership)."""
+        if self._objects is not None:
+            self._objects.owned.drop(process, time.monotonic())
+
     def statistics(self) -> dict[str, Any]:
-        return {"calls": self.calls, "links": len(self.links),
-                "node_channel": self.node.statistics()}
+        out = {"calls": self.calls, "links": len(self.links),
+               "node_channel": self.node.statistics()}
+        if self._objects is not None:
+            out["objects"] = self._objects.statistics()
+        return out
 
     # ---------------------------------------------------------------- links
 
@@ -135,7 +160,8 @@ class CoreClient:
             if link is not None:
                 link.close()
             link = self.links[address] = PeerLink(self.transport, self.identity, self.namespace,
-                                                  self.config, address, self.node_link)
+                                                  self.config, address, self.node_link,
+                                                  self.worker_gone)
             # A worker busy in a long call answers the handshake only after
             # it: wait as long as for a request, not the short handshake time.
             try:
@@ -229,12 +255,15 @@ class CoreClient:
             return deferrals.add(ActorCall(self, handle, method),
                                  args, kwargs, handle._actor_id, (handle, method), retry)
         if not plain:
-            args, kwargs = self._resolve_args(args, kwargs)
+            # Refs nested in the arguments are registered for the worker
+            # once the link (the receiver) is known, in _submit.
+            (args, kwargs), nested = pack_collecting(self._resolve_args, args, kwargs)
+            return self._call_now(handle, method, args, kwargs, retry, nested=nested)
         return self._call_now(handle, method, args, kwargs, retry)
 
     def _call_now(self, handle: Any, method: str, args: list[Any],
                   kwargs: dict[str, Any], retry: Retry | None = None,
-                  locate: bool = True) -> ObjectRef:
+                  locate: bool = True, nested: list[ObjectRef] | None = None) -> ObjectRef:
         """Send a call whose arguments are packed (or queue it behind calls in
         flight). A call whose actor must be found again (its process or node
         died, or we have no link to it yet) waits for that without the
@@ -242,7 +271,7 @@ class CoreClient:
         with self.lock:
             link = self.locator.ready(handle)
             if link is not None:
-                return self._submit(link, handle, method, args, kwargs, retry)
+                return self._submit(link, handle, method, args, kwargs, retry, nested)
             if not locate:   # the caller holds the lock: never wait for a location under it
                 return ObjectRef.of_error(ActorDiedError(
                     f"{call_name(handle, method)}: its worker went away while the call was "
@@ -251,15 +280,19 @@ class CoreClient:
         if isinstance(found, BaseException):
             return ObjectRef.of_error(found)
         with self.lock:
-            return self._submit(found, handle, method, args, kwargs, retry)
+            return self._submit(found, handle, method, args, kwargs, retry, nested)
 
     def _submit(self, link: PeerLink, handle: Any, method: str, args: list[Any],
-                kwargs: dict[str, Any], retry: Retry | None) -> ObjectRef:
-        """Send (or queue) a call on ``link`` (lock held)."""
+                kwargs: dict[str, Any], retry: Retry | None,
+                nested: list[ObjectRef] | None = None) -> ObjectRef:
+        """Send (or queue) a call on ``link`` (lock held); ``nested``: the
+        refs pickled inside its arguments, lent to the worker first."""
         if link.dead:   # died since it was found: fail the call as its calls failed
             ref = ObjectRef(self, None, 0, (handle, method), retry)
             ref._fail_link(link.dead)
             return ref
+        if nested:
+            self.objects.lend(nested, link.channel.peer or "")
         if link.outbox or link.channel.pending():
             # Calls in flight already: queue this one; queued calls leave
             # together (at get/wait, when the batch is full, or within
@@ -377,24 +410,30 @@ class CoreClient:
         it raises one of ``retry_exceptions`` (True: any). ``where(what)``
         (lock held) gives the link to a task worker elsewhere (a scheduling
         strategy: pmetal.actors.routing); None: one of our node's."""
-        def submit(a: list[Any], kw: dict[str, Any]) -> ObjectRef:
-            return self._run_task_now(fn_id, fn_ref, a, kw, name, where=where)
+        def submit(a: list[Any], kw: dict[str, Any],
+                   nested: list[ObjectRef] | None = None) -> ObjectRef:
+            return self._run_task_now(fn_id, fn_ref, a, kw, name, nested=nested, where=where)
         retry = (Retry(submit, args, kwargs, "", max_retries, retry_exceptions)
                  if max_retries else None)
+        if not kwargs and _plain(args):
+            return self._run_task_now(fn_id, fn_ref, args, kwargs, name, retry, where=where)
         if Deferrals.unready(args, kwargs):
             return self._deferrals.add(submit, args, kwargs, "", f"remote function {name}",
                                        retry)
-        args, kwargs = self._resolve_args(args, kwargs)
-        return self._run_task_now(fn_id, fn_ref, args, kwargs, name, retry, where)
+        (args, kwargs), nested = pack_collecting(self._resolve_args, args, kwargs)
+        return self._run_task_now(fn_id, fn_ref, args, kwargs, name, retry, nested, where)
 
     def _run_task_now(self, fn_id: str, fn_ref: Any, args: list[Any],
                       kwargs: dict[str, Any], name: str,
-                      retry: Retry | None = None, where: Any = None) -> ObjectRef:
+                      retry: Retry | None = None,
+                      nested: list[ObjectRef] | None = None, where: Any = None) -> ObjectRef:
         what = f"remote function {name}"
         with self.lock:
             link = self._task_link(what) if where is None else where(what)
             if isinstance(link, BaseException):
                 return ObjectRef.of_error(link)
+            if nested:   # lent to the worker before they reach it
+                self.objects.lend(nested, link.channel.peer or "")
             ref_body = None if fn_id in link.functions else fn_ref
             corr = link.channel.submit(RunTask(fn_id, ref_body, args, kwargs),
                                        timeout=self._send_timeout)
@@ -488,6 +527,11 @@ class CoreClient:
         a call already sent has its reply discarded, and an actor's worker is
         asked to cancel it (an async method stops; anything else runs on).
         Either way the ref fails with TaskCancelledError at once."""
+        if type(ref) is BorrowedRef:
+            raise PMetalValueError(
+                f"pmetal.cancel of {ref._on_death}, a ref this process received inside a "
+                f"value: only its owner, the process that made the call "
+                f"({ref._owner.owner_id[:8]}), can cancel it; cancel it there")
         base = ref._base if isinstance(ref, ItemRef) else ref
         kill = ""   # the task worker to kill (force=True on a task sent)
         with self.lock:
@@ -558,6 +602,16 @@ class CoreClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.lock:
             self._flush_links(refs)
+        if self._objects is not None and len(refs) > 1:
+            # Borrowed refs among them: fetches are asked a window ahead,
+            # a round trip per window and owner rather than one per ref
+            # (a window stays below the sockets' high-water marks).
+            prefetch, window = self._objects.prefetch, _PREFETCH
+            for i, ref in enumerate(refs):
+                if not i % window:
+                    prefetch(refs[i:i + window])
+                self._await(ref, deadline, timeout)
+            return [ref.result() for ref in refs]
         for ref in refs:
             self._await(ref, deadline, timeout)
         return [ref.result() for ref in refs]
@@ -571,6 +625,10 @@ class CoreClient:
         """Wait until ``ref`` is done (or raise GetTimeoutError)."""
         if self._closing.is_set() and not ref.done():
             raise ClosedError(_CLOSED)
+        if type(ref) is BorrowedRef:   # owned elsewhere: fetched from its owner
+            if not ref.done():
+                ref._manager.fetch(ref, deadline, timeout)
+            return
         pending = [ref]
         while not ref.done():
             if ref._deferred:   # waits for its arguments, or to be sent again (a retry)
@@ -596,6 +654,14 @@ class CoreClient:
         while sum(1 for r in refs if r.done()) < num_returns:
             sent = [r for r in refs if not r.done() and not r._deferred]
             try:
+                borrowed = [r for r in sent if type(r) is BorrowedRef]
+                if borrowed:   # owned elsewhere: their owners' links, a slice each
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    sent = [r for r in sent if type(r) is not BorrowedRef]
+                    self.objects.poll(borrowed, 0.0 if sent else self._SLICE_MS / 1000)
+                    if not sent:
+                        continue
                 if not sent:   # all wait for their arguments: wait for one to be sent
                     if deadline is not None and time.monotonic() >= deadline:
                         break
@@ -721,6 +787,8 @@ class CoreClient:
     def close(self) -> None:
         self.closed = True
         self._deferrals.close()
+        if self._objects is not None:   # our last releases go out first
+            self._objects.close()
         self._closing.set()
         self._flush_wanted.set()
         if self._flusher is not None:

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pmetal.actors.objects import pack_collecting
 from pmetal.actors.refs import ObjectRef
 from pmetal.actors.serialization import pack_value
 from pmetal.errors import GetTimeoutError, PMetalError
@@ -43,7 +44,9 @@ __all__ = ["Deferrals", "Retry"]
 
 log = logging.getLogger(__name__)
 
-Submit = Callable[[list[Any], dict[str, Any]], ObjectRef]
+# submit(args, kwargs, nested): ``nested`` are the refs pickled inside the
+# arguments, lent to the receiver once the call's link is known.
+Submit = Callable[[list[Any], dict[str, Any], list[ObjectRef]], ObjectRef]
 
 # How long the watcher holds the client lock while waiting for arguments:
 # short, so the thread that submits calls is never kept waiting for long.
@@ -58,6 +61,7 @@ class _Waiting:
     kwargs: dict[str, Any]
     actor_id: str             # "" for a task
     deps: list[ObjectRef]     # the ref arguments not yet done at the call
+    nested: list[ObjectRef]   # refs pickled inside the packed arguments
 
 
 @dataclass(eq=False)
@@ -90,6 +94,20 @@ class Retry:
                  "its process died" if error is None else type(error).__name__,
                  "retries without limit" if self.left < 0 else f"{self.left} retries left")
         return client._deferrals.resubmit(ref, self)
+
+
+def _pack_unresolved(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """The arguments packed, top-level ObjectRefs left in place."""
+    return ([a if isinstance(a, ObjectRef) else pack_value(a) for a in args],
+            {k: v if isinstance(v, ObjectRef) else pack_value(v) for k, v in kwargs.items()})
+
+
+def _pack_resolved(args: list[Any], kwargs: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Packed arguments with their top-level ObjectRefs (done) replaced by
+    their packed values."""
+    return ([pack_value(a.result()) if isinstance(a, ObjectRef) else a for a in args],
+            {k: pack_value(v.result()) if isinstance(v, ObjectRef) else v
+             for k, v in kwargs.items()})
 
 
 class Deferrals:
@@ -132,14 +150,13 @@ class Deferrals:
 
     def _queue(self, ref: ObjectRef, submit: Submit, args: list[Any], kwargs: dict[str, Any],
                actor_id: str) -> None:
-        packed = [a if isinstance(a, ObjectRef) else pack_value(a) for a in args]
-        packed_kw = {k: v if isinstance(v, ObjectRef) else pack_value(v) for k, v in kwargs.items()}
+        (packed, packed_kw), nested = pack_collecting(_pack_unresolved, args, kwargs)
         deps = [a for a in [*args, *kwargs.values()] if isinstance(a, ObjectRef) and not a.done()]
         with self._cond:
             if self._closed:
                 raise PMetalError("the client is closed (pmetal.shutdown was called)")
             ref._deferred = True
-            self._items.append(_Waiting(ref, submit, packed, packed_kw, actor_id, deps))
+            self._items.append(_Waiting(ref, submit, packed, packed_kw, actor_id, deps, nested))
             if actor_id:
                 self.actors[actor_id] = self.actors.get(actor_id, 0) + 1
             self.deferred += 1
@@ -269,11 +286,10 @@ class Deferrals:
                 elif unsendable is not None:
                     ref._error = unsendable
                 else:
-                    args = [pack_value(a.result()) if isinstance(a, ObjectRef) else a
-                            for a in item.args]
-                    kwargs = {k: pack_value(v.result()) if isinstance(v, ObjectRef) else v
-                              for k, v in item.kwargs.items()}
-                    ref._adopt(item.submit(args, kwargs))
+                    # The resolved values may hold refs too: lent with the others.
+                    (args, kwargs), nested = pack_collecting(_pack_resolved, item.args,
+                                                             item.kwargs)
+                    ref._adopt(item.submit(args, kwargs, item.nested + nested))
             except Exception as exc:  # e.g. the actor is gone: the caller sees why at get
                 ref._error = exc
             finally:

@@ -35,6 +35,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
     from pmetal.actors.refs import ObjectRef
     from pmetal.actors.watch import ClusterWatch
 
-__all__ = ["NodeLink", "PeerLink"]
+__all__ = ["NodeLink", "PeerLink", "listening"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,20 @@ _NODE_DEAD = ("the connection to the pmetal node at {} dropped and nothing liste
 # is probed before a listener there is taken for a live node.
 _SUSPECT_FOR = 5.0
 _PROBE_EVERY = 0.2
+
+
+def listening(address: str) -> bool:
+    """Whether something accepts TCP connections at ``address`` (a dropped
+    connection to a live process is re-made by ZeroMQ; a dead process's
+    port refuses at once). True for an address that is not TCP: cannot tell."""
+    host, _, port = address.partition("://")[2].rpartition(":")
+    if not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
 
 
 class NodeLink:
@@ -135,17 +150,7 @@ class NodeLink:
             time.sleep(0)   # let a thread queued on the lock in
 
     def _listening(self) -> bool:
-        """Whether something accepts TCP connections at the node's address
-        (a dropped connection to a live node is re-made by ZeroMQ; a dead
-        node's port refuses at once)."""
-        host, _, port = self.address.partition("://")[2].rpartition(":")
-        if not port.isdigit():
-            return True   # not a TCP address: cannot tell, keep waiting for the reply
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
-        except OSError:
-            return False
-        return True
+        return listening(self.address)
 
     def gone(self) -> bool:
         """Whether our node has died (asked when a worker's connection drops:
@@ -210,10 +215,13 @@ class PeerLink:
 
     def __init__(self, transport: ZmqTransport, identity: NodeIdentity,
                  namespace: NetworkNamespace, config: PMetalConfig, address: str,
-                 node: NodeLink) -> None:
+                 node: NodeLink, on_dead: Callable[[str], None] | None = None) -> None:
         dialer = transport.dial(address)
         self.address = address
         self.node = node
+        # Told the worker's process id when the link dies with a session
+        # open: the client's owned objects forget it as a borrower.
+        self._on_dead = on_dead
         self.channel = Channel(dialer, identity, namespace, config)
         self.socket = dialer.socket
         self.monitor = dialer.monitor_disconnects()
@@ -252,6 +260,9 @@ class PeerLink:
         if self.dead:
             return
         self.dead = why
+        peer = self.channel.peer
+        if peer and self._on_dead is not None:
+            self._on_dead(peer)
         self.channel.abandon()
         for ref in self.refs.values():
             ref._fail_link(why)

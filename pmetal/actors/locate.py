@@ -72,11 +72,13 @@ class ActorCall:
     def prepare(self) -> BaseException | None:
         return self.client.locator.prepare(self.handle)
 
-    def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
+    def __call__(self, args: list[Any], kwargs: dict[str, Any],
+                 nested: list[ObjectRef] | None = None) -> ObjectRef:
         # Sent under the client lock (deferred._send), after prepare found
         # the actor: finding it again there could wait for the lock of an
         # actor whose finder waits for the client lock.
-        return self.client._call_now(self.handle, self.method, args, kwargs, locate=False)
+        return self.client._call_now(self.handle, self.method, args, kwargs, locate=False,
+                                     nested=nested)
 
 
 class ActorLocator:
@@ -251,7 +253,7 @@ class ActorLocator:
         slice_s = min(0.5, client.config.transport.handshake_timeout)
         while True:
             link = PeerLink(client.transport, client.identity, client.namespace, client.config,
-                            address, client.node_link)
+                            address, client.node_link, client.worker_gone)
             if not _accepts(address):
                 link.die(f"nothing listens at {address} any more (its process exited)")
                 return link

@@ -45,11 +45,15 @@ class ObjectRef:
     """A future result: of an actor call, a remote function, or ``pmetal.put``.
 
     ``pmetal.get(ref)`` returns the value; ``await ref`` does the same in
-    asyncio code. Refs are owned by the process that made them.
+    asyncio code. Refs are owned by the process that made them; a ref sent
+    inside a value is borrowed by its receiver, whose ``get`` fetches the
+    value from the owner (pmetal.actors.objects).
     """
 
-    __slots__ = ("_client", "_corr", "_deferred", "_error", "_has_value", "_link", "_on_death",
-                 "_retry", "_value", "__weakref__")
+    # _oid: the object's id, given when the ref is first sent inside a
+    # value (0 until then; pmetal.actors.objects).
+    __slots__ = ("_client", "_corr", "_deferred", "_error", "_has_value", "_link", "_oid",
+                 "_on_death", "_retry", "_value", "__weakref__")
 
     def __init__(self, client: CoreClient | None, link: PeerLink | None = None, corr: int = 0,
                  on_death: Any = "", retry: Retry | None = None) -> None:
@@ -62,6 +66,7 @@ class ObjectRef:
         self._on_death = on_death
         self._deferred = False   # its call waits for ObjectRef arguments (deferred.py)
         self._retry = retry   # how to send its call again (deferred.py)
+        self._oid = 0
         if link is not None:
             link.refs[corr] = self
 
@@ -151,9 +156,12 @@ class ObjectRef:
         return self.result()
 
     def __reduce__(self) -> Any:
-        raise TypeError("an ObjectRef cannot be sent inside another value; pass it as a "
-                        "top-level argument (it is resolved before the call) or call "
-                        "pmetal.get on it first")
+        # Inside a value: the ref travels as its object's id and owner, and
+        # is registered for its receiver (pmetal.actors.objects).
+        reduce = _REDUCE
+        if reduce is None:
+            reduce = _load_reduce()
+        return reduce(self)
 
     def __repr__(self) -> str:
         state = "ready" if self.done() else "pending"
@@ -177,6 +185,7 @@ class ItemRef(ObjectRef):
         self._base = base
         self._index = index
         self._count = count
+        self._oid = 0
 
     # What the client reads to wait for a ref: the base's (get, wait and
     # the deferred-call watcher drive the base's link).
@@ -221,6 +230,17 @@ class ItemRef(ObjectRef):
     def __repr__(self) -> str:
         state = "ready" if self.done() else "pending"
         return f"ObjectRef({state}, item {self._index} of {self._count})"
+
+
+_REDUCE: Any = None
+
+
+def _load_reduce() -> Any:
+    """objects.reduce_ref (imported on first use: objects imports this module)."""
+    global _REDUCE
+    from pmetal.actors.objects import reduce_ref
+    _REDUCE = reduce_ref
+    return reduce_ref
 
 
 def split_ref(ref: ObjectRef, num_returns: int) -> ObjectRef | list[ObjectRef]:

@@ -36,6 +36,7 @@ from typing import Any
 
 from pmetal.actors import context, strategies, workdir
 from pmetal.actors.client import CoreClient
+from pmetal.actors.objects import pack_to
 from pmetal.actors.runtime_env import restore_env, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
                                          unpack_values)
@@ -74,6 +75,8 @@ _HOLD = 5.0
 pause of the node before it is refused (or withheld)."""
 
 _GATED = (Call, RunTask, InitActor)   # what executes user code (StreamCall: streams.py)
+
+_NATIVE = frozenset({type(None), bool, int, float, str, bytes})
 
 _BAD_ENTRY = Failure("bad_request", "ProtocolError",
                      "a batch entry is not [method, args, kwargs]")
@@ -133,6 +136,7 @@ class Worker:
         self._running: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
         self.streams = StreamServer(self)   # num_returns="streaming" calls
+        self._route = b""   # the caller of the sync call running (its result's receiver)
 
     @property
     def address(self) -> str:
@@ -172,6 +176,7 @@ class Worker:
         backlog = self.streams.backlog   # what came while a stream waited
         while not self._stop:
             incoming = backlog.popleft() if backlog else listener.recv()
+            self._route = incoming[0]
             kind = type(incoming.body)
             if kind is CallBatch:
                 self._call_batch(incoming)
@@ -376,10 +381,18 @@ class Worker:
         try:
             value = method(*unpack_values(args),
                            **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
-            return Result(pack_value(value))
+            return self._result(value, self._route)
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+
+    def _result(self, value: Any, route: bytes) -> Result:
+        """``value`` packed for the caller at ``route``: refs inside it are
+        lent to that process (pmetal.actors.objects)."""
+        if type(value) in _NATIVE:
+            return Result(pack_value(value))
+        session = self.listener.session(route)
+        return Result(pack_to(value, session.peer if session is not None else None))
 
     def _call_batch(self, incoming: Incoming) -> None:
         """Run a batch in order, answering each call as soon as it is done."""
@@ -437,7 +450,7 @@ class Worker:
             else:
                 value = fn(*unpack_values(body.args),
                            **{k: unpack_value(v) for k, v in body.kwargs.items()})
-            return Result(pack_value(value))
+            return self._result(value, self._route)
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
@@ -537,7 +550,7 @@ class Worker:
             else:
                 value = await asyncio.get_running_loop().run_in_executor(
                     threads, lambda: (context.current_task.set(task), method(*a, **kw))[1])
-            return Result(pack_value(value))
+            return self._result(value, key[0])
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))

@@ -93,7 +93,7 @@ STREAM = branch(2, "branch stream", "num_returns='streaming' generators")
 WORKING_DIR = branch(4, "branch stream", "runtime_env working_dir")
 PG = branch(3, "branch pg", "placement groups")
 STRATEGY = branch(3, "branch pg", "scheduling_strategy for tasks")
-STREAM = WORKING_DIR = PG = STRATEGY = merged   # landed on main
+STREAM = WORKING_DIR = PG = STRATEGY = OWN = merged   # landed on main
 
 
 def gap(what: str) -> pytest.MarkDecorator:
