@@ -42,6 +42,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from pmetal.actors.ownership import pack_collecting
 from pmetal.actors.deferred import Deferrals
 from pmetal.actors.refs import ObjectRef, call_name
 from pmetal.errors import (
@@ -501,12 +502,13 @@ class _Later:
         self._send = send
         self.prepare = prepare
 
-    def __call__(self, args: list[Any], kwargs: dict[str, Any]) -> ObjectRef:
+    def __call__(self, args: list[Any], kwargs: dict[str, Any],
+                 nested: list[ObjectRef] | None = None) -> ObjectRef:
         gen = self._gen()
         if gen is None:
             return ObjectRef.of_error(PMetalValueError("the ObjectRefGenerator was dropped "
                                                        "before its call was sent"))
-        inner = self._send(args, kwargs)
+        inner = self._send(args, kwargs, nested=nested)
         gen._take_over(inner)
         return inner._end
 
@@ -529,13 +531,16 @@ def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[A
     """``handle.method.options(num_returns="streaming").remote(...)``."""
     what = (handle, method)
 
-    def send(a: list[Any], kw: dict[str, Any], link: PeerLink | None = None) -> Any:
+    def send(a: list[Any], kw: dict[str, Any], link: PeerLink | None = None,
+             nested: list[ObjectRef] | None = None) -> Any:
         """Open the stream (client lock held, the actor found)."""
         link = link or client.locator.ready(handle)
         if link is None or link.dead:
             return ObjectRefGenerator._failed(ActorDiedError(
                 f"{call_name(handle, method)}: its worker went away while the call was "
                 f"being sent"), what)
+        if nested:   # refs inside the arguments: lent to the worker before they reach it
+            client.objects.lend(nested, link.channel.peer or "")
         if link.outbox:
             client._flush(link)   # calls queued before this one are sent first
         return _open(client, link, lambda corrs: StreamCall(handle._actor_id, method, None,
@@ -547,7 +552,7 @@ def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[A
             or Deferrals.unready(args, kwargs)):
         return _later(client, send, args, kwargs, handle._actor_id, what, task=False,
                       prepare=lambda: client.locator.prepare(handle))
-    args, kwargs = client._resolve_args(args, kwargs)
+    (args, kwargs), nested = pack_collecting(client._resolve_args, args, kwargs)
     with client.lock:
         link = client.locator.ready(handle)
     if link is None:
@@ -559,7 +564,7 @@ def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[A
         if link.dead:
             return ObjectRefGenerator._failed(
                 ActorDiedError(f"{call_name(handle, method)}: {link.dead}"), what)
-        return send(args, kwargs, link)
+        return send(args, kwargs, link, nested)
 
 
 def stream_task(client: CoreClient, fn_id: str, fn_ref: Any, args: list[Any],
@@ -570,11 +575,14 @@ def stream_task(client: CoreClient, fn_id: str, fn_ref: Any, args: list[Any],
     scheduling strategy: pmetal.actors.routing); None: one of our node's."""
     what = f"remote function {name}"
 
-    def send(a: list[Any], kw: dict[str, Any]) -> ObjectRefGenerator:
+    def send(a: list[Any], kw: dict[str, Any],
+             nested: list[ObjectRef] | None = None) -> ObjectRefGenerator:
         """Open the stream (client lock held)."""
         link = client._task_link(what) if where is None else where(what)
         if isinstance(link, BaseException):
             return ObjectRefGenerator._failed(link, what)
+        if nested:   # refs inside the arguments: lent to the worker before they reach it
+            client.objects.lend(nested, link.channel.peer or "")
         ref_body = None if fn_id in link.functions else fn_ref
         gen = _open(client, link, lambda corrs: StreamCall("", fn_id, ref_body, a, kw, corrs),
                     what, window, task=True)
@@ -583,6 +591,6 @@ def stream_task(client: CoreClient, fn_id: str, fn_ref: Any, args: list[Any],
 
     if Deferrals.unready(args, kwargs):
         return _later(client, send, args, kwargs, "", what, task=True)
-    args, kwargs = client._resolve_args(args, kwargs)
+    (args, kwargs), nested = pack_collecting(client._resolve_args, args, kwargs)
     with client.lock:
-        return send(args, kwargs)
+        return send(args, kwargs, nested)

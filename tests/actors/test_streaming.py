@@ -606,3 +606,19 @@ def test_cancel_of_a_stream_waiting_for_its_arguments(tmp_path: Path) -> None:
     with pytest.raises(TaskCancelledError, match="before it was sent"):
         pmetal.get(refs[0], timeout=WAIT)
     gate.touch()
+
+
+def test_a_stream_gets_refs_nested_in_its_arguments() -> None:
+    """A ref inside a list argument of a streaming task arrives as a ref
+    (as for any call) and the generator can get it from its owner."""
+    inner = pmetal.put(21)
+
+    @pmetal.remote(num_returns="streaming")
+    def doubles(boxed: list) -> Any:
+        (ref,) = boxed
+        assert isinstance(ref, pmetal.ObjectRef)
+        value = pmetal.get(ref, timeout=10)
+        yield value
+        yield 2 * value
+
+    assert pmetal.get(list(doubles.remote([inner])), timeout=10) == [21, 42]
