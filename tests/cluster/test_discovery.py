@@ -440,7 +440,7 @@ def test_pmetal_discover_in_the_lab_lists_nodes_of_other_hosts(netlab, tmp_path)
         assert proc.stdout.readline() == "ready\n"
     me = lab.hosts[1]
     done = subprocess.run(
-        lab.argv(me, [sys.executable, "-m", "pmetal", "discover", "--json", "--timeout", "2",
+        lab.argv(me, [sys.executable, "-m", "pmetal", "discover", "--json", "--timeout", "1",
                       "--interfaces", me.address]),
         capture_output=True, text=True, timeout=30,
         env={**env, "PMETAL_PSK": psk, "PMETAL_SECURITY_NAMESPACE": "lab",
