@@ -87,7 +87,7 @@ def _start_node(namespace: NetworkNamespace, config: PMetalConfig, num_workers: 
     if num_workers is not None:
         cmd += ["--num-workers", str(num_workers)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    from pmetal.node.daemon import read_ready_line
+    from pmetal.node.process import read_ready_line
     _head, address, _node_id = read_ready_line(proc, timeout).split()[:3]
     # Workers print to the node's stdout, a pipe to us: keep draining it (to
     # our stdout, as Ray forwards its workers' output), or a chatty actor
@@ -231,7 +231,7 @@ def local_node() -> dict[str, Any]:
     (``$PMETAL_HOME/node.json``): its ``address``, ``namespace``,
     ``psk_file`` and ``psk`` (the key, None without a file). PeerError when
     none runs, ConfigError when its key file cannot be read."""
-    from pmetal.node.daemon import is_node_process, node_file
+    from pmetal.node.process import is_node_process, node_file
     path = node_file()
     try:
         info = json.loads(path.read_text())

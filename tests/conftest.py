@@ -13,6 +13,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -279,6 +280,26 @@ def make_channel(zmq_context: zmq.Context, namespace: NetworkNamespace
     yield make
     for channel in channels:
         channel.close()
+
+
+# ------------------------------------------------------------ the session
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Byte-compile pmetal and these test helpers once, into the usual
+    (git-ignored) ``__pycache__`` folders, before any test starts a process.
+
+    The suite starts hundreds of Python processes (nodes, drivers, ranks,
+    ``pmetal`` commands). Where ``PYTHONDONTWRITEBYTECODE`` is set (common in
+    container images, and on this project's machines) none of them writes
+    the bytecode it compiles, so each compiled pmetal from source again:
+    ~0.4 s of CPU per process (``import pmetal.node.daemon``: 0.9 s instead
+    of 0.35 s). Compiling once takes ~0.5 s, and is a no-op when the
+    bytecode is current. Imports in the test process itself are unchanged
+    (pytest rewrites the test modules its own way)."""
+    import compileall
+    root = Path(__file__).resolve().parents[1]
+    for folder in (root / "pmetal", root / "tests"):
+        compileall.compile_dir(folder, quiet=2)
 
 
 # -------------------------------------------------------- raw ZeroMQ peers

@@ -589,10 +589,11 @@ def test_actors_of_a_remote_driver_live_while_it_renews_its_lease_and_die_after(
         pids = json.loads(driver.stdout.readline())
         first = _status(home)["leases"]
         assert first["held"] == 1, first
-        # Idle, it renews every quarter lease: wait for a few leases' worth
-        # of renewals, and its actor is still alive.
+        # Idle, it renews every quarter lease: wait for two leases' worth of
+        # renewals (unrenewed, the actor would have died after one), and its
+        # actor is still alive.
         deadline = time.monotonic() + COMMAND_TIMEOUT
-        while (status := _status(home))["leases"]["renewed"] < first["renewed"] + 12:
+        while (status := _status(home))["leases"]["renewed"] < first["renewed"] + 8:
             assert time.monotonic() < deadline, status["leases"]
             time.sleep(0.2)
         assert status["leases"]["expired"] == 0

@@ -33,7 +33,7 @@ from netlab import NetLab
 
 import pmetal
 from pmetal.cli import main
-from pmetal.cli.launch import BLAS_THREADS, GRACE, parse_hosts, place
+from pmetal.cli.launch import BLAS_THREADS, parse_hosts, place
 from pmetal.collectives.launchenv import (
     LAUNCH_VARIABLES,
     LaunchEnv,
@@ -46,6 +46,8 @@ from pmetal.errors import ConfigError
 
 DEADLINE = 30.0
 """Generous bound of anything that should take about a second (a loaded 2-core machine)."""
+SHORT_GRACE = 1.0
+"""``--grace`` of the tests whose rank ignores SIGTERM: they wait it out."""
 
 RANK_SCRIPT = r"""
 import json, os, signal, socket, sys
@@ -259,16 +261,18 @@ def test_base_port_gives_rank_r_port_p_plus_r(job: Callable[..., Job]) -> None:
 
 def test_a_failing_rank_sets_the_exit_code_and_stops_the_others(
         job: Callable[..., Job]) -> None:
-    # Rank 2 ignores SIGTERM: it must be killed after the grace period.
-    run = job(["-n", "4"], n=4, ignore_term=[2])
+    # Rank 2 ignores SIGTERM: it must be killed after the grace period
+    # (--grace: the default's 3 s would only make the test wait longer).
+    run = job(["-n", "4", "--grace", str(SHORT_GRACE)], n=4, ignore_term=[2])
     started = time.monotonic()
     run.order(1, 7)
     code, _, err = run.finish()
     assert code == 7
     assert "rank 1 exited with code 7" in err
-    assert "rank(s) 2 still running" in err  # rank 2 was killed, and said so
+    # rank 2 was killed, and said so
+    assert f"rank(s) 2 still running {SHORT_GRACE:g} s after SIGTERM" in err
     assert _gone(run.pids, DEADLINE) == []
-    assert time.monotonic() - started < GRACE + DEADLINE
+    assert time.monotonic() - started < SHORT_GRACE + DEADLINE
 
 
 def test_a_rank_killed_by_a_signal_is_named(job: Callable[..., Job]) -> None:
@@ -315,11 +319,12 @@ def test_a_second_signal_kills_at_once(job: Callable[..., Job]) -> None:
 
 
 def test_ranks_die_with_a_killed_launcher(job: Callable[..., Job]) -> None:
-    """kill -9 of the launcher: each rank's keeper sees its stdin close."""
-    run = job(["-n", "2"], n=2, ignore_term=[1])
+    """kill -9 of the launcher: each rank's keeper sees its stdin close,
+    and kills a rank that ignores SIGTERM after the grace period."""
+    run = job(["-n", "2", "--grace", str(SHORT_GRACE)], n=2, ignore_term=[1])
     run.proc.kill()
     run.finish()
-    assert _gone(run.pids, GRACE + DEADLINE) == []
+    assert _gone(run.pids, SHORT_GRACE + DEADLINE) == []
 
 
 def test_tag_output_prefixes_every_line_with_its_rank(tmp_path: Path) -> None:
@@ -358,6 +363,7 @@ def test_module_mode_runs_python_dash_m(tmp_path: Path) -> None:
     (["-n", "2"], "no program"),
     (["-n", "2", "missing.py"], "no such script: 'missing.py'"),
     (["-n", "2", "--timeout", "0", "x.py"], "--timeout must be positive"),
+    (["-n", "2", "--grace", "-1", "x.py"], "--grace must be positive, not -1"),
     (["-n", "2", "--base-port", "65535", "x.py"], "65535..65536"),
     (["-n", "2", "--addresses", "a=1.2.3.4", "x.py"], "--addresses applies only with --hosts"),
     (["--hosts", "a,,b", "x.py"], "'' is not a host name"),

@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from pmetal.node.daemon import READY_LINE, is_node_process, node_file
+from pmetal.node.process import READY_LINE, is_node_process, node_file
 from pmetal.cli.basic import _fail, _write_new_key
 from pmetal.config import (DEFAULT_PORT, DiscoveryConfig, ElectionConfig, HealthConfig,
                            load_config, pmetal_home)
@@ -266,7 +266,7 @@ def _start_foreground(cmd: list[str], env: dict[str, str], home: Path,
 
 
 def _read_ready_line(proc: subprocess.Popen[bytes]) -> str:
-    from pmetal.node.daemon import read_ready_line
+    from pmetal.node.process import read_ready_line
     return read_ready_line(proc, _READY_TIMEOUT)
 
 

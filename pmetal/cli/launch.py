@@ -28,8 +28,8 @@ when told to, or when the launcher disappears. Output is passed through, or
 prefixed with ``[rank]`` line by line (``--tag-output``). The launcher's exit
 status is the first non-zero status of a rank (128+n for a rank killed by
 signal n), after which the other ranks get SIGTERM, then SIGKILL after
-:data:`GRACE` seconds; 124 when ``--timeout`` passed; 128+n when the launcher
-itself got signal n (SIGINT, SIGTERM, SIGHUP), which is passed on to the ranks
+``--grace`` seconds (:data:`GRACE` by default); 124 when ``--timeout``
+passed; 128+n when the launcher itself got signal n (SIGINT, SIGTERM, SIGHUP), which is passed on to the ranks
 (a second one kills them at once); 2 for a usage error.
 """
 
@@ -55,7 +55,7 @@ from typing import IO, Any
 from pmetal.errors import ConfigError
 
 GRACE = 3.0
-"""Seconds between SIGTERM and SIGKILL when ranks are stopped."""
+"""Seconds between SIGTERM and SIGKILL when ranks are stopped (``--grace``)."""
 DEFAULT_BASE_PORT = 52480
 """First port of the ranks of each host with ``--hosts`` (the node daemon has 52416)."""
 BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS",
@@ -77,7 +77,7 @@ def _keeper_source() -> str:
 def _launch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = ("%(prog)s [-n N] [--hosts H[:SLOTS],...] [--rsh TEMPLATE] "
                     "[--addresses HOST=ADDR,...]\n"
-                    "       [--base-port P] [--tag-output] [--timeout S] "
+                    "       [--base-port P] [--tag-output] [--timeout S] [--grace S] "
                     "(script.py | -m module) [args...]")
     parser.add_argument("-n", "--np", dest="n", type=int, default=None, metavar="N",
                         help="number of ranks (default with --hosts: the total of the slots)")
@@ -97,6 +97,9 @@ def _launch_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefix every line of output with [rank]")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="stop every rank after S seconds and exit 124")
+    parser.add_argument("--grace", type=float, default=GRACE, metavar="S",
+                        help=f"seconds a stopped rank has between SIGTERM and SIGKILL "
+                             f"(default {GRACE:g})")
     parser.add_argument("-m", dest="module", action="store_true",
                         help="the program is a module, run as python -m MODULE")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args...]",
@@ -190,6 +193,8 @@ def _plan(args: argparse.Namespace) -> list[_Rank]:
         raise ConfigError(f"-n must be at least 1, not {args.n}")
     if args.timeout is not None and not args.timeout > 0:
         raise ConfigError(f"--timeout must be positive, not {args.timeout}")
+    if not args.grace > 0:
+        raise ConfigError(f"--grace must be positive, not {args.grace}")
     if args.hosts is None:
         if args.n is None:
             raise ConfigError("how many ranks? give -n N (or --hosts)")
@@ -233,7 +238,7 @@ def _plan(args: argparse.Namespace) -> list[_Rank]:
     for r in range(n):
         env = LaunchEnv(r, n, local[r], nodes).environ()  # checks the nodes too
         spec = json.dumps({"cwd": os.getcwd(), "env": {**extra, **env}, "argv": program,
-                           "grace": GRACE})
+                           "grace": args.grace})
         keeper = [sys.executable, "-c", keeper_source, spec]
         ranks.append(_Rank(r, hosts[r], tuple(keeper if hosts[r] is None
                                               else _remote(RSH if args.rsh is None else args.rsh, hosts[r], keeper))))
@@ -259,7 +264,8 @@ def _remote(template: str, host: str, argv: list[str]) -> list[str]:
 
 def _run_launch(args: argparse.Namespace) -> int:
     ranks = _plan(args)
-    return _Job(ranks, tag=args.tag_output, timeout=args.timeout, rsh=args.rsh or RSH).run()
+    return _Job(ranks, tag=args.tag_output, timeout=args.timeout, rsh=args.rsh or RSH,
+                grace=args.grace).run()
 
 
 def _describe(code: int) -> tuple[str, int]:
@@ -294,10 +300,11 @@ class _Job:
     """The running ranks: started, watched, and stopped together."""
 
     def __init__(self, ranks: list[_Rank], *, tag: bool, timeout: float | None,
-                 rsh: str) -> None:
+                 rsh: str, grace: float = GRACE) -> None:
         self.ranks = ranks
         self.tag = tag
         self.timeout = timeout
+        self.grace = grace
         self.rsh = rsh
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         # Every waiting thread reports here: ("exit", rank, status), ("signal", n, 0).
@@ -412,7 +419,7 @@ class _Job:
                     _say(f"rank(s) {_names(alive)} did not exit after SIGKILL; giving up")
                     return 1 if status is None else status
                 if kill_at is not None:
-                    _say(f"rank(s) {_names(alive)} still running {GRACE:g} s after "
+                    _say(f"rank(s) {_names(alive)} still running {self.grace:g} s after "
                          f"SIGTERM: killing them")
                     give_up_at = self._kill_all()
                 else:
@@ -450,7 +457,7 @@ class _Job:
         """Ask ``ranks``' keepers to pass ``signum`` on; return when to kill them."""
         for r in ranks:
             self._tell(r, signum.name[3:])
-        return time.monotonic() + GRACE
+        return time.monotonic() + self.grace
 
     def _tell(self, rank: int, word: str) -> None:
         stdin = self.procs[rank].stdin

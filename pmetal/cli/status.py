@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pmetal.actors.client import CoreClient
-from pmetal.node.daemon import node_file
+from pmetal.node.process import node_file
 from pmetal.cli.basic import _fail
 from pmetal.cli.daemon import _is_node_process, _read_node_file
 from pmetal.config import load_config, pmetal_home

@@ -30,6 +30,7 @@ crashed or hostile host would.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -113,8 +114,17 @@ class Stranger:
 
     def register(self, count: int, port: int, node_id: str, template: dict[str, str]) -> int:
         infos = self._infos(count, port, node_id, None, template)
-        for info in infos:
-            self.zc.register_service(info, cooperating_responders=True)
+
+        # All at once: zeroconf's register_service() returns only after its
+        # three announcements, 0.46 s a record when done one by one (9 s for
+        # 20). Each record is still registered and announced three times.
+        async def register_all() -> None:
+            announcing = [await self.zc.async_register_service(info, cooperating_responders=True)
+                          for info in infos]
+            await asyncio.gather(*announcing)
+
+        assert self.zc.loop is not None
+        asyncio.run_coroutine_threadsafe(register_all(), self.zc.loop).result(30)
         self.registered.extend(infos)
         return len(infos)
 

@@ -47,9 +47,13 @@ def three(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
             home = tmp_path / f"n{i}"
             home.mkdir(mode=0o700)
             env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
+            # A short bootstrap (default 2 s): the three start together and
+            # know each other as static peers, so they hear from each other
+            # at once (as in test_placement_throttled); nothing here
+            # restarts a node or merges two clusters.
             env.update(PMETAL_HOME=str(home), PMETAL_PSK_HEX=psk.hex(),
                        PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))),
-                       PMETAL_LOG_LEVEL="INFO")
+                       PMETAL_LOG_LEVEL="INFO", PMETAL_ELECTION_BOOTSTRAP="0.5")
             peers = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1", "--port",
