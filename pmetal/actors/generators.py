@@ -42,8 +42,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from pmetal.actors.ownership import pack_collecting
 from pmetal.actors.deferred import Deferrals
+from pmetal.actors.ownership import pack_collecting
 from pmetal.actors.refs import ObjectRef, call_name
 from pmetal.errors import (
     ActorDiedError,
@@ -470,8 +470,11 @@ def _drop(client: CoreClient, link: PeerLink, stream: int, corrs: list[int]) -> 
 # ------------------------------------------------------------------ sending
 
 def _open(client: CoreClient, link: PeerLink, body_of: Any, what: Any, window: int,
-          task: bool) -> ObjectRefGenerator:
-    """Send a StreamCall on ``link`` (client lock held)."""
+          task: bool, nested: list[ObjectRef] | None = None) -> ObjectRefGenerator:
+    """Send a StreamCall on ``link`` (client lock held); ``nested``: the refs
+    pickled inside its arguments, lent to the worker first."""
+    if nested and not link.dead:
+        client.objects.lend(nested, link.channel.peer or "")
     corrs = link.channel.reserve(window)
     cls = _TaskItemRef if task else _ItemRef
     items: collections.deque[ObjectRef] = collections.deque(
@@ -539,13 +542,11 @@ def stream_actor_call(client: CoreClient, handle: Any, method: str, args: list[A
             return ObjectRefGenerator._failed(ActorDiedError(
                 f"{call_name(handle, method)}: its worker went away while the call was "
                 f"being sent"), what)
-        if nested:   # refs inside the arguments: lent to the worker before they reach it
-            client.objects.lend(nested, link.channel.peer or "")
         if link.outbox:
             client._flush(link)   # calls queued before this one are sent first
         return _open(client, link, lambda corrs: StreamCall(handle._actor_id, method, None,
                                                             a, kw, corrs),
-                     what, window, task=False)
+                     what, window, task=False, nested=nested)
 
     deferrals = client._deferrals
     if ((deferrals.actors and handle._actor_id in deferrals.actors)
@@ -581,11 +582,9 @@ def stream_task(client: CoreClient, fn_id: str, fn_ref: Any, args: list[Any],
         link = client._task_link(what) if where is None else where(what)
         if isinstance(link, BaseException):
             return ObjectRefGenerator._failed(link, what)
-        if nested:   # refs inside the arguments: lent to the worker before they reach it
-            client.objects.lend(nested, link.channel.peer or "")
         ref_body = None if fn_id in link.functions else fn_ref
         gen = _open(client, link, lambda corrs: StreamCall("", fn_id, ref_body, a, kw, corrs),
-                    what, window, task=True)
+                    what, window, task=True, nested=nested)
         link.functions.add(fn_id)
         return gen
 

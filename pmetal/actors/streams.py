@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 from pmetal.actors import context
 from pmetal.actors.serialization import (
     load_code,
-    pack_value,
     unpack_value,
     unpack_values,
 )
@@ -149,9 +148,11 @@ class StreamServer:
     def _name(self, body: StreamCall) -> str:
         return body.name if body.actor_id else f"remote function {body.name.split(':')[-1]}"
 
-    def _item(self, value: Any) -> Message:
+    def _item(self, value: Any, route: bytes) -> Message:
+        """An item for the caller at ``route``: refs inside it are lent to
+        that process, as for any result (pmetal.actors.objects)."""
         try:
-            return Result(pack_value(value))
+            return self.worker._result(value, route)
         except TypeError as exc:   # an item that cannot be pickled
             from pmetal.actors.worker import failure_from
             return failure_from(exc)
@@ -208,7 +209,7 @@ class StreamServer:
                     return
                 if value is _END:
                     return
-                self._send_item(stream, self._item(value))
+                self._send_item(stream, self._item(value, stream.key[0]))
         finally:
             self._close_sync(gen, loop)
             if leave_dir is not None:
@@ -379,7 +380,7 @@ class StreamServer:
                 return
             if value is _END:
                 return
-            await self._asend_item(stream, self._item(value))
+            await self._asend_item(stream, self._item(value, stream.key[0]))
 
     async def _await_credit_async(self, stream: _Stream) -> bool:
         wake = stream.wake

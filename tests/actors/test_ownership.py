@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -248,4 +249,26 @@ def test_refs_going_back_and_forth_are_counted_and_all_freed(reap: list) -> None
     pmetal.get([a.drop.remote(), b.drop.remote()], timeout=WAIT)
     tables = pmetal.get([a.ownership.remote(), b.ownership.remote()], timeout=WAIT)
     assert [t["borrowed"] for t in tables] == [0, 0]
+    assert objects.owned.wait_released(refs, WAIT), objects.statistics()
+
+
+def test_a_generator_yields_refs_it_made_and_they_are_counted(reap: list) -> None:
+    @pmetal.remote(num_returns="streaming")
+    def make_refs(n: int) -> Any:
+        for i in range(n):
+            yield [pmetal.put(i)]
+
+    items = [pmetal.get(r, timeout=WAIT) for r in make_refs.remote(3)]
+    assert [pmetal.get(ref, timeout=WAIT) for [ref] in items] == [0, 1, 2]
+
+
+def test_a_stream_with_refs_nested_in_its_arguments(reap: list) -> None:
+    @pmetal.remote(num_returns="streaming")
+    def each(values: list[Any]) -> Any:
+        for ref in values:
+            yield pmetal.get(ref, timeout=WAIT) * 10
+
+    objects = context.current().objects
+    refs = [pmetal.put(i) for i in range(3)]
+    assert [pmetal.get(r, timeout=WAIT) for r in each.remote(refs)] == [0, 10, 20]
     assert objects.owned.wait_released(refs, WAIT), objects.statistics()
