@@ -14,7 +14,7 @@ from pmetal.api import (available_resources, cancel, cluster_resources, get, get
                         get_runtime_context, init, is_initialized, kill, nodes, put, shutdown,
                         wait, wait_for_peers)
 from pmetal.config import PMetalConfig, SecurityConfig, TransportConfig, load_config
-from pmetal import exceptions
+from pmetal import actor, exceptions
 from pmetal.errors import (ActorDiedError, ActorError, ActorUnavailableError,
                            AuthenticationError, BackpressureError, ClosedError,
                            CollectiveError, ConfigError, GetTimeoutError, HandshakeError,

@@ -324,13 +324,18 @@ class ActorClass:
 
 
 def method(*, num_returns: int | str | None = None,
-           _generator_backpressure_num_objects: int | None = None) -> Any:
+           _generator_backpressure_num_objects: int | None = None,
+           enable_task_events: bool = True) -> Any:
     """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
     ``@ray.method``: a call of it returns N refs, one per item of the tuple
     the method returns; ``num_returns="streaming"`` (the default for a
     generator method, as in Ray) returns an ObjectRefGenerator, which lets
     the generator run at most ``_generator_backpressure_num_objects`` items
-    ahead of the caller."""
+    ahead of the caller. ``enable_task_events`` is accepted for Ray's
+    scripts and changes nothing (pmetal records no task events)."""
+    if type(enable_task_events) is not bool:
+        raise PMetalTypeError(f"@pmetal.method: enable_task_events must be True or False, "
+                              f"not {enable_task_events!r:.40}")
     check_num_returns(num_returns, "@pmetal.method")
     window = _generator_backpressure_num_objects
     if window is not None:
