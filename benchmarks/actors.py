@@ -94,7 +94,8 @@ class Target:
 
             @mod.method(num_returns="streaming")
             def items(self, n: int) -> Any:
-                yield from range(n)
+                for i in range(n):
+                    yield i
 
         @remote
         def task(x: Any) -> Any:
