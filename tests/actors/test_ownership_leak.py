@@ -60,9 +60,11 @@ def test_100k_refs_through_three_processes_are_all_freed(reap: list) -> None:
     assert shared_memory_objects(*pids) == []
     # No object survives a round: after the first (which makes what a
     # process makes once: sockets, threads, lazily imported modules) the
-    # garbage collector's count of objects stays put (one leaked ref per
-    # 1,000 passed would show).
-    assert all(abs(c - f) < 100 for f, c in zip(counts[-2], counts[-1])), counts
+    # garbage collector's count of objects stays put: one leaked ref per 200
+    # passed would show (500 objects), while a worker under load may make a
+    # hundred of its own in a round (measured 114 beside CPU hogs: a timer, a
+    # reconnect), which a bound of 100 took for a leak.
+    assert all(abs(c - f) < 500 for f, c in zip(counts[-2], counts[-1])), counts
     # Memory flat. Python's allocator: the blocks it holds stay put (100,000
     # leaked refs would hold 200,000 blocks and more: a ref, its value or
     # weak reference, table entries). The process: RSS moves by up to 20 MB
