@@ -64,7 +64,9 @@ The model store's kinds (60-63: ``ModelQuery``, ``ModelHoldings``,
 namespace.
 Fields added at the end of a message (an old peer's shorter message decodes
 with their defaults): ``ActorLocation.max_task_retries`` and
-``ActorLocation.owner_lease``, ``OwnerDied.client``.
+``ActorLocation.owner_lease``, ``OwnerDied.client``,
+``ResourcesRequest.actors`` and ``Resources.hosted`` (``pmetal status``
+shows every member's actors).
 
 This module holds the messages; :mod:`pmetal.codec` turns them into frames
 and back (:func:`encode`, :func:`decode`, :class:`Envelope`,
@@ -519,9 +521,11 @@ class OwnerDied(Message):
 @_message(Kind.RESOURCES_REQUEST)
 class ResourcesRequest(Message):
     """Node to a member: its resources now (placement); the answer is
-    :class:`Resources`, with its ``capacity`` when ``measure``."""
+    :class:`Resources`, with its ``capacity`` when ``measure`` and the
+    actors it hosts when ``actors`` (``pmetal status``)."""
 
     measure: bool = False
+    actors: bool = False
 
 
 @_message(Kind.RESOURCES)
@@ -536,6 +540,9 @@ class Resources(Message):
     queued: int = 0
     actors: int = 0
     capacity: dict | None = None
+    hosted: list | None = None
+    """Asked with ``actors``: an entry per actor the node hosts (the
+    ``actors`` entries of its status; the last 200 dead ones included)."""
 
 
 # ---------------------------------------------------------- placement groups

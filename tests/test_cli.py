@@ -299,7 +299,7 @@ def test_status_text_reads_for_a_person(capsys: pytest.CaptureFixture[str]) -> N
     # What a node's status() holds, as 'pmetal status' prints it: workers
     # named by what they host, the queue and leases summed up, live actors
     # before the dead, and only the latest dead ones.
-    from pmetal.cli.status import _DEAD_SHOWN, _print_status
+    from pmetal.cli.picture import _DEAD_SHOWN, picture
     dead = [{"actor_id": f"d-{i}", "class_name": "Old", "name": f"old{i}", "state": "dead",
              "owner": "pid 1 on abcdef01", "node_id": "abcdef0123", "reason": "its owner exited"}
             for i in range(_DEAD_SHOWN + 5)]
@@ -318,8 +318,7 @@ def test_status_text_reads_for_a_person(capsys: pytest.CaptureFixture[str]) -> N
               "queue": [{"what": "actor Cache", "needs": {"CPU": 1.0}, "waited": 2.5,
                          "gives_up_in": 27.5}],
               "owner_leases": [{"client": "0123abcd", "expires_in": 20.0}]}
-    _print_status(status, {"pid": 7})
-    out = capsys.readouterr().out
+    out = "\n".join(picture(status, 7))
     assert "queue      1 creation(s) waiting for resources (the oldest for 2.5 s)" in out
     assert "leases     1 driver(s) on other machines" in out
     assert "trainer (Trainer)" in out and "idle" in out

@@ -72,8 +72,8 @@ EXAMPLES: dict[Kind, Message] = {
         node_id="e" * 32, address=ADDRESS, resources={"CPU": 8, "GPU": 0.5}),
     Kind.OWNER_DIED: wire.OwnerDied("ab" * 16, 4321, "cd" * 16),
     Kind.DETACH: wire.Detach("pmetal.shutdown()"),
-    Kind.RESOURCES_REQUEST: wire.ResourcesRequest(),
-    Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1),
+    Kind.RESOURCES_REQUEST: wire.ResourcesRequest(actors=True),
+    Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1, hosted=[{"actor_id": "a"}]),
     Kind.CREATE_PLACEMENT_GROUP: wire.CreatePlacementGroup(
         "pg-1", "train", [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "STRICT_SPREAD",
         {"lifetime": "", "owner_pid": 12}),

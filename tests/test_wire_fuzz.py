@@ -241,6 +241,7 @@ _FIELD_VALUES: dict[Any, st.SearchStrategy[Any]] = {
     float: st.one_of(st.floats(), st.integers(-5, 5)), bool: st.booleans(),
     list: st.lists(values, max_size=3), dict: st.dictionaries(keys, values, max_size=3),
     dict | None: st.one_of(st.none(), st.dictionaries(keys, values, max_size=3)),
+    list | None: st.one_of(st.none(), st.lists(values, max_size=3)),
     tuple[str, ...]: st.lists(st.text(max_size=4), max_size=3),
     tuple[int, ...]: st.lists(st.integers(-2**63, 2**64 - 1), max_size=3),
 }

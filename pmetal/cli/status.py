@@ -1,25 +1,66 @@
 """``pmetal status`` and ``pmetal kill``: commands that talk to the node
-recorded in node.json, and the text ``pmetal status`` prints for a person
-(:func:`_print_status` and its tables).
+recorded in node.json. The text ``pmetal status`` prints for a person is
+:func:`pmetal.cli.picture.picture`.
+
+``pmetal status --watch [SECONDS]`` redraws the picture every SECONDS
+(:data:`_WATCH_DEFAULT`, within :data:`_WATCH_RANGE`) until Ctrl-C, or for
+``--count N`` frames: over the previous frame on a terminal (ANSI clear
+screen), as blocks one after another otherwise (a pipe, a log). Every frame
+is one status request with the deadline of :data:`_STATUS_TIMEOUT`; a node
+that does not answer, or is gone, makes a frame that says so, and the next
+frame connects again (a restarted node is picked up). A member that leaves
+the member list is listed as gone for the rest of the watch.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+import shutil
+import sys
+import time
 from typing import Any
 
 from pmetal.actors.client import CoreClient
 from pmetal.node.process import node_file
 from pmetal.cli.basic import _fail
 from pmetal.cli.daemon import _is_node_process, _read_node_file
+from pmetal.cli.picture import WIDTH, Memory, picture
 from pmetal.config import load_config, pmetal_home
-from pmetal.errors import PeerError
+from pmetal.errors import PeerError, PMetalError
 from pmetal.security import NetworkNamespace
 
 _STATUS_TIMEOUT = 5.0
-"""Cap on connect and request deadlines of ``pmetal status``."""
+"""Cap on connect and request deadlines of ``pmetal status`` (each frame of
+``--watch`` too)."""
+_WATCH_DEFAULT = 2.0
+"""Seconds between frames of ``--watch`` given no SECONDS (as watch(1))."""
+_WATCH_RANGE = (0.1, 3600.0)
+"""The seconds ``--watch`` accepts."""
+_CLEAR = "\x1b[H\x1b[2J"
+"""ANSI: cursor home, clear the screen (a frame of --watch on a terminal)."""
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    low, high = _WATCH_RANGE
+    if not low <= value <= high:   # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text} s is out of range: give {low:g} to "
+                                         f"{high:g} seconds between frames")
+    return value
+
+
+def _frames(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of frames") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} frames: give 1 or more")
+    return value
 
 
 def _status_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,9 +73,17 @@ def _status_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add each member's capacity as pipeline placement sees it: "
                              "compute rate (measured over a quarter second of every CPU "
                              "the first time, then kept 10 minutes), free memory now, links")
+    parser.add_argument("--watch", nargs="?", type=_interval, const=_WATCH_DEFAULT,
+                        default=None, metavar="SECONDS",
+                        help=f"redraw every SECONDS (default {_WATCH_DEFAULT:g}) until Ctrl-C; "
+                             f"with --json, one JSON document a line per frame")
+    parser.add_argument("--count", type=_frames, default=None, metavar="N",
+                        help="with --watch (which it implies): stop after N frames")
 
 
 def _run_status(args: argparse.Namespace) -> int:
+    if args.watch is not None or args.count is not None:
+        return _watch(args, args.watch or _WATCH_DEFAULT, args.count)
     client = _client_of_recorded_node()
     try:
         status = client.status(probe=args.probe, measure=args.measure)
@@ -43,8 +92,68 @@ def _run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, default=str))
     else:
-        _print_status(status, _read_node_file(pmetal_home()) or {"pid": "?"})
+        print("\n".join(picture(status, _recorded_pid(), width=_width())))
     return 0
+
+
+def _watch(args: argparse.Namespace, interval: float, count: int | None) -> int:
+    """Frames until Ctrl-C or ``count``; the exit status is the last frame's
+    (0: the node answered, 1: it did not)."""
+    tty = sys.stdout.isatty()
+    memory = Memory()
+    client: CoreClient | None = None
+    last_answer = ""
+    frame = code = 0
+    try:
+        while True:
+            frame += 1
+            began = time.monotonic()
+            try:
+                if client is None:
+                    client = _client_of_recorded_node()
+                status = client.status(probe=args.probe, measure=args.measure)
+            except (PMetalError, OSError) as exc:
+                if client is not None:
+                    client.close()
+                    client = None
+                code = 1
+                lines = [f"no status: {exc}",
+                         f"(last answer at {last_answer})" if last_answer else
+                         "(no answer yet)"]
+                status = {"error": str(exc)}
+            else:
+                code = 0
+                last_answer = time.strftime("%H:%M:%S")
+                lines = [] if args.json else picture(status, _recorded_pid(), width=_width(),
+                                                     memory=memory)
+            if args.json:
+                print(json.dumps(status, default=str), flush=True)
+            else:
+                of = f"/{count}" if count else ""
+                head = (f"pmetal status   every {interval:g} s   {time.strftime('%H:%M:%S')}"
+                        f"   frame {frame}{of}" + ("" if count else "   Ctrl-C stops"))
+                sys.stdout.write((_CLEAR if tty else "\n" if frame > 1 else "") + head + "\n"
+                                 + "\n".join(lines) + "\n")
+                sys.stdout.flush()
+            if count is not None and frame >= count:
+                return code
+            time.sleep(max(0.0, interval - (time.monotonic() - began)))
+    except KeyboardInterrupt:
+        return code
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _width() -> int:
+    """The terminal's columns (COLUMNS wins); 80 when not a terminal."""
+    if not sys.stdout.isatty():
+        return WIDTH
+    return max(40, shutil.get_terminal_size((WIDTH, 24)).columns)
+
+
+def _recorded_pid() -> Any:
+    return (_read_node_file(pmetal_home()) or {}).get("pid", "?")
 
 
 def _client_of_recorded_node() -> CoreClient:
@@ -93,146 +202,3 @@ def _run_kill(args: argparse.Namespace) -> int:
     print(f"killed actor {args.name!r} ({loc.class_name}, {loc.actor_id}) on node "
           f"{loc.node_id[:8]}")
     return 0
-
-
-def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
-    stats = s.get("statistics", {})
-    print(f"node       {s['node_id']} (pid {s.get('pid', info['pid'])})")
-    print(f"address    {s['address']}")
-    print(f"namespace  {s.get('namespace', '?')}   members {len(s.get('members', [])) + 1}, "
-          f"epoch {s.get('epoch', 0)}")
-    print(f"resources  {_resources(s.get('resources', {}), s.get('available'))}")
-    print(f"served     {stats.get('requests', 0)} node requests; actors created "
-          f"{stats.get('actors_created', 0)}, alive {stats.get('actors_alive', 0)}, "
-          f"restarts {stats.get('actor_restarts', 0)}")
-    metrics = s.get("metrics") or {}
-    if metrics.get("address"):
-        print(f"metrics    {metrics['address']}/metrics")
-    elif metrics.get("reason"):
-        print(f"metrics    off: {metrics['reason']}")
-    queue = s.get("queue") or []
-    if queue:
-        oldest = max(q.get("waited", 0.0) for q in queue)
-        print(f"queue      {len(queue)} creation(s) waiting for resources (the oldest for "
-              f"{oldest:g} s); see the pending actors below")
-    leases = s.get("owner_leases") or []
-    if leases:
-        print(f"leases     {len(leases)} driver(s) on other machines hold a lease on their "
-              f"actors (they end if it lapses)")
-    _print_cluster(s)
-    actors = s.get("actors", [])
-    hosted = {a["actor_id"]: a for a in actors}
-    _table("WORKERS", ("WORKER", "PID", "ROLE", "READY", "ACTOR", "CALLS"),
-           [(w["worker_id"], w.get("pid", ""), w.get("role", ""),
-             "yes" if w.get("ready") else "no", _hosting(w, hosted),
-             w.get("calls", "-")) for w in s.get("workers", [])])
-    # Live actors first; of the dead (a node remembers 200) only the latest.
-    live = [a for a in actors if a.get("state") != "dead"]
-    dead = [a for a in actors if a.get("state") == "dead"]
-    shown = live + dead[-_DEAD_SHOWN:]
-    _table("ACTORS", ("ACTOR ID", "CLASS", "NAME", "OWNER", "NODE", "STATE", "INCARNATION",
-                      "RESOURCES", "REASON"),
-           [(a["actor_id"], a.get("class_name", ""), a.get("name") or "-",
-             "detached" if a.get("lifetime") == "detached" else a.get("owner", "-"),
-             str(a.get("node_id", ""))[:8], a.get("state", ""), a.get("incarnation", 0),
-             _resources(a.get("resources") or {}) if a.get("resources") else "-",
-             a.get("reason") or "") for a in shown],
-           total=len(actors))
-    if len(shown) < len(actors):
-        print(f"  ({len(actors) - len(shown)} older dead actors left out; "
-              f"'pmetal status --json' lists them)")
-    groups = (s.get("placement_groups") or {}).get("groups") or []
-    held = (s.get("placement_groups") or {}).get("held") or []
-    if groups or held:   # (a node without any says nothing about them)
-        _table("PLACEMENT GROUPS", ("GROUP ID", "NAME", "STRATEGY", "STATE", "BUNDLES", "NODES",
-                                    "REASON"),
-               [(g["group_id"], g.get("name") or "-", g.get("strategy", ""), g.get("state", ""),
-                 len(g.get("bundles") or []),
-                 ",".join(sorted({str(n)[:8] for n in g.get("bundle_nodes") or [] if n})) or "-",
-                 g.get("reason") or "") for g in groups])
-        if held:
-            print(f"  this node holds {len(held)} bundle(s) of "
-                  f"{len({b['group_id'] for b in held})} group(s)")
-    if s.get("refused_peers"):
-        _table("REFUSED PEERS", ("ADDRESS", "REASON"),
-               [(p["address"], p["reason"]) for p in s["refused_peers"]])
-
-
-def _print_cluster(s: dict[str, Any]) -> None:
-    """The master, its term and every member (this node too) with its health."""
-    cluster = s.get("cluster") or {}
-    master = cluster.get("master") or ""
-    print(f"master     {master or 'none yet (an election is under way, or this node sees no majority)'}"
-          f"   term {cluster.get('term', 0)}, epoch {cluster.get('epoch', 0)}, this node is "
-          f"{cluster.get('role', '?')}")
-    rows = []
-    for m in cluster.get("members") or []:
-        marks = [w for w, on in (("master", m["node_id"] == master),
-                                 ("this node", m["node_id"] == s["node_id"])) if on]
-        health = m.get("health", "?")
-        if m.get("state") == "dead":
-            health = "dead (master)"
-        rows.append((m["node_id"], m.get("address", ""), health,
-                     f"{m['rtt_ms']:.2f}" if m.get("rtt_ms") is not None else "-",
-                     _resources(m.get("resources", {}), m.get("available")),
-                     m.get("actors", "-"), ", ".join(marks)))
-    _table("NODES", ("NODE ID", "ADDRESS", "HEALTH", "RTT MS", "RESOURCES", "ACTORS", ""),
-           rows)
-    links = (cluster.get("topology") or {}).get("links") or []
-    if links:
-        _table("LINKS", ("FROM", "TO", "LATENCY US", "BANDWIDTH MB/S"),
-               [(link["a"][:8], link["b"][:8],
-                 f"{link['latency'] * 1e6:.0f}" if link.get("latency") else "-",
-                 f"{link['bandwidth'] / 1e6:.0f}" if link.get("bandwidth") else
-                 "- (pmetal status --probe)") for link in links])
-    measured = [m for m in cluster.get("members") or [] if m.get("capacity")]
-    if measured:
-        _table("CAPACITY", ("NODE ID", "COMPUTE GFLOP/S", "MEMORY FREE", "LINKS MEASURED"),
-               [(m["node_id"][:8], f"{m['capacity'].get('compute', 0.0):.1f}",
-                 f"{m['capacity'].get('memory_free', 0) / (1 << 30):.1f} GiB",
-                 len(m["capacity"].get("links") or {})) for m in measured])
-    ignored = cluster.get("ignored") or []
-    if ignored:
-        _table("IGNORED BY DISCOVERY", ("NODE ID", "ADDRESS", "REASON"),
-               [(i.get("node_id", ""), i.get("address", ""), i.get("reason", ""))
-                for i in ignored])
-
-
-def _resources(total: dict[str, float], free: dict[str, float] | None = None) -> str:
-    def amount(name: str, value: float) -> str:
-        return f"{value / (1 << 30):.1f} GiB" if name == "memory" else f"{value:g}"
-    parts = []
-    for name, value in sorted(total.items()):
-        text = f"{name} {amount(name, value)}"
-        if free is not None and name in free:
-            text += f" ({amount(name, free[name])} free)"
-        parts.append(text)
-    return ", ".join(parts) or "none"
-
-
-_DEAD_SHOWN = 10
-"""Dead actors ``pmetal status`` prints (the latest); --json has them all."""
-
-
-def _hosting(worker: dict[str, Any], actors: dict[str, dict[str, Any]]) -> str:
-    """What a worker runs, for a human: the actor's name and class, "idle"."""
-    actor_id = worker.get("actor_id") or ""
-    if not actor_id:
-        return "idle" if worker.get("role") == "actor" else "-"
-    actor = actors.get(actor_id)
-    if actor is None:
-        return actor_id
-    name, cls = actor.get("name") or "", actor.get("class_name") or "?"
-    return f"{name} ({cls})" if name else f"{cls} {actor_id}"
-
-
-def _table(title: str, headers: Sequence[str], rows: list[Sequence[Any]],
-           total: int | None = None) -> None:
-    print(f"\n{title} ({len(rows) if total is None else total})")
-    if not rows:
-        return
-    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for row in cells:
-        print("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
-

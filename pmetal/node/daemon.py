@@ -118,6 +118,21 @@ def _profile(node_id: str, measure: bool) -> dict[str, Any]:
         return {"node_id": node_id}
 
 
+def _unanswered(answer: Any, wait: float, entry: dict[str, Any]) -> str:
+    """Why a member gave ``pmetal status`` no Resources answer."""
+    if answer is None:
+        if entry.get("state") == "dead" or entry.get("health") == "dead":
+            return "dead, not asked"
+        return "not in this node's member list yet"
+    if isinstance(answer, TimeoutError):
+        return f"no answer within {wait:g} s"
+    if isinstance(answer, Failure):
+        return answer.message
+    if isinstance(answer, BaseException):
+        return f"{type(answer).__name__}: {answer}"
+    return f"answered with a {type(answer).__name__}"
+
+
 def default_resources(num_cpus: float | None = None, memory: int = 0) -> dict[str, float]:
     """This machine's CPUs, GPUs and memory; ``memory`` (bytes) replaces the
     physical memory when set (``actors.memory``: a budget)."""
@@ -368,10 +383,9 @@ class NodeDaemon:
             return None
         if kind is ResourcesRequest:
             if body.measure:  # type: ignore[attr-defined]
-                self._later(incoming, self._resources_measured())
+                self._later(incoming, self._resources_measured(body.actors))  # type: ignore[attr-defined]
                 return None
-            return Resources(self.resources, self.actors.available, len(self.actors.queue),
-                             self.actors.alive())
+            return self._resources(body.actors)  # type: ignore[attr-defined]
         if kind is ReserveBundles:
             return self.groups.reserve(body)  # type: ignore[arg-type]
         if kind is PlacementGroupQuery:
@@ -518,31 +532,40 @@ class NodeDaemon:
 
     async def _status_with_calls(self, probe: bool = False, measure: bool = False) -> Message:
         """status() plus each worker's calls served (asked of the workers)
-        and each live member's free resources and actors (asked of them);
-        with ``probe``, after measuring the bandwidth of every link from here;
+        and each live member's free resources and actors (asked of them:
+        ``cluster_actors`` lists the actors of every member that answered,
+        and a member's entry says ``unanswered`` why one did not); with
+        ``probe``, after measuring the bandwidth of every link from here;
         with ``measure``, each member's ``capacity`` (pipeline placement)."""
         if probe:
             await self.cluster.probe_links()
         info = self.status()
         members = list(self.membership.members.values())
-        ask = ResourcesRequest(measure=measure)
+        ask = ResourcesRequest(measure=measure, actors=True)
+        wait = _MEASURE_ASK if measure else _STATUS_ASK
         answers = await asyncio.gather(
             self.pool.add_calls(info["workers"]), self._capacity(measure),
-            *(asyncio.wait_for(self.membership.ask(m, ask),
-                               _MEASURE_ASK if measure else _STATUS_ASK)
-              for m in members), return_exceptions=True)
-        free = {m.node_id: a for m, a in zip(members, answers[2:]) if isinstance(a, Resources)}
+            *(asyncio.wait_for(self.membership.ask(m, ask), wait) for m in members),
+            return_exceptions=True)
+        by_node = dict(zip((m.node_id for m in members), answers[2:]))
+        hosted = list(info["actors"])
         for entry in info["cluster"]["members"]:
-            if entry["node_id"] == self.node_id:
+            node_id = entry["node_id"]
+            answer = by_node.get(node_id)
+            if node_id == self.node_id:
                 entry.update(available=self.actors.available, actors=self.actors.alive(),
                              queued=len(self.actors.queue))
                 if measure and isinstance(answers[1], Capacity):
                     entry["capacity"] = answers[1].to_dict()
-            elif entry["node_id"] in free:
-                r = free[entry["node_id"]]
-                entry.update(available=r.available, actors=r.actors, queued=r.queued)
-                if measure and r.capacity is not None:
-                    entry["capacity"] = r.capacity
+            elif isinstance(answer, Resources):
+                entry.update(available=answer.available, actors=answer.actors,
+                             queued=answer.queued)
+                if measure and answer.capacity is not None:
+                    entry["capacity"] = answer.capacity
+                hosted.extend(answer.hosted or ())
+            else:
+                entry["unanswered"] = _unanswered(answer, wait, entry)
+        info["cluster_actors"] = hosted
         return Status(info)
 
     async def _capacity(self, measure: bool = True) -> Capacity | None:
@@ -550,12 +573,17 @@ class NodeDaemon:
             return None
         return await current_capacity(self.compute, self.cluster.topology, self.node_id)
 
-    async def _resources_measured(self) -> Message:
+    def _resources(self, actors: bool, capacity: Capacity | None = None) -> Resources:
+        """The Resources answer; with ``actors``, the actors hosted here."""
+        return Resources(self.resources, self.actors.available, len(self.actors.queue),
+                         self.actors.alive(), capacity.to_dict() if capacity else None,
+                         self.actors.table.describe(self.node_id) if actors else None)
+
+    async def _resources_measured(self, actors: bool = False) -> Message:
         """The Resources answer with this node's capacity (placement)."""
         capacity = await self._capacity()
         assert capacity is not None
-        return Resources(self.resources, self.actors.available, len(self.actors.queue),
-                         self.actors.alive(), capacity.to_dict())
+        return self._resources(actors, capacity)
 
     def status(self) -> dict[str, Any]:
         return {
