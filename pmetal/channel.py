@@ -65,7 +65,7 @@ def remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChannelStatistics:
     requests: int
     replies: int

@@ -69,7 +69,7 @@ class Incoming(typing.NamedTuple):
         return self.envelope.body
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ListenerStatistics:
     received: int
     sent: int

@@ -339,7 +339,7 @@ def server_finish(ns: NetworkNamespace, state: ServerHandshake, confirm: Confirm
 
 # ----------------------------------------------------------------- session
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SessionStatistics:
     sealed: int
     opened: int

@@ -29,12 +29,15 @@ import itertools
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from zmq.backend import zmq_poll
 
 from pmetal.actors.deferred import Deferrals, Retry
+from pmetal.actors.ownership import OwnershipStatistics
+from pmetal.channel import ChannelStatistics
 from pmetal.actors.links import _TASKS, NodeLink, PeerLink
 from pmetal.actors.locate import ActorCall, ActorLocator
 from pmetal.actors.objects import BorrowedRef, ObjectManager, pack_collecting
@@ -53,7 +56,7 @@ from pmetal.wire import (ActorLocation, Call, CallBatch, CancelCall, CreateActor
                          StatusRequest, WorkerList)
 
 # PeerLink lives in pmetal.actors.links and stays importable from here.
-__all__ = ["CoreClient", "ObjectRef", "PeerLink"]
+__all__ = ["ClientStatistics", "CoreClient", "ObjectRef", "PeerLink"]
 
 _POLLIN = int(zmq.POLLIN)
 # Argument types sent as they are (no packing step needed).
@@ -80,6 +83,14 @@ _STREAM_LOAD = 1 << 20     # a task worker serving a stream runs nothing else un
 _PREFETCH = 1000          # borrowed refs a get asks their owners for at once
 _CLOSED = ("the result was still pending when pmetal.shutdown() closed the client that "
            "made the call; it will never arrive")
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStatistics:
+    calls: int                       # actor calls this client sent
+    links: int                       # sessions open with workers
+    node_channel: ChannelStatistics  # the session with its node
+    objects: OwnershipStatistics | None   # objects it owns and borrows (None: none yet)
 
 
 class CoreClient:
@@ -145,12 +156,9 @@ class CoreClient:
         if self._objects is not None:
             self._objects.owned.drop(process, time.monotonic())
 
-    def statistics(self) -> dict[str, Any]:
-        out = {"calls": self.calls, "links": len(self.links),
-               "node_channel": self.node.statistics()}
-        if self._objects is not None:
-            out["objects"] = self._objects.statistics()
-        return out
+    def statistics(self) -> ClientStatistics:
+        return ClientStatistics(self.calls, len(self.links), self.node.statistics(),
+                                None if self._objects is None else self._objects.statistics())
 
     # ---------------------------------------------------------------- links
 

@@ -112,7 +112,7 @@ class _Entry:
         self.counts: dict[str, int] = {}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OwnershipStatistics:
     owned: int          # objects with borrowers (held for them)
     borrowed: int       # live local instances of refs owned elsewhere

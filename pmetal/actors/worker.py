@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 from pmetal.actors import context, strategies, workdir
@@ -43,7 +44,7 @@ from pmetal.actors.serialization import (load_code, pack_exception, pack_value, 
 from pmetal.actors.streams import StreamServer
 from pmetal.cluster.clock import GateView
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
-from pmetal.endpoint import Channel, Incoming, SecureListener
+from pmetal.endpoint import Channel, Incoming, ListenerStatistics, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
                            ProtocolError, TransportError)
 from pmetal.identity import NodeIdentity
@@ -53,12 +54,25 @@ from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, M
                          RunTask, Shutdown, Status, StatusRequest, StreamCall,
                          StreamCredit, StreamStop, WorkerReady)
 
-__all__ = ["Worker", "failure_from", "main"]
+__all__ = ["Worker", "WorkerStatistics", "failure_from", "main"]
 
 log = logging.getLogger(__name__)
 
 _CANCELLED_KEPT = 1024
 """How many CancelCalls for calls not running a worker remembers."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStatistics:
+    worker_id: str
+    actor_id: str          # "" for a task worker, or an actor worker not hosting one yet
+    calls: int             # calls and tasks served
+    refused: int           # requests answered with a Failure for being malformed
+    held: int              # calls and results that waited at the gate (a paused node)
+    withheld: int          # ... refused or never delivered
+    streams: int           # generator streams served
+    listener: ListenerStatistics
+    failed: int            # calls whose user code raised
 
 
 def failure_from(exc: BaseException, kind: str = "user") -> Failure:
@@ -142,11 +156,10 @@ class Worker:
     def address(self) -> str:
         return self.listener.address
 
-    def statistics(self) -> dict[str, Any]:
-        return {"worker_id": self.worker_id, "actor_id": self.actor_id, "calls": self.calls,
-                "refused": self.refused, "held": self.held, "withheld": self.withheld,
-                "streams": self.streams.served, "listener": self.listener.statistics(),
-                "failed": self.failed}
+    def statistics(self) -> WorkerStatistics:
+        return WorkerStatistics(self.worker_id, self.actor_id or "", self.calls, self.refused,
+                                self.held, self.withheld, self.streams.served,
+                                self.listener.statistics(), self.failed)
 
     # ------------------------------------------------------------- serving
 

@@ -64,7 +64,7 @@ class Candidate:
         return self.rest_until is not None and now < self.rest_until
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CandidateStatistics:
     candidates: int          # addresses waiting to be proven now
     resting: int             # addresses given up, resting

@@ -170,7 +170,7 @@ def measure_compute_rate(window: float = WINDOW, threads: int | None = None) -> 
     return 2.0 * size ** 3 * depth * sum(done) / max(elapsed, 1e-9) / 1e9
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ComputeStatistics:
     """A meter's counters: measurements taken and failed, the last rate
     (GFLOP/s, 0.0 before any) and its age in s (None before any)."""

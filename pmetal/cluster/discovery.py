@@ -149,7 +149,7 @@ class IgnoredPeer:
     kind: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DiscoveryStatistics:
     peers: int               # nodes of our namespace and version seen now
     ignored: int             # other pmetal nodes seen now (other namespace, version, ...)

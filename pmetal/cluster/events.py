@@ -52,7 +52,7 @@ class Outgoing:
     message: Message
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ElectionStatistics:
     term: int
     role: Role

@@ -99,7 +99,7 @@ class HealthSummary:
         return {**dataclasses.asdict(self), "status": self.status.value}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HealthStatistics:
     watched: int
     healthy: int

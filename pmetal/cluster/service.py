@@ -90,7 +90,7 @@ class _Peer:
     beating: bool = False          # a Beat is in flight
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ClusterStatistics:
     beats_sent: int
     beats_failed: int
@@ -243,14 +243,14 @@ class ClusterService(Hints):
                              "election": self.config.election.timeout},
                 "discovered": sorted(self._by_id),
                 "candidates": self.candidates.addresses(),
-                "discovery_statistics": (self.discovery.statistics().__dict__
+                "discovery_statistics": (dataclasses.asdict(self.discovery.statistics())
                                          if self.discovery is not None else None),
                 "found": {n: round(t - self.started, 3) for n, t in self.first_seen.items()},
                 "topology": self.topology.to_dict(),
                 "ring": self.topology.best_ring(),
                 "ignored": ([dataclasses.asdict(i) for i in self.discovery.ignored()]
                             if self.discovery is not None else []),
-                "statistics": self.statistics().__dict__}
+                "statistics": dataclasses.asdict(self.statistics())}
 
     def _bump(self) -> None:
         self.version += 1

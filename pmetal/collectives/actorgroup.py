@@ -42,7 +42,7 @@ __all__ = ["ActorGroup", "GroupStatistics", "join_group", "local_groups"]
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GroupStatistics:
     """One member's view of its formation: collective operations run
     (point-to-point messages not counted), payload bytes sent and received

@@ -112,7 +112,7 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShmLinksStatistics:
     """What one rank's links moved so far (:meth:`ShmLinks.statistics`)."""
 

@@ -39,7 +39,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from pmetal.node.groups import PlacementGroupService
@@ -87,7 +87,7 @@ _MAX_RECEIVE_FAILURES = 100
 _RECEIVE_BACKOFF = 0.01   # s between failed receives: a failing socket must not spin
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class NodeStatistics:
     workers: int
     idle_workers: int
@@ -601,14 +601,14 @@ class NodeDaemon:
             "actors": self.actors.table.describe(self.node_id),
             "queue": self.actors.queue.describe(),
             "owner_leases": self.owners.leases.describe(time.monotonic()),
-            "statistics": self.statistics().__dict__,
-            "scheduler": self.scheduler.statistics(),
+            "statistics": asdict(self.statistics()),
+            "scheduler": asdict(self.scheduler.statistics()),
             "placement_groups": self.groups.describe(),
-            "leases": self.owners.leases.statistics().__dict__,
-            "pool": self.pool.statistics().__dict__,
-            "membership": self.membership.statistics().__dict__,
-            "compute": self.compute.statistics().__dict__,
-            "store": self.store.statistics().__dict__,
+            "leases": asdict(self.owners.leases.statistics()),
+            "pool": asdict(self.pool.statistics()),
+            "membership": asdict(self.membership.statistics()),
+            "compute": asdict(self.compute.statistics()),
+            "store": asdict(self.store.statistics()),
             "metrics": self.metrics.describe(),
         }
 

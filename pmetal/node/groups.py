@@ -46,7 +46,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pmetal.node.bundles import STRATEGIES, bundle_error, plan, why_pending
@@ -104,7 +104,7 @@ class GroupRecord:
                 "reason": self.reason}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GroupStatistics:
     groups: int          # groups this node holds (pending, created or rescheduling)
     bundles_held: int    # bundles this node holds, for its groups and others'
@@ -137,7 +137,7 @@ class PlacementGroupService:
                                self._counts["removed"], self._counts["rolled_back"])
 
     def describe(self) -> dict[str, Any]:
-        return {"statistics": self.statistics().__dict__,
+        return {"statistics": asdict(self.statistics()),
                 "groups": [g.entry() for g in self.groups.values()],
                 "held": [{"group_id": b.group_id, "index": b.index, "resources": b.resources,
                           "available": b.queue.available, "owner_node": b.owner_node}

@@ -48,7 +48,7 @@ class Member:
 MAX_REFUSED = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MembershipStatistics:
     members: int          # including this node
     epoch: int

@@ -106,7 +106,7 @@ class OwnerWatch:
         self._polled.clear()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LeaseStatistics:
     held: int        # clients holding a lease now
     renewed: int     # messages that renewed a lease

@@ -60,7 +60,7 @@ class WorkerProc:
     killed: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PoolStatistics:
     workers: int          # processes alive now, any role
     idle: int             # actor workers ready and free

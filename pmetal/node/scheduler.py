@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from pmetal.node.records import ActorRecord
     from pmetal.cluster.election import ElectionState
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "SchedulerStatistics"]
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,13 @@ def _again(spec: CreateActor, incarnation: int, restarts_left: int) -> CreateAct
 class _Deciding:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    placed_elsewhere: int   # actors this node's creators placed on other nodes (live records)
+    restarts: int           # restarts of actors placed elsewhere, decided here
+    refused_stale: int      # placements refused for carrying a stale term (fencing)
 
 
 class Scheduler:
@@ -498,6 +505,5 @@ class Scheduler:
         client = spec.options.get("owner_client") or ""
         return not client or client in self.node.owners.leases
 
-    def statistics(self) -> dict[str, Any]:
-        return {"placed_elsewhere": len(self.elsewhere), "restarts": self.restarts,
-                "refused_stale": self.refused_stale}
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(len(self.elsewhere), self.restarts, self.refused_stale)

@@ -68,7 +68,7 @@ class QueueFullError(PipelineError):
     """The batcher holds as many waiting sequences as it may: try again later."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BatcherStatistics:
     """A snapshot of a :class:`ContinuousBatcher`."""
 

@@ -39,7 +39,7 @@ MAX_READS = 8
 STORE_KINDS = (ModelQuery, PieceRead)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StoreStatistics:
     """What a node's store served: requests answered (``queries``:
     ModelQuery, ``reads``: PieceRead with its bytes), ``bytes_served``, and

@@ -132,7 +132,7 @@ class Compressed:
                    if a is not None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CompressionStatistics:
     """What one compressor has sent since it was made. ``bytes_in`` counts
     the gradients as given, ``bytes_out`` what went on the wire (PowerSGD:
