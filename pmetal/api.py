@@ -33,6 +33,7 @@ from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
 from pmetal.security import NetworkNamespace
+from pmetal.values import ActorState
 
 __all__ = [
     "available_resources",
@@ -531,7 +532,7 @@ def get_actor(name: str) -> ActorHandle:
         raise PMetalValueError("pmetal.get_actor needs a non-empty name")
     current = client()
     loc = current.lookup(name=name)
-    if loc.state == "dead":
+    if loc.state == ActorState.DEAD:
         raise PMetalValueError(f"actor {name!r} is dead: {loc.reason}")
     return ActorHandle(loc, current)
 

@@ -17,6 +17,7 @@ shared memory.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import math
 import operator
@@ -70,6 +71,18 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
                 raise TypeError(f"expected float, got {type(v).__name__}")
             return float(v)
         return check_float
+    if isinstance(tp, type) and issubclass(tp, enum.StrEnum):
+        # Travels as its string; decoded into the member, and a string
+        # outside the enum is refused like a field of the wrong type.
+        def check_enum(v: Any, _tp: type[enum.StrEnum] = tp) -> Any:
+            if not isinstance(v, str):
+                raise TypeError(f"expected {_tp.__name__} (a string), got {type(v).__name__}")
+            try:
+                return _tp(v)
+            except ValueError:
+                raise TypeError(f"{v!r} is not a {_tp.__name__} (one of "
+                                f"{', '.join(m.value for m in _tp)})") from None
+        return check_enum
     if tp in (str, bytes, Pickled):
         def check_type(v: Any, _tp: type = tp) -> Any:
             if not isinstance(v, _tp):

@@ -80,6 +80,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pmetal.values import ActorState, FailureKind
+
 __all__ = [
     "Accepted",
     "Ack",
@@ -377,15 +379,16 @@ class CreateActor(Message):
 
 @_message(Kind.ACTOR_LOCATION)
 class ActorLocation(Message):
-    """Where an actor lives now. ``state`` is "alive", "restarting", "dead" or
-    "moved" (its copy on that node ended when the node was fenced; its owner's
+    """Where an actor lives now. ``state`` is an :class:`ActorState`
+    (travelling as its string): alive, pending, restarting, dead or moved
+    (its copy on that node ended when the node was fenced; its owner's
     node restarts it elsewhere, so a caller waits for the next incarnation);
     ``incarnation`` counts restarts (0 for the first constructor run).
     ``max_task_retries`` is the actor's own option, so that a handle found by
     name retries calls as the creator's handle does. ``owner_lease``: see below."""
 
     actor_id: str
-    state: str
+    state: ActorState
     address: str = ""
     node_id: str = ""
     incarnation: int = 0
@@ -409,7 +412,7 @@ class ActorLocation(Message):
     def live(self) -> bool:
         """A copy that is (or is about to be) running: neither dead nor
         "moved" (ended by a fence; its restart lives elsewhere)."""
-        return self.state not in ("dead", "moved")
+        return self.state not in (ActorState.DEAD, ActorState.MOVED)
 
 
 @_message(Kind.LOOKUP_ACTOR)
@@ -812,13 +815,14 @@ class Result(Message):
 
 @_message(Kind.FAILURE)
 class Failure(Message):
-    """A call or task failed. ``kind``: "user" (the user code raised;
-    ``exception`` is the Pickled exception when it could be pickled),
-    "actor_died", "no_such_method", "unknown_function", "bad_request",
-    "placement", "not_found", "timeout" (a creation waited for resources past
-    its deadline)."""
+    """A call or task failed. ``kind``: a :class:`FailureKind` (travelling
+    as its string): "user" (the user code raised; ``exception`` is the
+    Pickled exception when it could be pickled), "actor_died",
+    "no_such_method", "unknown_function", "bad_request", "placement",
+    "not_found", "timeout" (a creation waited for resources past its
+    deadline), "cancelled", "object"."""
 
-    kind: str
+    kind: FailureKind
     error_type: str
     message: str
     traceback: str = ""
@@ -843,7 +847,7 @@ class CancelCall(Message):
     """Caller to an actor's worker, one-way (pmetal.cancel): cancel the
     running call that has correlation id ``corr`` on this connection. An
     async method is cancelled through asyncio and answered with
-    ``Failure("cancelled")``; anything else (a sync method, a call already
+    ``Failure(FailureKind.CANCELLED)``; anything else (a sync method, a call already
     done) is left as it is."""
 
     corr: int
@@ -908,8 +912,8 @@ class FetchObject(Message):
     """Borrower to owner: the value of object ``oid``. The answer is a
     Result (the packed value) once the owner has it; an owner whose object
     is still pending holds the request up to ``wait`` s and then answers
-    ``Failure("timeout")`` (ask again). ``Failure("object")`` carries the
-    object's error (its call failed), ``Failure("not_found")`` an object
+    ``Failure(FailureKind.TIMEOUT)`` (ask again). ``Failure(FailureKind.OBJECT)`` carries the
+    object's error (its call failed), ``Failure(FailureKind.NOT_FOUND)`` an object
     the owner no longer holds."""
 
     oid: int

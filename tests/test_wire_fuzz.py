@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pmetal import wire
 from pmetal.errors import ProtocolError
+from pmetal.values import ActorState, FailureKind
 from pmetal.wire import (
     PROTOCOL_VERSION,
     Envelope,
@@ -242,6 +243,8 @@ _FIELD_VALUES: dict[Any, st.SearchStrategy[Any]] = {
     list: st.lists(values, max_size=3), dict: st.dictionaries(keys, values, max_size=3),
     dict | None: st.one_of(st.none(), st.dictionaries(keys, values, max_size=3)),
     list | None: st.one_of(st.none(), st.lists(values, max_size=3)),
+    ActorState: st.one_of(st.sampled_from(list(ActorState)), st.text(max_size=8)),
+    FailureKind: st.one_of(st.sampled_from(list(FailureKind)), st.text(max_size=8)),
     tuple[str, ...]: st.lists(st.text(max_size=4), max_size=3),
     tuple[int, ...]: st.lists(st.integers(-2**63, 2**64 - 1), max_size=3),
 }

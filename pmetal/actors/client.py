@@ -51,6 +51,7 @@ from pmetal.errors import (ActorDiedError, ClosedError, GetTimeoutError, PeerErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
+from pmetal.values import FailureKind
 from pmetal.wire import (ActorLocation, Call, CallBatch, CancelCall, CreateActor, Detach,
                          Failure, KillActor, LeaseWorkers, LookupActor, Message, RunTask, Shutdown, Status,
                          StatusRequest, WorkerList)
@@ -588,7 +589,7 @@ class CoreClient:
             # Outside the lock: other calls go on. The worker's other calls
             # fail (or are retried) as when a worker crashes.
             reply = self.request_node(KillActor("", True, "", kill))
-            if isinstance(reply, Failure) and reply.kind != "not_found":   # not_found: gone
+            if isinstance(reply, Failure) and reply.kind != FailureKind.NOT_FOUND:   # gone
                 raise failure_error(reply)
 
     def _cancel_sent(self, link: PeerLink, corr: int) -> None:

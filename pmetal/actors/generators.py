@@ -54,6 +54,7 @@ from pmetal.errors import (
     TaskCancelledError,
     WorkerCrashedError,
 )
+from pmetal.values import FailureKind
 from pmetal.wire import Failure, KillActor, StreamCall, StreamCredit, StreamStop
 
 if TYPE_CHECKING:
@@ -348,7 +349,7 @@ class ObjectRefGenerator:
                 end._closed()   # the worker stops it; our next tasks may go there
         if force:
             reply = client.request_node(KillActor("", True, "", link.address))
-            if isinstance(reply, Failure) and reply.kind != "not_found":
+            if isinstance(reply, Failure) and reply.kind != FailureKind.NOT_FOUND:
                 raise ActorDiedError(f"{self._describe()}: could not kill its worker: "
                                      f"{reply.message}")
 

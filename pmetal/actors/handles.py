@@ -18,6 +18,7 @@ from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, ta
 from pmetal.actors.workdir import WorkingDirTask
 from pmetal.actors.workdir import sources as workdir_sources
 from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
+from pmetal.values import ActorState
 from pmetal.wire import ActorLocation, CreateActor, Pickled
 
 __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
@@ -266,7 +267,7 @@ class ActorClass:
         while True:
             try:
                 loc = client.lookup(name=name)
-                if loc.state != "dead":
+                if loc.state != ActorState.DEAD:
                     return ActorHandle(loc, client)
             except PMetalValueError:
                 pass   # no actor of that name: create it

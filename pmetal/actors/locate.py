@@ -34,6 +34,7 @@ from pmetal.errors import (
     PMetalValueError,
     RequestTimeoutError,
 )
+from pmetal.values import ActorState
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
@@ -143,7 +144,7 @@ class ActorLocator:
                 return link
             watch = client._watch
             fresh = (client._link_for(handle._address, handle._actor_id) is None
-                     and handle._state == "alive"
+                     and handle._state == ActorState.ALIVE
                      and not (watch is not None and handle._node_id in watch.dead))
             if fresh and handle._origin is not client:
                 # A handle from elsewhere (pickled, or from a shut-down
@@ -152,7 +153,7 @@ class ActorLocator:
                 # (seen in 5 of 25 tries on one machine). Ask our node
                 # where it lives before dialing anything.
                 handle._origin = client
-                handle._state = "pending"
+                handle._state = ActorState.PENDING
                 fresh = False
         if fresh:
             link = self._open_link(handle._address, handle._actor_id, handle)
@@ -170,7 +171,7 @@ class ActorLocator:
         # creator was still making it) waits for that same incarnation: the
         # next one would come only with a restart.
         client = self.client
-        incarnation = handle._incarnation + (0 if handle._state == "pending" else 1)
+        incarnation = handle._incarnation + (0 if handle._state == ActorState.PENDING else 1)
         bound = client.config.actors.restart_wait
         deadline = time.monotonic() + bound
         while True:
@@ -189,11 +190,11 @@ class ActorLocator:
                 continue
             except PMetalError as exc:
                 return ActorDiedError(f"actor {handle._actor_id} is unreachable: {exc}")
-            if loc.state == "dead":
+            if loc.state == ActorState.DEAD:
                 handle._update(loc)
                 return ActorDiedError(f"actor {handle._class_name}({handle._actor_id[-8:]}) "
                                       f"is dead: {loc.reason or loc.state}")
-            if loc.state == "alive" and loc.incarnation >= incarnation:
+            if loc.state == ActorState.ALIVE and loc.incarnation >= incarnation:
                 handle._update(loc)
                 link = self._open_link(loc.address, handle._actor_id, handle)
                 if not link.dead:
@@ -277,4 +278,4 @@ class ActorLocator:
             loc = self.client.lookup(handle._actor_id)
         except PMetalError:
             return False
-        return loc.state == "alive" and loc.address == address
+        return loc.state == ActorState.ALIVE and loc.address == address

@@ -39,6 +39,7 @@ from pmetal.errors import (
     ProtocolError,
     TransportError,
 )
+from pmetal.values import FailureKind
 from pmetal.wire import BorrowUpdates, Failure, FetchObject, Result
 
 if TYPE_CHECKING:
@@ -247,12 +248,12 @@ class OwnerLink:
                 except Exception as exc:  # noqa: BLE001 - unpickling user values raises anything
                     ref._error = exc
             elif isinstance(body, Failure):
-                if body.kind == "timeout":
+                if body.kind == FailureKind.TIMEOUT:
                     continue   # still pending at the owner: ask again
-                if body.kind == "object":
+                if body.kind == FailureKind.OBJECT:
                     ref._error = (load_exception(body.exception)
                                   or PMetalError(f"{body.error_type}: {body.message}"))
-                elif body.kind == "not_found":
+                elif body.kind == FailureKind.NOT_FOUND:
                     ref._error = ObjectLostError(f"{ref._on_death} (object {ref._oid}): "
                                                  f"{body.message}")
                 else:
@@ -332,7 +333,7 @@ class ObjectServer:
                     except Exception as exc:
                         log.error("a %s from %s failed", type(incoming.body).__name__,
                                   incoming.peer[:8], exc_info=exc)
-                        self._reply(incoming, Failure("bad_request", type(exc).__name__,
+                        self._reply(incoming, Failure(FailureKind.BAD_REQUEST, type(exc).__name__,
                                                       str(exc)))
                 if self._waiting:
                     self._serve_waiting()
@@ -358,7 +359,7 @@ class ObjectServer:
             ref = owned.get(body.oid)
             if ref is None:
                 self._reply(incoming, Failure(
-                    "not_found", "ObjectLostError",
+                    FailureKind.NOT_FOUND, "ObjectLostError",
                     f"its owner holds no object {body.oid} any more (every reference to it "
                     f"was released, or its borrower's lease lapsed)"))
             elif ref.done():
@@ -366,7 +367,7 @@ class ObjectServer:
             else:
                 self._waiting.append(_Waiter(incoming, ref, time.monotonic() + body.wait))
             return
-        self._reply(incoming, Failure("bad_request", "ProtocolError",
+        self._reply(incoming, Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                                       f"an object server does not handle "
                                       f"{type(body).__name__} messages"))
 
@@ -385,7 +386,7 @@ class ObjectServer:
             if w.ref.done():
                 self._answer(w.incoming, w.ref)
             elif now >= w.until:
-                self._reply(w.incoming, Failure("timeout", "GetTimeoutError",
+                self._reply(w.incoming, Failure(FailureKind.TIMEOUT, "GetTimeoutError",
                                                 "the object is still pending; ask again"))
             else:
                 kept.append(w)
@@ -397,7 +398,7 @@ class ObjectServer:
             value = ref.result()
             reply: Any = Result(pack_to(value, incoming.peer))
         except Exception as exc:  # noqa: BLE001 - the object's error, or its value's packing
-            reply = Failure("object", type(exc).__qualname__, str(exc), "",
+            reply = Failure(FailureKind.OBJECT, type(exc).__qualname__, str(exc), "",
                             pack_exception(exc))
         self._reply(incoming, reply)
 
@@ -408,7 +409,7 @@ class ObjectServer:
             try:
                 self.listener.reply(incoming, body)
             except (TypeError, ProtocolError) as exc:
-                self.listener.reply(incoming, Failure("object", type(exc).__name__,
+                self.listener.reply(incoming, Failure(FailureKind.OBJECT, type(exc).__name__,
                                                       f"the value cannot be sent: {exc}"))
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not answer %s: %s", incoming.peer[:8], exc)

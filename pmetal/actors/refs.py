@@ -19,6 +19,7 @@ from pmetal.errors import (ActorDiedError, PeerError, PlacementError, PMetalErro
                            WorkerCrashedError)
 from pmetal.channel import refusal
 from pmetal.codec import Envelope
+from pmetal.values import FailureKind
 from pmetal.wire import Failure, Result
 
 if TYPE_CHECKING:
@@ -132,8 +133,8 @@ class ObjectRef:
         elif isinstance(body, Failure):
             error = failure_error(body, self._what())
             retry = self._retry
-            if retry is not None and body.kind in ("user", "actor_died") and retry.again(
-                    self, error if body.kind == "user" else None):
+            if retry is not None and body.kind in (FailureKind.USER, FailureKind.ACTOR_DIED) \
+                    and retry.again(self, error if body.kind == FailureKind.USER else None):
                 return
             self._error = error
         else:
@@ -253,24 +254,24 @@ def split_ref(ref: ObjectRef, num_returns: int) -> ObjectRef | list[ObjectRef]:
 
 def failure_error(body: Failure, on_death: str = "") -> BaseException:
     """The exception a Failure reply stands for."""
-    if body.kind == "user":
+    if body.kind == FailureKind.USER:
         original = load_exception(body.exception) if body.exception is not None else None
         return remote_error(body.error_type, body.message, body.traceback, original)
-    if body.kind == "actor_died":
+    if body.kind == FailureKind.ACTOR_DIED:
         return ActorDiedError(f"{on_death}: {body.message}" if on_death else body.message)
-    if body.kind == "no_such_method":
+    if body.kind == FailureKind.NO_SUCH_METHOD:
         return AttributeError(body.message)
-    if body.kind == "placement":
+    if body.kind == FailureKind.PLACEMENT:
         return PlacementError(body.message)
-    if body.kind == "not_found":
+    if body.kind == FailureKind.NOT_FOUND:
         return PMetalValueError(body.message)
-    if body.kind == "cancelled":   # pmetal.cancel of a running async method
+    if body.kind == FailureKind.CANCELLED:   # pmetal.cancel of a running async method
         # As in Ray, RayTaskError(TaskCancelledError): the error of a task
         # that ran (RemoteError) and a TaskCancelledError at once.
         message = f"{on_death}: {body.message}" if on_death else body.message
         return remote_error("TaskCancelledError", message, body.traceback or "",
                             TaskCancelledError(message))
-    if body.kind == "timeout":   # e.g. a creation that waited in a node's queue too long
+    if body.kind == FailureKind.TIMEOUT:   # e.g. a creation that waited in a node's queue too long
         return PMetalTimeoutError(body.message)
     builtin = _BUILTIN_ERRORS.get(body.error_type)
     if builtin is not None:

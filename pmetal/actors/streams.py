@@ -54,6 +54,7 @@ from pmetal.errors import (
     ProtocolError,
     TransportError,
 )
+from pmetal.values import FailureKind
 from pmetal.wire import (
     Failure,
     Message,
@@ -76,7 +77,7 @@ log = logging.getLogger(__name__)
 _PROBE_S = 1.0
 """Seconds a stream waits for ids between checks that its caller is alive."""
 
-_NO_IDS = Failure("bad_request", "ProtocolError", "a StreamCall without item ids")
+_NO_IDS = Failure(FailureKind.BAD_REQUEST, "ProtocolError", "a StreamCall without item ids")
 
 _END = object()   # what a pull returns when the generator is exhausted
 
@@ -137,7 +138,7 @@ class StreamServer:
         fn = worker._functions.get(body.name)
         if fn is None:
             if body.fn_ref is None:
-                return Failure("unknown_function", "KeyError", body.name)
+                return Failure(FailureKind.UNKNOWN_FUNCTION, "KeyError", body.name)
             try:
                 fn = worker._functions[body.name] = load_code(body.fn_ref)
             except Exception as exc:  # noqa: BLE001 - the user's module failed to import
@@ -288,7 +289,7 @@ class StreamServer:
 
     def _end(self, incoming: Incoming, stream: _Stream) -> None:
         if stream.stopped == "cancel":
-            end: Message = Failure("cancelled", "TaskCancelledError",
+            end: Message = Failure(FailureKind.CANCELLED, "TaskCancelledError",
                                    "the stream was cancelled by pmetal.cancel")
         else:
             end = Result(stream.count)
@@ -329,7 +330,7 @@ class StreamServer:
                 await self._aclose(gen, threads)
                 if stream.stopped != "caller gone":
                     await self._areply(incoming, Failure(
-                        "cancelled", "TaskCancelledError",
+                        FailureKind.CANCELLED, "TaskCancelledError",
                         "the stream was cancelled by pmetal.cancel")
                         if stream.stopped == "cancel" else Result(stream.count))
             finally:

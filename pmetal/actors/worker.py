@@ -50,6 +50,7 @@ from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
+from pmetal.values import FailureKind
 from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, Message, Ping, Pong, Result,
                          RunTask, Shutdown, Status, StatusRequest, StreamCall,
                          StreamCredit, StreamStop, WorkerReady)
@@ -75,7 +76,7 @@ class WorkerStatistics:
     failed: int            # calls whose user code raised
 
 
-def failure_from(exc: BaseException, kind: str = "user") -> Failure:
+def failure_from(exc: BaseException, kind: FailureKind = FailureKind.USER) -> Failure:
     """A Failure describing ``exc`` (raised while running user code)."""
     tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     return Failure(kind, type(exc).__qualname__, str(exc), tb, pack_exception(exc))
@@ -92,7 +93,7 @@ _GATED = (Call, RunTask, InitActor)   # what executes user code (StreamCall: str
 
 _NATIVE = frozenset({type(None), bool, int, float, str, bytes})
 
-_BAD_ENTRY = Failure("bad_request", "ProtocolError",
+_BAD_ENTRY = Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                      "a batch entry is not [method, args, kwargs]")
 
 
@@ -101,7 +102,8 @@ def _unsendable(exc: TypeError | ProtocolError) -> Failure:
     exceeds the wire's limits (ProtocolError): the call ran, its result is
     lost, the worker serves on."""
     if isinstance(exc, ProtocolError):
-        return Failure("bad_request", "ProtocolError", f"the result cannot be sent: {exc}")
+        return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
+                       f"the result cannot be sent: {exc}")
     return failure_from(exc)
 
 
@@ -228,7 +230,7 @@ class Worker:
         reason = self._hold()
         if not reason:
             return None
-        return Failure("actor_died", "ActorDiedError",
+        return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                        "this copy's node was fenced after a pause (it was declared dead); the "
                        "call did not run here" if reason == "fenced" else
                        f"this actor's node lost touch with a quorum of the cluster (cut off "
@@ -246,17 +248,17 @@ class Worker:
         if not reason:
             return reply
         if reason == "fenced":
-            return Failure("actor_died", "ActorDiedError",
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                            "this copy's node was fenced after a pause (it was declared dead, "
                            "the actor restarted elsewhere); the result of this copy is not "
                            "delivered")
         if reason == "lapsed":
-            return Failure("timeout", "PMetalTimeoutError",
+            return Failure(FailureKind.TIMEOUT, "PMetalTimeoutError",
                            f"the call ran, but its node then lost touch with a quorum of the "
                            f"cluster and was not confirmed a member within {_HOLD:g} s, so the "
                            f"result is withheld (the actor may have restarted on the others' "
                            f"side)")
-        return Failure("timeout", "PMetalTimeoutError",
+        return Failure(FailureKind.TIMEOUT, "PMetalTimeoutError",
                        f"the call ran, but its node did not confirm its membership within "
                        f"{_HOLD:g} s after a pause, so the result is withheld (the actor may "
                        f"have restarted elsewhere)")
@@ -296,7 +298,7 @@ class Worker:
             self.refused += 1
             log.error("a %s from %s failed", type(incoming.body).__name__, incoming.peer[:8],
                       exc_info=exc)
-            return Failure("bad_request", type(exc).__name__, str(exc) or repr(exc))
+            return Failure(FailureKind.BAD_REQUEST, type(exc).__name__, str(exc) or repr(exc))
 
     def _handle(self, body: Message) -> Message | None:
         kind = type(body)
@@ -316,12 +318,12 @@ class Worker:
         if kind is StatusRequest:
             return Status({"worker_id": self.worker_id, "actor_id": self.actor_id,
                            "calls": self.calls, "failed": self.failed})
-        return Failure("bad_request", "ProtocolError",
+        return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
     def _init(self, body: InitActor) -> Message:
         if self.instance is not None:
-            return Failure("bad_request", "ActorError",
+            return Failure(FailureKind.BAD_REQUEST, "ActorError",
                            f"worker already hosts actor {self.actor_id}")
         env_before: dict[str, str | None] = {}
         leave_dir = None
@@ -369,7 +371,7 @@ class Worker:
 
     def _method(self, actor_id: str, name: str) -> Any:
         if self.instance is None or actor_id != self.actor_id:
-            return Failure("actor_died", "ActorDiedError",
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                            f"actor {actor_id} does not live in this worker (it was "
                            f"killed or restarted elsewhere)")
         try:
@@ -377,7 +379,7 @@ class Worker:
         except Exception as exc:  # noqa: BLE001 - a property of user code raised
             return failure_from(_user_traceback(exc))
         if method is None or not callable(method):
-            return Failure("no_such_method", "AttributeError",
+            return Failure(FailureKind.NO_SUCH_METHOD, "AttributeError",
                            f"{type(self.instance).__name__} has no method {name!r}")
         return method
 
@@ -426,7 +428,7 @@ class Worker:
         self.refused += 1
         log.warning("refused a CallBatch from %s with %d calls and %d correlation ids",
                     incoming.peer[:8], len(body.calls), len(body.corrs))
-        return Failure("bad_request", "ProtocolError",
+        return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                        f"a CallBatch with {len(body.calls)} calls and {len(body.corrs)} "
                        f"correlation ids; none of it ran")
 
@@ -450,7 +452,7 @@ class Worker:
         fn = self._functions.get(body.fn_id)
         if fn is None:
             if body.fn_ref is None:
-                return Failure("unknown_function", "KeyError", body.fn_id)
+                return Failure(FailureKind.UNKNOWN_FUNCTION, "KeyError", body.fn_id)
             try:
                 fn = self._functions[body.fn_id] = load_code(body.fn_ref)
             except Exception as exc:
@@ -534,7 +536,7 @@ class Worker:
                             threads: concurrent.futures.Executor,
                             key: tuple[bytes, int] = (b"", 0)) -> Message:
         if self._cancelled and self._cancelled.pop(key, 0) is None:
-            return Failure("cancelled", "TaskCancelledError",
+            return Failure(FailureKind.CANCELLED, "TaskCancelledError",
                            f"{name} was cancelled by pmetal.cancel before it started")
         method = self._method(actor_id, name)
         if isinstance(method, Failure):
@@ -555,7 +557,7 @@ class Worker:
                 except asyncio.CancelledError:
                     if key in self._running or not running.cancelled():
                         raise   # this worker is stopping, or the method cancelled itself
-                    return Failure("cancelled", "TaskCancelledError",
+                    return Failure(FailureKind.CANCELLED, "TaskCancelledError",
                                    f"{name} was cancelled by pmetal.cancel")
                 finally:
                     if self._running.get(key) is running:

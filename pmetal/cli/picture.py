@@ -7,8 +7,9 @@ health and round-trip time, the links with their measured latency and
 bandwidth, the workers of this node, and the actors of every member that
 answered (where each runs, its state and restarts). Long texts (reasons,
 errors) go on a line of their own under the row they explain, wrapped;
-a table still too wide shortens its widest cells (to no less than 8
-characters: node ids, 8 in tables, are never cut).
+a table still too wide shortens its widest cells, but never those of its
+first column (the id or name of what each row shows) nor below 10
+characters (node ids, 8 in tables, and states are never cut).
 
 :class:`Memory` is what ``pmetal status --watch`` carries from one frame
 to the next: the members seen before, so that one that leaves the member
@@ -37,6 +38,9 @@ _DEAD_SHOWN = 10
 _LABEL = 11
 """Width of the label column of the header lines ("namespace  ")."""
 _CUT = ".."
+_FLOOR = 10
+"""Characters a table's cell keeps when it must be shortened (node ids,
+states and such short values are never cut)."""
 
 
 @dataclass
@@ -212,13 +216,14 @@ def _groups(out: list[str], s: dict[str, Any], width: int) -> None:
     held = (s.get("placement_groups") or {}).get("held") or []
     if not (groups or held):   # (a node without any says nothing about them)
         return
-    out += _table("PLACEMENT GROUPS", ("GROUP ID", "NAME", "STRATEGY", "STATE", "BUNDLES",
-                                       "NODES"),
+    def note(g: dict[str, Any]) -> str:
+        nodes = sorted({str(n)[:_ID] for n in g.get("bundle_nodes") or [] if n})
+        where = f"bundles on {', '.join(nodes)}" if nodes else ""
+        return "; ".join(t for t in (where, g.get("reason") or "") if t)
+    out += _table("PLACEMENT GROUPS", ("GROUP ID", "NAME", "STRATEGY", "STATE", "BUNDLES"),
                   [(g["group_id"], g.get("name") or "-", g.get("strategy", ""),
-                    g.get("state", ""), len(g.get("bundles") or []),
-                    ",".join(sorted({str(n)[:_ID] for n in g.get("bundle_nodes") or [] if n}))
-                    or "-") for g in groups],
-                  notes=[g.get("reason") or "" for g in groups], width=width)
+                    g.get("state", ""), len(g.get("bundles") or [])) for g in groups],
+                  notes=[note(g) for g in groups], width=width)
     if held:
         out.append(f"  this node holds {len(held)} bundle(s) of "
                    f"{len({b['group_id'] for b in held})} group(s)")
@@ -285,8 +290,9 @@ def _table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]], *,
         return lines
     cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    # No column below 8 characters: a node id (8 in tables) is never cut.
-    floor = [max(len(h), min(w, _ID)) for h, w in zip(headers, widths)]
+    # The first column (the id or name of what the row shows) is never cut;
+    # no other goes below 10 characters (node ids, 8 in tables; states).
+    floor = [widths[0]] + [max(len(h), min(w, _FLOOR)) for h, w in zip(headers[1:], widths[1:])]
     while 2 + sum(widths) + 2 * (len(widths) - 1) > width:
         i = max(range(len(widths)), key=lambda k: widths[k] - floor[k])
         if widths[i] <= floor[i]:

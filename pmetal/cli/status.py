@@ -29,6 +29,7 @@ from pmetal.cli.picture import WIDTH, Memory, picture
 from pmetal.config import load_config, pmetal_home
 from pmetal.errors import PeerError, PMetalError
 from pmetal.security import NetworkNamespace
+from pmetal.values import ActorState
 
 _STATUS_TIMEOUT = 5.0
 """Cap on connect and request deadlines of ``pmetal status`` (each frame of
@@ -92,7 +93,7 @@ def _run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, default=str))
     else:
-        print("\n".join(picture(status, _recorded_pid(), width=_width())))
+        _print_status(status, {"pid": _recorded_pid()})
     return 0
 
 
@@ -145,6 +146,11 @@ def _watch(args: argparse.Namespace, interval: float, count: int | None) -> int:
             client.close()
 
 
+def _print_status(s: dict[str, Any], info: dict[str, Any]) -> None:
+    """Print the picture of status ``s`` (``info``: the node.json record)."""
+    print("\n".join(picture(s, info.get("pid", "?"), width=_width())))
+
+
 def _width() -> int:
     """The terminal's columns (COLUMNS wins); 80 when not a terminal."""
     if not sys.stdout.isatty():
@@ -194,7 +200,7 @@ def _run_kill(args: argparse.Namespace) -> int:
             loc = client.lookup(name=args.name)
         except ValueError as exc:
             return _fail(args, str(exc))
-        if loc.state == "dead":
+        if loc.state == ActorState.DEAD:
             return _fail(args, f"actor {args.name!r} is already dead: {loc.reason}")
         client.kill(loc.actor_id, not args.restart, loc.node_id)
     finally:

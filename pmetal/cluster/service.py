@@ -68,6 +68,7 @@ from pmetal.errors import HandshakeError, PMetalError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
+from pmetal.values import FailureKind
 from pmetal.wire import (Ack, Beat, BeatEcho, ClusterState, ClusterView, Failure, JoinCluster,
                          Message, Probe, Vote, VoteRequest, WatchCluster)
 
@@ -646,7 +647,7 @@ class ClusterService(Hints):
             known = sender in self._by_id
             clone = self._clone(sender, body.address)  # type: ignore[attr-defined]
             if clone:
-                return Failure("bad_request", "PeerError", clone)
+                return Failure(FailureKind.BAD_REQUEST, "PeerError", clone)
             self._peer(body.address, sender)  # type: ignore[attr-defined]
             self.candidates.discard(_tcp(body.address))  # type: ignore[attr-defined]
             if not known:

@@ -37,6 +37,7 @@ from pmetal.collectives.planner import make_plan, pipeline_parts_for
 from pmetal.links.tcplinks import DTYPE_CODES, P2P_BASE
 from pmetal.config import CollectiveConfig
 from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
+from pmetal.values import CollectiveStrategy
 
 __all__ = ["Group", "Schedule"]
 
@@ -92,22 +93,22 @@ class Schedule:
             return "none"
         return self.compression
 
-    def strategy_for(self, op: str, nbytes: int) -> str:
+    def strategy_for(self, op: str, nbytes: int) -> CollectiveStrategy:
         if self.strategy != "auto":
-            return self.strategy
+            return CollectiveStrategy(self.strategy)
         # Measured on loopback (docs/performance.md, "auto"): with two ranks
         # the ring's two exchanges run both ways at once and beat the
         # tree at every size (4 KiB: 64 against 120 us); with more, the
         # tree's log2 hops beat the ring's 2(n-1) up to about 256 KiB.
         if op == "barrier" or (nbytes <= self.tree_max_bytes and self.world > 2):
-            return "tree"
-        return "ring"
+            return CollectiveStrategy.TREE
+        return CollectiveStrategy.RING
 
     def plan(self, op: str, n_elements: int, itemsize: int, root: int = 0,
              strategy: str | None = None) -> Plan:
         strategy = strategy or self.strategy_for(op, n_elements * itemsize)
         parts = 1
-        if strategy == "ring" and n_elements:
+        if strategy == CollectiveStrategy.RING and n_elements:
             parts = pipeline_parts_for(n_elements, itemsize, self.world, self.chunk_bytes)
         return _plan(op, strategy, self.world, root, n_elements, self.order or None, parts,
                      self.term, self.epoch)
@@ -330,8 +331,9 @@ class Group:
             raise CollectiveError(f"an earlier operation of group {self.name!r} failed, "
                                   "so it cannot be used again: re-form the group over the "
                                   "live members")
-        if strategy is not None and strategy not in ("ring", "tree", "naive"):
-            raise PMetalValueError(f"unknown strategy {strategy!r}; use ring, tree or naive")
+        if strategy is not None and strategy not in set(CollectiveStrategy):
+            raise PMetalValueError(f"unknown strategy {strategy!r}; use "
+                                   f"{', '.join(CollectiveStrategy)}")
         with self._lock:
             self._op_id += 1
             plan = self.schedule.plan(name, flat.size, flat.dtype.itemsize, root, strategy)

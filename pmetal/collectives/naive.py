@@ -25,10 +25,11 @@ from pmetal.collectives.plan import (
     split_blocks,
     split_whole,
 )
+from pmetal.values import CollectiveStrategy
 
 __all__ = ["NAME", "OPS", "plan"]
 
-NAME = "naive"
+NAME = CollectiveStrategy.NAIVE
 OPS = frozenset({"all_gather", "all_reduce", "barrier", "broadcast", "reduce",
                  "reduce_scatter"})
 

@@ -55,6 +55,7 @@ from typing import Protocol
 
 from pmetal.collectives.ops import chunk_bounds
 from pmetal.errors import PMetalValueError
+from pmetal.values import CollectiveStrategy
 
 __all__ = [
     "REDUCING_OPS",
@@ -102,7 +103,7 @@ class Plan:
     """A collective operation's schedule for every rank (see the module
     docstring for what executing it means)."""
     op_name: str
-    strategy: str
+    strategy: CollectiveStrategy
     world: int
     root: int
     chunks: tuple[tuple[int, int], ...]
@@ -168,7 +169,7 @@ class PlanRequest:
 class Strategy(Protocol):
     """What a strategy module provides (``ring``, ``tree`` and ``naive``
     are modules satisfying it)."""
-    NAME: str
+    NAME: CollectiveStrategy
     OPS: frozenset[str]
 
     def plan(self, request: PlanRequest) -> Plan: ...
@@ -194,7 +195,7 @@ class Schedule:
         self.send(src, step, dst, chunk)
         self.recv(dst, step, src, chunk, reduce=reduce)
 
-    def build(self, request: PlanRequest, strategy: str,
+    def build(self, request: PlanRequest, strategy: CollectiveStrategy,
               chunks: Sequence[tuple[int, int]], results: Sequence[Sequence[int]]) -> Plan:
         programs = []
         for per_rank in self._steps:

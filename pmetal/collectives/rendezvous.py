@@ -72,6 +72,7 @@ from pmetal.errors import (
     PMetalValueError,
     RemoteError,
 )
+from pmetal.values import ActorState
 
 __all__ = ["RENDEZVOUS_PREFIX", "Formation", "Rendezvous", "destroy", "form", "ring_order",
            "slowest_link"]
@@ -354,7 +355,7 @@ def _rendezvous(client: Any, name: str) -> ActorHandle | None:
         loc = client.lookup(name=RENDEZVOUS_PREFIX + name)
     except PMetalValueError:
         return None
-    if loc.state == "dead":
+    if loc.state == ActorState.DEAD:
         return None
     return ActorHandle(loc)
 

@@ -37,10 +37,11 @@ from pmetal.collectives.plan import (
     split_blocks,
     split_whole,
 )
+from pmetal.values import CollectiveStrategy
 
 __all__ = ["NAME", "OPS", "plan"]
 
-NAME = "ring"
+NAME = CollectiveStrategy.RING
 OPS = frozenset({"all_gather", "all_reduce", "barrier", "broadcast", "reduce",
                  "reduce_scatter"})
 

@@ -39,10 +39,11 @@ from pmetal.collectives.plan import (
     split_whole,
 )
 from pmetal.errors import PMetalValueError
+from pmetal.values import CollectiveStrategy
 
 __all__ = ["NAME", "OPS", "binomial_tree", "plan", "tree_by_rank", "tree_depth"]
 
-NAME = "tree"
+NAME = CollectiveStrategy.TREE
 OPS = frozenset({"all_gather", "all_reduce", "barrier", "broadcast", "reduce",
                  "reduce_scatter"})
 

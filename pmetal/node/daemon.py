@@ -66,6 +66,7 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.store.serve import STORE_KINDS, PieceServer
 from pmetal.transport import ZmqTransport
+from pmetal.values import ActorState, FailureKind
 from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
@@ -308,7 +309,7 @@ class NodeDaemon:
             log.debug("the refusal's traceback", exc_info=exc)
         else:
             log.error("a %s from %s failed", kind, incoming.peer[:8], exc_info=exc)
-        return Failure("bad_request", type(exc).__name__, str(exc) or repr(exc))
+        return Failure(FailureKind.BAD_REQUEST, type(exc).__name__, str(exc) or repr(exc))
 
     async def _reply(self, incoming: Incoming, reply: Message) -> None:
         if not incoming.envelope.corr:
@@ -419,7 +420,7 @@ class NodeDaemon:
             log.info("shutdown requested by %s: %s", incoming.peer, body.reason)  # type: ignore[attr-defined]
             asyncio.get_running_loop().call_soon(self.stop)
             return Ack()
-        return Failure("bad_request", "ProtocolError",
+        return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                        f"a node does not handle {kind.__name__} messages")
 
     # --------------------------------------------------------------- actors
@@ -437,7 +438,7 @@ class NodeDaemon:
         local = bool(getattr(self.listener.session(incoming.route), "local", False))
         options = self.owners.name(spec.options, incoming.peer, local)
         if options is None:
-            return Failure("actor_died", "ActorDiedError",
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                            f"the process that creates the actor (pid "
                            f"{spec.options.get('owner_pid')}) has exited")
         reply = await self.scheduler.place(replace(spec, options=options))
@@ -451,7 +452,7 @@ class NodeDaemon:
         local = bool(getattr(self.listener.session(incoming.route), "local", False))
         options = self.owners.name(dict(body.options), incoming.peer, local)
         if options is None:
-            return Failure("actor_died", "ActorDiedError",
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                            f"the process that creates the placement group (pid "
                            f"{body.options.get('owner_pid')}) has exited")
         reply = await self.groups.create(body, options)
@@ -503,7 +504,7 @@ class NodeDaemon:
         that is this node); the others end."""
         ended = restarted = 0
         for record in list(self.actors.actors.values()):
-            if record.state == "dead":
+            if record.state == ActorState.DEAD:
                 continue
             local_owner = record.owner[0] == self.node_id
             if local_owner and record.restarts_left != 0 and restarted_elsewhere(record.spec):

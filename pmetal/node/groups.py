@@ -52,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 from pmetal.node.bundles import STRATEGIES, bundle_error, plan, why_pending
 from pmetal.node.hosted import HostedBundles
 from pmetal.node.placement import check_resources, fits, resources_text
+from pmetal.values import FailureKind
 from pmetal.wire import (Ack, CreatePlacementGroup, Failure, Message, PlacementGroupQuery,
                          PlacementGroups, ReserveBundles, Resources, ResourcesRequest, Result)
 
@@ -159,11 +160,11 @@ class PlacementGroupService:
         if not why and lifetime not in ("", "non_detached", "detached"):
             why = f"lifetime must be 'detached' or None, not {lifetime!r:.40}"
         if why:
-            return Failure("bad_request", "ValueError", f"placement_group: {why}")
+            return Failure(FailureKind.BAD_REQUEST, "ValueError", f"placement_group: {why}")
         if body.group_id in self.groups:
             return PlacementGroups([self.groups[body.group_id].entry()])
         if body.name and await self._name_taken(body.name):
-            return Failure("bad_request", "ValueError",
+            return Failure(FailureKind.BAD_REQUEST, "ValueError",
                            f"a placement group named {body.name!r} already exists; pick another "
                            f"name or use pmetal.util.get_placement_group({body.name!r})")
         record = GroupRecord(body.group_id, body.name,
@@ -274,11 +275,11 @@ class PlacementGroupService:
             return self.reserve(body)
         member = self.membership.members.get(node)
         if member is None:
-            return Failure("placement", "PeerError", f"node {node[:8]} left the cluster")
+            return Failure(FailureKind.PLACEMENT, "PeerError", f"node {node[:8]} left the cluster")
         try:
             return await asyncio.wait_for(self.membership.ask(member, body), _RESERVE_ASK)
         except asyncio.TimeoutError:
-            return Failure("placement", "PeerError",
+            return Failure(FailureKind.PLACEMENT, "PeerError",
                            f"node {node[:8]} did not answer within {_RESERVE_ASK:g} s")
 
     async def _release_on(self, nodes: Any, group_id: str, attempt: int,
@@ -447,7 +448,7 @@ class PlacementGroupService:
         if record is None:
             member = None if body.local else self._owner(body.group_id)
             if member is None:
-                return Failure("not_found", "ValueError",
+                return Failure(FailureKind.NOT_FOUND, "ValueError",
                                f"no placement group {body.group_id!r:.60} in this cluster")
             return await self.membership.ask(member, replace_local(body))
         await record.settled.wait()
@@ -457,7 +458,7 @@ class PlacementGroupService:
             from pmetal.actors.serialization import pack_value
             return Result(pack_value(PlacementGroup(record.group_id, record.bundles,
                                                     record.strategy, record.name)))
-        return Failure("placement", "PlacementError",
+        return Failure(FailureKind.PLACEMENT, "PlacementError",
                        f"placement group {record.group_id} was removed ({record.reason})")
 
     async def _remove(self, body: PlacementGroupQuery) -> Message:
@@ -465,7 +466,7 @@ class PlacementGroupService:
         if record is None:
             member = None if body.local else self._owner(body.group_id)
             if member is None:
-                return Failure("not_found", "ValueError",
+                return Failure(FailureKind.NOT_FOUND, "ValueError",
                                f"no placement group {body.group_id!r:.60} in this cluster")
             return await self.membership.ask(member, replace_local(body))
         await self.remove(record, "removed by pmetal.util.remove_placement_group")
@@ -491,19 +492,19 @@ class PlacementGroupService:
                 state == "RESCHEDULING" and index == -1):
             why = entry.get("reason") or ""
             if state == "REMOVED":
-                return Failure("placement", "PlacementError",
+                return Failure(FailureKind.PLACEMENT, "PlacementError",
                                f"placement group {group_id} was removed ({why}); an actor "
                                f"cannot be placed in it any more: create another group")
             text = (f"placement group {group_id} is {str(state).lower()}"
                     f"{': ' + why if why else ''}; an actor can be placed in it only once it is "
                     f"created (pg.ready())")
             if state in _WAITING:
-                return Failure("timeout", "PMetalTimeoutError",
+                return Failure(FailureKind.TIMEOUT, "PMetalTimeoutError",
                                f"{text}, and it was not created within the creation's deadline")
-            return Failure("placement", "PlacementError", text)
+            return Failure(FailureKind.PLACEMENT, "PlacementError", text)
         bundles, nodes = entry["bundles"], entry["bundle_nodes"]
         if type(index) is not int or not -1 <= index < len(bundles):
-            return Failure("bad_request", "ValueError",
+            return Failure(FailureKind.BAD_REQUEST, "ValueError",
                            f"placement_group_bundle_index={index!r}: placement group {group_id} "
                            f"has {len(bundles)} bundles (use 0-{len(bundles) - 1}, or -1 for any)")
         from pmetal.node.placement import needs
@@ -512,7 +513,7 @@ class PlacementGroupService:
             held = await self._held(group_id, sorted(set(nodes)))
             fitting = [i for i in range(len(bundles)) if fits(need, bundles[i])]
             if not fitting:
-                return Failure("placement", "PlacementError",
+                return Failure(FailureKind.PLACEMENT, "PlacementError",
                                f"the actor needs {resources_text(need)}, more than any bundle of "
                                f"placement group {group_id} holds ({bundles})")
             index = next((i for i in fitting if fits(need, held.get(i, {}))), fitting[0])
@@ -531,7 +532,7 @@ class PlacementGroupService:
                          and e.get("state") != "HELD"]
                 if found:
                     return found[0]
-        return Failure("placement", "PlacementError",
+        return Failure(FailureKind.PLACEMENT, "PlacementError",
                        f"no placement group {group_id} in this cluster (it was removed, or its "
                        f"node left)")
 

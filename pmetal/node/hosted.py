@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pmetal.node.placement import PlacementQueue, check_resources, fits, resources_text
+from pmetal.values import ActorState, FailureKind
 from pmetal.wire import Ack, Failure, Message, ReserveBundles
 
 if TYPE_CHECKING:
@@ -75,7 +76,7 @@ class HostedBundles:
                 f"its placement group {body.group_id} was removed")
             return Ack(freed)
         if body.attempt <= released:
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"placement group {body.group_id}: attempt {body.attempt} was "
                            f"released already")
         share = []
@@ -91,7 +92,7 @@ class HostedBundles:
             for k, v in resources.items():
                 need[k] = need.get(k, 0.0) + v
         if not fits(need, self.actors.available):
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"node {self.node_id[:8]} cannot hold {resources_text(need)} for "
                            f"placement group {body.group_id}: it has "
                            f"{resources_text(self.actors.available)} free")
@@ -108,7 +109,7 @@ class HostedBundles:
         for bundle in bundles:
             del self.held[(bundle.group_id, bundle.index)]
             for record in list(self.actors.actors.values()):
-                if record.pool is bundle.queue and record.state != "dead":
+                if record.pool is bundle.queue and record.state != ActorState.DEAD:
                     self.actors.kill_record(record, True, why)
             self.actors.queue.give(bundle.resources)
         if bundles:
@@ -122,11 +123,11 @@ class HostedBundles:
         index = options.get("bundle_index")
         bundle = self.held.get((group_id, index)) if type(index) is int else None
         if bundle is None:
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"bundle {index} of placement group {group_id} is not held on node "
                            f"{self.node_id[:8]} (the group was removed, or its node died)")
         if not fits(need, bundle.resources):
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"the actor needs {resources_text(need)}, more than bundle {index} of "
                            f"placement group {group_id} holds ({resources_text(bundle.resources)})")
         return bundle.queue, bundle.resources

@@ -26,6 +26,7 @@ from pmetal.node.pool import WorkerPool, WorkerProc
 from pmetal.node.records import ActorRecord, ActorTable, exit_text
 from pmetal.config import PMetalConfig
 from pmetal.errors import PMetalError, PMetalTimeoutError
+from pmetal.values import ActorState, FailureKind
 from pmetal.wire import (Ack, ActorLocation, CreateActor, Failure, InitActor, KillActor,
                          LookupActor, Message, Resources, ResourcesRequest)
 
@@ -74,7 +75,7 @@ class ActorLifecycle:
         # The pool of a placement group's bundle held here, for an actor
         # placed in it (the node sets it: pmetal.node.groups).
         self.bundle_for: Callable[[dict[str, Any], dict[str, float]], Any] = \
-            lambda options, need: Failure("placement", "PlacementError",
+            lambda options, need: Failure(FailureKind.PLACEMENT, "PlacementError",
                                           "this node holds no placement groups")
 
     @property
@@ -86,7 +87,7 @@ class ActorLifecycle:
         return self._counts["restarts"]
 
     def alive(self) -> int:
-        return sum(1 for a in self.actors.values() if a.state == "alive")
+        return sum(1 for a in self.actors.values() if a.state == ActorState.ALIVE)
 
     # -------------------------------------------------------------- workers
 
@@ -106,7 +107,7 @@ class ActorLifecycle:
             record.restarts_left -= 1
         # The restart keeps the resources the actor holds: no queued creation
         # may take them in between.
-        record.state, record.reason = "restarting", why
+        record.state, record.reason = ActorState.RESTARTING, why
         record.incarnation += 1
         self._counts["restarts"] += 1
         record.notify()
@@ -129,7 +130,7 @@ class ActorLifecycle:
     async def create(self, spec: CreateActor) -> Message:
         options = spec.options
         existing = self.actors.get(spec.actor_id)
-        if existing is not None and existing.state != "dead":
+        if existing is not None and existing.state != ActorState.DEAD:
             # Asked twice (a master's decision retried under its successor):
             # the actor is created once; this is it.
             return await self.lookup(LookupActor(actor_id=spec.actor_id, wait=float(
@@ -154,13 +155,13 @@ class ActorLifecycle:
                 return bundle
             queue = bundle[0]
         elif not fits(need, self.resources):
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"node {self.node_id[:8]} has {self.resources} in all, the actor "
                            f"needs {need}; no node of this cluster could ever hold it "
                            f"(cluster: {self.membership.total_resources(self.resources)})")
         name = options.get("name") or ""
         taken = name and (name in self._claiming or (
-            name in self.names and self.actors[self.names[name]].state != "dead"))
+            name in self.names and self.actors[self.names[name]].state != ActorState.DEAD))
         if name and not taken:
             # Names are unique in the cluster, not just on this node. The name
             # is claimed here while the peers are asked, so that a second
@@ -176,9 +177,10 @@ class ActorLifecycle:
             # this very creation, perhaps.)
             taken = found is not None and found.live
             if not taken:
-                taken = name in self.names and self.actors[self.names[name]].state != "dead"
+                taken = (name in self.names
+                         and self.actors[self.names[name]].state != ActorState.DEAD)
         if taken:
-            return Failure("bad_request", "ValueError",
+            return Failure(FailureKind.BAD_REQUEST, "ValueError",
                            f"an actor named {name!r} already exists (or is being created); "
                            f"pick another name or use pmetal.get_actor({name!r})")
         restarts = options.get("restarts_left", options.get("max_restarts") or 0)
@@ -199,10 +201,10 @@ class ActorLifecycle:
                                                 what, self._holders, record.cancelled)
         except PMetalTimeoutError as exc:
             self._mark_dead(record, str(exc))
-            return Failure("timeout", "PMetalTimeoutError", str(exc))
+            return Failure(FailureKind.TIMEOUT, "PMetalTimeoutError", str(exc))
         if not reserved:
             self._mark_dead(record, record.reason or "killed while waiting for resources")
-            return Failure("actor_died", "ActorDiedError", record.reason)
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError", record.reason)
         record.held = need
         record.reason = ""
         stale = self._stale(spec)
@@ -220,7 +222,7 @@ class ActorLifecycle:
         placed = spec.options.get("term")
         if placed is None or int(placed) >= self.current_term():
             return None
-        return Failure("placement", "StaleTermError",
+        return Failure(FailureKind.PLACEMENT, "StaleTermError",
                        f"refused a placement of actor {spec.actor_id} decided in term {placed}: "
                        f"the current term is {self.current_term()} (the master that decided "
                        f"was deposed); ask the current master")
@@ -243,10 +245,10 @@ class ActorLifecycle:
             worker = await self.pool.take_idle(deadline)
         except PMetalTimeoutError as exc:
             self._mark_dead(record, str(exc))
-            return Failure("placement", "PlacementError", str(exc))
-        if record.state == "dead":   # killed while it waited for a worker
+            return Failure(FailureKind.PLACEMENT, "PlacementError", str(exc))
+        if record.state == ActorState.DEAD:   # killed while it waited for a worker
             self.pool.kill(worker)
-            return Failure("actor_died", "ActorDiedError", record.reason)
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError", record.reason)
         worker.actor_id = spec.actor_id
         record.worker_id = worker.worker_id
         init = InitActor(spec.actor_id, spec.cls_id, spec.cls_ref, spec.args, spec.kwargs,
@@ -260,7 +262,7 @@ class ActorLifecycle:
             self.pool.kill(worker)
             self._mark_dead(record, f"constructor failed: {reply.error_type}: {reply.message}")
             return reply
-        record.state, record.reason = "alive", ""
+        record.state, record.reason = ActorState.ALIVE, ""
         record.notify()
         return record.location(self.node_id, worker.address)
 
@@ -274,7 +276,7 @@ class ActorLifecycle:
             # handshake fails it within handshake_timeout).
             channel = await self.pool.channel(worker, self.config.transport.handshake_timeout)
         except PMetalError as exc:
-            return Failure("actor_died", "ActorDiedError",
+            return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                            f"the worker of actor {cls} did not open a session: {exc}")
 
         async def construct() -> Message:
@@ -297,10 +299,10 @@ class ActorLifecycle:
             try:   # the channel broke: if the process is exiting, say how
                 await asyncio.wait_for(worker.proc.wait(), 1.0)
             except asyncio.TimeoutError:
-                return Failure("actor_died", "ActorDiedError",
+                return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                                f"the worker of actor {cls} failed while constructing it: {exc}")
         why = "was killed by pmetal.kill" if worker.killed else exit_text(worker.proc.returncode)
-        return Failure("actor_died", "ActorDiedError",
+        return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                        f"the worker process (pid {worker.proc.pid}) of actor {cls} {why} "
                        f"while running its constructor")
 
@@ -321,10 +323,11 @@ class ActorLifecycle:
             if record is not None:
                 return self.locate(record)
             what = f"named {body.name!r}" if body.name else actor_id
-            return Failure("not_found", "ValueError", f"no actor {what} in this cluster")
+            return Failure(FailureKind.NOT_FOUND, "ValueError", f"no actor {what} in this cluster")
         deadline = time.monotonic() + body.wait
-        while not (record.state == "dead" or record.moved or (record.state == "alive"
-                                              and record.incarnation >= body.min_incarnation)):
+        while not (record.state == ActorState.DEAD or record.moved or (
+                record.state == ActorState.ALIVE
+                and record.incarnation >= body.min_incarnation)):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -337,20 +340,21 @@ class ActorLifecycle:
     def kill(self, body: KillActor) -> Message:
         record = self.actors.get(body.actor_id)
         if record is None:
-            return Failure("not_found", "ValueError", f"no actor {body.actor_id} on this node")
+            return Failure(FailureKind.NOT_FOUND, "ValueError",
+                           f"no actor {body.actor_id} on this node")
         self.kill_record(record, body.no_restart, "killed by pmetal.kill")
         return Ack()
 
     def kill_record(self, record: ActorRecord, no_restart: bool, reason: str) -> None:
         record.no_restart = no_restart
-        if no_restart and record.state != "dead":
+        if no_restart and record.state != ActorState.DEAD:
             record.reason = reason
         worker = self.pool.workers.get(record.worker_id)
         if worker is not None:
             self.pool.kill(worker)
-        elif record.state == "pending" and not record.held:   # still in the queue
+        elif record.state == ActorState.PENDING and not record.held:   # still in the queue
             record.cancelled.set()
-        elif record.state != "dead" and not record.constructing:
+        elif record.state != ActorState.DEAD and not record.constructing:
             self._mark_dead(record, reason)
 
     async def kill_remote(self, body: KillActor) -> Message:
@@ -358,7 +362,7 @@ class ActorLifecycle:
         member answers from its own actors)."""
         member = self.membership.members.get(body.node_id)
         if member is None or body.node_id == self.node_id:
-            return Failure("not_found", "ValueError",
+            return Failure(FailureKind.NOT_FOUND, "ValueError",
                            f"no actor {body.actor_id} on this node, and its node "
                            f"{body.node_id[:8]} is not a member of this cluster (it left, or "
                            f"the handle comes from another cluster)")
@@ -366,7 +370,7 @@ class ActorLifecycle:
 
     def kill_owned(self, owned_by: Any, why: str) -> int:
         owned = [r for r in self.actors.values()
-                 if owned_by(r) and not r.detached and r.state != "dead"]
+                 if owned_by(r) and not r.detached and r.state != ActorState.DEAD]
         for record in owned:
             self.kill_record(record, True, f"{why}; create it with lifetime='detached' to "
                                             f"keep it")
@@ -397,7 +401,7 @@ class ActorLifecycle:
     async def _forward(self, node_id: str, spec: CreateActor) -> Message:
         member = self.membership.find(node_id)
         if member is None:
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"no node {node_id} in this cluster; members: "
                            f"{[self.node_id, *self.membership.members]}")
         options = dict(spec.options)

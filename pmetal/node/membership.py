@@ -26,6 +26,7 @@ from pmetal.errors import PMetalError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
+from pmetal.values import ActorState, FailureKind
 from pmetal.wire import ActorLocation, Failure, LookupActor, Message
 
 __all__ = ["Member", "Membership", "MembershipStatistics"]
@@ -177,13 +178,13 @@ class Membership:
                 channel.close()
                 member.channel = None
             self._counts["failed"] += 1
-            return Failure("placement", "PeerError",
+            return Failure(FailureKind.PLACEMENT, "PeerError",
                            f"node {member.node_id[:8]} at {member.address} did not answer: "
                            f"{exc}")
 
     def _gone(self, member: Member) -> Failure:
         self._counts["failed"] += 1
-        return Failure("placement", "PeerError",
+        return Failure(FailureKind.PLACEMENT, "PeerError",
                        f"node {member.node_id[:8]} at {member.address} was held dead or left "
                        f"the member list before it answered")
 
@@ -200,7 +201,7 @@ class Membership:
             for m in members), return_exceptions=True)
         found = [a for a in answers if isinstance(a, ActorLocation)]
         live = [a for a in found if a.live]
-        moved = [a for a in found if a.state == "moved"]
+        moved = [a for a in found if a.state == ActorState.MOVED]
         return max(live or moved or found, key=lambda a: a.incarnation, default=None)
 
     def close(self) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from pmetal.config import MetricsConfig
+from pmetal.values import ActorState
 
 if TYPE_CHECKING:
     from pmetal.node.daemon import NodeDaemon
@@ -41,7 +42,7 @@ __all__ = ["EMBEDDED_DELAY", "MetricsServer"]
 log = logging.getLogger(__name__)
 
 _PEER = 16            # characters of a node id in a label
-_ACTOR_STATES = ("pending", "alive", "restarting", "dead")
+_ACTOR_STATES = tuple(s for s in ActorState if s is not ActorState.MOVED)   # a record's states
 _HEALTH_STATES = ("healthy", "degraded", "suspect", "dead")
 EMBEDDED_DELAY = 2.0
 """Seconds after it is ready that an embedded node opens its metrics port."""

@@ -35,6 +35,7 @@ from pmetal.errors import PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
+from pmetal.values import FailureKind
 from pmetal.wire import (Ack, Failure, LeaseWorkers, Message, Status, StatusRequest, WorkerList,
                          WorkerReady)
 
@@ -246,7 +247,8 @@ class WorkerPool:
     def ready(self, body: WorkerReady) -> Message:
         worker = self.workers.get(body.worker_id)
         if worker is None:
-            return Failure("bad_request", "PeerError", f"unknown worker {body.worker_id}")
+            return Failure(FailureKind.BAD_REQUEST, "PeerError",
+                           f"unknown worker {body.worker_id}")
         if not worker.ready.is_set():
             self._settle()
         worker.address = body.address
@@ -295,7 +297,7 @@ class WorkerPool:
         worker = next((w for w in self.workers.values()
                        if w.role == "task" and w.address == address), None)
         if worker is None:
-            return Failure("not_found", "ValueError",
+            return Failure(FailureKind.NOT_FOUND, "ValueError",
                            f"no task worker of this node at {address} (it exited already?)")
         log.info("killing task worker %s: a task running there was cancelled with force=True",
                  worker.worker_id)
@@ -344,7 +346,7 @@ class WorkerPool:
                 try:
                     worker = await self.take_idle(deadline)
                 except PMetalTimeoutError as exc:
-                    return Failure("placement", "PlacementError", str(exc))
+                    return Failure(FailureKind.PLACEMENT, "PlacementError", str(exc))
                 worker.role = "lent"
                 lent.append(worker.address)
             return WorkerList(tuple(lent))
@@ -363,7 +365,7 @@ class WorkerPool:
             if remaining <= 0:
                 if ready:
                     return WorkerList(ready, starting)
-                return Failure("placement", "PlacementError",
+                return Failure(FailureKind.PLACEMENT, "PlacementError",
                                "no task worker became ready on this node in time; the machine "
                                "may be overloaded")
             self.task_ready.clear()

@@ -19,6 +19,7 @@ from typing import Any
 
 from pmetal.node.placement import needs
 from pmetal.node.zygote import UNKNOWN_EXIT
+from pmetal.values import ActorState
 from pmetal.wire import ActorLocation, CreateActor
 
 __all__ = ["DEAD_TAIL", "ActorRecord", "ActorTable", "exit_text"]
@@ -31,7 +32,7 @@ handles that ask about them); older ones are forgotten."""
 @dataclass
 class ActorRecord:
     spec: CreateActor
-    state: str = "pending"         # pending, alive, restarting, dead
+    state: ActorState = ActorState.PENDING   # never MOVED (a lookup's answer only)
     worker_id: str = ""
     incarnation: int = 0
     restarts_left: int = 0
@@ -55,7 +56,7 @@ class ActorRecord:
         # A copy a fence ended is "moved" to those who look it up: the actor
         # lives on where its owner's node restarts it (a caller waits for
         # that, up to actors.restart_wait); it did not die.
-        state = "moved" if self.moved and self.state == "dead" else self.state
+        state = ActorState.MOVED if self.moved and self.state == ActorState.DEAD else self.state
         return ActorLocation(self.spec.actor_id, state, address, node_id, self.incarnation,
                              o.get("name") or "", self.reason, o.get("class_name") or "",
                              tuple(o.get("methods") or ()), bool(o.get("is_async")),
@@ -75,9 +76,9 @@ class ActorTable:
         self._dead: deque[str] = deque()   # ids of dead actors, oldest first
 
     def mark_dead(self, record: ActorRecord, reason: str) -> None:
-        if record.state != "dead":
+        if record.state != ActorState.DEAD:
             self._dead.append(record.spec.actor_id)
-        record.state, record.reason = "dead", reason
+        record.state, record.reason = ActorState.DEAD, reason
         record.notify()
         while len(self._dead) > DEAD_TAIL:
             gone = self.actors.pop(self._dead.popleft(), None)

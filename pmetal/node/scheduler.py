@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from pmetal.node.placement import NodeLoad, choose, fits, needs
 from pmetal.cluster.view import has_quorum
+from pmetal.values import ActorState, FailureKind
 from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
                          ResourcesRequest)
 
@@ -146,7 +147,7 @@ class Scheduler:
         while True:
             master = await node.cluster.wait_master(deadline)
             if not master:
-                return Failure("placement", "PlacementError",
+                return Failure(FailureKind.PLACEMENT, "PlacementError",
                                f"no master was elected within the creation's deadline: this "
                                f"node sees {1 + len(node.membership.members)} of the "
                                f"{len(node.cluster.state.members)} members (a master needs a "
@@ -164,7 +165,7 @@ class Scheduler:
             member = node.membership.members.get(master)
             if member is None:
                 if time.monotonic() >= deadline:
-                    return Failure("timeout", "PMetalTimeoutError",
+                    return Failure(FailureKind.TIMEOUT, "PMetalTimeoutError",
                                    f"the master {master[:8]} is not in this node's member list "
                                    f"yet; the creation's deadline passed")
                 await asyncio.sleep(node.config.health.interval)   # the view is on its way
@@ -184,7 +185,7 @@ class Scheduler:
                             or (_deposed(reply) and time.monotonic() < deadline)):
                         return reply
             elif time.monotonic() >= deadline:
-                return Failure("timeout", "PMetalTimeoutError",
+                return Failure(FailureKind.TIMEOUT, "PMetalTimeoutError",
                                f"the master {master[:8]} did not place the actor in time")
             log.info("master %s went while placing actor %s; asking the next master",
                      master[:8], spec.actor_id)
@@ -254,7 +255,7 @@ class Scheduler:
         heard = set(free)
         voters = [m["node_id"] for m in node.cluster.state.members] or [node.node_id]
         if not has_quorum(heard, voters, node.cluster.dead()):
-            return Failure("placement", "NotMasterError",
+            return Failure(FailureKind.PLACEMENT, "NotMasterError",
                            f"node {node.node_id[:8]} is master in term {term} but only "
                            f"{len(heard & set(voters))} of its {len(voters)} members answered "
                            f"it now (a minority side places nothing); ask again once a master "
@@ -299,14 +300,14 @@ class Scheduler:
                 return found
             if not options.get("soft"):
                 why = "is dead" if dead else "is not a member of this cluster"
-                return Failure("placement", "PlacementError",
+                return Failure(FailureKind.PLACEMENT, "PlacementError",
                                f"node affinity: node {wanted} {why}; live nodes: {sorted(free)} "
                                f"(pmetal.nodes() lists them; soft=True falls back to another "
                                f"node)")
         target = choose(free, need, origin, str(options.get("strategy") or "DEFAULT"))
         if not target:
             total = node.membership.total_resources(node.resources)
-            return Failure("placement", "PlacementError",
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
                            f"no node of this cluster could ever hold the actor: it needs "
                            f"{need}; the cluster has {total}")
         return target
@@ -315,12 +316,12 @@ class Scheduler:
         """Why this node may not (go on to) decide in ``term``, or None."""
         cluster = self.node.cluster
         if not cluster.is_master():
-            return Failure("placement", "NotMasterError",
+            return Failure(FailureKind.PLACEMENT, "NotMasterError",
                            f"node {self.node.node_id[:8]} is not the master (the master is "
                            f"{cluster.master[:8] or 'not known'}); ask the master")
         if term is not None and cluster.term != term:
             self.refused_stale += 1
-            return Failure("placement", "StaleTermError",
+            return Failure(FailureKind.PLACEMENT, "StaleTermError",
                            f"node {self.node.node_id[:8]} began this decision as master in "
                            f"term {term} and is now in term {cluster.term}; ask again")
         return None
@@ -328,7 +329,7 @@ class Scheduler:
     async def _existing(self, actor_id: str, wait: float) -> Message | None:
         node = self.node
         record = node.actors.actors.get(actor_id)
-        if record is not None and record.state != "dead":
+        if record is not None and record.state != ActorState.DEAD:
             return await node.actors.lookup(LookupActor(actor_id=actor_id, wait=wait))
         found = await node.membership.find_actor(LookupActor(actor_id=actor_id, wait=wait))
         if found is not None and found.live:
@@ -364,7 +365,7 @@ class Scheduler:
         term = int(spec.options.get("term") or 0)
         if term < node.cluster.term:
             self.refused_stale += 1
-            return Failure("placement", "StaleTermError",
+            return Failure(FailureKind.PLACEMENT, "StaleTermError",
                            f"refused a placement of term {term} from {sender[:8]}: the current "
                            f"term is {node.cluster.term} (a master that was deposed); ask the "
                            f"current master")
@@ -434,7 +435,7 @@ class Scheduler:
             if after is not None:
                 # The copy here must be gone before the master looks for one.
                 deadline = time.monotonic() + self.node.config.transport.request_timeout
-                while after.state != "dead" and time.monotonic() < deadline:
+                while after.state != ActorState.DEAD and time.monotonic() < deadline:
                     try:
                         await asyncio.wait_for(after.changed.wait(),
                                                deadline - time.monotonic())

@@ -19,6 +19,7 @@ import numpy as np
 
 from pmetal.store.errors import ModelError
 from pmetal.store.folder import PieceStore
+from pmetal.values import FailureKind
 from pmetal.wire import (
     Failure,
     Message,
@@ -80,19 +81,19 @@ class PieceServer:
         try:
             entry = self.store.open(sha)
         except ModelError as exc:
-            return Failure("bad_request", type(exc).__name__, str(exc))
+            return Failure(FailureKind.BAD_REQUEST, type(exc).__name__, str(exc))
         if entry is None:
-            return Failure("not_found", "ModelUnavailableError",
+            return Failure(FailureKind.NOT_FOUND, "ModelUnavailableError",
                            f"this node holds nothing of model {sha[:12]}")
         if isinstance(body, ModelQuery):
             return ModelHoldings(np.frombuffer(entry.manifest.encode(), np.uint8),
                                  entry.held())
         assert isinstance(body, PieceRead)
         if not 0 < body.length <= MAX_CHUNK:
-            return Failure("bad_request", "ValueError",
+            return Failure(FailureKind.BAD_REQUEST, "ValueError",
                            f"a PieceRead of {body.length} bytes: 1 to {MAX_CHUNK} per request")
         try:
             data = entry.read(body.offset, body.length)
         except ModelError as exc:
-            return Failure("not_found", "ModelUnavailableError", str(exc))
+            return Failure(FailureKind.NOT_FOUND, "ModelUnavailableError", str(exc))
         return PieceData(np.frombuffer(data, np.uint8))

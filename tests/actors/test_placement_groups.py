@@ -285,9 +285,12 @@ def test_pmetal_status_lists_the_groups(groups: list[PlacementGroup],
     groups.append(pg)
     _print_status(context.current().status(), {"pid": 0})
     out = capsys.readouterr().out
-    row = next(line for line in out.splitlines() if pg.id in line)
+    lines = out.splitlines()
+    at = next((i for i, line in enumerate(lines) if pg.id in line), None)
+    assert at is not None, out
+    row, reason = lines[at], lines[at + 1]   # the reason is wrapped under its row
     assert "shown" in row and "STRICT_SPREAD" in row and "PENDING" in row, out
-    assert "infeasible: STRICT_SPREAD needs 2 nodes" in row, out
+    assert "infeasible: STRICT_SPREAD needs 2 nodes" in reason, out
 
 
 def test_rays_spellings_of_no_group_and_of_a_node_id(node: dict[str, Any]) -> None:
