@@ -68,6 +68,7 @@ import zmq.asyncio
 from pmetal.config import TransportConfig
 from pmetal.errors import (BackpressureError, ClosedError, PeerError, PMetalTimeoutError,
                            TransportError)
+from pmetal.values import Address
 
 __all__ = [
     "CurveKeys",
@@ -123,10 +124,11 @@ def normalize_address(address: str) -> str:
     """``host:port`` becomes ``tcp://host:port``; full URLs pass through."""
     if "://" in address:
         return address
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address {address!r} is not 'host:port' or a transport URL")
-    return f"tcp://{host}:{port}"
+    try:
+        return Address.parse(address).url()
+    except ValueError as exc:
+        raise ValueError(f"address {address!r} is not 'host:port' or a transport URL "
+                         f"({exc})") from None
 
 
 def is_loopback(host: str) -> bool:

@@ -21,7 +21,7 @@ import enum
 import ipaddress
 from dataclasses import dataclass
 
-__all__ = ["ActorState", "Address", "CollectiveStrategy", "FailureKind"]
+__all__ = ["ActorState", "Address", "CollectiveStrategy", "FailureKind", "host_of"]
 
 
 class ActorState(enum.StrEnum):
@@ -126,6 +126,16 @@ class Address:
 
     def __str__(self) -> str:
         return self.url()
+
+
+def host_of(address: str, default: str = "") -> str:
+    """The host of ``tcp://host:port`` or ``host:port`` (an IPv6 one without
+    its brackets); ``default`` when ``address`` is not one (an inproc://
+    URL, garbage)."""
+    try:
+        return Address.parse(address).host
+    except ValueError:
+        return default
 
 
 def _split(rest: str, text: str) -> tuple[str, str | None]:

@@ -48,6 +48,7 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
 from pmetal.wire import Message, Ping
+from pmetal.values import Address
 
 if TYPE_CHECKING:
     from pmetal.actors.refs import ObjectRef
@@ -77,11 +78,12 @@ def listening(address: str) -> bool:
     """Whether something accepts TCP connections at ``address`` (a dropped
     connection to a live process is re-made by ZeroMQ; a dead process's
     port refuses at once). True for an address that is not TCP: cannot tell."""
-    host, _, port = address.partition("://")[2].rpartition(":")
-    if not port.isdigit():
+    try:
+        parsed = Address.parse(address)
+    except ValueError:
         return True
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        socket.create_connection((parsed.host, parsed.port), timeout=1.0).close()
     except OSError:
         return False
     return True

@@ -34,7 +34,7 @@ from pmetal.errors import (
     PMetalValueError,
     RequestTimeoutError,
 )
-from pmetal.values import ActorState
+from pmetal.values import ActorState, Address
 
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
@@ -49,11 +49,12 @@ def _accepts(address: str) -> bool:
     """False when the TCP port at ``address`` refuses a connection at once
     (the process that listened there exited); True when it accepts, or
     when we cannot tell within a short time (a host that does not answer)."""
-    host, _, port = address.partition("://")[2].rpartition(":")
-    if not port.isdigit():
+    try:
+        parsed = Address.parse(address)
+    except ValueError:
         return True
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=0.5).close()
+        socket.create_connection((parsed.host, parsed.port), timeout=0.5).close()
     except ConnectionRefusedError:
         return False
     except OSError:

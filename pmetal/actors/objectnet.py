@@ -39,7 +39,7 @@ from pmetal.errors import (
     ProtocolError,
     TransportError,
 )
-from pmetal.values import FailureKind
+from pmetal.values import Address, FailureKind, host_of
 from pmetal.wire import BorrowUpdates, Failure, FetchObject, Result
 
 if TYPE_CHECKING:
@@ -303,8 +303,8 @@ class ObjectServer:
     def __init__(self, manager: ObjectManager) -> None:
         client = manager.client
         self.manager = manager
-        host = (client.self_address or client.node_address).partition("://")[2].rpartition(":")[0]
-        self.listener = SecureListener(client.transport.listen(f"tcp://{host or '127.0.0.1'}:0"),
+        host = host_of(client.self_address or client.node_address, "127.0.0.1")
+        self.listener = SecureListener(client.transport.listen(Address(host, 0).url()),
                                        client.identity, client.namespace, client.config)
         self.address = self.listener.address
         self._waiting: list[_Waiter] = []

@@ -50,7 +50,7 @@ from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutErr
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
-from pmetal.values import FailureKind
+from pmetal.values import Address, FailureKind
 from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, Message, Ping, Pong, Result,
                          RunTask, Shutdown, Status, StatusRequest, StreamCall,
                          StreamCredit, StreamStop, WorkerReady)
@@ -136,7 +136,7 @@ class Worker:
         self.identity = NodeIdentity.generate()
         self.namespace = namespace
         self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
-        self.listener = SecureListener(self.transport.listen(f"tcp://{host}:0"), self.identity,
+        self.listener = SecureListener(self.transport.listen(Address(host, 0).url()), self.identity,
                                        namespace, config)
         self.node = Channel(self.transport.dial(node_address), self.identity, namespace, config)
         self.actor_id = ""

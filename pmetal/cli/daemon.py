@@ -36,6 +36,7 @@ from pmetal.errors import ConfigError, PMetalError, PMetalTimeoutError
 from pmetal.identity import NodeIdentity, check_home, check_private_file
 from pmetal.security import NetworkNamespace
 from pmetal.transport import normalize_address
+from pmetal.values import host_of
 
 # The name docs/logging.md gives the command line's logger, from before the split.
 log = logging.getLogger("pmetal.cli")
@@ -285,7 +286,7 @@ def _print_started(info: dict[str, Any], log_path: Path | None) -> None:
 
 
 def _host_of(address: str) -> str:
-    return address.partition("://")[2].rpartition(":")[0].strip("[]")
+    return host_of(address)
 
 
 def _write_node_file(home: Path, listen: str, node_id: str, pid: int,

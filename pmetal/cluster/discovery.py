@@ -81,6 +81,7 @@ from pmetal.cluster.candidates import LogLimiter
 from pmetal.errors import PMetalValueError, TransportError
 from pmetal.security import NetworkNamespace
 from pmetal.wire import PROTOCOL_VERSION
+from pmetal.values import Address, host_of
 
 __all__ = [
     "DiscoveredPeer",
@@ -173,7 +174,7 @@ def discovery_interfaces(configured: str, listen_address: str) -> list[str] | Li
     chosen = [part.strip() for part in configured.split(",") if part.strip()]
     if chosen:
         return chosen
-    host = listen_address.partition("://")[2].rpartition(":")[0].strip("[]") or listen_address
+    host = host_of(listen_address, listen_address)
     if host in ("0.0.0.0", "*", "", "::"):
         return "all"
     try:
@@ -424,7 +425,7 @@ class _Watcher:
 
 def _host(address: str) -> str:
     """The IP of ``tcp://ip:port``: the source a rate limit counts by."""
-    return address.partition("://")[2].rpartition(":")[0] or address
+    return host_of(address, address)
 
 
 def _open(interfaces: Interfaces) -> Zeroconf:
@@ -485,10 +486,10 @@ class Discovery:
                  loop: asyncio.AbstractEventLoop | None = None,
                  refresh_interval: float = REFRESH_INTERVAL,
                  max_records: int = MAX_RECORDS) -> None:
-        host, _, port = address.partition("://")[2].rpartition(":")
         try:
-            self._host = str(ipaddress.IPv4Address(host))
-            self._port = int(port)
+            parsed = Address.parse(address)
+            self._host = str(ipaddress.IPv4Address(parsed.host))
+            self._port = parsed.port
         except ValueError as exc:
             raise PMetalValueError(f"discovery announces an IPv4 tcp://ip:port address, not "
                                    f"{address!r}") from exc

@@ -26,6 +26,7 @@ from pmetal.errors import PMetalError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.transport import ZmqTransport
+from pmetal.values import host_of
 
 __all__ = ["Hints"]
 
@@ -42,7 +43,7 @@ def tcp(address: str) -> str:
 
 def host(address: str) -> str:
     """The host of ``tcp://host:port``: the source a log rate limit counts by."""
-    return address.partition("://")[2].rpartition(":")[0] or address
+    return host_of(address, address)
 
 
 class Hints:

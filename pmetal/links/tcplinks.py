@@ -76,6 +76,7 @@ from pmetal.errors import (
 )
 from pmetal.links import tcphandshake
 from pmetal.links.seal import OVERHEAD, SEGMENT, LinkSeal, segments
+from pmetal.values import host_of
 
 __all__ = ["DTYPE_CODES", "TcpLinks", "connect_mesh", "group_tag", "listen",
            "reachable_host"]
@@ -118,7 +119,7 @@ def reachable_host(client: Any) -> str:
     listener, else of its node's (a pmetal client's ``self_address`` and
     ``node_address``); loopback when both are wildcards."""
     for address in (client.self_address, client.node_address):
-        host = address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+        host = host_of(address)
         if host and host not in ("*", "0.0.0.0", "::"):
             return host
     return "127.0.0.1"

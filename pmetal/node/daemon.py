@@ -66,7 +66,7 @@ from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.store.serve import STORE_KINDS, PieceServer
 from pmetal.transport import ZmqTransport
-from pmetal.values import ActorState, FailureKind
+from pmetal.values import ActorState, FailureKind, host_of
 from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
@@ -172,7 +172,7 @@ class NodeDaemon:
         # Workers bind the concrete address the node advertises: a worker
         # bound to a wildcard would take 0.0.0.0 for its own address (which
         # it compares with the addresses its node hands out).
-        worker_host = self.address.partition("://")[2].rpartition(":")[0]
+        worker_host = host_of(self.address)
         # Workers start no call and send no result while the node's
         # membership is unconfirmed after a pause (pmetal.cluster.clock).
         self.gate = Gate()

@@ -16,6 +16,7 @@ from typing import Any
 
 from pmetal.config import pmetal_home
 from pmetal.errors import PMetalError, PMetalTimeoutError
+from pmetal.values import Address
 
 __all__ = ["READY_LINE", "is_node_process", "node_file", "read_ready_line", "routable_address"]
 
@@ -89,11 +90,13 @@ def routable_address(address: str) -> str:
     address of this machine that peers can dial: the one of the interface
     with the default route, else the first non-loopback one, else
     127.0.0.1 (a machine with loopback only)."""
-    scheme, _, rest = address.partition("://")
-    host, _, port = rest.rpartition(":")
-    if host.strip("[]") not in ("0.0.0.0", "*", "::", ""):
+    try:
+        parsed = Address.parse(address)
+    except ValueError:
+        return address   # not tcp://host:port (an inproc:// URL): nothing to replace
+    if parsed.host not in ("0.0.0.0", "*", "::"):
         return address
-    return f"{scheme}://{_this_machine_address()}:{port}"
+    return Address(_this_machine_address(), parsed.port).url()
 
 
 def _this_machine_address() -> str:
