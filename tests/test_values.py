@@ -110,3 +110,24 @@ def test_address_is_frozen_and_checked_when_built() -> None:
         Address("10.0.0.1", -1)
     with pytest.raises(ValueError, match="host"):
         Address("[::1]", 1)
+
+
+# ------------------------------------------------------------- member entries
+
+def test_member_entries_are_frozen_values_that_round_trip_their_map() -> None:
+    from pmetal.cluster.view import MemberEntry, MemberState
+    wire = {"node_id": "n1", "address": "tcp://10.0.0.2:52416", "incarnation": 7,
+            "resources": {"CPU": 8.0}, "profile": {"cores": 8}, "state": "dead",
+            "unknown": "dropped"}
+    member = MemberEntry.from_wire(wire)
+    assert (member.node_id, member.incarnation, member.state, member.alive) == \
+        ("n1", 7, MemberState.DEAD, False)
+    assert member.to_wire() == {k: v for k, v in wire.items() if k != "unknown"}
+    assert msgpack.packb(member.to_wire()) == msgpack.packb(
+        {k: v for k, v in wire.items() if k != "unknown"})
+    with pytest.raises(FrozenInstanceError):
+        member.state = MemberState.ALIVE  # type: ignore[misc]
+    for bad in ({"node_id": ""}, {"node_id": "n", "incarnation": "7"},
+                {"node_id": "n", "state": "sleeping"}, {"node_id": "n", "state": ["x"]}):
+        with pytest.raises(ValueError, match="not a member entry"):
+            MemberEntry.from_wire(bad)

@@ -181,7 +181,7 @@ class ElectionManager(Roster):
     @property
     def state(self) -> ElectionState:
         return ElectionState(self._term, self._role, self._master, self._members.epoch,
-                             self._members.entries(), self._voted_for)
+                             self._members.values(), self._voted_for)
 
     def events(self) -> list[ElectionEvent]:
         """The events since the last call (drains them)."""

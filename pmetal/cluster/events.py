@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from pmetal.cluster.view import MemberEntry
 from pmetal.wire import Message
 
 __all__ = ["ElectionEvent", "ElectionState", "ElectionStatistics", "Outgoing", "Role"]
@@ -24,7 +25,7 @@ class ElectionState:
     role: Role
     master: str               # "" while none is known
     epoch: int
-    members: tuple[dict, ...]  # entries as in pmetal.wire, this node included
+    members: tuple[MemberEntry, ...]  # this node included, sorted by node id
     voted_for: str
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable
 
 from pmetal.cluster.topology import ClusterTopology, NodeProfile, bandwidth_from, probe_plan
+from pmetal.cluster.view import MemberEntry
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import PMetalError
@@ -29,20 +29,19 @@ __all__ = ["follow_members", "probe_bandwidth"]
 log = logging.getLogger(__name__)
 
 
-def follow_members(topology: ClusterTopology, members: Iterable[Mapping[str, Any]],
+def follow_members(topology: ClusterTopology, members: Iterable[MemberEntry],
                    own_id: str) -> None:
     """Make ``topology``'s nodes the listed members (this node stays),
     with the profiles their entries carry."""
     members = list(members)
-    listed = {m.get("node_id", "") for m in members}
+    listed = {m.node_id for m in members}
     for node_id in [n for n in topology.nodes() if n not in listed and n != own_id]:
         topology.remove_node(node_id)
     for m in members:
-        node_id = m.get("node_id", "")
-        if node_id and node_id != own_id:
+        node_id = m.node_id
+        if node_id != own_id:
             try:
-                topology.add_node(NodeProfile.from_dict(m.get("profile") or {},
-                                                        node_id=node_id))
+                topology.add_node(NodeProfile.from_dict(dict(m.profile), node_id=node_id))
             except PMetalError as exc:   # a malformed profile: the member stays
                 log.warning("member %s sent an unreadable profile: %s", node_id[:8], exc)
 

@@ -61,7 +61,7 @@ from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.lease import Lease
 from pmetal.cluster.probe import follow_members, probe_bandwidth
 from pmetal.cluster.topology import ClusterTopology, NodeProfile
-from pmetal.cluster.view import LEASE_SHARE, has_quorum
+from pmetal.cluster.view import LEASE_SHARE, MemberEntry, has_quorum
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -195,17 +195,15 @@ class ClusterService(Hints):
     def dead(self) -> set[str]:
         """Nodes this node's detector or the master's list holds dead."""
         dead = set(self.health.dead())
-        dead.update(m["node_id"] for m in self.election.state.members
-                    if m.get("state") == "dead")
+        dead.update(m.node_id for m in self.election.state.members if not m.alive)
         dead.discard(self.node_id)
         return dead
 
     def cluster_state(self) -> ClusterState:
         s = self.election.state
         dead = self.dead()
-        members = tuple(sorted(m["node_id"] for m in s.members
-                               if m.get("node_id") and m["node_id"] not in dead
-                               and m.get("state") != "dead"))
+        members = tuple(sorted(m.node_id for m in s.members
+                               if m.node_id not in dead and m.alive))
         return ClusterState(self.version, tuple(sorted(dead)), s.master, s.term, s.epoch,
                             members)
 
@@ -223,16 +221,15 @@ class ClusterService(Hints):
         health = {h.node_id: h for h in self.health.summary()}
         members = []
         for m in s.members:
-            node_id = m.get("node_id", "")
-            h = health.get(node_id)
+            h = health.get(m.node_id)
             members.append({
-                "node_id": node_id, "address": m.get("address", ""),
-                "incarnation": m.get("incarnation", 0), "state": m.get("state", "alive"),
-                "health": ("self" if node_id == self.node_id else
+                "node_id": m.node_id, "address": m.address, "incarnation": m.incarnation,
+                "state": m.state,
+                "health": ("self" if m.node_id == self.node_id else
                            h.status.value if h is not None else "unknown"),
                 "rtt_ms": (round(h.rtt * 1000, 3) if h is not None and h.rtt is not None
                            else None),
-                "resources": m.get("resources", {}), "profile": m.get("profile", {}),
+                "resources": dict(m.resources), "profile": dict(m.profile),
             })
         return {"master": s.master, "term": s.term, "epoch": s.epoch, "role": s.role.value
                 if hasattr(s.role, "value") else str(s.role), "members": members,
@@ -453,10 +450,10 @@ class ClusterService(Hints):
             return "member"   # alone: nobody could have declared it dead
         asks = []
         for m in others:
-            address = self._by_id.get(m["node_id"]) or m.get("address", "")
-            if address and m.get("state") != "dead":
+            address = self._by_id.get(m.node_id) or m.address
+            if address and m.alive:
                 asks.append(asyncio.ensure_future(
-                    self._ask_state(self._peer(address, m["node_id"]))))
+                    self._ask_state(self._peer(address, m.node_id))))
         answers: list[tuple[str, ClusterState]] = []
         try:
             for asked in asyncio.as_completed(asks):
@@ -472,11 +469,10 @@ class ClusterService(Hints):
             if pending:   # each bounded by its timeout; reaped, not cancelled mid-request
                 self._spawn(asyncio.wait(pending))
 
-    def _others(self) -> list[dict[str, Any]]:
+    def _others(self) -> list[MemberEntry]:
         """The other members in this node's view (none: it is alone, and
         nobody could have declared it dead)."""
-        return [m for m in self.election.state.members
-                if m.get("node_id") and m["node_id"] != self.node_id]
+        return [m for m in self.election.state.members if m.node_id != self.node_id]
 
     def _verdict(self, state: ElectionState, answers: list[tuple[str, ClusterState]],
                  complete: bool) -> str | None:
@@ -490,7 +486,7 @@ class ClusterService(Hints):
                         f"others follow another master now")
             backing = {n for n, a in answers if a.master == me and a.term == term and
                        me in a.members}
-            if has_quorum(backing | {me}, [m["node_id"] for m in state.members], {}):
+            if has_quorum(backing | {me}, [m.node_id for m in state.members], {}):
                 return "member"
             return "" if complete else None
         masters = [(n, a) for n, a in answers if a.master == n]
@@ -738,8 +734,8 @@ class ClusterService(Hints):
                 state = self.election.state
                 self._view_topology(state)
                 for m in state.members:
-                    node_id, address = m.get("node_id", ""), m.get("address", "")
-                    if node_id and node_id != self.node_id and address:
+                    node_id, address = m.node_id, m.address
+                    if node_id != self.node_id and address:
                         self._peer(address, node_id)
                         if node_id not in self.health:
                             self.health.watch(node_id, now)

@@ -1,11 +1,13 @@
 """The member list the master owns, and the quorum rule over it.
 
-A member entry is a plain map, as on the wire (see the comment above
+A member entry travels as a map (see the comment above
 :class:`pmetal.wire.Beat`): ``node_id``, ``address``, ``incarnation``,
-``resources``, ``profile`` and, in a master's view, ``state`` ("alive" or
-"dead"). :class:`MemberList` keeps them by node id together with the
-``epoch`` that versions the list; the election (pmetal.cluster.election)
-is the only writer.
+``resources``, ``profile`` and, in a master's view, ``state`` (a
+:class:`MemberState`: "alive" or "dead"). :class:`MemberList` keeps them
+by node id, as those maps, together with the ``epoch`` that versions the
+list; the election (pmetal.cluster.election and roster) is the only writer,
+and what it hands the rest of the node (``ElectionState.members``) are
+frozen :class:`MemberEntry` values.
 
 Quorum: more than half of the members (dead or alive: a member counts as a
 voter until the master removes it), or exactly half when that half holds
@@ -27,13 +29,24 @@ have held it dead and restarted them elsewhere (pmetal.cluster.service).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ALIVE", "DEAD", "MemberList", "entry", "has_quorum", "vouched_since"]
+__all__ = ["ALIVE", "DEAD", "MemberEntry", "MemberList", "MemberState", "entry", "has_quorum",
+           "vouched_since"]
 
-ALIVE = "alive"
-DEAD = "dead"
+
+class MemberState(enum.StrEnum):
+    """A member's state in the master's list (its string on the wire)."""
+
+    ALIVE = "alive"
+    DEAD = "dead"    # held dead by the master, until it removes the entry
+
+
+ALIVE = MemberState.ALIVE
+DEAD = MemberState.DEAD
 
 LEASE_SHARE = 0.6
 """A node's lease lasts this share of ``health.dead_after`` past the send
@@ -83,15 +96,54 @@ def entry(member: Mapping[str, Any], state: str = ALIVE) -> dict[str, Any]:
         "incarnation": int(member.get("incarnation", 0)),
         "resources": dict(member.get("resources") or {}),
         "profile": dict(member.get("profile") or {}),
-        "state": state,
+        "state": MemberState(state),
     }
+
+
+@dataclass(frozen=True, slots=True)
+class MemberEntry:
+    """One member of the cluster, as the election hands it out.
+    ``resources`` and ``profile`` are the maps the node announced (not to
+    be changed: they are shared with the election's list)."""
+
+    node_id: str
+    address: str = ""                 # tcp://host:port
+    incarnation: int = 0              # changes whenever the node starts or is fenced
+    resources: Mapping[str, float] = field(default_factory=dict)
+    profile: Mapping[str, Any] = field(default_factory=dict)   # see NodeProfile
+    state: MemberState = MemberState.ALIVE
+
+    @classmethod
+    def from_wire(cls, member: Mapping[str, Any]) -> MemberEntry:
+        """From an entry map (a view's, a join's, a discovery record's);
+        a ValueError when it cannot be one (see :func:`valid`)."""
+        if not valid(member):
+            raise ValueError(f"not a member entry: {member!r}")
+        e = entry(member, member.get("state", ALIVE))
+        return cls(e["node_id"], e["address"], e["incarnation"], e["resources"],
+                   e["profile"], MemberState(e["state"]))
+
+    def to_wire(self) -> dict[str, Any]:
+        """The entry map, as a ClusterView or JoinCluster carries it."""
+        return entry({"node_id": self.node_id, "address": self.address,
+                      "incarnation": self.incarnation, "resources": self.resources,
+                      "profile": self.profile}, self.state)
+
+    @property
+    def alive(self) -> bool:
+        return self.state is MemberState.ALIVE
 
 
 def valid(member: Any) -> bool:
     """Whether a received map can be a member entry."""
     return (isinstance(member, Mapping) and isinstance(member.get("node_id"), str)
             and bool(member["node_id"]) and isinstance(member.get("incarnation", 0), int)
-            and isinstance(member.get("address", ""), str))
+            and isinstance(member.get("address", ""), str)
+            and isinstance(member.get("state", ALIVE), str)
+            and member.get("state", ALIVE) in _STATES)
+
+
+_STATES = frozenset(s.value for s in MemberState)
 
 
 class MemberList:
@@ -120,6 +172,12 @@ class MemberList:
     def entries(self) -> tuple[dict[str, Any], ...]:
         """Copies, sorted by node id (the order of every view on the wire)."""
         return tuple(dict(self._entries[k]) for k in sorted(self._entries))
+
+    def values(self) -> tuple[MemberEntry, ...]:
+        """The entries as frozen values, sorted by node id."""
+        return tuple(MemberEntry(e["node_id"], e["address"], e["incarnation"], e["resources"],
+                                 e["profile"], e["state"])
+                     for e in (self._entries[k] for k in sorted(self._entries)))
 
     def put(self, member: Mapping[str, Any], state: str = ALIVE) -> bool:
         """Add or replace a member; True (and epoch + 1) if that changed the list."""

@@ -103,19 +103,18 @@ class Membership:
     def sync(self, state: Any, own_id: str) -> None:
         """Adopt the master's member list (an ElectionState): members are its
         live nodes but this one; ``epoch`` is the list's."""
-        alive = {m["node_id"]: m for m in state.members
-                 if m.get("node_id") and m["node_id"] != own_id and m.get("state") != "dead"}
+        alive = {m.node_id: m for m in state.members if m.node_id != own_id and m.alive}
         for node_id in [n for n in self.members if n not in alive]:
             self.drop(node_id)
         for node_id, m in alive.items():
             known = self.members.get(node_id)
-            address = str(m.get("address") or "")
+            address = m.address
             if known is not None and known.address != address:
                 self.drop(node_id)
                 known = None
             if known is None:
                 self.members[node_id] = Member(node_id, address, {
-                    str(k): float(v) for k, v in (m.get("resources") or {}).items()})
+                    str(k): float(v) for k, v in m.resources.items()})
                 self.refused.pop(address, None)
                 log.info("member %s at %s (epoch %d)", node_id[:8], address, state.epoch)
         self.epoch = max(self.epoch, int(state.epoch))

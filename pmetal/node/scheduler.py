@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pmetal.node.placement import NodeLoad, choose, fits, needs
-from pmetal.cluster.view import has_quorum
+from pmetal.cluster.view import MemberState, has_quorum
 from pmetal.values import ActorState, FailureKind
 from pmetal.wire import (ActorLocation, CreateActor, Failure, LookupActor, Message, Resources,
                          ResourcesRequest)
@@ -253,7 +253,7 @@ class Scheduler:
         if (refused := self._not_master(term)) is not None:
             return refused
         heard = set(free)
-        voters = [m["node_id"] for m in node.cluster.state.members] or [node.node_id]
+        voters = [m.node_id for m in node.cluster.state.members] or [node.node_id]
         if not has_quorum(heard, voters, node.cluster.dead()):
             return Failure(FailureKind.PLACEMENT, "NotMasterError",
                            f"node {node.node_id[:8]} is master in term {term} but only "
@@ -388,10 +388,10 @@ class Scheduler:
 
     def _node_incarnations(self, state: ElectionState | None = None) -> dict[str, int]:
         state = state or self.node.cluster.state
-        return {m["node_id"]: int(m.get("incarnation", 0)) for m in state.members}
+        return {m.node_id: m.incarnation for m in state.members}
 
     def _restart_lost(self, state: ElectionState) -> None:
-        listed = {m["node_id"]: m.get("state") for m in state.members}
+        listed = {m.node_id: m.state for m in state.members}
         incarnations = self._node_incarnations(state)
         dead = self.node.cluster.dead()
         # Gone: its node is held dead, or no longer listed and dead to our
@@ -399,7 +399,7 @@ class Scheduler:
         # fenced and rejoined: the fence ended its actors, whether or not
         # this node saw the list that held it dead).
         gone = [p for p in self.elsewhere.values()
-                if listed.get(p.node_id) == "dead"
+                if listed.get(p.node_id) == MemberState.DEAD
                 or (p.node_id not in listed and p.node_id in dead)
                 or 0 <= p.node_incarnation < incarnations.get(p.node_id, -1)]
         for p in gone:

@@ -15,6 +15,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+from pmetal.cluster.view import MemberEntry, MemberState
 from pmetal.node.scheduler import Scheduler
 from pmetal.config import load_config
 from pmetal.wire import (
@@ -32,7 +33,7 @@ ME, OTHER, THIRD = "a" * 32, "b" * 32, "c" * 32
 
 @dataclass
 class _State:
-    members: list[dict[str, Any]]
+    members: list[MemberEntry]
 
 
 @dataclass
@@ -47,8 +48,8 @@ class _Cluster:
 
     @property
     def state(self) -> _State:
-        return _State([{"node_id": n, "state": "dead" if n in self.dead_ids else "alive"}
-                       for n in self.members])
+        return _State([MemberEntry(n, state=MemberState.DEAD if n in self.dead_ids
+                                   else MemberState.ALIVE) for n in self.members])
 
     def dead(self) -> set[str]:
         return set(self.dead_ids)

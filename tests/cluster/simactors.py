@@ -161,9 +161,9 @@ class SimActors:
         if self._deposed(master, r, term):
             return
         node = self.net.nodes[master]
-        silent = [e["node_id"] for e in node.manager.state.members
-                  if e["state"] != "dead" and e["node_id"] not in node.dead
-                  and not self._reach(master, e["node_id"])]
+        silent = [e.node_id for e in node.manager.state.members
+                  if e.state != "dead" and e.node_id not in node.dead
+                  and not self._reach(master, e.node_id)]
         if silent:
             # A member that has not answered: the lookup waits for its answer
             # or for its death (Membership.find_actor; a dead member is
@@ -183,10 +183,10 @@ class SimActors:
             return
         self.deciding.pop((master, r.actor), None)
         state = self.net.nodes[master].manager.state
-        voters = [e["node_id"] for e in state.members]
+        voters = [e.node_id for e in state.members]
         # Asked: the members its list holds alive (Membership holds no other).
-        heard = {e["node_id"] for e in state.members
-                 if e["state"] != "dead" and self._reach(master, e["node_id"])}
+        heard = {e.node_id for e in state.members
+                 if e.state != "dead" and self._reach(master, e.node_id)}
         if not has_quorum(heard, voters, self.net.nodes[master].dead):
             self._refuse(master, r)   # a minority side places nothing
             return
@@ -219,7 +219,7 @@ class SimActors:
         if not self.placed[node_id]:
             return
         node = self.net.nodes[node_id]
-        listed = {e["node_id"]: e["state"] for e in node.manager.state.members}
+        listed = {e.node_id: e.state for e in node.manager.state.members}
         for actor, (host, incarnation) in list(self.placed[node_id].items()):
             if listed.get(host) == "dead" or (host not in listed and host in node.dead):
                 del self.placed[node_id][actor]
@@ -261,8 +261,8 @@ class SimActors:
                 net.nodes[n].manager.state.term,
                 net.nodes[n].manager.state.role is Role.MASTER,
                 net.nodes[n].manager.state.epoch))
-            held_alive = {e["node_id"] for e in net.nodes[newest].manager.state.members
-                          if e["state"] != "dead"}
+            held_alive = {e.node_id for e in net.nodes[newest].manager.state.members
+                          if e.state != "dead"}
             listed = [n for n in nodes if n in held_alive]
             if len(listed) > 1:
                 raise Violation(

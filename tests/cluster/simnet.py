@@ -248,7 +248,7 @@ class SimNet:
     def _check_quorum(self, node: SimNode) -> None:
         group = self.group[node.node_id]
         reachable = {i for i, n in self.nodes.items() if n.alive and self.group[i] == group}
-        members = [m["node_id"] for m in node.manager.state.members]
+        members = [m.node_id for m in node.manager.state.members]
         if len(members) == 2:
             return   # a master of two keeps its role when it loses the other
         if not has_quorum(reachable, members):

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from pmetal.cluster.election import ElectionManager, Role
-from pmetal.cluster.view import has_quorum
+from pmetal.cluster.view import MemberEntry, has_quorum
 from pmetal.config import ElectionConfig, HealthConfig
 from pmetal.wire import Beat, ClusterView, JoinCluster, VoteRequest
 from tests.cluster.simnet import SimNet
@@ -80,8 +80,8 @@ def test_one_master_is_elected(n: int) -> None:
     states = [state(net, node_id) for node_id in net.ids]
     assert {s.master for s in states} == {master}
     assert len({(s.term, s.epoch) for s in states}) == 1
-    assert [m["node_id"] for m in states[0].members] == sorted(net.ids)
-    assert all(m["state"] == "alive" for m in states[0].members)
+    assert [m.node_id for m in states[0].members] == sorted(net.ids)
+    assert all(m.state == "alive" for m in states[0].members)
     # Nobody elects during the bootstrap window.
     assert min(at for at, _, e in net.log if e.kind == "elected") >= ELECTION.bootstrap
 
@@ -207,7 +207,7 @@ def test_a_node_started_later_joins_the_existing_master() -> None:
     net.run_until_true(lambda: net.agreement() == "" and len(state(net, master).members) == 4,
                        ELECTION.bootstrap)
     assert net.masters_now()[0].node_id == master and state(net, master).term == term
-    assert [m["node_id"] for m in state(net, "n9").members] == ["n0", "n1", "n2", "n9"]
+    assert [m.node_id for m in state(net, "n9").members] == ["n0", "n1", "n2", "n9"]
     assert not events(net, "n9", "elected")
 
 
@@ -219,17 +219,17 @@ def test_a_dead_member_is_marked_then_removed() -> None:
     net.crash(victim)
     crashed = net.now
 
-    def entry() -> dict | None:
-        return next((m for m in state(net, master).members if m["node_id"] == victim), None)
+    def entry() -> MemberEntry | None:
+        return next((m for m in state(net, master).members if m.node_id == victim), None)
 
-    net.run_until_true(lambda: (entry() or {}).get("state") == "dead",
+    net.run_until_true(lambda: getattr(entry(), "state", None) == "dead",
                        HEALTH.dead_after + HEALTH.interval)
     assert state(net, master).epoch > epoch
     net.run_until_true(lambda: entry() is None, HEALTH.remove_after + HEALTH.interval)
     assert net.now - crashed >= HEALTH.remove_after
     net.run_for(0.5)
     assert net.agreement() == ""
-    assert all(victim not in [m["node_id"] for m in state(net, i).members]
+    assert all(victim not in [m.node_id for m in state(net, i).members]
                for i in net.ids if i != victim)
 
 
@@ -239,13 +239,13 @@ def test_a_node_declared_dead_is_fenced_and_rejoins_as_a_new_incarnation() -> No
     sleeper = next(i for i in net.ids if i != master)
     net.partition([sleeper])      # a suspended laptop, as the others see it
     net.run_for(HEALTH.dead_after + 0.5)
-    assert {m["node_id"]: m["state"] for m in state(net, master).members}[sleeper] == "dead"
+    assert {m.node_id: m.state for m in state(net, master).members}[sleeper] == "dead"
     net.heal()
     net.run_until_true(lambda: bool(events(net, sleeper, "fenced")), 1.0)
     net.run_until_true(lambda: net.agreement() == "" and all(
-        m["state"] == "alive" for m in state(net, master).members), 2.0)
-    entry = {m["node_id"]: m for m in state(net, master).members}[sleeper]
-    assert entry["incarnation"] == 2 == net.nodes[sleeper].incarnation
+        m.state == "alive" for m in state(net, master).members), 2.0)
+    entry = {m.node_id: m for m in state(net, master).members}[sleeper]
+    assert entry.incarnation == 2 == net.nodes[sleeper].incarnation
     assert net.masters_now()[0].node_id == master
 
 
@@ -258,7 +258,7 @@ def test_a_node_removed_while_cut_off_is_fenced_when_it_returns(new_master: bool
     master = formed(net)
     away = next(i for i in net.ids if i != master)
     net.partition([away])
-    net.run_until_true(lambda: away not in [m["node_id"] for m in state(net, master).members],
+    net.run_until_true(lambda: away not in [m.node_id for m in state(net, master).members],
                        HEALTH.dead_after + HEALTH.remove_after + 1.0)
     if new_master:
         net.crash(master)
@@ -270,8 +270,8 @@ def test_a_node_removed_while_cut_off_is_fenced_when_it_returns(new_master: bool
     net.run_until_true(lambda: bool(events(net, away, "fenced")), 2.0)
 
     def listed() -> dict[str, int]:
-        return {m["node_id"]: m["incarnation"]
-                for m in net.masters_now()[0].manager.state.members if m["state"] == "alive"}
+        return {m.node_id: m.incarnation
+                for m in net.masters_now()[0].manager.state.members if m.state == "alive"}
 
     net.run_until_true(lambda: net.agreement() == "" and away in listed(),
                        ELECTION.bootstrap + 3.0)
@@ -290,7 +290,7 @@ def test_two_clusters_formed_apart_merge_under_the_higher_term(seed: int) -> Non
     net.heal()
     assert formed(net, 3.0) == winner
     assert state(net, winner).term > max(terms)
-    assert sorted(m["node_id"] for m in state(net, winner).members) == net.ids
+    assert sorted(m.node_id for m in state(net, winner).members) == net.ids
     assert events(net, loser, "no_master")
 
 

@@ -112,4 +112,4 @@ def test_one_seed() -> None:
             s = node.manager.state
             print(f"{node.node_id} alive={node.alive} incarnation={node.incarnation} "
                   f"{s.role.value} term={s.term} master={s.master} epoch={s.epoch} members="
-                  f"{[(m['node_id'], m['incarnation'], m['state']) for m in s.members]}")
+                  f"{[(m.node_id, m.incarnation, m.state) for m in s.members]}")
