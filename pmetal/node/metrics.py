@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from pmetal.cluster.health import HealthStatus
 from pmetal.config import MetricsConfig
 from pmetal.values import ActorState
 
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 
 _PEER = 16            # characters of a node id in a label
 _ACTOR_STATES = tuple(s for s in ActorState if s is not ActorState.MOVED)   # a record's states
-_HEALTH_STATES = ("healthy", "degraded", "suspect", "dead")
+_HEALTH_STATES = tuple(s.value for s in HealthStatus)
 EMBEDDED_DELAY = 2.0
 """Seconds after it is ready that an embedded node opens its metrics port."""
 
