@@ -106,7 +106,8 @@ class Schedule:
 
     def plan(self, op: str, n_elements: int, itemsize: int, root: int = 0,
              strategy: str | None = None) -> Plan:
-        strategy = strategy or self.strategy_for(op, n_elements * itemsize)
+        strategy = (CollectiveStrategy(strategy) if strategy
+                    else self.strategy_for(op, n_elements * itemsize))
         parts = 1
         if strategy == CollectiveStrategy.RING and n_elements:
             parts = pipeline_parts_for(n_elements, itemsize, self.world, self.chunk_bytes)
