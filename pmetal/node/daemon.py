@@ -46,6 +46,7 @@ from pmetal.node.groups import PlacementGroupService
 from pmetal.node.lifecycle import ActorLifecycle
 from pmetal.node.membership import Membership
 from pmetal.node.metrics import EMBEDDED_DELAY, MetricsServer
+from pmetal.node.telemetry import NodeTelemetry
 from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
 from pmetal.node.owners import Owners
@@ -70,7 +71,7 @@ from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
                          LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
                          PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
-                         ResourcesRequest, Shutdown, Status, StatusRequest, Vote, VoteRequest,
+                         ResourcesRequest, Shutdown, Status, StatusRequest, Telemetry, Vote, VoteRequest,
                          WatchCluster, WorkerReady)
 
 # READY_LINE, node_file, read_ready_line, is_node_process and routable_address
@@ -205,6 +206,8 @@ class NodeDaemon:
         self._counts = {"requests": 0, "failed": 0, "receive_errors": 0}
         # /metrics (and later the dashboard): pmetal.node.metrics.
         self.metrics = MetricsServer(config.metrics, self)
+        # What its workers and drivers ran (pmetal.node.telemetry).
+        self.telemetry = NodeTelemetry(self.pool)
 
     def statistics(self) -> NodeStatistics:
         members = self.membership.statistics()
@@ -385,6 +388,8 @@ class NodeDaemon:
                 raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
                                  f"{incoming.peer[:8]}; a node reports its own processes")
             return Ack(self.owners.owner_died(body.node_id, body.pid, body.client))  # type: ignore[attr-defined]
+        if kind is Telemetry:
+            return self.telemetry.accept(incoming.peer, body)  # type: ignore[arg-type]
         if kind is Detach:
             return Ack(self.owners.client_gone(incoming.peer, f"its owner (client "
                                                               f"{incoming.peer[:8]}) shut down"))
