@@ -70,7 +70,7 @@ class Tally:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.version = 0          # changes with every count: a reporter's "anything new?"
-        self.changed = threading.Event()
+        self.changed = threading.Event()   # set by every count; cleared by the reporter
         self._collectives: dict[tuple[str, str], _Collective] = {}
         self._pipelines: dict[str, _Pipeline] = {}
         self._stages: dict[tuple[str, int], _Stage] = {}
@@ -134,7 +134,6 @@ class Tally:
         bytes_received]``, ``stages`` rows ``[name, index, steps, seconds,
         bytes_out]``."""
         with self._lock:
-            self.changed.clear()
             return {
                 "collectives": [[g, s, e.operations, e.bytes, e.seconds]
                                 for (g, s), e in self._collectives.items()],

@@ -146,8 +146,9 @@ class NodeDaemon:
         self.host = host
         self.embedded = embedded
         self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
-        self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
-                                       namespace, config)
+        # Its raw socket counts the strangers ZeroMQ's CURVE refuses (count_refusals).
+        self.socket = self.transport.listen(f"tcp://{host}:{port}")
+        self.listener = SecureListener(self.socket, identity, namespace, config)
         # What peers are told to dial: never a wildcard such as 0.0.0.0.
         self.address = routable_address(self.listener.address)
         self.resources = {**default_resources(memory=config.actors.memory),
@@ -225,6 +226,7 @@ class NodeDaemon:
                 self._group = group
                 self.pool.start(group, self.address, self._stopping)
                 self._cancellable_task(self.pool.fill())
+                self._cancellable_task(self.socket.count_refusals())
                 self._cancellable_task(self.owners.watch.poll(self._stopping))
                 self._cancellable_task(self.owners.expire_leases(self._stopping))
                 self._cancellable_task(self.cluster.run(self._stopping, self._discovery()))

@@ -169,6 +169,13 @@ class _NodeCollector:
         yield Counter("pmetal_handshakes_refused", "Handshakes refused: peers without "
                       "the namespace's PSK, or that broke the protocol.",
                       value=listener.refused_handshakes)
+        curve = Counter("pmetal_curve_handshakes_refused", "Connections to the node's "
+                        "port refused inside ZeroMQ before pmetal's handshake, by reason: "
+                        "protocol (no CURVE, or keys of another PSK or namespace), auth, "
+                        "no_detail.", labels=["reason"])
+        for reason, count in sorted(node.socket.refused.items()):
+            curve.add_metric([reason], count)
+        yield curve
         yield Counter("pmetal_messages_unauthenticated", "Messages dropped for coming "
                       "from a peer without a session.",
                       value=listener.dropped_unauthenticated)

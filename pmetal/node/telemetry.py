@@ -172,12 +172,12 @@ class _Sums:
             for i, n in enumerate(report.latency):
                 self.latency[i] += n
             self.latency_sum += report.latency_sum
-        for group, strategy, ops, nbytes, seconds in _rows(report.collectives, 5):
+        for group, strategy, ops, nbytes, seconds in _rows(report.collectives, _COLLECTIVE):
             _add(self.collectives, (group, strategy), (OTHER, strategy), [ops, nbytes, seconds])
-        for name, stages, *counts in _rows(report.pipelines, 7):
+        for name, stages, *counts in _rows(report.pipelines, _PIPELINE):
             row = _add(self.pipelines, name, OTHER, [0, *counts])
             row[0] = max(row[0], stages)
-        for name, index, *counts in _rows(report.stages, 5):
+        for name, index, *counts in _rows(report.stages, _STAGE):
             _add(self.stages, (name, index), (OTHER, index), counts)
 
     def copy(self) -> _Sums:
@@ -187,11 +187,17 @@ class _Sums:
                      {k: list(v) for k, v in self.stages.items()})
 
 
-def _rows(rows: tuple[list, ...], width: int) -> list[list[Any]]:
-    """The well-formed rows of a report (a malformed one is skipped: a
-    report is a peer's word, never a reason to fail a scrape)."""
-    return [r for r in rows if len(r) == width and isinstance(r[0], str)
-            and all(isinstance(v, (int, float)) for v in r[1:])]
+_NUMBER = (int, float)
+_COLLECTIVE = (str, str, int, int, _NUMBER)
+_PIPELINE = (str, int, int, int, _NUMBER, int, int)
+_STAGE = (str, int, int, _NUMBER, int)
+
+
+def _rows(rows: tuple[list, ...], types: tuple[Any, ...]) -> list[list[Any]]:
+    """The rows of a report whose values have ``types``. A malformed row
+    is skipped: a report is a peer's word, never a reason to fail a scrape."""
+    return [r for r in rows if len(r) == len(types) and all(
+        isinstance(v, t) and not isinstance(v, bool) for v, t in zip(r, types))]
 
 
 def _add(table: dict[Any, list[Any]], key: Any, other: Any, values: list[Any]) -> list[Any]:

@@ -58,6 +58,7 @@ from pmetal.errors import (
 )
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
+from pmetal.tally import TALLY
 
 __all__ = ["GenerationResult", "PipelineGenerationLoop", "StreamMultiplexer",
            "generate_single_process"]
@@ -272,6 +273,7 @@ class PipelineGenerationLoop:
         self._ids = 0
         self.hops = 0
         self.widest = 0         # most sequences one hop carried (decode and prefill)
+        self.name = "pipeline"  # in the node's metrics (pmetal.tally)
         # One run() at a time: two interleaved would number their hops from
         # the same counters and read each other's tokens.
         self._lock = threading.Lock()
@@ -393,6 +395,7 @@ class PipelineGenerationLoop:
     def _lanes(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
                admit: Callable[[StreamMultiplexer, bool], bool] | None) -> None:
         idle = list(range(self.lanes))
+        left: dict[int, tuple[float, int]] = {}   # lane -> when its hop left, bytes sent
         while True:
             if admit is not None:
                 admit(mux, False)
@@ -402,7 +405,9 @@ class PipelineGenerationLoop:
             for lane, hop in sending:
                 hop.busy = len(in_flight) + len(sending)   # the stages' thread hint
                 self.widest = max(self.widest, sum(1 for e in hop.entries if e.tokens))
+                sent = self.sender.bytes
                 self._send(hop, mux)
+                left[lane] = (time.perf_counter(), self.sender.bytes - sent)
                 idle.remove(lane)
                 in_flight.append(lane)
             if not in_flight:
@@ -410,9 +415,15 @@ class PipelineGenerationLoop:
                     return
                 continue
             lane = in_flight.popleft()
+            received = self.receiver.bytes
             hop = self._recv(mux)
-            mux.on_hop(lane, hop, time.perf_counter())
+            now = time.perf_counter()
+            mux.on_hop(lane, hop, now)
             idle.append(lane)
+            began, sent = left.pop(lane, (now, 0))
+            TALLY.pipeline_step(self.name, self.stages,
+                                sum(1 for e in hop.entries if len(e.tokens) == 1 and not e.error),
+                                now - began, sent, self.receiver.bytes - received)
 
     def _abandon(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
                  exc: BaseException) -> None:
