@@ -444,6 +444,9 @@ class ZmqListener(_ZmqSocket):
                  curve: CurveKeys | None = None) -> None:
         raise_open_file_limit()
         super().__init__(ctx, zmq.ROUTER, cfg)
+        self._curve = curve is not None
+        self._refusals: zmq.asyncio.Socket | None = None
+        self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS.values(), 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # No ROUTER_HANDOVER: a connection that claims a routing id in use is
         # refused, so nobody can take over another peer's route.
@@ -465,9 +468,6 @@ class ZmqListener(_ZmqSocket):
         self._wake_route = b"\xffwake-" + os.urandom(16)
         self._wake_url = f"inproc://pmetal-wake-{self._wake_route[6:].hex()}"
         self._sock.bind(self._wake_url)
-        self._curve = curve is not None
-        self._refusals: zmq.asyncio.Socket | None = None
-        self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS.values(), 0)
 
     async def count_refusals(self) -> None:
         """Count the connections refused inside ZeroMQ, by reason, in

@@ -227,6 +227,9 @@ class NodeDaemon:
                 self.pool.start(group, self.address, self._stopping)
                 self._cancellable_task(self.pool.fill())
                 self._cancellable_task(self.socket.count_refusals())
+                if self.config.metrics.probe_interval > 0:   # the links' bandwidth, in turn
+                    self._cancellable_task(self.cluster.probe_periodically(
+                        self.config.metrics.probe_interval, self._stopping))
                 self._cancellable_task(self.owners.watch.poll(self._stopping))
                 self._cancellable_task(self.owners.expire_leases(self._stopping))
                 self._cancellable_task(self.cluster.run(self._stopping, self._discovery()))

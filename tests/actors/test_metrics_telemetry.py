@@ -229,3 +229,27 @@ def test_reports_add_up_and_a_gone_driver_keeps_its_counts() -> None:
     groups = {c.group for c in hub.snapshot().collectives}
     assert OTHER in groups and len(groups) <= 33   # MAX_KEYS names, then "(other)"
     assert sum(c.operations for c in hub.snapshot().collectives) == 4 + MAX_DRIVERS + 1
+
+
+def test_links_are_probed_on_a_schedule(tmp_path: Any) -> None:
+    """Two node daemons with ``metrics.probe_interval`` 0.2 s: each link's
+    bandwidth appears in /metrics without ``pmetal status --probe``."""
+    from .conftest import free_port, stop_process
+    from .test_metrics import started
+    ports = [free_port(), free_port()]
+    env = {"PMETAL_METRICS_PORT": "0", "PMETAL_ELECTION_BOOTSTRAP": "0.3",
+           "PMETAL_METRICS_PROBE_INTERVAL": "0.2"}
+    a = started(tmp_path / "a", env, ports[0], ports[1])
+    b = started(tmp_path / "b", env, ports[1], ports[0])
+    try:
+        with a as (_, sa), b as (_, sb):
+            both = [wait_status(s, lambda x: len(x["cluster"]["members"]) == 2
+                                and x["metrics"]["state"] == "on") for s in (sa, sb)]
+            for mine, other in zip(both, reversed(both)):
+                wait_until(lambda: counted(scrape(mine["metrics"]["address"]),
+                                           "pmetal_link_bandwidth_bytes_per_second",
+                                           peer=other["node_id"][:16]) > 0,
+                           WAIT, what="a link probed on schedule")
+    finally:
+        for n in (a, b):
+            stop_process(n.proc)
