@@ -209,6 +209,8 @@ class NodeDaemon:
         self.metrics = MetricsServer(config.metrics, self)
         # What its workers and drivers ran (pmetal.node.telemetry).
         self.telemetry = NodeTelemetry(self.pool)
+        if config.metrics.enabled:   # a killed worker's counts since the last scrape
+            self.pool.last_words = self.telemetry.last_words
 
     def statistics(self) -> NodeStatistics:
         members = self.membership.statistics()

@@ -8,6 +8,9 @@ reported here:
   :meth:`NodeTelemetry.refresh` sends to every ready worker at once (0.5 s
   at most each, as ``pmetal status`` asks for calls) at each scrape of
   ``/metrics``; a worker busy in a long sync call is counted at the next;
+* a worker that the node kills (``pmetal.kill``, its owner's end, a
+  pipeline's close) is asked once more first, for at most 50 ms
+  (:meth:`NodeTelemetry.last_words`);
 * a driver (a script's client) pushes its :class:`~pmetal.wire.Telemetry`
   when it changed, at most once per ``metrics.report_interval`` seconds,
   and when it shuts down (:meth:`NodeTelemetry.accept`).
@@ -256,6 +259,15 @@ class NodeTelemetry:
         self.drivers.pop(peer, None)
         self.drivers[peer] = report      # newest last
         return Ack()
+
+    async def last_words(self, worker: Any) -> None:
+        """Ask a worker that is about to be killed for its report, on the
+        channel the node has open to it (the pool's ``end`` bounds the wait)."""
+        if worker.channel is None:
+            return
+        reply = (await worker.channel.arequest(TelemetryRequest(), timeout=_ASK_WAIT)).body
+        if isinstance(reply, Telemetry):
+            self.workers[worker.worker_id] = reply
 
     async def refresh(self) -> None:
         """Ask every ready worker for its report (side by side, 0.5 s at

@@ -109,13 +109,13 @@ def test_a_pipeline_run_counts_its_tokens_steps_and_hops(node: dict[str, Any]) -
         results = pipe.generate([[1, 2, 3], [4, 5]], max_tokens=6)
         tokens = sum(len(r.tokens) for r in results)
         hops = pipe.loop.hops
-        assert tokens == 12
-        # The driver pushes its counts (within report_interval); the
-        # stages' workers answer the scrape while they live (what a worker
-        # did after the last scrape that saw it is lost with it).
-        samples = wait_until(lambda: (lambda s: s if counted(
-            s, "pmetal_pipeline_tokens_total", pipeline="random") == tokens else None)(
-            scrape(address)), WAIT, what="the driver's tokens at the node")
+    assert tokens == 12
+    # Closed, and no scrape came while it ran: the driver pushes its counts
+    # (within report_interval); the stages' workers gave their last report
+    # when the node killed them.
+    samples = wait_until(lambda: (lambda s: s if counted(
+        s, "pmetal_pipeline_tokens_total", pipeline="random") == tokens else None)(
+        scrape(address)), WAIT, what="the driver's tokens at the node")
     assert value(samples, "pmetal_pipeline_steps_total", pipeline="random") == hops
     assert value(samples, "pmetal_pipeline_stages", pipeline="random") == 2
     assert value(samples, "pmetal_pipeline_step_seconds_total", pipeline="random") > 0
