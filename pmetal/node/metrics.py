@@ -1,14 +1,16 @@
 """A node's Prometheus metrics: ``/metrics`` on an aiohttp app in its loop.
 
 Every node serves its own series (docs/observability.md has the list); no
-``node`` label is needed, since each node is a target of its own. Nothing is
-counted for metrics on the hot paths: a scrape reads the counters and
-states the node's components already keep (their ``statistics()``, the
-actor table, the health monitor), through a custom collector on a
+``node`` label is needed, since each node is a target of its own. A scrape
+reads the counters and states the node's components already keep (their
+``statistics()``, the actor table, the health monitor, the refusals its
+listening socket counted), through a custom collector on a
 :class:`~prometheus_client.CollectorRegistry` of the node's own (never the
-process-global default registry). The one thing a scrape asks over the wire
-is each worker's calls served and failed (a ``StatusRequest``, as ``pmetal
-status`` does), before rendering.
+process-global default registry), and what its workers and drivers ran
+(:mod:`pmetal.node.telemetry`): before rendering, it asks each worker for
+its report (``TelemetryRequest``). The one count kept for metrics on a hot
+path is a call's duration, in the worker (about 0.5 us of a 160 us round
+trip: docs/performance.md).
 
 The listener is an aiohttp application in the node's event loop, so the
 dashboard's routes can join it later on the same port. It listens on
