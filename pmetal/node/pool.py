@@ -300,7 +300,7 @@ class WorkerPool:
         async def then_kill() -> None:
             try:
                 await asyncio.wait_for(ask(worker), _LAST_WORDS)
-            except (PMetalError, TimeoutError, asyncio.TimeoutError):
+            except (PMetalError, TimeoutError):
                 pass
             finally:
                 self.kill(worker)

@@ -44,9 +44,9 @@ if TYPE_CHECKING:
     from pmetal.node.pool import WorkerPool
 
 __all__ = [
+    "MAX_DRIVERS",
     "CallLatency",
     "CollectiveTelemetry",
-    "MAX_DRIVERS",
     "NodeTelemetry",
     "PipelineTelemetry",
     "ProcessTelemetry",

@@ -88,14 +88,14 @@ def test_an_all_reduce_is_counted_under_its_strategy(node: dict[str, Any]) -> No
                 assert pmetal.get([m.all_reduce.remote("telemetry", n, strategy)
                                    for m in members], timeout=WAIT) == [3.0] * 3
         after = scrape(address)
+        def grew(name: str, strategy: str) -> float:
+            return (counted(after, name, strategy=strategy)
+                    - counted(before, name, strategy=strategy))
         for strategy, rounds in (("ring", 2), ("tree", 1), ("naive", 0)):
-            def grew(name: str) -> float:
-                return (counted(after, name, strategy=strategy)
-                        - counted(before, name, strategy=strategy))
             # Every rank counts its own operation and buffer: 3 ranks here.
-            assert grew("pmetal_collective_operations_total") == 3 * rounds, strategy
-            assert grew("pmetal_collective_bytes_total") == 3 * rounds * n * 8, strategy
-            assert (grew("pmetal_collective_seconds_total") > 0) == (rounds > 0), strategy
+            assert grew("pmetal_collective_operations_total", strategy) == 3 * rounds
+            assert grew("pmetal_collective_bytes_total", strategy) == 3 * rounds * n * 8
+            assert (grew("pmetal_collective_seconds_total", strategy) > 0) == (rounds > 0)
     finally:
         collective.destroy_group("telemetry")
         for m in members:
@@ -113,9 +113,11 @@ def test_a_pipeline_run_counts_its_tokens_steps_and_hops(node: dict[str, Any]) -
     # Closed, and no scrape came while it ran: the driver pushes its counts
     # (within report_interval); the stages' workers gave their last report
     # when the node killed them.
-    samples = wait_until(lambda: (lambda s: s if counted(
-        s, "pmetal_pipeline_tokens_total", pipeline="random") == tokens else None)(
-        scrape(address)), WAIT, what="the driver's tokens at the node")
+    def all_tokens() -> dict[str, list[Any]] | None:
+        s = scrape(address)
+        return s if counted(s, "pmetal_pipeline_tokens_total", pipeline="random") == tokens \
+            else None
+    samples = wait_until(all_tokens, WAIT, what="the driver's tokens at the node")
     assert value(samples, "pmetal_pipeline_steps_total", pipeline="random") == hops
     assert value(samples, "pmetal_pipeline_stages", pipeline="random") == 2
     assert value(samples, "pmetal_pipeline_step_seconds_total", pipeline="random") > 0
@@ -135,11 +137,12 @@ def test_objects_owned_by_a_worker_and_borrowed_by_the_driver(node: dict[str, An
     lender = Lender.remote()
     borrowed = pmetal.get(lender.lend.remote(), timeout=WAIT)
     assert list(pmetal.get(borrowed[0], timeout=WAIT)) == [0, 1, 2, 3]
-    wait_until(lambda: (lambda s: value(s, "pmetal_objects_owned")
-                        == value(before, "pmetal_objects_owned") + 1
-                        and value(s, "pmetal_objects_borrowed")
-                        == value(before, "pmetal_objects_borrowed") + 1)(scrape(address)),
-               WAIT, what="the lent object counted owned (worker) and borrowed (driver)")
+    def lent() -> bool:
+        s = scrape(address)
+        return (value(s, "pmetal_objects_owned") == value(before, "pmetal_objects_owned") + 1
+                and value(s, "pmetal_objects_borrowed")
+                == value(before, "pmetal_objects_borrowed") + 1)
+    wait_until(lent, WAIT, what="the lent object counted owned (worker) and borrowed (driver)")
     del borrowed
     pmetal.kill(lender)
 
@@ -195,7 +198,9 @@ def test_strangers_refused_by_curve_are_counted(node: dict[str, Any]) -> None:
 class _NoWorkers:
     """A worker pool with no workers: NodeTelemetry then holds only what
     drivers push, which is what these tests feed it."""
-    workers: dict[str, Any] = {}
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Any] = {}
 
 
 def test_reports_add_up_and_a_gone_driver_keeps_its_counts() -> None:
@@ -245,11 +250,13 @@ def test_links_are_probed_on_a_schedule(tmp_path: Any) -> None:
         with a as (_, sa), b as (_, sb):
             both = [wait_status(s, lambda x: len(x["cluster"]["members"]) == 2
                                 and x["metrics"]["state"] == "on") for s in (sa, sb)]
+            def probed(mine: dict[str, Any], other: dict[str, Any]) -> bool:
+                return counted(scrape(mine["metrics"]["address"]),
+                               "pmetal_link_bandwidth_bytes_per_second",
+                               peer=other["node_id"][:16]) > 0
             for mine, other in zip(both, reversed(both)):
-                wait_until(lambda: counted(scrape(mine["metrics"]["address"]),
-                                           "pmetal_link_bandwidth_bytes_per_second",
-                                           peer=other["node_id"][:16]) > 0,
-                           WAIT, what="a link probed on schedule")
+                wait_until(lambda m=mine, o=other: probed(m, o), WAIT,
+                           what="a link probed on schedule")
     finally:
         for n in (a, b):
             stop_process(n.proc)
