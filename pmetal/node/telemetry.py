@@ -153,6 +153,7 @@ class TelemetrySnapshot:
     pipelines: tuple[PipelineTelemetry, ...]
     processes: tuple[ProcessTelemetry, ...]
     reporters: int            # processes whose last report is held
+    refreshed: float = 0.0    # time.time() the workers were last asked (0: never)
 
 
 # ------------------------------------------------------------- the sums
@@ -245,6 +246,7 @@ class NodeTelemetry:
         self._cpu: dict[str, tuple[str, float]] = {}  # worker id -> (role, last cpu seconds)
         self._retired_cpu: dict[str, float] = {}      # role -> cpu seconds of exited workers
         self.refreshes = 0
+        self.refreshed = 0.0      # time.time() of the last refresh
 
     # ---------------------------------------------------------- reports in
 
@@ -290,6 +292,7 @@ class NodeTelemetry:
         # closed under the ask (which ends cancelled); the others still count.
         await asyncio.gather(*(ask(w) for w in ready), return_exceptions=True)
         self._retire()
+        self.refreshed = time.time()
 
     def _retire(self) -> None:
         live = self.pool.workers
@@ -320,8 +323,9 @@ class NodeTelemetry:
     # ------------------------------------------------------------ reading
 
     def snapshot(self) -> TelemetrySnapshot:
-        """The counters as of the last reports (call :meth:`refresh` first
-        for the workers' newest)."""
+        """The counters as of the last reports: the workers' as of the last
+        :meth:`refresh` (a scrape of ``/metrics`` makes one; a reader that
+        wants them fresh awaits it first), the drivers' as they pushed."""
         sums = self.retired.copy()
         owned = borrowed = 0
         for report in (*self.workers.values(), *self.drivers.values()):
@@ -343,4 +347,4 @@ class NodeTelemetry:
                               for (g, s), (o, b, t) in sorted(sums.collectives.items())),
             pipelines=tuple(p for _, p in sorted(pipelines.items())),
             processes=self._processes(),
-            reporters=len(self.workers) + len(self.drivers))
+            reporters=len(self.workers) + len(self.drivers), refreshed=self.refreshed)

@@ -260,3 +260,27 @@ def test_links_are_probed_on_a_schedule(tmp_path: Any) -> None:
     finally:
         for n in (a, b):
             stop_process(n.proc)
+
+
+def test_a_driver_s_last_counts_reach_its_node_at_shutdown(node: dict[str, Any]) -> None:
+    """Another driver joins the node with a report interval of a minute and
+    counts two collective operations in a row: the first is pushed at once,
+    the second only by pmetal.shutdown(). Both are counted, and stay
+    counted once that process has ended."""
+    import subprocess
+    import sys
+    address = node["metrics"]["address"]
+    before = counted(scrape(address), "pmetal_collective_operations_total", strategy="naive")
+    script = (
+        "import pmetal\n"
+        "from pmetal.config import load_config\n"
+        "from pmetal.tally import TALLY\n"
+        f"pmetal.init(address={node['address']!r}, psk={SECRET!r},\n"
+        "            config=load_config(metrics={'report_interval': 60.0}))\n"
+        "TALLY.collective('elsewhere', 'naive', 800, 0.01)\n"
+        "TALLY.collective('elsewhere', 'naive', 800, 0.01)\n"
+        "pmetal.shutdown()\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+    after = scrape(address)
+    assert counted(after, "pmetal_collective_operations_total", strategy="naive") == before + 2
+    assert counted(after, "pmetal_collective_bytes_total", strategy="naive") >= 1600
