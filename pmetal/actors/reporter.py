@@ -80,7 +80,8 @@ class Reporter:
             version = TALLY.version
             report = driver_report(self.client)
             objects = (report.owned, report.borrowed)
-            if version == self._version and objects == self._objects:
+            if (version == self._version and objects == self._objects) \
+                    or self.client.node_dead:   # nobody to tell: no wait at shutdown
                 return False
             try:
                 reply = self.client.request_node(report, timeout=_PUSH_WAIT)
