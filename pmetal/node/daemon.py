@@ -396,7 +396,9 @@ class NodeDaemon:
                                  f"{incoming.peer[:8]}; a node reports its own processes")
             return Ack(self.owners.owner_died(body.node_id, body.pid, body.client))  # type: ignore[attr-defined]
         if kind is Telemetry:
-            return self.telemetry.accept(incoming.peer, body)  # type: ignore[arg-type]
+            session = self.listener.session(incoming.route)
+            pid = session.peer_pid if session is not None and session.local else 0
+            return self.telemetry.accept(incoming.peer, body, pid)  # type: ignore[arg-type]
         if kind is Detach:
             return Ack(self.owners.client_gone(incoming.peer, f"its owner (client "
                                                               f"{incoming.peer[:8]}) shut down"))

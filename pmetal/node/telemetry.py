@@ -16,7 +16,8 @@ reported here:
   and when it shuts down (:meth:`NodeTelemetry.accept`).
 
 The node keeps each process's last report. A process that is gone (a
-worker that exited, a driver whose pid ended) has its last report added
+worker that exited, a driver of this machine whose process ended) has its
+last report added
 to the retired totals, so counters never go back; what it did after its
 last report is lost with it. At most :data:`MAX_DRIVERS` drivers are held
 (a newer one past that retires the oldest). Process CPU and memory of the
@@ -242,6 +243,7 @@ class NodeTelemetry:
         self.pool = pool
         self.workers: dict[str, Telemetry] = {}       # worker id -> last report
         self.drivers: dict[str, Telemetry] = {}       # session peer -> last report
+        self._pids: dict[str, int] = {}               # session peer -> proved local pid
         self.retired = _Sums()
         self._cpu: dict[str, tuple[str, float]] = {}  # worker id -> (role, last cpu seconds)
         self._retired_cpu: dict[str, float] = {}      # role -> cpu seconds of exited workers
@@ -250,16 +252,22 @@ class NodeTelemetry:
 
     # ---------------------------------------------------------- reports in
 
-    def accept(self, peer: str, report: Telemetry) -> Message:
-        """A driver's push (its session's peer id names it)."""
+    def accept(self, peer: str, report: Telemetry, pid: int = 0) -> Message:
+        """A driver's push (its session's peer id names it). ``pid``: its
+        process id as its session proved it runs on this machine (0: not
+        proved, a driver on another machine), by which it is retired once
+        it ended; an unproved one stays until :data:`MAX_DRIVERS` newer
+        ones pushed (the report's own ``pid`` is its word only)."""
         if report.role != "driver":
             return Failure("bad_request", "ProtocolError",
                            f"a Telemetry push must come from a driver, not a {report.role!r}")
         if peer not in self.drivers and len(self.drivers) >= MAX_DRIVERS:
             oldest = next(iter(self.drivers))
             self.retired.add(self.drivers.pop(oldest))
+            self._pids.pop(oldest, None)
         self.drivers.pop(peer, None)
-        self.drivers[peer] = report      # newest last
+        self.drivers[peer] = report      # the most recent push last
+        self._pids[peer] = pid
         return Ack()
 
     async def last_words(self, worker: Any) -> None:
@@ -301,8 +309,9 @@ class NodeTelemetry:
         for worker_id in [w for w in self._cpu if w not in live]:
             role, cpu = self._cpu.pop(worker_id)
             self._retired_cpu[role] = self._retired_cpu.get(role, 0.0) + cpu
-        for peer in [p for p, r in self.drivers.items() if not shm.pid_alive(r.pid)]:
+        for peer in [p for p, pid in self._pids.items() if pid and not shm.pid_alive(pid)]:
             self.retired.add(self.drivers.pop(peer))
+            del self._pids[peer]
 
     def _processes(self) -> tuple[ProcessTelemetry, ...]:
         by_role: dict[str, list[Any]] = {r: [0, c, 0] for r, c in self._retired_cpu.items()}

@@ -223,10 +223,14 @@ def test_reports_add_up_and_a_gone_driver_keeps_its_counts() -> None:
     assert seen.objects_owned == 0 and seen.reporters == 1
     # A driver whose process is gone is retired at the next refresh: its
     # counts stay, added to the retired totals.
-    hub.drivers["a"] = Telemetry(2 ** 22 + 12345, "driver", collectives=(
-        ["g", "ring", 4, 1600, 1.0],))
+    gone = 2 ** 22 + 12345   # above Linux's pid_max: no such process
+    hub.accept("a", Telemetry(gone, "driver", collectives=(["g", "ring", 4, 1600, 1.0],)),
+               pid=gone)
+    hub.accept("far", Telemetry(gone, "driver"))   # pid not proved: another machine's
     hub._retire()
-    assert hub.drivers == {} and hub.snapshot().collectives[0].operations == 4
+    assert list(hub.drivers) == ["far"] and hub.snapshot().collectives[0].operations == 4
+    hub.drivers.clear()
+    hub._pids.clear()
     # Bounded: past MAX_DRIVERS the oldest is retired, counted all the same.
     for n in range(MAX_DRIVERS + 1):
         hub.accept(f"d{n}", Telemetry(me, "driver", collectives=([f"g{n}", "tree", 1, 8, 0.1],)))
