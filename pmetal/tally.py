@@ -55,6 +55,7 @@ class _Pipeline:
     seconds: float = 0.0        # summed round trips of the driver's hops
     bytes_sent: int = 0         # the driver's hops out (to stage 0)
     bytes_received: int = 0     # and back (from the last stage)
+    send_seconds: float = 0.0   # handing its hops to the link (queueing, backpressure)
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Stage:
     steps: int = 0
     seconds: float = 0.0        # compute
     bytes_out: int = 0          # its hop to the next stage (the last: to the driver)
+    send_seconds: float = 0.0   # handing that hop to the link
 
 
 class Tally:
@@ -97,10 +99,10 @@ class Tally:
             self._bump()
 
     def pipeline_step(self, name: str, stages: int, tokens: int, seconds: float,
-                      sent: int, received: int) -> None:
+                      sent: int, received: int, send_seconds: float = 0.0) -> None:
         """One hop of a pipeline driver round the ring: ``tokens`` came
         back, ``seconds`` after it left; ``sent``/``received``: the driver's
-        hop bytes."""
+        hop bytes; ``send_seconds``: handing its hop to the link took that."""
         with self._lock:
             key = self._key(self._pipelines, name, OTHER)
             entry = self._pipelines.get(key)
@@ -112,11 +114,14 @@ class Tally:
             entry.seconds += seconds
             entry.bytes_sent += sent
             entry.bytes_received += received
+            entry.send_seconds += send_seconds
             self._bump()
 
-    def stage_step(self, name: str, index: int, seconds: float, bytes_out: int) -> None:
+    def stage_step(self, name: str, index: int, seconds: float, bytes_out: int,
+                   send_seconds: float = 0.0) -> None:
         """One step of stage ``index`` of pipeline ``name``: ``seconds`` of
-        compute, ``bytes_out`` sent on its hop to the next."""
+        compute, ``bytes_out`` sent on its hop to the next in
+        ``send_seconds``."""
         with self._lock:
             key = self._key(self._stages, (name, index), (OTHER, index))
             entry = self._stages.get(key)
@@ -125,21 +130,23 @@ class Tally:
             entry.steps += 1
             entry.seconds += seconds
             entry.bytes_out += bytes_out
+            entry.send_seconds += send_seconds
             self._bump()
 
     def report(self) -> dict[str, list[list[Any]]]:
         """The counters as plain lists (msgpack): ``collectives`` rows
         ``[group, strategy, operations, bytes, seconds]``, ``pipelines``
         rows ``[name, stages, tokens, steps, seconds, bytes_sent,
-        bytes_received]``, ``stages`` rows ``[name, index, steps, seconds,
-        bytes_out]``."""
+        bytes_received, send_seconds]``, ``stages`` rows ``[name, index,
+        steps, seconds, bytes_out, send_seconds]``."""
         with self._lock:
             return {
                 "collectives": [[g, s, e.operations, e.bytes, e.seconds]
                                 for (g, s), e in self._collectives.items()],
                 "pipelines": [[n, e.stages, e.tokens, e.steps, e.seconds, e.bytes_sent,
-                               e.bytes_received] for n, e in self._pipelines.items()],
-                "stages": [[n, i, e.steps, e.seconds, e.bytes_out]
+                               e.bytes_received, e.send_seconds]
+                              for n, e in self._pipelines.items()],
+                "stages": [[n, i, e.steps, e.seconds, e.bytes_out, e.send_seconds]
                            for (n, i), e in self._stages.items()],
             }
 

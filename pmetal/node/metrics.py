@@ -239,6 +239,9 @@ def _telemetry(seen: TelemetrySnapshot) -> Iterator[Any]:
                         "pipeline from this node: hop \"driver\" is the driver's to the "
                         "first stage, hop \"i\" stage i's to the next (the last's: back to "
                         "the driver).", labels=["pipeline", "hop"])
+    hop_seconds = Counter("pmetal_pipeline_hop_send_seconds", "Seconds the sender of "
+                          "each of those hops spent handing them to its link (queueing and "
+                          "backpressure; not their flight).", labels=["pipeline", "hop"])
     stage_steps = Counter("pmetal_pipeline_stage_steps", "Steps of the pipeline stages "
                           "hosted on this node.", labels=["pipeline", "stage"])
     stage_seconds = Counter("pmetal_pipeline_stage_seconds", "Compute seconds of those "
@@ -250,11 +253,14 @@ def _telemetry(seen: TelemetrySnapshot) -> Iterator[Any]:
             steps.add_metric([p.name], p.steps)
             step_seconds.add_metric([p.name], p.seconds)
             hop_bytes.add_metric([p.name, "driver"], p.bytes_sent)
+            hop_seconds.add_metric([p.name, "driver"], p.send_seconds)
         for st in p.stage_rows:
             hop_bytes.add_metric([p.name, str(st.index)], st.hop_bytes)
+            hop_seconds.add_metric([p.name, str(st.index)], st.hop_seconds)
             stage_steps.add_metric([p.name, str(st.index)], st.steps)
             stage_seconds.add_metric([p.name, str(st.index)], st.seconds)
-    yield from (stages, tokens, steps, step_seconds, hop_bytes, stage_steps, stage_seconds)
+    yield from (stages, tokens, steps, step_seconds, hop_bytes, hop_seconds, stage_steps,
+                stage_seconds)
 
     yield Gauge("pmetal_objects_owned", "ObjectRefs this node's workers and drivers own "
                 "and hold for borrowers in other processes.", value=seen.objects_owned)

@@ -97,12 +97,14 @@ class CollectiveTelemetry:
 @dataclass(frozen=True)
 class StageTelemetry:
     """A pipeline stage hosted on this node: steps, compute seconds, and
-    the bytes of its hop to the next stage (the last stage's: to the
-    driver)."""
+    its hop to the next stage (the last stage's: to the driver): bytes,
+    and seconds spent handing them to the link (queueing and
+    backpressure; not their flight, which needs both ends' clocks)."""
     index: int
     steps: int
     seconds: float
     hop_bytes: int
+    hop_seconds: float = 0.0
 
     @property
     def seconds_per_step(self) -> float:
@@ -115,7 +117,8 @@ class PipelineTelemetry:
     ran it (each side is absent where it runs elsewhere: zeros, no
     stages). ``steps`` are the driver's hops round the ring, ``seconds``
     their summed round trips; ``bytes_sent``/``bytes_received`` its hops
-    to the first stage and from the last."""
+    to the first stage and from the last, ``send_seconds`` the time it
+    took to hand its hops to the link."""
     name: str
     stages: int
     tokens: int
@@ -124,6 +127,7 @@ class PipelineTelemetry:
     bytes_sent: int
     bytes_received: int
     stage_rows: tuple[StageTelemetry, ...] = ()
+    send_seconds: float = 0.0
 
     @property
     def seconds_per_step(self) -> float:
@@ -194,8 +198,8 @@ class _Sums:
 
 _NUMBER = (int, float)
 _COLLECTIVE = (str, str, int, int, _NUMBER)
-_PIPELINE = (str, int, int, int, _NUMBER, int, int)
-_STAGE = (str, int, int, _NUMBER, int)
+_PIPELINE = (str, int, int, int, _NUMBER, int, int, _NUMBER)
+_STAGE = (str, int, int, _NUMBER, int, _NUMBER)
 
 
 def _rows(rows: tuple[list, ...], types: tuple[Any, ...]) -> list[list[Any]]:
@@ -342,9 +346,11 @@ class NodeTelemetry:
             owned += report.owned
             borrowed += report.borrowed
         stages: dict[str, list[StageTelemetry]] = {}
-        for (name, index), (steps, seconds, nbytes) in sorted(sums.stages.items()):
-            stages.setdefault(name, []).append(StageTelemetry(index, steps, seconds, nbytes))
-        pipelines = {name: PipelineTelemetry(name, *row, stage_rows=tuple(stages.pop(name, ())))
+        for (name, index), (steps, seconds, nbytes, send) in sorted(sums.stages.items()):
+            stages.setdefault(name, []).append(StageTelemetry(index, steps, seconds, nbytes,
+                                                              send))
+        pipelines = {name: PipelineTelemetry(name, *row[:6], send_seconds=row[6],
+                                             stage_rows=tuple(stages.pop(name, ())))
                      for name, row in sums.pipelines.items()}
         for name, rows in stages.items():   # stages here, their driver elsewhere
             pipelines[name] = PipelineTelemetry(name, 0, 0, 0, 0.0, 0, 0, tuple(rows))

@@ -395,7 +395,8 @@ class PipelineGenerationLoop:
     def _lanes(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
                admit: Callable[[StreamMultiplexer, bool], bool] | None) -> None:
         idle = list(range(self.lanes))
-        left: dict[int, tuple[float, int]] = {}   # lane -> when its hop left, bytes sent
+        # lane -> when its hop left, its bytes, and the seconds sending took
+        left: dict[int, tuple[float, int, float]] = {}
         while True:
             if admit is not None:
                 admit(mux, False)
@@ -405,9 +406,9 @@ class PipelineGenerationLoop:
             for lane, hop in sending:
                 hop.busy = len(in_flight) + len(sending)   # the stages' thread hint
                 self.widest = max(self.widest, sum(1 for e in hop.entries if e.tokens))
-                sent = self.sender.bytes
+                sent, began = self.sender.bytes, time.perf_counter()
                 self._send(hop, mux)
-                left[lane] = (time.perf_counter(), self.sender.bytes - sent)
+                left[lane] = (began, self.sender.bytes - sent, time.perf_counter() - began)
                 idle.remove(lane)
                 in_flight.append(lane)
             if not in_flight:
@@ -420,10 +421,10 @@ class PipelineGenerationLoop:
             now = time.perf_counter()
             mux.on_hop(lane, hop, now)
             idle.append(lane)
-            began, sent = left.pop(lane, (now, 0))
+            began, sent, send_seconds = left.pop(lane, (now, 0, 0.0))
             TALLY.pipeline_step(self.name, self.stages,
                                 sum(1 for e in hop.entries if len(e.tokens) == 1 and not e.error),
-                                now - began, sent, self.receiver.bytes - received)
+                                now - began, sent, self.receiver.bytes - received, send_seconds)
 
     def _abandon(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
                  exc: BaseException) -> None:

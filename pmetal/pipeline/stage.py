@@ -383,12 +383,13 @@ class PipelineStageRuntime:
             reply = self.step(hop)
             if rest is not None:
                 rest()   # compute helpers stop spinning: the next hop takes a while
-            sent = sender.bytes
+            sent, sending = sender.bytes, time.perf_counter()
             sender.send(reply)
             self.stats.bytes_in = receiver.bytes
             self.stats.bytes_out = sender.bytes
             TALLY.stage_step(self.config.name, self.config.index,
-                             self.stats.compute_seconds - computed, sender.bytes - sent)
+                             self.stats.compute_seconds - computed, sender.bytes - sent,
+                             time.perf_counter() - sending)
 
 
 class PipelineStage:

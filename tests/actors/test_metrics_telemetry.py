@@ -129,6 +129,8 @@ def test_a_pipeline_run_counts_its_tokens_steps_and_hops(node: dict[str, Any]) -
     for hop in ("driver", "0", "1"):
         assert value(samples, "pmetal_pipeline_hop_bytes_total", pipeline="random",
                      hop=hop) > 0
+        assert value(samples, "pmetal_pipeline_hop_send_seconds_total", pipeline="random",
+                     hop=hop) > 0
 
 
 def test_objects_owned_by_a_worker_and_borrowed_by_the_driver(node: dict[str, Any]) -> None:
@@ -214,7 +216,7 @@ def test_reports_add_up_and_a_gone_driver_keeps_its_counts() -> None:
     rows = (["g", "ring", 2, 800, 0.5], ["g", 7, 1, 1, 1], ["bad"])   # two malformed rows
     assert isinstance(hub.accept("a", Telemetry(me, "driver", collectives=rows, owned=1)), Ack)
     assert isinstance(hub.accept("a", Telemetry(me, "driver", collectives=(
-        ["g", "ring", 3, 1200, 0.75],), pipelines=(["m", 2, 10, 11, 1.1, 99, 88],))), Ack)
+        ["g", "ring", 3, 1200, 0.75],), pipelines=(["m", 2, 10, 11, 1.1, 99, 88, 0.01],))), Ack)
     assert isinstance(hub.accept("b", Telemetry(me, "worker")), Failure)   # workers are asked
     seen = hub.snapshot()
     assert [(c.group, c.strategy, c.operations, c.bytes) for c in seen.collectives] == \
