@@ -62,6 +62,9 @@ are node to node, but for the watch, which a client asks of its own node.
 The model store's kinds (60-63: ``ModelQuery``, ``ModelHoldings``,
 ``PieceRead``, ``PieceData``) are asked of a node by any process of the
 namespace.
+The metrics' kinds (76-77: ``TelemetryRequest``, ``Telemetry``): a node
+asks each of its workers at a scrape of ``/metrics``; a driver pushes its
+own to its node.
 Fields added at the end of a message (an old peer's shorter message decodes
 with their defaults): ``ActorLocation.max_task_retries`` and
 ``ActorLocation.owner_lease``, ``OwnerDied.client``,
@@ -134,6 +137,8 @@ __all__ = [
     "StreamCall",
     "StreamCredit",
     "StreamStop",
+    "Telemetry",
+    "TelemetryRequest",
     "Vote",
     "VoteRequest",
     "WatchCluster",
@@ -208,6 +213,9 @@ class Kind(enum.IntEnum):
     # object ownership: borrowers and owners of ObjectRefs (pmetal.actors.objects)
     FETCH_OBJECT = 70
     BORROW_UPDATES = 71
+    # metrics: what workers and drivers ran, for their node (pmetal.tally)
+    TELEMETRY_REQUEST = 76
+    TELEMETRY = 77
 
 
 class Message:
@@ -933,6 +941,36 @@ class BorrowUpdates(Message):
     oids: tuple[int, ...] = ()
     who: tuple[int, ...] = ()
     deltas: tuple[int, ...] = ()
+
+
+@_message(Kind.TELEMETRY_REQUEST)
+class TelemetryRequest(Message):
+    """Node to one of its workers, at a scrape of ``/metrics``: its
+    :class:`Telemetry`."""
+
+
+@_message(Kind.TELEMETRY)
+class Telemetry(Message):
+    """A process's counters for its node's metrics: a worker's answer to
+    :class:`TelemetryRequest`, or a driver's report (answered with an Ack).
+    ``calls``/``failed``: calls served and those whose code raised;
+    ``latency``: calls by duration, one count per bucket of
+    ``pmetal.tally``'s bounds plus one above them (empty: not timed),
+    ``latency_sum`` their seconds; ``owned``/``borrowed``: ObjectRefs held
+    for other processes and borrowed from them; ``collectives``,
+    ``pipelines``, ``stages``: the rows of :meth:`pmetal.tally.Tally.report`."""
+
+    pid: int
+    role: str                                    # "worker" or "driver"
+    calls: int = 0
+    failed: int = 0
+    latency: tuple[int, ...] = ()
+    latency_sum: float = 0.0
+    owned: int = 0
+    borrowed: int = 0
+    collectives: tuple[list, ...] = ()
+    pipelines: tuple[list, ...] = ()
+    stages: tuple[list, ...] = ()
 
 
 _CODEC = frozenset({"Envelope", "WireLimits", "decode", "encode", "frame_bytes"})

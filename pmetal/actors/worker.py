@@ -32,7 +32,9 @@ import os
 import sys
 import threading
 import traceback
+from bisect import bisect_left
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 from pmetal.actors import context, strategies, workdir
@@ -49,11 +51,12 @@ from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutErr
                            ProtocolError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
+from pmetal.tally import CALL_SECONDS, TALLY
 from pmetal.transport import ZmqTransport
 from pmetal.values import Address, FailureKind
 from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, Message, Ping, Pong, Result,
                          RunTask, Shutdown, Status, StatusRequest, StreamCall,
-                         StreamCredit, StreamStop, WorkerReady)
+                         StreamCredit, StreamStop, Telemetry, TelemetryRequest, WorkerReady)
 
 __all__ = ["Worker", "WorkerStatistics", "failure_from", "main"]
 
@@ -148,6 +151,9 @@ class Worker:
         self.calls = 0
         self.refused = 0   # requests answered with a Failure for being malformed
         self.failed = 0    # calls whose user code raised (counted off the success path)
+        # Calls by duration (pmetal.tally.CALL_SECONDS buckets), and their sum.
+        self.latency = [0] * (len(CALL_SECONDS) + 1)
+        self.latency_sum = 0.0
         # Async methods running, by (caller's route, call's corr): CancelCall.
         self._running: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
@@ -162,6 +168,23 @@ class Worker:
         return WorkerStatistics(self.worker_id, self.actor_id or "", self.calls, self.refused,
                                 self.held, self.withheld, self.streams.served,
                                 self.listener.statistics(), self.failed)
+
+    def telemetry(self) -> Telemetry:
+        """This worker's counters for its node's metrics (pmetal.node.telemetry)."""
+        objects = context.current_or_none()
+        objects = objects._objects if objects is not None else None
+        stats = objects.statistics() if objects is not None else None
+        rows = TALLY.report()
+        return Telemetry(os.getpid(), "worker", self.calls, self.failed, tuple(self.latency),
+                         self.latency_sum, stats.owned if stats else 0,
+                         stats.borrowed if stats else 0, tuple(rows["collectives"]),
+                         tuple(rows["pipelines"]), tuple(rows["stages"]))
+
+    def _timed(self, started: float) -> None:
+        """Count a call that began at ``started`` in the duration histogram."""
+        took = perf_counter() - started
+        self.latency[bisect_left(CALL_SECONDS, took)] += 1
+        self.latency_sum += took
 
     # ------------------------------------------------------------- serving
 
@@ -318,6 +341,8 @@ class Worker:
         if kind is StatusRequest:
             return Status({"worker_id": self.worker_id, "actor_id": self.actor_id,
                            "calls": self.calls, "failed": self.failed})
+        if kind is TelemetryRequest:
+            return self.telemetry()
         return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
@@ -393,6 +418,7 @@ class Worker:
             return method
         self.calls += 1
         context.current_task.set(self.calls)
+        started = perf_counter()
         try:
             value = method(*unpack_values(args),
                            **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
@@ -400,6 +426,8 @@ class Worker:
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+        finally:
+            self._timed(started)
 
     def _result(self, value: Any, route: bytes) -> Result:
         """``value`` packed for the caller at ``route``: refs inside it are
@@ -459,6 +487,7 @@ class Worker:
                 return failure_from(_user_traceback(exc))
         self.calls += 1
         context.current_task.set(self.calls)
+        started = perf_counter()
         try:
             if type(fn) is workdir.WorkingDirTask:   # runs in its runtime_env working_dir
                 value = fn.run(body.args, body.kwargs)
@@ -469,6 +498,8 @@ class Worker:
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+        finally:
+            self._timed(started)
 
     # -------------------------------------------------------------- asyncio
 
@@ -544,6 +575,7 @@ class Worker:
         self.calls += 1
         task = self.calls
         context.current_task.set(task)   # this asyncio task's own copy
+        started = perf_counter()
         try:
             a = unpack_values(args)
             kw = {k: unpack_value(v) for k, v in kwargs.items()}
@@ -569,6 +601,8 @@ class Worker:
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+        finally:
+            self._timed(started)
 
     async def _batch_entry_async(self, incoming: Incoming, entry: Any, corr: int,
                                  limit: asyncio.Semaphore,

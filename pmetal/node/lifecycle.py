@@ -351,7 +351,7 @@ class ActorLifecycle:
             record.reason = reason
         worker = self.pool.workers.get(record.worker_id)
         if worker is not None:
-            self.pool.kill(worker)
+            self.pool.end(worker)   # its last report first (pool.last_words), briefly
         elif record.state == ActorState.PENDING and not record.held:   # still in the queue
             record.cancelled.set()
         elif record.state != ActorState.DEAD and not record.constructing:
