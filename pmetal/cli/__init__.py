@@ -68,7 +68,7 @@ COMMANDS: dict[str, Command] = {
     "keygen": Command("make a new random namespace PSK", _run_keygen, _keygen_arguments),
     "start": Command("start this machine's node daemon (in the background unless --block)",
                      _run_start, _start_arguments),
-    "status": Command("show the running node: members, workers, actors, statistics",
+    "status": Command("show the cluster: members, master, links, workers, actors (--watch)",
                       _run_status, _status_arguments),
     "stop": Command("stop this machine's node daemon and its workers", _run_stop),
     "kill": Command("kill a named actor of the cluster (through this machine's node)",
