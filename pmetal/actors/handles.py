@@ -503,8 +503,8 @@ def _after_shutdown(handle: ActorHandle) -> Any:
 def _rebuild_handle(actor_id: str, state: str, address: str, node_id: str, incarnation: int,
                     name: str, class_name: str, methods: tuple[str, ...],
                     is_async: bool, max_task_retries: int = 0) -> ActorHandle:
-    return ActorHandle(ActorLocation(actor_id, state, address, node_id, incarnation, name, "",
-                                     class_name, methods, is_async, max_task_retries))
+    return ActorHandle(ActorLocation(actor_id, ActorState(state), address, node_id, incarnation,
+                                     name, "", class_name, methods, is_async, max_task_retries))
 
 
 def remote(*args: Any, **options: Any) -> Any:

@@ -112,7 +112,9 @@ def _watch(args: argparse.Namespace, interval: float, count: int | None) -> int:
             try:
                 if client is None:
                     client = _client_of_recorded_node()
-                status = client.status(probe=args.probe, measure=args.measure)
+                # --probe moves a few MiB per link: once, before the first frame.
+                status = client.status(probe=args.probe and not last_answer,
+                                       measure=args.measure)
             except (PMetalError, OSError) as exc:
                 if client is not None:
                     client.close()

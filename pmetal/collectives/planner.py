@@ -74,8 +74,8 @@ def make_plan(op: str, strategy: str, world: int, root: int, n_elements: int, *,
     children: tuple[tuple[int, ...], ...] = ()
     if tree is not None:
         if strategy != tree_strategy.NAME:
-            raise PMetalValueError(f"a tree applies only to the {tree_strategy.NAME!r} "
-                                   f"strategy, not {strategy!r}")
+            raise PMetalValueError(f"a tree applies only to the {str(tree_strategy.NAME)!r} "
+                                   f"strategy, not {str(strategy)!r}")
         children = tree_strategy.validate_tree(tree, world, root)
     request = PlanRequest(op=op, world=world, root=root, n_elements=n_elements,
                           order=ring_order, pipeline_parts=pipeline_parts, tree=children)
