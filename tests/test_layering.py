@@ -85,7 +85,8 @@ ALLOWED = {
     "model": {"core"},
     "actors": {"core", "cluster", "store"},   # store: runtime_env working_dir archives
     "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
-    "node": {"core", "cluster", "actors", "store"},   # the daemon; the client side never imports it
+    "node": {"core", "cluster", "actors", "store", "dashboard"},
+    "dashboard": {"core", "cluster"},   # the node's web page; reads the node it is given   # the daemon; the client side never imports it
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
     "collectives": {"core", "cluster", "actors", "links"},
     "pipeline": {"core", "cluster", "actors", "links", "model", "store"},
@@ -95,7 +96,7 @@ ALLOWED = {
     "bench": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
               "serve", "front", "store"},
     "cli": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
-            "serve", "front", "bench", "store"},
+            "serve", "front", "bench", "store", "dashboard"},
 }
 
 
