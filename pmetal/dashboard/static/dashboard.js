@@ -199,7 +199,7 @@ function renderActors(snap) {
     .map((a) => h("tr", {dataset: {actor: a.actor_id, state: a.state}},
       h("td", {}, a.name || a.class_name || "-"),
       h("td", {}, a.class_name || "-"),
-      h("td", {}, h("code", {}, short(a.actor_id))),
+      h("td", {}, h("code", {title: a.actor_id}, (a.actor_id || "").slice(-8))),
       h("td", {}, h("span", {class: `badge ${a.state}`}, a.state)),
       h("td", {class: "num"}, a.restarts),
       h("td", {class: "num"}, a.restarts_left < 0 ? "\u221e" : a.restarts_left),
