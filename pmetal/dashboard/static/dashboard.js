@@ -331,7 +331,9 @@ function stream() {
   });
   source.onerror = () => {
     failures += 1;
-    if (failures >= SSE_FAILURES_BEFORE_POLLING) {
+    // CLOSED: the server answered without a stream (an old node, a proxy
+    // that refuses it); EventSource will not retry, so poll at once.
+    if (source.readyState === EventSource.CLOSED || failures >= SSE_FAILURES_BEFORE_POLLING) {
       source.close();
       poll();
     } else {
