@@ -1,23 +1,27 @@
 """Beyond loopback the dashboard (and /metrics) asks for the namespace's token.
 
-One node on a lab host (its own network namespace) with ``metrics.host``
-set to the host's lab address, not loopback. Requests come from a client
+One node on a lab host (its own network namespace; started with ``pmetal
+start``) with ``metrics.host`` set to the host's lab address, not loopback. Requests come from a client
 on that host: without the token, or with a wrong one, every route is a 401;
 with it (as a bearer header, as the cookie the login form or the printed
 URL sets) they are served. Then a browser on the host signs in through the
-form, as the owner would, and sees the cluster.
+form, as the owner would, and sees the cluster; ``pmetal dashboard`` on the
+host prints the URL that signs a browser in.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from cluster.lab import ROOT, LabCluster
+from cluster.lab import ROOT
 from dashboard.browser import screenshot, wait_for
 from netlab import NetLab, lab_available
 from pmetal.dashboard import dashboard_token
@@ -62,37 +66,60 @@ print(json.dumps(out))
 """
 
 
+@dataclass
+class Exposed:
+    lab: NetLab
+    base: str            # http://address:port of the dashboard
+    token: str
+    node_id: str
+    pmetal: Callable[..., str]   # runs 'pmetal ARGS' on the host; its stdout
+
+
 @pytest.fixture(scope="module")
-def exposed(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """(cluster, base URL, token): a node serving beyond loopback, shared by
-    the module's tests (they only read)."""
-    tmp_path = tmp_path_factory.mktemp("exposed")
+def exposed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Exposed]:
+    """A node started with ``pmetal start`` on a lab host, serving its
+    dashboard on the host's lab address; shared by the module's tests (they
+    only read)."""
+    home = tmp_path_factory.mktemp("exposed")
     with NetLab(1) as lab:
         address = lab.host(1).address
-        c = LabCluster(lab, tmp_path, discovery=False,
-                       env={"PMETAL_METRICS_HOST": address, "PMETAL_METRICS_PORT": str(PORT)})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
+        env.update(PMETAL_HOME=str(home), PMETAL_METRICS_HOST=address,
+                   PMETAL_METRICS_PORT=str(PORT), PYTHONPATH=str(ROOT))
+
+        def pmetal(*args: str) -> str:
+            proc = lab.run(1, [sys.executable, "-m", "pmetal", *args], env=env, cwd=ROOT,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            return out.strip()
+
+        pmetal("start", "--host", address, "--port", "7100", "--no-discovery")
         try:
-            c.start(1, probe=False)
-            token = dashboard_token(NetworkNamespace(c.namespace, c.psk))
-            yield c, f"http://{address}:{PORT}", token
+            # The PSK file's text is the key (as NetworkNamespace.resolve reads it).
+            token = dashboard_token(NetworkNamespace("default",
+                                                     (home / "psk").read_bytes().strip()))
+            node_id = json.loads((home / "node.json").read_text())["node_id"]
+            exposed = Exposed(lab, f"http://{address}:{PORT}", token, node_id, pmetal)
+            ask(exposed, [])   # waits for the listener, which opens after the ready line
+            yield exposed
         finally:
-            c.close()
+            pmetal("stop")
 
 
-def ask(c: LabCluster, base: str, requests: list[tuple[str, str, dict[str, str], str | None]]
+def ask(e: Exposed, requests: list[tuple[str, str, dict[str, str], str | None]]
         ) -> list[tuple[int, dict[str, str], str]]:
-    proc = c.lab.python(1, CLIENT, base, json.dumps(requests), stdout=subprocess.PIPE,
+    proc = e.lab.python(1, CLIENT, e.base, json.dumps(requests), stdout=subprocess.PIPE,
                         stderr=subprocess.PIPE, cwd=ROOT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err.decode()
     return [tuple(r) for r in json.loads(out)]  # type: ignore[misc]
 
 
-def test_without_the_token_or_with_a_wrong_one_everything_is_refused(exposed: Any) -> None:
-    c, base, token = exposed
-    wrong = dashboard_token(NetworkNamespace(c.namespace, b"another-psk-of-32-bytes-or-more!"))
+def test_without_the_token_or_with_a_wrong_one_everything_is_refused(exposed: Exposed) -> None:
+    wrong = dashboard_token(NetworkNamespace("default", b"another-psk-of-32-bytes-or-more!"))
     html = {"Accept": "text/html"}
-    answers = ask(c, base, [
+    answers = ask(exposed, [
         ("GET", "/api/cluster", {}, None),
         ("GET", "/api/cluster", {"Authorization": f"Bearer {wrong}"}, None),
         ("GET", "/api/events", {"Cookie": f"pmetal_dashboard={wrong}"}, None),
@@ -111,10 +138,10 @@ def test_without_the_token_or_with_a_wrong_one_everything_is_refused(exposed: An
     assert all("Set-Cookie" not in a[1] for a in answers)
 
 
-def test_with_the_token_everything_is_served(exposed: Any) -> None:
-    c, base, token = exposed
+def test_with_the_token_everything_is_served(exposed: Exposed) -> None:
+    token = exposed.token
     cookie = {"Cookie": f"pmetal_dashboard={token}"}
-    answers = ask(c, base, [
+    answers = ask(exposed, [
         ("GET", "/api/cluster", {"Authorization": f"Bearer {token}"}, None),
         ("GET", "/metrics", {"Authorization": f"Bearer {token}"}, None),
         ("GET", f"/?token={token}", {}, None),
@@ -136,15 +163,23 @@ def test_with_the_token_everything_is_served(exposed: Any) -> None:
 
 
 def test_the_owner_signs_in_with_the_form_in_a_browser(
-        exposed: Any, browser: Callable[..., Any]) -> None:
-    c, base, token = exposed
-    driver = browser(netns=c.lab.host(1).name)
-    driver.get(base + "/")
+        exposed: Exposed, browser: Callable[..., Any]) -> None:
+    driver = browser(netns=exposed.lab.host(1).name)
+    driver.get(exposed.base + "/")
     field = wait_for(driver, lambda d: d.find_element("id", "token"), 15.0, "the login form")
     screenshot(driver, "dashboard-login")
-    field.send_keys(token)
+    field.send_keys(exposed.token)
     field.submit()
     drawn = wait_for(driver, lambda d: d.find_elements("css selector", "#topology g.machine"),
                      10.0, "the dashboard after signing in")
-    assert [g.get_attribute("data-node") for g in drawn] == [c.nodes[1].node_id]
+    assert [g.get_attribute("data-node") for g in drawn] == [exposed.node_id]
     assert driver.find_element("id", "conn").get_attribute("data-mode") == "live"
+
+
+def test_pmetal_dashboard_prints_the_url_with_the_token(exposed: Exposed) -> None:
+    assert exposed.pmetal("dashboard", "--token") == exposed.token
+    url = exposed.pmetal("dashboard")
+    assert url == f"{exposed.base}/?token={exposed.token}"
+    [(status, headers, _)] = ask(exposed, [("GET", url.removeprefix(exposed.base), {}, None)])
+    assert status == 303 and headers["Set-Cookie"].startswith(
+        f"pmetal_dashboard={exposed.token};")

@@ -81,9 +81,11 @@ sys.stdin.read()   # the actors live as long as their owner
 """
 
 
-@pytest.fixture
-def node(tmp_path: Path) -> Iterator[tuple[str, str]]:
-    """(node address, dashboard URL) of a node daemon on loopback."""
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(node address, dashboard URL) of a node daemon on loopback, shared by
+    the module's tests."""
+    tmp_path = tmp_path_factory.mktemp("node")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PMETAL_")}
     env.update(PMETAL_HOME=str(tmp_path), PMETAL_PSK=SECRET, PMETAL_METRICS_PORT="0",
                PYTHONPATH=str(ROOT))
