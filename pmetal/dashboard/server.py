@@ -96,10 +96,14 @@ class Dashboard:
             await response.write(b"retry: 1000\n\n")
             while not self._closed:
                 version = cluster.version
-                body = json.dumps(self.snapshot(), separators=(",", ":"), default=str)
+                snapshot = self.snapshot()
+                at = snapshot.pop("at")   # a new time alone is not news
+                body = json.dumps(snapshot, separators=(",", ":"), default=str)
                 if body != last:
-                    await response.write(f"event: snapshot\ndata: {body}\n\n".encode())
                     last = body
+                    snapshot["at"] = at
+                    data = json.dumps(snapshot, separators=(",", ":"), default=str)
+                    await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
                     quiet_since = time.monotonic()
                 elif time.monotonic() - quiet_since > KEEPALIVE:
                     await response.write(b": keepalive\n\n")
