@@ -158,6 +158,11 @@ def cluster_snapshot(node: Any, known: dict[str, dict[str, Any]],
     machines = _machines(node, known, remote)
     telemetry = getattr(node, "telemetry", None)
     tele = jsonable(telemetry.snapshot()) if telemetry is not None else None
+    refreshed = getattr(telemetry, "refreshed", None)
+    if isinstance(tele, dict) and isinstance(refreshed, float) and refreshed > 0:
+        # The workers' counts hold as of the last refresh: rates on the page
+        # divide by the time between refreshes, not between snapshots.
+        tele["at"] = refreshed
     return {
         "at": time.time(), "node_id": node.node_id, "namespace": node.namespace.name,
         "master": state.master, "term": state.term, "epoch": state.epoch,
