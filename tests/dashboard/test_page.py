@@ -82,7 +82,7 @@ def snapshot(step: int) -> dict[str, Any]:
 class Handler(BaseHTTPRequestHandler):
     steps = itertools.count()
 
-    def do_GET(self) -> None:   # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path == "/api/cluster":
             self.reply(200, "application/json", json.dumps(snapshot(next(self.steps))).encode())
         elif self.path == "/":
