@@ -18,8 +18,9 @@
 and the guard of :mod:`pmetal.dashboard.auth` in front of every route,
 ``/metrics`` included.
 
-Other members' free resources and actor counts come from a
-:class:`~pmetal.wire.ResourcesRequest` to each, asked by a task of the
+What other members' machines host (actors, pipeline stages, memory, free
+resources) comes from a :class:`~pmetal.wire.MachineRequest` to each
+(answered with :func:`pmetal.dashboard.snapshot.hosted`), asked by a task of the
 dashboard's own every :data:`REMOTE_EVERY` seconds while a page is open
 (:data:`REMOTE_WAIT` at most each), never on a snapshot's path: a snapshot
 must not wait on a member that may have just died. The same way, the node's
@@ -33,6 +34,7 @@ listener's shutdown never waits on a browser.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -41,7 +43,7 @@ from typing import Any
 
 from pmetal.dashboard.auth import guard
 from pmetal.dashboard.snapshot import cluster_snapshot
-from pmetal.wire import Resources, ResourcesRequest
+from pmetal.wire import Machine, MachineRequest
 
 __all__ = [
     "KEEPALIVE",
@@ -162,13 +164,11 @@ class Dashboard:
         dead = node.cluster.dead()
         members = [m for m in node.membership.members.values() if m.node_id not in dead]
         answers = await asyncio.gather(
-            *(asyncio.wait_for(node.membership.ask(m, ResourcesRequest()), REMOTE_WAIT)
+            *(asyncio.wait_for(node.membership.ask(m, MachineRequest()), REMOTE_WAIT)
               for m in members), return_exceptions=True)
         for member, answer in zip(members, answers):
-            if isinstance(answer, Resources):
-                self.remote[member.node_id] = {"available": dict(answer.available),
-                                               "actors": answer.actors,
-                                               "queued": answer.queued}
+            if isinstance(answer, Machine):
+                self.remote[member.node_id] = dataclasses.asdict(answer)
 
     def close(self) -> None:
         """End every open stream and the members' asks (the node stops)."""

@@ -9,9 +9,11 @@ a peer that may be dead):
   with its health, round trip, profile (memory, cores, chip), resources;
 * the topology's links with their measured latency and bandwidth;
 * this node's actors (state, restarts, last error) and workers;
-* what other members last said about their free resources and actor
-  counts (``remote``: asked in the background by the dashboard, see
-  :mod:`pmetal.dashboard.server`);
+* what other members last said their machines host (``remote``: their
+  actors, pipeline stages, memory now, free resources; a
+  :class:`~pmetal.wire.Machine` each, asked in the background by the
+  dashboard, see :mod:`pmetal.dashboard.server`; :func:`hosted` is the
+  answer this node gives);
 * the node's telemetry (collectives and pipelines its workers and drivers
   ran), when the node has one (``node.telemetry``; None otherwise);
 * the event log (:mod:`pmetal.cluster.eventlog`).
@@ -35,7 +37,7 @@ from typing import Any
 
 from pmetal.cluster.topology import memory_now
 
-__all__ = ["MAX_GONE", "cluster_snapshot", "jsonable"]
+__all__ = ["MAX_GONE", "cluster_snapshot", "hosted", "jsonable"]
 
 MAX_GONE = 32
 """Machines no longer members that the picture keeps (the newest seen)."""
@@ -70,8 +72,38 @@ def _resident_bytes() -> int:
         return 0
 
 
+def hosted(node: Any, telemetry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What this node's machine hosts now, as the fields of a
+    :class:`~pmetal.wire.Machine` (the answer to a member's
+    ``MachineRequest``); ``telemetry``: the node's, already read."""
+    if telemetry is None:
+        source = getattr(node, "telemetry", None)
+        telemetry = jsonable(source.snapshot()) if source is not None else None
+    stages = [{"pipeline": p["name"], **{k: s.get(k) for k in
+                                         ("index", "steps", "seconds_per_step", "hop_bytes")}}
+              for p in (telemetry or {}).get("pipelines") or () for s in p["stage_rows"]]
+    total, free = memory_now()
+    return {"actors": _actors(node), "stages": stages, "memory_total": total,
+            "memory_free": free, "available": dict(node.actors.available),
+            "queued": len(node.actors.queue), "workers": len(node.pool.workers),
+            "node_rss": _resident_bytes()}
+
+
+def _hosting(entry: dict[str, Any], fields: dict[str, Any]) -> None:
+    """Fill a machine's entry from what it hosts (:func:`hosted`)."""
+    if fields.get("memory_total"):
+        entry["profile"] = {**entry["profile"], "memory_total": fields["memory_total"],
+                            "memory_free": fields["memory_free"]}
+    actors = list(fields.get("actors") or ())
+    entry.update(actor_list=actors, actors=sum(a.get("state") == "alive" for a in actors),
+                 stages=list(fields.get("stages") or ()), available=fields.get("available"),
+                 queued=fields.get("queued"), workers=fields.get("workers"),
+                 node_rss=fields.get("node_rss"))
+
+
 def _machines(node: Any, known: dict[str, dict[str, Any]],
-              remote: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+              remote: dict[str, dict[str, Any]],
+              telemetry: dict[str, Any] | None) -> list[dict[str, Any]]:
     cluster = node.cluster
     state = cluster.state
     health = {h.node_id: h for h in cluster.health.summary()}
@@ -99,7 +131,10 @@ def _machines(node: Any, known: dict[str, dict[str, Any]],
             "profile": dict(m.get("profile", {})), "resources": dict(m.get("resources", {})),
             "incarnation": m.get("incarnation", 0),
         }
-        entry.update(remote.get(node_id, {}))
+        if node_id == node.node_id:
+            _hosting(entry, hosted(node, telemetry))
+        elif status != "dead" and node_id in remote:
+            _hosting(entry, remote[node_id])
         known[node_id] = entry
     gone = [node_id for node_id in known if node_id not in listed]
     for node_id in gone[:-MAX_GONE]:   # the oldest seen first
@@ -107,13 +142,9 @@ def _machines(node: Any, known: dict[str, dict[str, Any]],
     for node_id in gone[-MAX_GONE:]:
         known[node_id].update(health="dead" if node_id in dead else "left", master=False,
                               rtt_ms=None)
-    mine = known.get(node.node_id)
-    if mine is not None:
-        total, free = memory_now()
-        mine["profile"] = {**mine["profile"], "memory_total": total, "memory_free": free}
-        mine.update(available=dict(node.actors.available), actors=node.actors.alive(),
-                    queued=len(node.actors.queue), node_rss=_resident_bytes(),
-                    workers=len(node.pool.workers))
+    for entry in known.values():
+        if entry["health"] in ("dead", "left"):   # what it hosted is not known any more
+            entry.update(actor_list=None, stages=None, actors=None)
     return sorted(known.values(), key=lambda e: (not e["self"], e["node_id"]))
 
 
@@ -156,7 +187,6 @@ def cluster_snapshot(node: Any, known: dict[str, dict[str, Any]],
     caller's memory of machines seen, updated here."""
     cluster = node.cluster
     state = cluster.state
-    machines = _machines(node, known, remote)
     telemetry = getattr(node, "telemetry", None)
     tele = jsonable(telemetry.snapshot()) if telemetry is not None else None
     refreshed = getattr(telemetry, "refreshed", None)
@@ -164,6 +194,7 @@ def cluster_snapshot(node: Any, known: dict[str, dict[str, Any]],
         # The workers' counts hold as of the last refresh: rates on the page
         # divide by the time between refreshes, not between snapshots.
         tele["at"] = refreshed
+    machines = _machines(node, known, remote, tele)
     return {
         "at": time.time(), "node_id": node.node_id, "namespace": node.namespace.name,
         "master": state.master, "term": state.term, "epoch": state.epoch,

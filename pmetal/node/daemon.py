@@ -69,7 +69,8 @@ from pmetal.store.serve import STORE_KINDS, PieceServer
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
-                         LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
+                         LeaseWorkers, LookupActor, Machine, MachineRequest, Message,
+                         NodeJoin, OwnerDied, Ping,
                          PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
                          ResourcesRequest, Shutdown, Status, StatusRequest, Vote, VoteRequest,
                          WatchCluster, WorkerReady)
@@ -376,6 +377,9 @@ class NodeDaemon:
                 return None
             return Resources(self.resources, self.actors.available, len(self.actors.queue),
                              self.actors.alive())
+        if kind is MachineRequest:   # a member's dashboard: what this machine hosts
+            from pmetal.dashboard.snapshot import hosted
+            return Machine(**hosted(self))
         if kind is ReserveBundles:
             return self.groups.reserve(body)  # type: ignore[arg-type]
         if kind is PlacementGroupQuery:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cluster.lab import formed_cluster
+from cluster.lab import formed_cluster, read_line
 from netlab import lab_available
 
 from dashboard.browser import screenshot, wait_for
@@ -32,6 +32,27 @@ START = 15.0        # s for a node's page to show the whole cluster (its listene
                     # after the ready line, then the first snapshot arrives)
 DEAD_ON_PAGE = 2.0  # s from SIGKILL to "dead" on the page: issue 21's bound (the failure
                     # detector declares a node dead after health.dead_after, 0.8 s)
+
+
+# On host 1, as a client of its node: an actor pinned to another machine, whose
+# card on host 1's page must list it (the page learns it from that member).
+PIN = r"""
+import json, sys
+import pmetal
+from pmetal.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+pmetal.init(address=sys.argv[1], psk=bytes.fromhex(sys.argv[2]), namespace="lab")
+
+@pmetal.remote
+class Sensor:
+    def read(self):
+        return 21.5
+
+s = Sensor.options(name="sensor", scheduling_strategy=NodeAffinitySchedulingStrategy(
+    node_id=sys.argv[3], soft=False)).remote()
+print(json.dumps({"step": "pinned", "value": pmetal.get(s.read.remote(), timeout=30)}),
+      flush=True)
+sys.stdin.read()
+"""
 
 
 def machines(driver: Any) -> list[dict[str, str]]:
@@ -66,20 +87,31 @@ def test_three_machines_their_master_and_a_killed_node_turning_dead(
         # Wait for the link labels (heartbeat latency), for the screenshot.
         wait_for(driver, lambda d: len(d.find_elements("css selector", "#topology .link-label"))
                  >= 2, 5.0, "latencies on the links")
-        screenshot(driver, "dashboard-cluster", full_page=True)
 
         victim = next(i for i in (2, 3) if ids[i] != master)
-        killed = time.monotonic()
-        c.signal(victim, signal.SIGKILL)
-        wait_for(driver, lambda d: {m["node"]: m["health"] for m in machines(d)}
-                 .get(ids[victim]) == "dead", DEAD_ON_PAGE, "the killed node dead on the page")
-        took = time.monotonic() - killed
-        record_property("dead_on_page_seconds", round(took, 3))
-        print(f"a SIGKILLed node turned dead on the page after {took:.2f} s")
-        card = driver.find_element("css selector", f"#machine-cards .card[data-node='{ids[victim]}']")
-        assert "dead" in card.text
-        wait_for(driver, lambda d: d.find_elements(
-            "css selector", "#event-log tr[data-kind='death']"), 5.0, "a death in the event log")
-        death = driver.find_element("css selector", "#event-log tr[data-kind='death']").text
-        assert ids[victim][:8] in death
-        screenshot(driver, "dashboard-dead", full_page=True)
+        with c.driver(1, PIN, [c.nodes[1].address, c.psk.hex(), ids[victim]], "pin",
+                      stdin=True) as pin:
+            assert read_line(pin, 60, "pinned")["value"] == 21.5
+            card = f"#machine-cards .card[data-node='{ids[victim]}'] .hosted-actors li"
+            hosted = wait_for(driver, lambda d: [li.text for li in d.find_elements(
+                "css selector", card)], 10.0, "the pinned actor on its machine's card")
+            assert hosted == ["sensor alive"]
+            screenshot(driver, "dashboard-cluster", full_page=True)
+
+            killed = time.monotonic()
+            c.signal(victim, signal.SIGKILL)
+            wait_for(driver, lambda d: {m["node"]: m["health"] for m in machines(d)}
+                     .get(ids[victim]) == "dead", DEAD_ON_PAGE,
+                     "the killed node dead on the page")
+            took = time.monotonic() - killed
+            record_property("dead_on_page_seconds", round(took, 3))
+            print(f"a SIGKILLed node turned dead on the page after {took:.2f} s")
+            card = driver.find_element(
+                "css selector", f"#machine-cards .card[data-node='{ids[victim]}']").text
+            assert "dead" in card and "sensor" not in card   # what it hosted is unknown now
+            wait_for(driver, lambda d: d.find_elements(
+                "css selector", "#event-log tr[data-kind='death']"), 5.0,
+                "a death in the event log")
+            death = driver.find_element("css selector", "#event-log tr[data-kind='death']").text
+            assert ids[victim][:8] in death
+            screenshot(driver, "dashboard-dead", full_page=True)

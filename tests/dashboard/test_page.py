@@ -37,6 +37,12 @@ def machine(node_id: str, n: int, **kw: Any) -> dict[str, Any]:
             "resources": {"CPU": 12.0, "GPU": 1.0}, "incarnation": 1, **kw}
 
 
+def actor(name: str, tail: str, state: str = "alive", restarts: int = 0) -> dict[str, Any]:
+    return {"actor_id": "0" * 24 + tail, "name": name, "class_name": "PipelineStage",
+            "state": state, "restarts": restarts, "restarts_left": 0, "last_error": "",
+            "pid": 4242}
+
+
 def snapshot(step: int) -> dict[str, Any]:
     """The node's snapshot after ``step`` requests: 50 tokens and 64 MiB of
     all-reduce per second of its clock."""
@@ -48,16 +54,21 @@ def snapshot(step: int) -> dict[str, Any]:
         "at": at, "node_id": A, "namespace": "home", "master": B, "term": 12, "epoch": 5,
         "role": "follower", "dead_after_s": 0.8,
         "machines": [machine(A, 10, health="self", self=True, rtt_ms=None, workers=4,
-                             node_rss=80 << 20, actors=2, queued=0,
-                             available={"CPU": 10.0, "GPU": 0.0}),
-                     machine(B, 11, master=True), machine(C, 12, health="suspect")],
+                             node_rss=80 << 20, actors=1, queued=0,
+                             available={"CPU": 10.0, "GPU": 0.0},
+                             actor_list=[actor("stage0", "deadbeef")],
+                             stages=[{"pipeline": "smollm2", **{k: stage[k] for k in (
+                                 "index", "steps", "seconds_per_step", "hop_bytes")}}]),
+                     machine(B, 11, master=True, actors=1,
+                             actor_list=[actor("stage1", "0badf00d", restarts=2),
+                                         actor("old", "00000001", state="dead")],
+                             stages=[]),
+                     machine(C, 12, health="suspect")],
         "links": [{"a": A, "b": B, "health": "healthy", "latency_ms": 0.21,
                    "bandwidth_bps": 1.12e9},
                   {"a": A, "b": C, "health": "suspect", "latency_ms": 0.35,
                    "bandwidth_bps": 9.4e8}],
-        "actors": [{"actor_id": "0" * 24 + "deadbeef", "name": "stage0",
-                    "class_name": "PipelineStage", "state": "alive", "restarts": 0,
-                    "restarts_left": 0, "last_error": "", "pid": 4242}],
+        "actors": [actor("stage0", "deadbeef")],
         "telemetry": {
             "at": at, "calls": 10, "calls_failed": 0,
             "pipelines": [{"name": "smollm2", "stages": 3, "tokens": 40 + 50 * step,
@@ -141,4 +152,9 @@ def test_pipelines_collectives_and_links_by_polling(
         .text.endswith("×7")
     card = driver.find_element("css selector", "#machine-cards .card.self").text
     assert "3 alive, 300 MiB resident, 12.5 s CPU" in card and "smollm2: stage 0" in card
+    # Another member's card lists what it answered it hosts (its dead actors left out).
+    other = driver.find_element("css selector", f"#machine-cards .card[data-node='{B}']")
+    assert [li.text for li in other.find_elements("css selector", ".hosted-actors li")] == [
+        "stage1 alive restarted 2×"]
+    assert "no pipeline stage has run on this machine" in other.text
     screenshot(driver, "dashboard-telemetry", full_page=True)

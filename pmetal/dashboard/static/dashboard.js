@@ -177,19 +177,23 @@ function machineCard(m, snap) {
       h("span", {class: `badge ${m.health}`}, m.self ? "this node" : m.health),
       m.master ? h("span", {class: "badge master"}, "\u2605 master") : null),
     h("dl", {}, rows.map(([k, v]) => [h("dt", {}, k), h("dd", {}, v)])));
-  if (m.self) {
-    const actors = snap.actors.filter((a) => a.state !== "dead");
+  // What it hosts: this node's own, and what each member last answered.
+  if (Array.isArray(m.actor_list)) {
+    const actors = m.actor_list.filter((a) => a.state !== "dead");
     card.append(h("div", {class: "muted small"}, "actors here"),
-      actors.length ? h("ul", {}, actors.map((a) => h("li", {},
-        `${a.name || a.class_name || short(a.actor_id)} `, h("span", {class: `badge ${a.state}`}, a.state))))
-        : empty("no actor on this node"));
-    const stages = [];
-    for (const pl of (snap.telemetry && snap.telemetry.pipelines) || []) {
-      for (const st of pl.stage_rows || []) stages.push(`${pl.name}: stage ${st.index}`);
-    }
+      actors.length ? h("ul", {class: "hosted-actors"}, actors.map((a) => h("li",
+        {dataset: {actor: a.actor_id, state: a.state}},
+        `${a.name || a.class_name || short(a.actor_id)} `,
+        h("span", {class: `badge ${a.state}`}, a.state),
+        a.restarts ? h("span", {class: "muted small"}, ` restarted ${a.restarts}\u00d7`) : null)))
+        : empty("no actor on this machine"));
+  }
+  if (Array.isArray(m.stages)) {
     card.append(h("div", {class: "muted small"}, "pipeline stages here"),
-      stages.length ? h("ul", {}, stages.map((t) => h("li", {}, t)))
-        : empty("no pipeline stage has run on this node"));
+      m.stages.length ? h("ul", {}, m.stages.map((st) => h("li", {},
+        `${st.pipeline}: stage ${st.index}` +
+        (st.seconds_per_step ? ` (${seconds(st.seconds_per_step)} per step)` : ""))))
+        : empty("no pipeline stage has run on this machine"));
   }
   return card;
 }
