@@ -114,4 +114,4 @@ def test_three_machines_their_master_and_a_killed_node_turning_dead(
                 "a death in the event log")
             death = driver.find_element("css selector", "#event-log tr[data-kind='death']").text
             assert ids[victim][:8] in death
-            screenshot(driver, "dashboard-dead", full_page=True)
+            screenshot(driver, "dashboard-dead")
