@@ -223,6 +223,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
         set_job_env_vars(job_env)
         set_job_working_dir(job_dir)
         context.set_current(client)
+        client.report()   # collectives and pipelines run here, for the node's /metrics
         return {"node_id": client.node_id, "address": node_address}
 
 
@@ -350,6 +351,8 @@ def shutdown(timeout: float = 10.0) -> None:
     if client_ is None:
         return
     try:
+        if client_.reporter is not None:   # while the node still listens
+            client_.reporter.close()
         if proc is not None:
             try:
                 client_.shutdown_node(timeout=min(timeout, 5.0))

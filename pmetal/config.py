@@ -375,14 +375,24 @@ class MetricsConfig:
     namespace's dashboard token (:mod:`pmetal.dashboard.auth`). ``port``: 0 takes any free port (the bound
     address is in ``pmetal status --json``). A port already taken (a second
     node on this machine) leaves the node running without metrics, with one
-    warning.
+    warning. ``report_interval``: a driver pushes what it ran (collectives,
+    pipelines) to its node at most once per this many seconds (0: never;
+    :mod:`pmetal.actors.reporter`). ``probe_interval``: the node measures
+    the bandwidth of one link to a peer every this many seconds, each in
+    turn (0: only on demand, ``pmetal status --probe``).
     """
 
     enabled: bool = True
     host: str = "127.0.0.1"
     port: int = DEFAULT_METRICS_PORT
+    report_interval: float = 1.0
+    probe_interval: float = 300.0
 
     def __post_init__(self) -> None:
+        for name in ("report_interval", "probe_interval"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and 0 <= value < float("inf"), "metrics",
+                     name, f"{value!r} is not a number of seconds >= 0 (0: off)")
         _require(type(self.port) is int and 0 <= self.port < 65536, "metrics", "port",
                  f"{self.port} is not a TCP port (0: any free port)")
         _require(isinstance(self.host, str) and bool(self.host.strip()), "metrics", "host",

@@ -214,6 +214,13 @@ _parked_lock = threading.Lock()
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _MONITORED = zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+REFUSAL_REASONS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
+                   zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
+                   zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail"}
+"""A listener's refused ZMTP handshakes by monitor event: ``protocol`` (a
+CURVE handshake that did not decrypt: other keys, or no CURVE at all),
+``auth`` (refused by an authenticator), ``no_detail`` (anything else,
+such as a connection that is not ZeroMQ)."""
 
 
 def _monitor_url() -> str:
@@ -437,6 +444,9 @@ class ZmqListener(_ZmqSocket):
                  curve: CurveKeys | None = None) -> None:
         raise_open_file_limit()
         super().__init__(ctx, zmq.ROUTER, cfg)
+        self._curve = curve is not None
+        self._refusals: zmq.asyncio.Socket | None = None
+        self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS.values(), 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # No ROUTER_HANDOVER: a connection that claims a routing id in use is
         # refused, so nobody can take over another peer's route.
@@ -459,6 +469,31 @@ class ZmqListener(_ZmqSocket):
         self._wake_url = f"inproc://pmetal-wake-{self._wake_route[6:].hex()}"
         self._sock.bind(self._wake_url)
 
+    async def count_refusals(self) -> None:
+        """Count the connections refused inside ZeroMQ, by reason, in
+        :attr:`refused` until cancelled: a CURVE listener's ZMTP handshakes
+        that failed (a peer without the namespace's keys, a peer that is
+        not ZeroMQ at all), which never reach pmetal's own handshake. Read
+        from the socket's monitor as the events come (its queue has no
+        limit, so nothing may leave it unread); nothing to count without
+        CURVE."""
+        if not self._curve:
+            return
+        with self._lock:
+            if self._closed or self._refusals is not None:
+                return
+            reader = _open_monitor(self._sock, _HANDSHAKE_FAILED)
+            self._refusals = zmq.asyncio.Socket.from_socket(reader)
+            refusals = self._refusals
+        while True:
+            try:
+                frames = await refusals.recv_multipart()
+            except zmq.ZMQError:   # closed with the listener
+                return
+            reason = REFUSAL_REASONS.get(int.from_bytes(frames[0][:2], "little"))
+            if reason is not None:
+                self.refused[reason] += 1
+
     def interrupt(self) -> None:
         with self._lock:
             if self._closed:
@@ -471,6 +506,15 @@ class ZmqListener(_ZmqSocket):
             poke.close()
 
     def _close_socket(self) -> None:
+        if self._refusals is not None:
+            try:
+                # Stops the monitor under libzmq's own lock: no event is
+                # sent after this, so closing its reader is safe.
+                self._sock.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._refusals.close(linger=0)
+            self._refusals = None
         # ZeroMQ closes the listening TCP socket later, in its I/O thread;
         # wait (bounded) for the socket to be gone so the port can be bound
         # again at once.

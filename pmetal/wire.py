@@ -63,6 +63,9 @@ The model store's kinds (60-63: ``ModelQuery``, ``ModelHoldings``,
 ``PieceRead``, ``PieceData``) are asked of a node by any process of the
 namespace. The dashboard's (67-68: ``MachineRequest``, ``Machine``) go node
 to node: what a member's machine hosts, for the asking node's page.
+The metrics' kinds (76-77: ``TelemetryRequest``, ``Telemetry``): a node
+asks each of its workers at a scrape of ``/metrics``; a driver pushes its
+own to its node.
 Fields added at the end of a message (an old peer's shorter message decodes
 with their defaults): ``ActorLocation.max_task_retries`` and
 ``ActorLocation.owner_lease``, ``OwnerDied.client``.
@@ -133,6 +136,8 @@ __all__ = [
     "StreamCall",
     "StreamCredit",
     "StreamStop",
+    "Telemetry",
+    "TelemetryRequest",
     "Vote",
     "VoteRequest",
     "WatchCluster",
@@ -210,6 +215,9 @@ class Kind(enum.IntEnum):
     # the dashboard (pmetal.dashboard): a member's machine, node to node
     MACHINE_REQUEST = 67
     MACHINE = 68
+    # metrics: what workers and drivers ran, for their node (pmetal.tally)
+    TELEMETRY_REQUEST = 76
+    TELEMETRY = 77
 
 
 class Message:
@@ -953,6 +961,36 @@ class BorrowUpdates(Message):
     oids: tuple[int, ...] = ()
     who: tuple[int, ...] = ()
     deltas: tuple[int, ...] = ()
+
+
+@_message(Kind.TELEMETRY_REQUEST)
+class TelemetryRequest(Message):
+    """Node to one of its workers, at a scrape of ``/metrics``: its
+    :class:`Telemetry`."""
+
+
+@_message(Kind.TELEMETRY)
+class Telemetry(Message):
+    """A process's counters for its node's metrics: a worker's answer to
+    :class:`TelemetryRequest`, or a driver's report (answered with an Ack).
+    ``calls``/``failed``: calls served and those whose code raised;
+    ``latency``: calls by duration, one count per bucket of
+    ``pmetal.tally``'s bounds plus one above them (empty: not timed),
+    ``latency_sum`` their seconds; ``owned``/``borrowed``: ObjectRefs held
+    for other processes and borrowed from them; ``collectives``,
+    ``pipelines``, ``stages``: the rows of :meth:`pmetal.tally.Tally.report`."""
+
+    pid: int
+    role: str                                    # "worker" or "driver"
+    calls: int = 0
+    failed: int = 0
+    latency: tuple[int, ...] = ()
+    latency_sum: float = 0.0
+    owned: int = 0
+    borrowed: int = 0
+    collectives: tuple[list, ...] = ()
+    pipelines: tuple[list, ...] = ()
+    stages: tuple[list, ...] = ()
 
 
 _CODEC = frozenset({"Envelope", "WireLimits", "decode", "encode", "frame_bytes"})

@@ -118,6 +118,12 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.FETCH_OBJECT: wire.FetchObject(oid=12, wait=2.5),
     Kind.BORROW_UPDATES: wire.BorrowUpdates(borrowers=("e" * 32, "f" * 32), oids=(1, 2, 2),
                                             who=(0, 0, 1), deltas=(1, -3, 1)),
+    Kind.TELEMETRY_REQUEST: wire.TelemetryRequest(),
+    Kind.TELEMETRY: wire.Telemetry(
+        pid=4321, role="worker", calls=200, failed=3, latency=(150, 40, 10, 0, 0, 0, 0, 0, 0),
+        latency_sum=0.07, owned=2, borrowed=1, collectives=(["g", "ring", 4, 4096, 0.01],),
+        pipelines=(["smollm", 2, 32, 33, 0.5, 9000, 8000, 0.01],),
+        stages=(["smollm", 0, 33, 0.2, 7000, 0.02],)),
     Kind.FAILURE: wire.Failure(
         kind="user", error_type="ValueError", message="bad", traceback="Traceback ...",
         exception=Pickled(pickle.dumps(ValueError("bad")))),

@@ -243,6 +243,7 @@ _FIELD_VALUES: dict[Any, st.SearchStrategy[Any]] = {
     dict | None: st.one_of(st.none(), st.dictionaries(keys, values, max_size=3)),
     tuple[str, ...]: st.lists(st.text(max_size=4), max_size=3),
     tuple[int, ...]: st.lists(st.integers(-2**63, 2**64 - 1), max_size=3),
+    tuple[list, ...]: st.lists(st.lists(values, max_size=5), max_size=3),
 }
 
 

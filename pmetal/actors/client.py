@@ -39,6 +39,7 @@ from pmetal.actors.links import _TASKS, NodeLink, PeerLink
 from pmetal.actors.locate import ActorCall, ActorLocator
 from pmetal.actors.objects import BorrowedRef, ObjectManager, pack_collecting
 from pmetal.actors.watch import ClusterWatch, peers_missing
+from pmetal.actors.reporter import Reporter
 from pmetal.actors.refs import ItemRef, ObjectRef, call_name, failure_error
 from pmetal.actors.serialization import pack_value, remote_error
 from pmetal.config import PMetalConfig
@@ -114,6 +115,7 @@ class CoreClient:
         self._created = False     # whether this client created actors (they die at detach)
         self._watch: ClusterWatch | None = None   # started with the first remote actor
         self._objects: ObjectManager | None = None   # made with the first ref in a value
+        self.reporter: Reporter | None = None   # a driver's pushes to its node (report())
 
     @property
     def watch(self) -> ClusterWatch:
@@ -137,6 +139,14 @@ class CoreClient:
                     self._objects = ObjectManager(self)
                 objects = self._objects
         return objects
+
+    def report(self) -> None:
+        """Push what this process runs (collectives, pipelines) to our node
+        from now on (a driver's; pmetal.actors.reporter), unless
+        ``metrics.report_interval`` is 0."""
+        interval = self.config.metrics.report_interval
+        if interval > 0 and self.reporter is None:
+            self.reporter = Reporter(self, interval)
 
     def worker_gone(self, process: str) -> None:
         """A link to the worker whose process id is ``process`` died (its
@@ -785,6 +795,8 @@ class CoreClient:
         self.request_node(Shutdown("driver shut down"), timeout=timeout)
 
     def close(self) -> None:
+        if self.reporter is not None:   # the last report, while the node link is open
+            self.reporter.close()
         self.closed = True
         self._deferrals.close()
         if self._objects is not None:   # our last releases go out first

@@ -37,6 +37,7 @@ import collections.abc
 import concurrent.futures
 import inspect
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from pmetal.actors import context
@@ -180,6 +181,7 @@ class StreamServer:
         worker.calls += 1
         self.served += 1
         context.current_task.set(worker.calls)
+        started = time.perf_counter()   # a stream is one call in the duration histogram
         gen: Any = None
         loop: asyncio.AbstractEventLoop | None = None
         leave_dir = None
@@ -215,6 +217,7 @@ class StreamServer:
             if leave_dir is not None:
                 leave_dir()
             self._end(incoming, stream)
+            worker._timed(started)
 
     def _send_item(self, stream: _Stream, item: Message) -> None:
         worker = self.worker
@@ -307,6 +310,7 @@ class StreamServer:
         stream = _Stream((incoming.route, incoming.envelope.corr), body.corrs)
         stream.wake = asyncio.Event()
         gen: Any = None
+        started = 0.0
         try:
             refused = await worker._admit_async() if body.corrs else _NO_IDS
             fn = refused if refused is not None else self._callable(body)
@@ -317,6 +321,7 @@ class StreamServer:
             worker.calls += 1
             self.served += 1
             context.current_task.set(worker.calls)
+            started = time.perf_counter()
             gen = await self._start_async(fn, body, threads)
             if isinstance(gen, Failure):
                 await self._asend_item(stream, gen)
@@ -334,6 +339,8 @@ class StreamServer:
                         if stream.stopped == "cancel" else Result(stream.count))
             finally:
                 limit.release()
+                if started:
+                    worker._timed(started)
 
     async def _start_async(self, fn: Any, body: StreamCall,
                            threads: concurrent.futures.Executor) -> Any:

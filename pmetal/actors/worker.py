@@ -32,6 +32,8 @@ import os
 import sys
 import threading
 import traceback
+from bisect import bisect_left
+from time import perf_counter
 from typing import Any
 
 from pmetal.actors import context, strategies, workdir
@@ -48,10 +50,11 @@ from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutErr
                            ProtocolError, TransportError)
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
+from pmetal.tally import CALL_SECONDS, TALLY
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, Message, Ping, Pong, Result,
                          RunTask, Shutdown, Status, StatusRequest, StreamCall,
-                         StreamCredit, StreamStop, WorkerReady)
+                         StreamCredit, StreamStop, Telemetry, TelemetryRequest, WorkerReady)
 
 __all__ = ["Worker", "failure_from", "main"]
 
@@ -132,6 +135,9 @@ class Worker:
         self.calls = 0
         self.refused = 0   # requests answered with a Failure for being malformed
         self.failed = 0    # calls whose user code raised (counted off the success path)
+        # Calls by duration (pmetal.tally.CALL_SECONDS buckets), and their sum.
+        self.latency = [0] * (len(CALL_SECONDS) + 1)
+        self.latency_sum = 0.0
         # Async methods running, by (caller's route, call's corr): CancelCall.
         self._running: dict[tuple[bytes, int], asyncio.Future[Any]] = {}
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
@@ -147,6 +153,23 @@ class Worker:
                 "refused": self.refused, "held": self.held, "withheld": self.withheld,
                 "streams": self.streams.served, "listener": self.listener.statistics(),
                 "failed": self.failed}
+
+    def telemetry(self) -> Telemetry:
+        """This worker's counters for its node's metrics (pmetal.node.telemetry)."""
+        objects = context.current_or_none()
+        objects = objects._objects if objects is not None else None
+        stats = objects.statistics() if objects is not None else None
+        rows = TALLY.report()
+        return Telemetry(os.getpid(), "worker", self.calls, self.failed, tuple(self.latency),
+                         self.latency_sum, stats.owned if stats else 0,
+                         stats.borrowed if stats else 0, tuple(rows["collectives"]),
+                         tuple(rows["pipelines"]), tuple(rows["stages"]))
+
+    def _timed(self, started: float) -> None:
+        """Count a call that began at ``started`` in the duration histogram."""
+        took = perf_counter() - started
+        self.latency[bisect_left(CALL_SECONDS, took)] += 1
+        self.latency_sum += took
 
     # ------------------------------------------------------------- serving
 
@@ -303,6 +326,8 @@ class Worker:
         if kind is StatusRequest:
             return Status({"worker_id": self.worker_id, "actor_id": self.actor_id,
                            "calls": self.calls, "failed": self.failed})
+        if kind is TelemetryRequest:
+            return self.telemetry()
         return Failure("bad_request", "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
@@ -378,6 +403,7 @@ class Worker:
             return method
         self.calls += 1
         context.current_task.set(self.calls)
+        started = perf_counter()
         try:
             value = method(*unpack_values(args),
                            **({k: unpack_value(v) for k, v in kwargs.items()} if kwargs else {}))
@@ -385,6 +411,8 @@ class Worker:
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+        finally:
+            self._timed(started)
 
     def _result(self, value: Any, route: bytes) -> Result:
         """``value`` packed for the caller at ``route``: refs inside it are
@@ -444,6 +472,7 @@ class Worker:
                 return failure_from(_user_traceback(exc))
         self.calls += 1
         context.current_task.set(self.calls)
+        started = perf_counter()
         try:
             if type(fn) is workdir.WorkingDirTask:   # runs in its runtime_env working_dir
                 value = fn.run(body.args, body.kwargs)
@@ -454,6 +483,8 @@ class Worker:
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+        finally:
+            self._timed(started)
 
     # -------------------------------------------------------------- asyncio
 
@@ -529,6 +560,7 @@ class Worker:
         self.calls += 1
         task = self.calls
         context.current_task.set(task)   # this asyncio task's own copy
+        started = perf_counter()
         try:
             a = unpack_values(args)
             kw = {k: unpack_value(v) for k, v in kwargs.items()}
@@ -554,6 +586,8 @@ class Worker:
         except Exception as exc:
             self.failed += 1
             return failure_from(_user_traceback(exc))
+        finally:
+            self._timed(started)
 
     async def _batch_entry_async(self, incoming: Incoming, entry: Any, corr: int,
                                  limit: asyncio.Semaphore,

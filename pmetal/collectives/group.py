@@ -37,6 +37,7 @@ from pmetal.collectives.planner import make_plan, pipeline_parts_for
 from pmetal.links.tcplinks import DTYPE_CODES, P2P_BASE
 from pmetal.config import CollectiveConfig
 from pmetal.errors import CollectiveError, PMetalTypeError, PMetalValueError
+from pmetal.tally import TALLY
 
 __all__ = ["Group", "Schedule"]
 
@@ -335,12 +336,16 @@ class Group:
         with self._lock:
             self._op_id += 1
             plan = self.schedule.plan(name, flat.size, flat.dtype.itemsize, root, strategy)
+            started = time.perf_counter()
             try:
                 execute(plan, self.rank, flat, self.links, op=op, op_id=self._op_id,
                         timeout=timeout or self.timeout)
             except CollectiveError:
                 self._fail()
                 raise
+            # For the node's metrics (pmetal.tally): by group and strategy.
+            TALLY.collective(self.name, plan.strategy, flat.nbytes,
+                             time.perf_counter() - started)
 
     def _fail(self) -> None:
         """An operation failed: the group cannot be used again (its streams

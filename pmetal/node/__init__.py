@@ -10,7 +10,9 @@ process of each machine (``python -m pmetal.node``).
 * :mod:`pmetal.node.scheduler` and :mod:`pmetal.node.placement`: the master's
   choice of node;
 * :mod:`pmetal.node.owners`: who owns each actor, and the leases that end them;
-* :mod:`pmetal.node.membership`: the member list the daemon serves.
+* :mod:`pmetal.node.membership`: the member list the daemon serves;
+* :mod:`pmetal.node.metrics` and :mod:`pmetal.node.telemetry`: ``/metrics``, and
+  what the node's workers and drivers report they ran.
 
 The client side (handles, refs, calls, the worker that runs an actor) is
 :mod:`pmetal.actors`; it never imports this package (``tests/test_layering.py``).

@@ -46,6 +46,7 @@ from pmetal.node.groups import PlacementGroupService
 from pmetal.node.lifecycle import ActorLifecycle
 from pmetal.node.membership import Membership
 from pmetal.node.metrics import EMBEDDED_DELAY, MetricsServer
+from pmetal.node.telemetry import NodeTelemetry
 from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
 from pmetal.node.owners import Owners
@@ -72,7 +73,7 @@ from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          LeaseWorkers, LookupActor, Machine, MachineRequest, Message,
                          NodeJoin, OwnerDied, Ping,
                          PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
-                         ResourcesRequest, Shutdown, Status, StatusRequest, Vote, VoteRequest,
+                         ResourcesRequest, Shutdown, Status, StatusRequest, Telemetry, Vote, VoteRequest,
                          WatchCluster, WorkerReady)
 
 # READY_LINE, node_file, read_ready_line, is_node_process and routable_address
@@ -147,8 +148,9 @@ class NodeDaemon:
         self.host = host
         self.embedded = embedded
         self.transport = ZmqTransport(config.transport, curve=namespace.curve_keys())
-        self.listener = SecureListener(self.transport.listen(f"tcp://{host}:{port}"), identity,
-                                       namespace, config)
+        # Its raw socket counts the strangers ZeroMQ's CURVE refuses (count_refusals).
+        self.socket = self.transport.listen(f"tcp://{host}:{port}")
+        self.listener = SecureListener(self.socket, identity, namespace, config)
         # What peers are told to dial: never a wildcard such as 0.0.0.0.
         self.address = routable_address(self.listener.address)
         self.resources = {**default_resources(memory=config.actors.memory),
@@ -210,6 +212,10 @@ class NodeDaemon:
         self._counts = {"requests": 0, "failed": 0, "receive_errors": 0}
         # /metrics and the dashboard: pmetal.node.metrics, pmetal.dashboard.
         self.metrics = MetricsServer(config.metrics, self)
+        # What its workers and drivers ran (pmetal.node.telemetry).
+        self.telemetry = NodeTelemetry(self.pool)
+        if config.metrics.enabled:   # a killed worker's counts since the last scrape
+            self.pool.last_words = self.telemetry.last_words
 
     def statistics(self) -> NodeStatistics:
         members = self.membership.statistics()
@@ -227,6 +233,10 @@ class NodeDaemon:
                 self._group = group
                 self.pool.start(group, self.address, self._stopping)
                 self._cancellable_task(self.pool.fill())
+                self._cancellable_task(self.socket.count_refusals())
+                if self.config.metrics.probe_interval > 0:   # the links' bandwidth, in turn
+                    self._cancellable_task(self.cluster.probe_periodically(
+                        self.config.metrics.probe_interval, self._stopping))
                 self._cancellable_task(self.owners.watch.poll(self._stopping))
                 self._cancellable_task(self.owners.expire_leases(self._stopping))
                 self._cancellable_task(self.cluster.run(self._stopping, self._discovery()))
@@ -393,6 +403,10 @@ class NodeDaemon:
                 raise ValueError(f"OwnerDied for node {body.node_id[:8]} came from node "  # type: ignore[attr-defined]
                                  f"{incoming.peer[:8]}; a node reports its own processes")
             return Ack(self.owners.owner_died(body.node_id, body.pid, body.client))  # type: ignore[attr-defined]
+        if kind is Telemetry:
+            session = self.listener.session(incoming.route)
+            pid = session.peer_pid if session is not None and session.local else 0
+            return self.telemetry.accept(incoming.peer, body, pid)  # type: ignore[arg-type]
         if kind is Detach:
             return Ack(self.owners.client_gone(incoming.peer, f"its owner (client "
                                                               f"{incoming.peer[:8]}) shut down"))

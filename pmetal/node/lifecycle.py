@@ -347,7 +347,7 @@ class ActorLifecycle:
             record.reason = reason
         worker = self.pool.workers.get(record.worker_id)
         if worker is not None:
-            self.pool.kill(worker)
+            self.pool.end(worker)   # its last report first (pool.last_words), briefly
         elif record.state == "pending" and not record.held:   # still in the queue
             record.cancelled.set()
         elif record.state != "dead" and not record.constructing:

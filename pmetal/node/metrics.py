@@ -1,14 +1,16 @@
 """A node's Prometheus metrics: ``/metrics`` on an aiohttp app in its loop.
 
 Every node serves its own series (docs/observability.md has the list); no
-``node`` label is needed, since each node is a target of its own. Nothing is
-counted for metrics on the hot paths: a scrape reads the counters and
-states the node's components already keep (their ``statistics()``, the
-actor table, the health monitor), through a custom collector on a
+``node`` label is needed, since each node is a target of its own. A scrape
+reads the counters and states the node's components already keep (their
+``statistics()``, the actor table, the health monitor, the refusals its
+listening socket counted), through a custom collector on a
 :class:`~prometheus_client.CollectorRegistry` of the node's own (never the
-process-global default registry). The one thing a scrape asks over the wire
-is each worker's calls served and failed (a ``StatusRequest``, as ``pmetal
-status`` does), before rendering.
+process-global default registry), and what its workers and drivers ran
+(:mod:`pmetal.node.telemetry`): before rendering, it asks each worker for
+its report (``TelemetryRequest``). The one count kept for metrics on a hot
+path is a call's duration, in the worker (about 0.5 us of a 160 us round
+trip: docs/performance.md).
 
 The listener is an aiohttp application in the node's event loop; the
 dashboard (:mod:`pmetal.dashboard`) adds its routes, and the guard that
@@ -36,6 +38,7 @@ from pmetal.config import MetricsConfig
 
 if TYPE_CHECKING:
     from pmetal.node.daemon import NodeDaemon
+    from pmetal.node.telemetry import TelemetrySnapshot
 
 __all__ = ["EMBEDDED_DELAY", "MetricsServer"]
 
@@ -48,39 +51,27 @@ EMBEDDED_DELAY = 2.0
 """Seconds after it is ready that an embedded node opens its metrics port."""
 
 
+def _sizes(names: list[str], folder: str = "/dev/shm") -> int:
+    """Bytes of the shared-memory objects ``names`` (those gone meanwhile: 0)."""
+    total = 0
+    for name in names:
+        try:
+            total += os.stat(folder + name).st_size
+        except OSError:
+            pass
+    return total
+
+
 def _imports() -> None:
     import aiohttp.web  # noqa: F401
     import prometheus_client  # noqa: F401
 
 
-class _CallTotals:
-    """Calls (served, or failed) by this node's workers, as a counter that never goes
-    back: a worker's count is remembered from the scrape that last saw it,
-    and kept once the worker is gone (calls it served after that scrape
-    are lost)."""
-
-    def __init__(self) -> None:
-        self.seen: dict[str, int] = {}
-        self.retired = 0
-
-    def update(self, counts: dict[str, int], live: set[str]) -> None:
-        for worker_id, calls in counts.items():
-            self.seen[worker_id] = max(calls, self.seen.get(worker_id, 0))
-        for worker_id in [w for w in self.seen if w not in live]:
-            self.retired += self.seen.pop(worker_id)
-
-    @property
-    def total(self) -> int:
-        return self.retired + sum(self.seen.values())
-
-
 class _NodeCollector:
     """Reads the node at scrape time (prometheus_client's custom collector)."""
 
-    def __init__(self, node: NodeDaemon, calls: _CallTotals, failed: _CallTotals) -> None:
+    def __init__(self, node: NodeDaemon) -> None:
         self.node = node
-        self.calls = calls
-        self.failed = failed
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily as Counter
@@ -155,11 +146,12 @@ class _NodeCollector:
                       value=node.actors.created)
         yield Counter("pmetal_actor_restarts", "Actor restarts on this node.",
                       value=node.actors.restarts)
+        seen = node.telemetry.snapshot()
         yield Counter("pmetal_actor_calls", "Calls served by this node's workers "
-                      "(actor methods and tasks), as of each scrape.",
-                      value=self.calls.total)
+                      "(actor methods and tasks), as of each scrape.", value=seen.calls)
         yield Counter("pmetal_actor_calls_failed", "Calls served by this node's workers "
-                      "whose code raised, as of each scrape.", value=self.failed.total)
+                      "whose code raised, as of each scrape.", value=seen.calls_failed)
+        yield from _telemetry(seen)
 
         # --- workers and requests
         pool = node.pool.statistics()
@@ -180,6 +172,13 @@ class _NodeCollector:
         yield Counter("pmetal_handshakes_refused", "Handshakes refused: peers without "
                       "the namespace's PSK, or that broke the protocol.",
                       value=listener.refused_handshakes)
+        curve = Counter("pmetal_curve_handshakes_refused", "Connections to the node's "
+                        "port refused inside ZeroMQ before pmetal's handshake, by reason: "
+                        "protocol (no CURVE, or keys of another PSK or namespace), auth, "
+                        "no_detail.", labels=["reason"])
+        for reason, count in sorted(node.socket.refused.items()):
+            curve.add_metric([reason], count)
+        yield curve
         yield Counter("pmetal_messages_unauthenticated", "Messages dropped for coming "
                       "from a peer without a session.",
                       value=listener.dropped_unauthenticated)
@@ -190,9 +189,94 @@ class _NodeCollector:
         from pmetal import shm
         pids = (os.getpid(), *(w.proc.pid for w in node.pool.workers.values()
                                if w.proc.pid is not None))
+        names = shm.objects(creators=pids)
         yield Gauge("pmetal_shm_objects", "Shared-memory objects (/dev/shm) made by this "
-                    "node and its workers and not yet unlinked.",
-                    value=len(shm.objects(creators=pids)))
+                    "node and its workers and not yet unlinked.", value=len(names))
+        yield Gauge("pmetal_shm_bytes", "Their size in bytes.", value=_sizes(names))
+
+
+def _telemetry(seen: TelemetrySnapshot) -> Iterator[Any]:
+    """The series of what this node's workers and drivers ran
+    (pmetal.node.telemetry)."""
+    from prometheus_client.core import CounterMetricFamily as Counter
+    from prometheus_client.core import GaugeMetricFamily as Gauge
+    from prometheus_client.core import HistogramMetricFamily as Histogram
+    from prometheus_client.utils import floatToGoString
+    latency, total = seen.latency, 0
+    buckets = []
+    for bound, count in zip((*latency.bounds, float("inf")), latency.counts, strict=True):
+        total += count
+        buckets.append((floatToGoString(bound), total))
+    yield Histogram("pmetal_actor_call_duration_seconds", "Time this node's workers took "
+                    "to run each call (the method or task and packing its result; a "
+                    "stream: until its end).", buckets=buckets, sum_value=latency.seconds)
+
+    by_strategy: dict[str, list[float]] = {}
+    for c in seen.collectives:
+        row = by_strategy.setdefault(c.strategy, [0, 0, 0.0])
+        row[0] += c.operations
+        row[1] += c.bytes
+        row[2] += c.seconds
+    families = [Counter("pmetal_collective_operations", "Collective operations run by "
+                        "this node's processes, by strategy.", labels=["strategy"]),
+                Counter("pmetal_collective_bytes", "Bytes of the buffers of those "
+                        "operations (each rank's own).", labels=["strategy"]),
+                Counter("pmetal_collective_seconds", "Seconds those operations took.",
+                        labels=["strategy"])]
+    for strategy, values in sorted(by_strategy.items()):
+        for family, v in zip(families, values, strict=True):
+            family.add_metric([strategy], v)
+    yield from families
+
+    stages = Gauge("pmetal_pipeline_stages", "Stages of each pipeline driven from this "
+                   "node.", labels=["pipeline"])
+    tokens = Counter("pmetal_pipeline_tokens", "Tokens generated by each pipeline "
+                     "driven from this node.", labels=["pipeline"])
+    steps = Counter("pmetal_pipeline_steps", "Hops of each pipeline's driver round its "
+                    "ring of stages.", labels=["pipeline"])
+    step_seconds = Counter("pmetal_pipeline_step_seconds", "Their round trips, summed.",
+                           labels=["pipeline"])
+    hop_bytes = Counter("pmetal_pipeline_hop_bytes", "Bytes sent on each hop of a "
+                        "pipeline from this node: hop \"driver\" is the driver's to the "
+                        "first stage, hop \"i\" stage i's to the next (the last's: back to "
+                        "the driver).", labels=["pipeline", "hop"])
+    hop_seconds = Counter("pmetal_pipeline_hop_send_seconds", "Seconds the sender of "
+                          "each of those hops spent handing them to its link (queueing and "
+                          "backpressure; not their flight).", labels=["pipeline", "hop"])
+    stage_steps = Counter("pmetal_pipeline_stage_steps", "Steps of the pipeline stages "
+                          "hosted on this node.", labels=["pipeline", "stage"])
+    stage_seconds = Counter("pmetal_pipeline_stage_seconds", "Compute seconds of those "
+                            "steps.", labels=["pipeline", "stage"])
+    for p in seen.pipelines:
+        if p.steps:
+            stages.add_metric([p.name], p.stages)
+            tokens.add_metric([p.name], p.tokens)
+            steps.add_metric([p.name], p.steps)
+            step_seconds.add_metric([p.name], p.seconds)
+            hop_bytes.add_metric([p.name, "driver"], p.bytes_sent)
+            hop_seconds.add_metric([p.name, "driver"], p.send_seconds)
+        for st in p.stage_rows:
+            hop_bytes.add_metric([p.name, str(st.index)], st.hop_bytes)
+            hop_seconds.add_metric([p.name, str(st.index)], st.hop_seconds)
+            stage_steps.add_metric([p.name, str(st.index)], st.steps)
+            stage_seconds.add_metric([p.name, str(st.index)], st.seconds)
+    yield from (stages, tokens, steps, step_seconds, hop_bytes, hop_seconds, stage_steps,
+                stage_seconds)
+
+    yield Gauge("pmetal_objects_owned", "ObjectRefs this node's workers and drivers own "
+                "and hold for borrowers in other processes.", value=seen.objects_owned)
+    yield Gauge("pmetal_objects_borrowed", "ObjectRefs they borrow from other processes.",
+                value=seen.objects_borrowed)
+    cpu = Counter("pmetal_worker_cpu_seconds", "CPU seconds of this node's worker "
+                  "processes by role (actor, task, lent), exited ones included.",
+                  labels=["role"])
+    rss = Gauge("pmetal_worker_resident_memory_bytes", "Resident memory of this node's "
+                "live worker processes by role.", labels=["role"])
+    for proc in seen.processes:
+        cpu.add_metric([proc.role], proc.cpu_seconds)
+        rss.add_metric([proc.role], proc.resident_bytes)
+    yield cpu
+    yield rss
 
 
 class MetricsServer:
@@ -210,8 +294,6 @@ class MetricsServer:
         self.reason = "" if config.enabled else "metrics.enabled is false"
         self.scrapes = 0
         self.registry: Any = None
-        self._calls = _CallTotals()
-        self._failed = _CallTotals()
         self._runner: Any = None
         self.dashboard: Any = None
 
@@ -241,7 +323,7 @@ class MetricsServer:
         from aiohttp import web
         from prometheus_client import CollectorRegistry, ProcessCollector
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_NodeCollector(self.node, self._calls, self._failed))
+        self.registry.register(_NodeCollector(self.node))
         ProcessCollector(registry=self.registry)
         app = web.Application()
         from pmetal.dashboard import install
@@ -282,21 +364,10 @@ class MetricsServer:
             self.state = "off"
             self.reason = "the node stopped"
 
-    async def _refresh_calls(self) -> None:
-        pool = self.node.pool
-        described = pool.describe()
-        # Bounded by the asks' own deadlines (0.5 s each, side by side); not
-        # cancelled from here: the channels are shared with actor creation.
-        await pool.add_calls(described)
-        live = set(pool.workers)
-        for totals, key in ((self._calls, "calls"), (self._failed, "calls_failed")):
-            totals.update({w["worker_id"]: w[key] for w in described
-                           if isinstance(w.get(key), int)}, live)
-
     async def _metrics(self, request: Any) -> Any:
         from aiohttp import web
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         self.scrapes += 1
-        await self._refresh_calls()
+        await self.node.telemetry.refresh()
         body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

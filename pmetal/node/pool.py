@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 _POOL_DELAY = 0.15   # s after the node is ready before the pool starts interpreters
 _LEASE_GRACE = 1.0   # s a lease waits for task workers that are still starting
 _STATUS_WAIT = 0.5   # s a worker may take to report its calls to `pmetal status`
+_LAST_WORDS = 0.05   # s a worker being killed may take to give its last report
 
 
 @dataclass
@@ -102,6 +103,8 @@ class WorkerPool:
         self._node_address = ""
         self._stopping = asyncio.Event()
         self._counts = {"started": 0, "exited": 0, "spawn_failures": 0}
+        # Asks a worker for its last report before end() kills it (the node's telemetry).
+        self.last_words: Callable[[WorkerProc], Awaitable[None]] | None = None
 
     def statistics(self) -> PoolStatistics:
         starting = self._starting()
@@ -280,6 +283,28 @@ class WorkerPool:
         worker = self.workers[self.idle.pop(0)]
         self._top_up()  # keep the pool full
         return worker
+
+    def end(self, worker: WorkerProc) -> None:
+        """Kill ``worker``, after its last report to the node's telemetry
+        (:attr:`last_words`, when set: a worker's counts since the last
+        scrape would be lost with it) if it answers within
+        :data:`_LAST_WORDS` seconds on the channel the node has open to it;
+        at once otherwise (a sync worker busy in a call cannot answer)."""
+        ask = self.last_words
+        if (ask is None or self._group is None or worker.channel is None
+                or not worker.ready.is_set() or worker.proc.returncode is not None):
+            self.kill(worker)
+            return
+        worker.killed = True
+
+        async def then_kill() -> None:
+            try:
+                await asyncio.wait_for(ask(worker), _LAST_WORDS)
+            except (PMetalError, TimeoutError):
+                pass
+            finally:
+                self.kill(worker)
+        self._group.create_task(then_kill())
 
     def kill(self, worker: WorkerProc) -> None:
         worker.killed = True

@@ -58,6 +58,7 @@ from pmetal.errors import (
 )
 from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
+from pmetal.tally import TALLY
 
 __all__ = ["GenerationResult", "PipelineGenerationLoop", "StreamMultiplexer",
            "generate_single_process"]
@@ -272,6 +273,7 @@ class PipelineGenerationLoop:
         self._ids = 0
         self.hops = 0
         self.widest = 0         # most sequences one hop carried (decode and prefill)
+        self.name = "pipeline"  # in the node's metrics (pmetal.tally)
         # One run() at a time: two interleaved would number their hops from
         # the same counters and read each other's tokens.
         self._lock = threading.Lock()
@@ -393,6 +395,8 @@ class PipelineGenerationLoop:
     def _lanes(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
                admit: Callable[[StreamMultiplexer, bool], bool] | None) -> None:
         idle = list(range(self.lanes))
+        # lane -> when its hop left, its bytes, and the seconds sending took
+        left: dict[int, tuple[float, int, float]] = {}
         while True:
             if admit is not None:
                 admit(mux, False)
@@ -402,7 +406,9 @@ class PipelineGenerationLoop:
             for lane, hop in sending:
                 hop.busy = len(in_flight) + len(sending)   # the stages' thread hint
                 self.widest = max(self.widest, sum(1 for e in hop.entries if e.tokens))
+                sent, began = self.sender.bytes, time.perf_counter()
                 self._send(hop, mux)
+                left[lane] = (began, self.sender.bytes - sent, time.perf_counter() - began)
                 idle.remove(lane)
                 in_flight.append(lane)
             if not in_flight:
@@ -410,9 +416,15 @@ class PipelineGenerationLoop:
                     return
                 continue
             lane = in_flight.popleft()
+            received = self.receiver.bytes
             hop = self._recv(mux)
-            mux.on_hop(lane, hop, time.perf_counter())
+            now = time.perf_counter()
+            mux.on_hop(lane, hop, now)
             idle.append(lane)
+            began, sent, send_seconds = left.pop(lane, (now, 0, 0.0))
+            TALLY.pipeline_step(self.name, self.stages,
+                                sum(1 for e in hop.entries if len(e.tokens) == 1 and not e.error),
+                                now - began, sent, self.receiver.bytes - received, send_seconds)
 
     def _abandon(self, mux: StreamMultiplexer, in_flight: collections.deque[int],
                  exc: BaseException) -> None:

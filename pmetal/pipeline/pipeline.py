@@ -206,7 +206,7 @@ class Pipeline:
                     random_model=None if random_model is None else dict(random_model.__dict__),
                     seed=seed, codec=codec.value, backend=backend,
                     threads=threads if threads is not None else max(1, cores // sharing),
-                    threads_alone=threads or 0)
+                    threads_alone=threads or 0, name=_metric_name(path))
                 handles.append(stage_actor.options(node=p.node_id).remote(
                     stage_config, step_timeout))
             # Every stage loads its layers at once.
@@ -240,6 +240,7 @@ class Pipeline:
             _kill(client, handles)
             raise
         loop = PipelineGenerationLoop(links, stages, lanes=lanes, step_timeout=step_timeout)
+        loop.name = _metric_name(path)
         pipe = cls(config=config, handles=handles, placements=placements, loop=loop,
                    tokenizer=tokenizer, codec=codec, max_len=max_len,
                    model=path or "random")
@@ -421,6 +422,12 @@ def _stage_actor(stage_class: Any) -> ActorClass:
             f"under @pmetal.remote), not {cls!r}: the driver calls its load, open, "
             "connect, statistics and close")
     return ActorClass(cls, options)
+
+
+def _metric_name(path: str) -> str:
+    """The pipeline's name in its nodes' metrics: its model's file or
+    folder name ("random" for random weights), at most 64 characters."""
+    return (Path(path).name if path else "random")[:64] or "pipeline"
 
 
 def _stage_model(ref: Any, path: str, client: Any,

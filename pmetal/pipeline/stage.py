@@ -52,6 +52,7 @@ from pmetal.pipeline.sampling import Sampler, SamplingConfig
 from pmetal.pipeline.threads import set_compute_threads
 from pmetal.pipeline.transport import Entry, Hop, HopReceiver, HopSender
 from pmetal.pipeline.weights import StageWeights, is_store_model, stage_weights
+from pmetal.tally import TALLY
 
 __all__ = ["PipelineStage", "PipelineStageConfig", "PipelineStageRuntime"]
 
@@ -93,6 +94,8 @@ class PipelineStageConfig:
     backend: str = "auto"
     manifest: str = ""
     sources: tuple[str, ...] = ()
+    name: str = "pipeline"
+    """The pipeline's name in its nodes' metrics (pmetal.tally)."""
 
     def __post_init__(self) -> None:
         if not (type(self.num_stages) is int and self.num_stages >= 1):
@@ -376,12 +379,17 @@ class PipelineStageRuntime:
                 sender.send(hop)
                 stop.set()
                 return
+            computed = self.stats.compute_seconds
             reply = self.step(hop)
             if rest is not None:
                 rest()   # compute helpers stop spinning: the next hop takes a while
+            sent, sending = sender.bytes, time.perf_counter()
             sender.send(reply)
             self.stats.bytes_in = receiver.bytes
             self.stats.bytes_out = sender.bytes
+            TALLY.stage_step(self.config.name, self.config.index,
+                             self.stats.compute_seconds - computed, sender.bytes - sent,
+                             time.perf_counter() - sending)
 
 
 class PipelineStage:
