@@ -9,7 +9,9 @@ The places where things happen feed it with one call each:
   election's outcome) and the loss of one, this node fenced, a join or a
   peer refused;
 * the node's listener (:class:`~pmetal.endpoint.SecureListener`): a
-  handshake it refused (a stranger, another namespace, a broken protocol).
+  handshake it refused (a failed PSK proof, a broken protocol), and its
+  socket (:class:`~pmetal.transport.ZmqListener`): a stranger ZeroMQ's
+  CURVE handshake refused (no namespace keys).
 
 Bounded: the newest :data:`CAPACITY` events are kept. A repeat (the same
 kind, node and detail as one of the last :data:`COALESCE` events, such as a

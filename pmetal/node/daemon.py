@@ -199,9 +199,13 @@ class NodeDaemon:
             static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
             on_dead=self._node_dead, on_refused=self.membership.refuse,
             bootstrap=0.0 if alone else None, gate=self.gate)
-        # Refused handshakes go to the event log (pmetal.cluster.eventlog).
+        # Refused handshakes go to the event log (pmetal.cluster.eventlog):
+        # pmetal's own, and the strangers ZeroMQ's CURVE refused before it.
         self.listener.on_refused = lambda reason: self.cluster.events.record(
             EventKind.REFUSAL, "", f"handshake refused: {reason}")
+        self.socket.on_refused = lambda reason: self.cluster.events.record(
+            EventKind.REFUSAL, "", f"a stranger refused by ZeroMQ's CURVE handshake "
+                                   f"({reason}): it lacks the namespace's keys")
         self.scheduler = Scheduler(self)
         self.compute = ComputeMeter()     # measured on first need: never at start
         # Pieces of the models this machine holds, for members that lack them.

@@ -27,7 +27,7 @@ from dashboard.browser import screenshot, wait_for
 from pmetal.actors.client import CoreClient
 from pmetal.config import load_config
 from pmetal.endpoint import Channel
-from pmetal.errors import HandshakeError
+from pmetal.errors import HandshakeError, PMetalError
 from pmetal.identity import NodeIdentity
 from pmetal.node.daemon import read_ready_line
 from pmetal.security import NetworkNamespace
@@ -176,6 +176,32 @@ def test_a_refused_handshake_is_in_the_event_log(node: tuple[str, str]) -> None:
     events = json.loads(get(url + "/api/cluster")[1])["events"]
     refusals = [e for e in events if e["kind"] == "refusal"]
     assert len(refusals) == 1 and refusals[0]["detail"].startswith("handshake refused: ")
+
+
+def test_a_stranger_without_the_namespace_keys_is_in_the_event_log(
+        node: tuple[str, str]) -> None:
+    """A peer with other CURVE keys is refused inside ZeroMQ, before
+    pmetal's handshake; the node's monitor of its socket records it."""
+    address, url = node
+    config = load_config(env={}, transport={"connect_timeout": 2.0})
+    other = NetworkNamespace("default", b"another namespace's psk, 32+ bytes")
+    stranger = Channel(ZmqTransport(config.transport, curve=other.curve_keys()).dial(address),
+                       NodeIdentity.generate(), other, load_config(
+                           env={}, transport={"handshake_timeout": 1.0}))
+    try:
+        with pytest.raises(PMetalError):
+            stranger.open()
+    finally:
+        stranger.close()
+
+    def refused() -> list[dict[str, Any]]:
+        events = json.loads(get(url + "/api/cluster")[1])["events"]
+        return [e for e in events if e["kind"] == "refusal" and "CURVE" in e["detail"]]
+    deadline = time.monotonic() + WAIT   # the monitor's event comes on its own
+    while not (found := refused()):
+        assert time.monotonic() < deadline, "no CURVE refusal in the event log"
+        time.sleep(0.05)
+    assert found[0]["detail"].startswith("a stranger refused by ZeroMQ's CURVE handshake")
 
 
 def test_actors_their_restarts_and_last_error_on_the_page(
