@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
 TICK = 1.0           # s between snapshots of a calm cluster (an event stream)
 KEEPALIVE = 15.0     # s of identical snapshots before a comment line keeps the stream open
-REMOTE_EVERY = 3.0   # s between asks of the other members' resources, while a page is open
+REMOTE_EVERY = 2.0   # s between asks of the other members' machines, while a page is open
 REMOTE_WAIT = 0.5    # s a member may take to answer
 TELEMETRY_EVERY = 1.0   # s between asks of this node's workers for their telemetry
 

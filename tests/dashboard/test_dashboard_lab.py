@@ -68,29 +68,30 @@ def test_three_machines_their_master_and_a_killed_node_turning_dead(
     with formed_cluster([1, 2, 3], tmp_path) as c:
         master = c.nodes[1].state["master"]
         ids = {i: c.nodes[i].node_id for i in (1, 2, 3)}
-        driver = browser(netns=c.lab.host(1).name)
-        driver.get(URL)
-
-        drawn = wait_for(driver, lambda d: (m := machines(d)) and len(m) == 3
-                         and any(x["master"] for x in m) and m, START,
-                         "three machines and a master in the graph")
-        assert sorted(m["node"] for m in drawn) == sorted(ids.values())
-        assert [m["node"] for m in drawn if m["master"]] == [master]
-        assert {m["node"]: m["health"] for m in drawn}[ids[1]] == "self"
-        # The cards say the same in words, and the summary names the master.
-        cards = driver.find_elements("css selector", "#machine-cards .card")
-        assert len(cards) == 3
-        assert "master" in driver.find_element(
-            "css selector", f"#machine-cards .card[data-node='{master}']").text
-        assert driver.find_element("id", "sum-master").text == master[:8]
-        assert driver.find_element("id", "conn").get_attribute("data-mode") == "live"
-        # Wait for the link labels (heartbeat latency), for the screenshot.
-        wait_for(driver, lambda d: len(d.find_elements("css selector", "#topology .link-label"))
-                 >= 2, 5.0, "latencies on the links")
-
         victim = next(i for i in (2, 3) if ids[i] != master)
+        # The driver pins its actor while the browser starts (both take a second or two).
         with c.driver(1, PIN, [c.nodes[1].address, c.psk.hex(), ids[victim]], "pin",
                       stdin=True) as pin:
+            driver = browser(netns=c.lab.host(1).name)
+            driver.get(URL)
+
+            drawn = wait_for(driver, lambda d: (m := machines(d)) and len(m) == 3
+                             and any(x["master"] for x in m) and m, START,
+                             "three machines and a master in the graph")
+            assert sorted(m["node"] for m in drawn) == sorted(ids.values())
+            assert [m["node"] for m in drawn if m["master"]] == [master]
+            assert {m["node"]: m["health"] for m in drawn}[ids[1]] == "self"
+            # The cards say the same in words, and the summary names the master.
+            cards = driver.find_elements("css selector", "#machine-cards .card")
+            assert len(cards) == 3
+            assert "master" in driver.find_element(
+                "css selector", f"#machine-cards .card[data-node='{master}']").text
+            assert driver.find_element("id", "sum-master").text == master[:8]
+            assert driver.find_element("id", "conn").get_attribute("data-mode") == "live"
+            # The link labels (heartbeat latency), for the screenshot.
+            wait_for(driver, lambda d: len(d.find_elements(
+                "css selector", "#topology .link-label")) >= 2, 5.0, "latencies on the links")
+
             assert read_line(pin, 60, "pinned")["value"] == 21.5
             card = f"#machine-cards .card[data-node='{ids[victim]}'] .hosted-actors li"
             hosted = wait_for(driver, lambda d: [li.text for li in d.find_elements(
