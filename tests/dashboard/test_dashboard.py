@@ -174,8 +174,9 @@ def test_a_refused_handshake_is_in_the_event_log(node: tuple[str, str]) -> None:
     finally:
         intruder.close()
     events = json.loads(get(url + "/api/cluster")[1])["events"]
-    refusals = [e for e in events if e["kind"] == "refusal"]
-    assert len(refusals) == 1 and refusals[0]["detail"].startswith("handshake refused: ")
+    refusals = [e for e in events if e["kind"] == "refusal"
+                and e["detail"].startswith("handshake refused: ")]
+    assert len(refusals) == 1 and refusals[0]["count"] == 1
 
 
 def test_a_stranger_without_the_namespace_keys_is_in_the_event_log(
