@@ -67,13 +67,13 @@ TELEMETRY_EVERY = 1.0   # s between asks of this node's workers for their teleme
 
 
 class Dashboard:
-    """The routes' state: machines seen, members' last answers, open streams."""
+    """The routes' state: machines seen, members' last answers, the tasks
+    (open streams, background asks) that :meth:`close` ends."""
 
     def __init__(self, node: Any) -> None:
         self.node = node
         self.known: dict[str, dict[str, Any]] = {}
         self.remote: dict[str, dict[str, Any]] = {}
-        self.streams = 0
         self._started: dict[str, float] = {}          # background ask -> when it last began
         self._running: dict[str, asyncio.Task[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -106,7 +106,6 @@ class Dashboard:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        self.streams += 1
         cluster = self.node.cluster
         last = ""
         quiet_since = time.monotonic()
@@ -134,7 +133,6 @@ class Dashboard:
         except (ConnectionResetError, asyncio.CancelledError):
             pass   # the page went away, or the node stops
         finally:
-            self.streams -= 1
             self._tasks.discard(task)
         return response
 
