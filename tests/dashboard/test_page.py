@@ -48,7 +48,7 @@ def snapshot(step: int) -> dict[str, Any]:
     all-reduce per second of its clock."""
     at = 1_800_000_000.0 + step
     stage = {"index": 0, "steps": 40 + 50 * step, "seconds": 2.0 + 0.5 * step,
-             "hop_bytes": 1_152 * (40 + 50 * step)}
+             "hop_bytes": 1_152 * (40 + 50 * step), "hop_seconds": 0.0004 * (40 + 50 * step)}
     stage["seconds_per_step"] = stage["seconds"] / stage["steps"]
     return {
         "at": at, "node_id": A, "namespace": "home", "master": B, "term": 12, "epoch": 5,
@@ -137,8 +137,9 @@ def test_pipelines_collectives_and_links_by_polling(
     text = wait_for(driver, lambda d: "tokens/s now 50.0" in (
         t := d.find_element("id", "pipeline-list").text) and t, 10.0, "the pipeline's rate")
     assert "smollm2" in text and "3 stages" in text
-    stage = driver.find_element("css selector", "#pipeline-list tbody tr").text.split()
-    assert stage[0] == "0"                       # the stage hosted here
+    stage = [td.text for td in driver.find_elements(
+        "css selector", "#pipeline-list tr[data-stage='0'] td")]
+    assert stage[0] == "0" and stage[3:] == ["1.1 KiB", "0.400 ms"]   # per step: bytes, hand-over
     assert driver.find_element("id", "conn").get_attribute("data-mode") == "polling"
     row = driver.find_element("css selector", "#collective-table tr[data-group='grads']")
     cells = [td.text for td in row.find_elements("tag name", "td")]

@@ -247,19 +247,28 @@ function renderPipelines(snap) {
   replace("pipeline-list", list.map((p) => {
     const live = since("tokens", p.name, p.tokens, tele.at);
     const avg = p.seconds ? p.tokens / p.seconds : null;
-    const stages = (p.stage_rows || []).map((st) => h("tr", {},
+    const rows = p.stage_rows || [];
+    const perStep = (x, n) => (n ? seconds(x / n) : "-");
+    const stages = rows.map((st) => h("tr", {dataset: {stage: st.index}},
       h("td", {}, st.index), h("td", {class: "num"}, st.steps),
       h("td", {class: "num"}, seconds(st.seconds_per_step)),
-      h("td", {class: "num"}, bytes(st.hop_bytes))));
+      h("td", {class: "num"}, st.steps ? bytes(st.hop_bytes / st.steps) : "-"),
+      h("td", {class: "num"}, perStep(st.hop_seconds || 0, st.steps))));
+    // With every stage here, a step's round trip less the stages' compute is
+    // what its hops cost (flight and hand-over together).
+    const all = rows.length === p.stages && p.steps > 0;
+    const hops = all ? (p.seconds - rows.reduce((t, st) => t + st.seconds, 0)) / p.steps : null;
     return h("div", {class: "pipeline", dataset: {pipeline: p.name}},
       h("h3", {}, p.name, " ", h("span", {class: "muted small"}, `${p.stages} stages`)),
-      h("dl", {class: "inline"},
+      h("p", {class: "pipeline-summary"},
         `tokens ${p.tokens} · tokens/s now ${live === null ? "-" : live.toFixed(1)} · ` +
-        `average ${avg === null ? "-" : avg.toFixed(1)} · time per step (a hop round the ` +
-        `ring) ${seconds(p.seconds_per_step)} · sent ${bytes(p.bytes_sent)} · received ` +
-        `${bytes(p.bytes_received)}`),
-      stages.length ? table([["stage here"], ["steps", "num"], ["time per step", "num"],
-        ["hop bytes", "num"]], stages) : empty("no stage of it runs on this node"));
+        `average ${avg === null ? "-" : avg.toFixed(1)} · time per step (round the ring) ` +
+        `${seconds(p.seconds_per_step)}` +
+        (hops !== null && hops > 0 ? ` · in hops ${seconds(hops)} per step` : "") +
+        ` · sent ${bytes(p.bytes_sent)} · received ${bytes(p.bytes_received)}`),
+      stages.length ? table([["stage here"], ["steps", "num"], ["compute per step", "num"],
+        ["hop bytes per step", "num"], ["hop hand-over per step", "num"]], stages)
+        : empty("no stage of it runs on this node"));
   }));
 }
 
