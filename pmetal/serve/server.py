@@ -63,6 +63,7 @@ from pmetal.serve.protocol import (
     parse_completion,
     usage_object,
 )
+from pmetal.serve.recent import RecentRequests
 from pmetal.serve.text import AnswerText
 from pmetal.transport import is_loopback
 
@@ -134,6 +135,7 @@ class OpenAIServer:
         self.port = 0
         self._expected = None if api_key is None else _digest(f"Bearer {api_key}")
         self._runner: web.AppRunner | None = None
+        self.recent = RecentRequests()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -229,7 +231,8 @@ class OpenAIServer:
         return web.json_response({"status": "ok"})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response(dataclasses.asdict(self.batcher.statistics()))
+        return web.json_response({**dataclasses.asdict(self.batcher.statistics()),
+                                  "recent": self.recent.summary()})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat(await _json(request))
@@ -266,6 +269,8 @@ class OpenAIServer:
             else tuple(sorted(self.tokenizer.stop_token_ids)))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[int | GenerationResult] = asyncio.Queue()
+        arrived_at = time.monotonic()
+        first: list[float] = []
 
         def arrived(_sid: int, token: int) -> None:
             loop.call_soon_threadsafe(events.put_nowait, token)
@@ -289,7 +294,7 @@ class OpenAIServer:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         over = False
         try:
-            pieces = self._pieces(events, answer, sid)
+            pieces = self._pieces(events, answer, sid, first)
             if sampling.stream:
                 response, over = await self._stream(request, chat, ident, pieces, answer,
                                                     len(prompt), sampling.include_usage)
@@ -307,10 +312,13 @@ class OpenAIServer:
         finally:
             if not over:
                 self.batcher.cancel(sid)   # the client left, or the answer failed
+            self.recent.add(answer.tokens, arrived_at, first[0] if first else None,
+                            time.monotonic())
 
     async def _pieces(self, events: asyncio.Queue[int | GenerationResult], answer: AnswerText,
-                      sid: int) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, finish reason or None) as the sequence's tokens come."""
+                      sid: int, first: list[float]) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, finish reason or None) as the sequence's tokens come;
+        ``first`` gets the time the first one came."""
         while True:
             try:
                 event = await asyncio.wait_for(events.get(), self.token_timeout)
@@ -331,6 +339,8 @@ class OpenAIServer:
                 stop = answer.stopped or event.finish_reason == FINISH_STOP
                 yield text, "stop" if stop else "length"
                 return
+            if not first:
+                first.append(time.monotonic())
             text = answer.push(event)
             if answer.stopped:
                 self.batcher.cancel(sid)
