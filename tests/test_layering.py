@@ -85,7 +85,8 @@ ALLOWED = {
     "model": {"core"},
     "actors": {"core", "cluster", "store"},   # store: runtime_env working_dir archives
     "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
-    "node": {"core", "cluster", "actors", "store"},   # the daemon; the client side never imports it
+    "node": {"core", "cluster", "actors", "store", "dashboard"},   # the daemon; the client side never imports it
+    "dashboard": {"core"},   # the node's web pages, on its HTTP app
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
     "collectives": {"core", "cluster", "actors", "links"},
     "pipeline": {"core", "cluster", "actors", "links", "model", "store"},
