@@ -1,6 +1,6 @@
 """The dashboard's chat page: ``/chat``, and the two calls its script makes,
-``/api/serve`` (where ``pmetal serve`` runs on this machine, and how fast it
-answered lately) and ``/api/chat`` (a conversation sent to it, the answer
+``/api/serve`` (where ``pmetal serve`` runs on this machine, how fast it
+answered lately and its pipeline's stages) and ``/api/chat`` (a conversation sent to it, the answer
 streamed back as it is generated).
 
 What it owns: finding the servers (the records :mod:`pmetal.served` keeps in
@@ -44,8 +44,9 @@ from pmetal.served import ServeRecord, running_servers, serve_folder
 __all__ = ["PROBE_TIMEOUT", "START_HINT", "add_chat_routes", "serve_status"]
 
 STATIC = Path(__file__).with_name("static")
-PROBE_TIMEOUT = 1.0
-"""Seconds a server has to answer ``/health`` and ``/stats`` for ``/api/serve``."""
+PROBE_TIMEOUT = 2.0
+"""Seconds a server has to answer each of ``/health``, ``/stats`` and
+``/pipeline`` for ``/api/serve``."""
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 300.0     # serve ends a stalled request itself (--token-timeout, 60 s)
 MAX_BODY = 4 << 20
@@ -77,8 +78,9 @@ def _page(name: str, kind: str) -> Any:
 async def serve_status(home: Path | None = None) -> dict[str, Any]:
     """What ``/api/serve`` answers: ``running`` (a recorded server answers
     ``/health``), ``servers`` (each record without its key, with ``health``:
-    ok, broken or unreachable, ``error`` and ``stats``: serve's ``/stats``),
-    and ``message`` for a person."""
+    ok, broken or unreachable, ``error``, and serve's ``stats`` and
+    ``pipeline``: its ``/stats`` and ``/pipeline``, None when they did not
+    come), and ``message`` for a person."""
     records = await asyncio.to_thread(running_servers, home)
     servers = await asyncio.gather(*(_probe(r) for r in records))
     running = any(s["health"] == "ok" for s in servers)
@@ -101,7 +103,7 @@ async def _serve(request: web.Request) -> web.Response:
 
 async def _probe(record: ServeRecord) -> dict[str, Any]:
     out: dict[str, Any] = {**record.describe(), "health": "unreachable", "error": None,
-                           "stats": None}
+                           "stats": None, "pipeline": None}
     timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -110,9 +112,11 @@ async def _probe(record: ServeRecord) -> dict[str, Any]:
                 out["health"] = "ok" if response.status == 200 else "broken"
                 if response.status != 200:
                     out["error"] = str(health.get("error") or health)
-            async with session.get(f"{record.url}/stats", headers=_auth(record)) as response:
-                if response.status == 200:
-                    out["stats"] = await response.json(content_type=None)
+            for path in ("stats", "pipeline"):
+                async with session.get(f"{record.url}/{path}",
+                                       headers=_auth(record)) as response:
+                    if response.status == 200:
+                        out[path] = await response.json(content_type=None)
     except (aiohttp.ClientError, TimeoutError, ValueError, AttributeError) as exc:
         if out["health"] == "unreachable":
             out["error"] = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

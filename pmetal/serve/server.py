@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over a pipeline (``pmetal serve``).
 
 What it owns: an aiohttp application (``/v1/models``, ``/v1/chat/completions``,
-``/v1/completions``, and ``/health`` and ``/stats`` of its own) and the
+``/v1/completions``, and ``/health``, ``/stats`` and ``/pipeline`` of its own) and the
 :class:`~pmetal.pipeline.batching.ContinuousBatcher` that feeds every request
 into one running pipeline: concurrent requests share the stages' batched
 decode steps, each joining and leaving between two steps.
@@ -153,6 +153,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/health", self._health)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/pipeline", self._pipeline)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -233,6 +234,11 @@ class OpenAIServer:
     async def _stats(self, request: web.Request) -> web.Response:
         return web.json_response({**dataclasses.asdict(self.batcher.statistics()),
                                   "recent": self.recent.summary()})
+
+    async def _pipeline(self, request: web.Request) -> web.Response:
+        # Asks every stage over the wire (bounded), so in a thread.
+        stats = await self._in_thread(self.pipe.statistics)
+        return web.json_response({"model": self.model_id, **stats})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat(await _json(request))

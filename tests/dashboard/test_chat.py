@@ -276,8 +276,12 @@ def test_the_answer_streams_into_the_page_and_equals_serves(
     [server] = [s for s in status["servers"] if s["url"] == serve]
     assert server["health"] == "ok" and server["model"] == "tiny"
     assert server["stats"]["recent"]["requests"] >= 6 and server["api_key"] is False
+    assert [s["layers"] for s in server["pipeline"]["stages"]] == [[0, 2], [2, 4]]
     wait_for(driver, lambda d: "tokens/s" in d.find_element("id", "serve-figures").text,
              WAIT, "serve's figures")
+    wait_for(driver, lambda d: "stage 1: layers 2-3" in d.find_element(
+        "id", "serve-pipeline").text and "ms/step" in d.find_element(
+        "id", "serve-pipeline").text, WAIT, "the pipeline's stages")
     screenshot(driver, "chat-streamed-answer")
 
 
@@ -424,3 +428,29 @@ def test_stop_ends_the_answer_and_reaches_the_server(
     assert server.left.wait(WAIT), "the node kept the server's stream open after the stop"
     assert driver.find_element("id", "stop").get_attribute("disabled") is not None
     screenshot(driver, "chat-stopped")
+
+
+def test_the_chat_call_refuses_what_it_must_not_forward(
+        node: Node, scripted: Callable[[str], ScriptedServe]) -> None:
+    """Only JSON, only the chat's fields, and only to a recorded server."""
+    server = scripted("gone")
+
+    def post(body: bytes, kind: str = "application/json") -> tuple[int, Any]:
+        request = urllib.request.Request(f"{node.url}/api/chat", data=body, method="POST",
+                                         headers={"Content-Type": kind})
+        try:
+            with urllib.request.urlopen(request, timeout=WAIT) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())["error"]
+
+    messages = [{"role": "user", "content": "hi"}]
+    code, error = post(json.dumps({"messages": messages}).encode(), "text/plain")
+    assert code == 415 and error["code"] == "unsupported_media_type"
+    code, error = post(b"{not json")
+    assert code == 400 and error["code"] == "invalid_json"
+    code, error = post(json.dumps({"messages": messages, "model": "x"}).encode())
+    assert code == 400 and error["param"] == "model" and "unknown fields" in error["message"]
+    code, error = post(json.dumps({"messages": messages,
+                                   "server": "http://192.0.2.1:80"}).encode())
+    assert code == 404 and error["code"] == "unknown_server" and server.url in error["message"]

@@ -64,7 +64,21 @@ function showStatus(status) {
   } else {
     figures.textContent = server ? "no request yet" : "";
   }
+  $("serve-pipeline").textContent = describePipeline(server && server.pipeline);
   updateButtons();
+}
+
+function describePipeline(pipeline) {
+  // Each stage: its layers, its node, its compute time per decode step.
+  if (!pipeline || !pipeline.stages) return "";
+  const stages = pipeline.stages.map((s) => {
+    const where = `stage ${s.index}: layers ${s.layers[0]}-${s.layers[1] - 1} on ` +
+      `${String(s.node).slice(0, 8)}`;
+    if (s.failure) return `${where} (failed: ${s.failure})`;
+    if (!s.decode_steps) return where;
+    return `${where}, ${(1000 * s.decode_seconds / s.decode_steps).toFixed(2)} ms/step`;
+  });
+  return `pipeline: ${stages.join(" · ")}`;
 }
 
 async function poll() {
