@@ -13,7 +13,10 @@ Why the node forwards rather than the page calling ``pmetal serve`` itself
 covers the chat as it covers every other page; the server's API key never
 reaches the browser (the node reads it from the record, mode 0600); and
 ``pmetal serve`` need not know about browsers. The node forwards only to an
-address taken from a record, never to one a page names.
+address taken from a record, never to one a page names. A browser of this
+machine must reach these routes at an address or at ``localhost``, not under
+another name: a site that rebinds its own name to 127.0.0.1 (DNS rebinding)
+would otherwise be same-origin with the chat.
 
 ``POST /api/chat`` takes ``{"messages": [...], "temperature": T,
 "max_tokens": N, "server": URL}`` (all but ``messages`` optional; ``server``
@@ -32,6 +35,7 @@ the node then closes its connection to serve, which cancels the sequence.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,6 @@ PROBE_TIMEOUT = 2.0
 ``/pipeline`` for ``/api/serve``."""
 CONNECT_TIMEOUT = 5.0
 READ_TIMEOUT = 300.0     # serve ends a stalled request itself (--token-timeout, 60 s)
-MAX_BODY = 4 << 20
 START_HINT = ("start it with `pmetal serve` (`--model PATH` for another model than the "
               "default, `--address auto` to put its stages on this node's cluster), with the "
               "same PMETAL_HOME as this node; this page finds it within seconds")
@@ -67,6 +70,9 @@ def add_chat_routes(app: web.Application) -> None:
 
 def _page(name: str, kind: str) -> Any:
     async def handler(request: web.Request) -> web.Response:
+        refused = _foreign_name(request)
+        if refused is not None:
+            return refused
         body = await asyncio.to_thread((STATIC / name).read_bytes)
         return web.Response(body=body, content_type=kind, charset="utf-8",
                             headers={"Cache-Control": "no-cache"})
@@ -98,7 +104,45 @@ async def serve_status(home: Path | None = None) -> dict[str, Any]:
 
 
 async def _serve(request: web.Request) -> web.Response:
+    refused = _foreign_name(request)
+    if refused is not None:
+        return refused
     return web.json_response(await serve_status())
+
+
+def _foreign_name(request: web.Request) -> web.Response | None:
+    """A 403 for a browser of this machine that reached the node under a
+    host name other than ``localhost``: a page of another site whose name
+    was rebound to 127.0.0.1 (DNS rebinding) would otherwise be
+    same-origin with the chat, and use the model."""
+    host = _host_name(request.host or "")
+    if not _is_loopback_ip(request.remote or "") or host == "localhost" or _is_ip(host):
+        return None
+    return _error(403, f"this node's pages answer a browser of this machine at an address "
+                  f"(http://127.0.0.1:PORT) or at localhost, not at the name {host!r} "
+                  "(a defence against DNS rebinding)", code="foreign_host_name")
+
+
+def _host_name(host: str) -> str:
+    """A Host header without its port (``[::1]:80`` is ``::1``)."""
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    return host.rpartition(":")[0] if host.count(":") == 1 else host
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_loopback_ip(text: str) -> bool:
+    try:
+        return ipaddress.ip_address(text).is_loopback
+    except ValueError:
+        return False
 
 
 async def _probe(record: ServeRecord) -> dict[str, Any]:
@@ -147,11 +191,16 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     if request.content_type != "application/json":
         return _error(415, f"send the conversation as JSON (Content-Type: application/json), "
                       f"not {request.content_type or 'no type'}", code="unsupported_media_type")
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        return _error(413, f"the conversation is larger than {MAX_BODY} bytes",
-                      code="request_too_large")
+    refused = _foreign_name(request)
+    if refused is not None:
+        return refused
     try:
-        body = json.loads(await request.content.read(MAX_BODY + 1))
+        raw = await request.read()          # at most the app's client_max_size
+    except web.HTTPRequestEntityTooLarge as exc:
+        return _error(413, f"the conversation is larger than the {exc.max_size} bytes the "
+                      "dashboard takes: clear it and start again", code="request_too_large")
+    try:
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         return _error(400, f"the body is not JSON ({exc})", code="invalid_json")
     if not isinstance(body, dict):
