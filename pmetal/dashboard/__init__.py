@@ -1,7 +1,18 @@
-"""The node's web dashboard: pages and their JSON calls on the node's HTTP
-app (the one that serves ``/metrics``, see :mod:`pmetal.node.metrics`); the
-pages' files are in ``static/``, plain HTML, CSS and JavaScript shipped in
-the package (no build step, no CDN). :mod:`pmetal.dashboard.chat` is the
-chat page that talks to ``pmetal serve``. See docs/observability.md."""
+"""The node's web dashboard, served at ``/`` of its metrics listener.
 
-__all__: list[str] = []
+The page and its scripts are plain files in ``static/`` (no build step, no
+CDN); :mod:`pmetal.dashboard.server` adds its routes and JSON APIs to the
+node's aiohttp application (:mod:`pmetal.node.metrics`),
+:mod:`pmetal.dashboard.snapshot` reads the node for them, and
+:mod:`pmetal.dashboard.auth` decides who may read them (open on loopback;
+the namespace's dashboard token beyond). :mod:`pmetal.dashboard.chat` is the
+chat page at ``/chat``, which talks to ``pmetal serve``. docs/observability.md
+describes what the pages show and the APIs.
+"""
+
+from __future__ import annotations
+
+from pmetal.dashboard.auth import dashboard_token
+from pmetal.dashboard.server import Dashboard, install
+
+__all__ = ["Dashboard", "dashboard_token", "install"]

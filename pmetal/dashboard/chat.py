@@ -13,10 +13,9 @@ Why the node forwards rather than the page calling ``pmetal serve`` itself
 covers the chat as it covers every other page; the server's API key never
 reaches the browser (the node reads it from the record, mode 0600); and
 ``pmetal serve`` need not know about browsers. The node forwards only to an
-address taken from a record, never to one a page names. A browser of this
-machine must reach these routes at an address or at ``localhost``, not under
-another name: a site that rebinds its own name to 127.0.0.1 (DNS rebinding)
-would otherwise be same-origin with the chat.
+address taken from a record, never to one a page names. The dashboard's
+guard (:mod:`pmetal.dashboard.auth`: loopback Host names only on loopback,
+the namespace's token beyond) stands in front of these routes as of all.
 
 ``POST /api/chat`` takes ``{"messages": [...], "temperature": T,
 "max_tokens": N, "server": URL}`` (all but ``messages`` optional; ``server``
@@ -35,7 +34,6 @@ the node then closes its connection to serve, which cancels the sequence.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 from pathlib import Path
 from typing import Any
@@ -61,22 +59,13 @@ _FIELDS = {"messages", "temperature", "max_tokens", "server"}
 
 def add_chat_routes(app: web.Application) -> None:
     """The chat page's routes on the node's app."""
-    app.router.add_get("/chat", _page("chat.html", "text/html"))
-    app.router.add_get("/chat.js", _page("chat.js", "text/javascript"))
-    app.router.add_get("/chat.css", _page("chat.css", "text/css"))
+    app.router.add_get("/chat", _page)       # its script and style: /static/chat.*
     app.router.add_get("/api/serve", _serve)
     app.router.add_post("/api/chat", _chat)
 
 
-def _page(name: str, kind: str) -> Any:
-    async def handler(request: web.Request) -> web.Response:
-        refused = _foreign_name(request)
-        if refused is not None:
-            return refused
-        body = await asyncio.to_thread((STATIC / name).read_bytes)
-        return web.Response(body=body, content_type=kind, charset="utf-8",
-                            headers={"Cache-Control": "no-cache"})
-    return handler
+async def _page(request: web.Request) -> web.FileResponse:
+    return web.FileResponse(STATIC / "chat.html", headers={"Cache-Control": "no-cache"})
 
 
 # --------------------------------------------------------------- /api/serve
@@ -104,45 +93,7 @@ async def serve_status(home: Path | None = None) -> dict[str, Any]:
 
 
 async def _serve(request: web.Request) -> web.Response:
-    refused = _foreign_name(request)
-    if refused is not None:
-        return refused
     return web.json_response(await serve_status())
-
-
-def _foreign_name(request: web.Request) -> web.Response | None:
-    """A 403 for a browser of this machine that reached the node under a
-    host name other than ``localhost``: a page of another site whose name
-    was rebound to 127.0.0.1 (DNS rebinding) would otherwise be
-    same-origin with the chat, and use the model."""
-    host = _host_name(request.host or "")
-    if not _is_loopback_ip(request.remote or "") or host == "localhost" or _is_ip(host):
-        return None
-    return _error(403, f"this node's pages answer a browser of this machine at an address "
-                  f"(http://127.0.0.1:PORT) or at localhost, not at the name {host!r} "
-                  "(a defence against DNS rebinding)", code="foreign_host_name")
-
-
-def _host_name(host: str) -> str:
-    """A Host header without its port (``[::1]:80`` is ``::1``)."""
-    if host.startswith("["):
-        return host[1:].partition("]")[0]
-    return host.rpartition(":")[0] if host.count(":") == 1 else host
-
-
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _is_loopback_ip(text: str) -> bool:
-    try:
-        return ipaddress.ip_address(text).is_loopback
-    except ValueError:
-        return False
 
 
 async def _probe(record: ServeRecord) -> dict[str, Any]:
@@ -191,9 +142,6 @@ async def _chat(request: web.Request) -> web.StreamResponse:
     if request.content_type != "application/json":
         return _error(415, f"send the conversation as JSON (Content-Type: application/json), "
                       f"not {request.content_type or 'no type'}", code="unsupported_media_type")
-    refused = _foreign_name(request)
-    if refused is not None:
-        return refused
     try:
         raw = await request.read()          # at most the app's client_max_size
     except web.HTTPRequestEntityTooLarge as exc:

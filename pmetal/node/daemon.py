@@ -56,6 +56,7 @@ from pmetal.node.zygote import ForkServer
 from pmetal.cluster.capacity import Capacity, ComputeMeter, current_capacity
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
+from pmetal.cluster.eventlog import EventKind
 from pmetal.cluster.service import ClusterService
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
@@ -195,6 +196,9 @@ class NodeDaemon:
             static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
             on_dead=self._node_dead, on_refused=self.membership.refuse,
             bootstrap=0.0 if alone else None, gate=self.gate)
+        # Refused handshakes go to the event log (pmetal.cluster.eventlog).
+        self.listener.on_refused = lambda reason: self.cluster.events.record(
+            EventKind.REFUSAL, "", f"handshake refused: {reason}")
         self.scheduler = Scheduler(self)
         self.compute = ComputeMeter()     # measured on first need: never at start
         # Pieces of the models this machine holds, for members that lack them.
@@ -203,7 +207,7 @@ class NodeDaemon:
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
         self._counts = {"requests": 0, "failed": 0, "receive_errors": 0}
-        # /metrics (and later the dashboard): pmetal.node.metrics.
+        # /metrics and the dashboard: pmetal.node.metrics, pmetal.dashboard.
         self.metrics = MetricsServer(config.metrics, self)
 
     def statistics(self) -> NodeStatistics:

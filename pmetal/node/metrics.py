@@ -10,8 +10,9 @@ process-global default registry). The one thing a scrape asks over the wire
 is each worker's calls served and failed (a ``StatusRequest``, as ``pmetal
 status`` does), before rendering.
 
-The listener is an aiohttp application in the node's event loop, so the
-dashboard's routes can join it later on the same port. It listens on
+The listener is an aiohttp application in the node's event loop; the
+dashboard (:mod:`pmetal.dashboard`) adds its routes, and the guard that
+asks for the namespace's token beyond loopback, to it. It listens on
 ``metrics.host:metrics.port`` (127.0.0.1:8265 by default, Ray's dashboard
 port; 0 takes a free one). A port already taken leaves the node running:
 one warning names the port and the setting to change (at INFO for the
@@ -195,7 +196,7 @@ class _NodeCollector:
 
 
 class MetricsServer:
-    """The node's HTTP listener: ``/metrics`` now, the dashboard later.
+    """The node's HTTP listener: ``/metrics`` and the dashboard.
 
     :meth:`start` binds (or warns and stays off); :meth:`close` stops.
     :meth:`describe` is what ``pmetal status`` shows.
@@ -212,6 +213,7 @@ class MetricsServer:
         self._calls = _CallTotals()
         self._failed = _CallTotals()
         self._runner: Any = None
+        self.dashboard: Any = None
 
     def describe(self) -> dict[str, Any]:
         return {"enabled": self.state == "on", "state": self.state, "address": self.address,
@@ -242,6 +244,8 @@ class MetricsServer:
         self.registry.register(_NodeCollector(self.node, self._calls, self._failed))
         ProcessCollector(registry=self.registry)
         app = web.Application()
+        from pmetal.dashboard import install
+        self.dashboard = install(app, self.node, self.config.host)
         app.router.add_get("/metrics", self._metrics)
         from pmetal.dashboard.chat import add_chat_routes
         add_chat_routes(app)       # /chat, and /api/serve and /api/chat it calls
@@ -272,6 +276,8 @@ class MetricsServer:
 
     async def close(self) -> None:
         runner, self._runner = self._runner, None
+        if self.dashboard is not None:
+            self.dashboard.close()
         if runner is not None:
             await runner.cleanup()
         if self.state == "on":

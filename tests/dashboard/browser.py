@@ -139,8 +139,17 @@ def artifacts() -> Path:
     return folder
 
 
-def screenshot(driver: Any, name: str) -> Path:
-    """Save the page as ``<artifacts>/<name>.png``; the path."""
+def screenshot(driver: Any, name: str, *, full_page: bool = False) -> Path:
+    """Save the page as ``<artifacts>/<name>.png`` (``full_page``: the
+    whole page, not just the window); the path."""
     path = artifacts() / f"{name}.png"
-    driver.save_screenshot(str(path))
+    size = driver.get_window_size()
+    try:
+        if full_page:
+            height = driver.execute_script("return document.documentElement.scrollHeight")
+            driver.set_window_size(size["width"], max(size["height"], int(height) + 100))
+        driver.save_screenshot(str(path))
+    finally:
+        if full_page:
+            driver.set_window_size(size["width"], size["height"])
     return path

@@ -1,0 +1,167 @@
+"""The dashboard's routes on the node's HTTP listener (the ``/metrics`` app).
+
+:func:`install` adds, to the aiohttp application of
+:class:`pmetal.node.metrics.MetricsServer` (same host and port):
+
+=====================  ==========================================================
+``/``                  the page (``static/index.html``); ``/static/...`` its CSS
+                       and JS, shipped in the package: no build step, no CDN
+``/api/cluster``       one snapshot (:mod:`pmetal.dashboard.snapshot`), JSON
+``/api/events``        server-sent events: a ``snapshot`` event with the same JSON
+                       at once, then at every change of the cluster (a member, a
+                       death, a master) and otherwise every :data:`TICK` seconds if
+                       anything moved (round trips, counters); a comment line every
+                       :data:`KEEPALIVE` seconds of calm
+``/login``             the token form, when bound beyond loopback
+=====================  ==========================================================
+
+and the guard of :mod:`pmetal.dashboard.auth` in front of every route,
+``/metrics`` included.
+
+Other members' free resources and actor counts come from a
+:class:`~pmetal.wire.ResourcesRequest` to each, asked by a task of the
+dashboard's own every :data:`REMOTE_EVERY` seconds while a page is open
+(:data:`REMOTE_WAIT` at most each), never on a snapshot's path: a snapshot
+must not wait on a member that may have just died. :meth:`Dashboard.close`
+(the node stopping) cancels that task and ends every open event stream, so
+the listener's shutdown never waits on a browser.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from pmetal.dashboard.auth import guard
+from pmetal.dashboard.snapshot import cluster_snapshot
+from pmetal.wire import Resources, ResourcesRequest
+
+__all__ = ["Dashboard", "KEEPALIVE", "REMOTE_EVERY", "REMOTE_WAIT", "STATIC", "TICK",
+           "install"]
+
+log = logging.getLogger(__name__)
+
+STATIC = Path(__file__).parent / "static"
+TICK = 1.0           # s between snapshots of a calm cluster (an event stream)
+KEEPALIVE = 15.0     # s of identical snapshots before a comment line keeps the stream open
+REMOTE_EVERY = 3.0   # s between asks of the other members' resources, while a page is open
+REMOTE_WAIT = 0.5    # s a member may take to answer
+
+
+class Dashboard:
+    """The routes' state: machines seen, members' last answers, open streams."""
+
+    def __init__(self, node: Any) -> None:
+        self.node = node
+        self.known: dict[str, dict[str, Any]] = {}
+        self.remote: dict[str, dict[str, Any]] = {}
+        self.streams = 0
+        self._asked = 0.0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    def snapshot(self) -> dict[str, Any]:
+        self._ask_members()
+        return cluster_snapshot(self.node, self.known, self.remote)
+
+    # ------------------------------------------------------------- routes
+
+    async def index(self, request: Any) -> Any:
+        from aiohttp import web
+        return web.FileResponse(STATIC / "index.html",
+                                headers={"Cache-Control": "no-cache"})
+
+    async def api_cluster(self, request: Any) -> Any:
+        from aiohttp import web
+        return web.json_response(self.snapshot(), headers={"Cache-Control": "no-store"})
+
+    async def api_events(self, request: Any) -> Any:
+        from aiohttp import web
+        response = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-store",
+            "X-Accel-Buffering": "no"})
+        await response.prepare(request)
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        self.streams += 1
+        cluster = self.node.cluster
+        last = ""
+        quiet_since = time.monotonic()
+        try:
+            await response.write(b"retry: 1000\n\n")
+            while not self._closed:
+                version = cluster.version
+                body = json.dumps(self.snapshot(), separators=(",", ":"), default=str)
+                if body != last:
+                    await response.write(f"event: snapshot\ndata: {body}\n\n".encode())
+                    last = body
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since > KEEPALIVE:
+                    await response.write(b": keepalive\n\n")
+                    quiet_since = time.monotonic()
+                if cluster.version == version:
+                    try:
+                        await asyncio.wait_for(cluster.changed(), TICK)
+                    except TimeoutError:
+                        pass
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass   # the page went away, or the node stops
+        finally:
+            self.streams -= 1
+            self._tasks.discard(task)
+        return response
+
+    # ------------------------------------------------------------ members
+
+    def _ask_members(self) -> None:
+        now = time.monotonic()
+        if self._closed or now - self._asked < REMOTE_EVERY:
+            return
+        self._asked = now
+        task = asyncio.get_running_loop().create_task(self._refresh_members())
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("the dashboard could not ask the members: %r", task.exception())
+
+    async def _refresh_members(self) -> None:
+        node = self.node
+        dead = node.cluster.dead()
+        members = [m for m in node.membership.members.values() if m.node_id not in dead]
+        answers = await asyncio.gather(
+            *(asyncio.wait_for(node.membership.ask(m, ResourcesRequest()), REMOTE_WAIT)
+              for m in members), return_exceptions=True)
+        for member, answer in zip(members, answers):
+            if isinstance(answer, Resources):
+                self.remote[member.node_id] = {"available": dict(answer.available),
+                                               "actors": answer.actors,
+                                               "queued": answer.queued}
+
+    def close(self) -> None:
+        """End every open stream and the members' asks (the node stops)."""
+        self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
+
+
+def install(app: Any, node: Any, host: str) -> Dashboard:
+    """Add the dashboard's routes and the guard to ``app`` (an aiohttp
+    application not yet started) of a listener bound to ``host``."""
+    from pmetal.dashboard.auth import dashboard_token
+    dashboard = Dashboard(node)
+    middleware, login = guard(host, dashboard_token(node.namespace))
+    app.middlewares.append(middleware)
+    app.router.add_get("/", dashboard.index)
+    app.router.add_get("/api/cluster", dashboard.api_cluster)
+    app.router.add_get("/api/events", dashboard.api_events)
+    app.router.add_route("*", "/login", login)
+    app.router.add_static("/static/", STATIC, follow_symlinks=False)
+    return dashboard
