@@ -136,6 +136,7 @@ class OpenAIServer:
         self._expected = None if api_key is None else _digest(f"Bearer {api_key}")
         self._runner: web.AppRunner | None = None
         self.recent = RecentRequests()
+        self._asking: asyncio.Future[Any] | None = None     # the stages' statistics
 
     # ------------------------------------------------------------ lifecycle
 
@@ -236,8 +237,14 @@ class OpenAIServer:
                                   "recent": self.recent.summary()})
 
     async def _pipeline(self, request: web.Request) -> web.Response:
-        # Asks every stage over the wire (bounded), so in a thread.
-        stats = await self._in_thread(self.pipe.statistics)
+        # Asks every stage over the wire (10 s at most each), in a thread:
+        # requests that come meanwhile share that ask rather than pile up
+        # threads (dashboards poll this).
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._in_thread(self.pipe.statistics))
+            # Its error is the waiting requests' (500); none waits once they left.
+            self._asking.add_done_callback(lambda f: f.cancelled() or f.exception())
+        stats = await asyncio.shield(self._asking)
         return web.json_response({"model": self.model_id, **stats})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
