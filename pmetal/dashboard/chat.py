@@ -87,8 +87,10 @@ async def serve_status(home: Path | None = None) -> dict[str, Any]:
         message = f"pmetal serve answers with {ok['model']} at {ok['url']}."
     else:
         first = servers[0]
-        message = (f"pmetal serve (pid {first['pid']}) at {first['url']} does not answer: "
-                   f"{first['error']}. Restart it, or {START_HINT}.")
+        why = ("its pipeline is broken" if first["health"] == "broken"
+               else "it does not answer")
+        message = (f"pmetal serve (pid {first['pid']}) at {first['url']} cannot chat: {why} "
+                   f"({first['error']}). Restart it: {START_HINT}.")
     return {"running": running, "servers": servers, "message": message}
 
 

@@ -470,3 +470,22 @@ def test_the_chat_is_behind_the_dashboards_guard(node: Node) -> None:
             except urllib.error.HTTPError as exc:
                 code = exc.code
             assert code == status, (path, host)
+
+
+def test_a_recorded_server_that_does_not_answer(node: Node) -> None:
+    """A record whose process lives but whose address answers nothing (a
+    server still starting, or a pid reused): said so, and 502 to a chat."""
+    url = f"http://127.0.0.1:{free_port()}"          # nothing listens there
+    record = write_record(url, "silent", None, home=node.home)
+    try:
+        status = get_json(f"{node.url}/api/serve")
+        [server] = [s for s in status["servers"] if s["url"] == url]
+        assert server["health"] == "unreachable" and server["error"]
+        if len(status["servers"]) == 1:
+            assert status["running"] is False and "it does not answer" in status["message"]
+        code, body = post_json(f"{node.url}/api/chat", {
+            "messages": [{"role": "user", "content": "hi"}], "server": url})
+        assert code == 502 and body["error"]["code"] == "serve_unreachable"
+        assert url in body["error"]["message"]
+    finally:
+        remove_record(record)
