@@ -1,12 +1,13 @@
 """The dashboard's chat page: ``/chat``, and the two calls its script makes,
 ``/api/serve`` (where ``pmetal serve`` runs on this machine, how fast it
-answered lately and its pipeline's stages) and ``/api/chat`` (a conversation sent to it, the answer
-streamed back as it is generated).
+answered lately, its pipeline's stages) and ``/api/chat`` (a conversation
+sent to it, the answer streamed back as it is generated).
 
 What it owns: finding the servers (the records :mod:`pmetal.served` keeps in
-this node's ``PMETAL_HOME``, each asked for ``/health`` and ``/stats``) and
-forwarding the page's requests to one of them. It runs in the node's event
-loop, on the node's HTTP app (:mod:`pmetal.node.metrics` adds the routes).
+this node's ``PMETAL_HOME``, each asked for ``/health``, ``/stats`` and
+``/pipeline``) and forwarding the page's requests to one of them. It runs in
+the node's event loop, on the node's HTTP app (:mod:`pmetal.node.metrics`
+adds the routes).
 
 Why the node forwards rather than the page calling ``pmetal serve`` itself
 (CORS): the page stays same-origin, so the dashboard's own access rule
@@ -15,7 +16,8 @@ reaches the browser (the node reads it from the record, mode 0600); and
 ``pmetal serve`` need not know about browsers. The node forwards only to an
 address taken from a record, never to one a page names. The dashboard's
 guard (:mod:`pmetal.dashboard.auth`: loopback Host names only on loopback,
-the namespace's token beyond) stands in front of these routes as of all.
+the namespace's token beyond) stands in front of these routes as of every
+other.
 
 ``POST /api/chat`` takes ``{"messages": [...], "temperature": T,
 "max_tokens": N, "server": URL}`` (all but ``messages`` optional; ``server``
