@@ -22,9 +22,12 @@ Other members' free resources and actor counts come from a
 :class:`~pmetal.wire.ResourcesRequest` to each, asked by a task of the
 dashboard's own every :data:`REMOTE_EVERY` seconds while a page is open
 (:data:`REMOTE_WAIT` at most each), never on a snapshot's path: a snapshot
-must not wait on a member that may have just died. :meth:`Dashboard.close`
-(the node stopping) cancels that task and ends every open event stream, so
-the listener's shutdown never waits on a browser.
+must not wait on a member that may have just died. The same way, the node's
+telemetry (``node.telemetry``, where it has one) is refreshed from its
+workers every :data:`TELEMETRY_EVERY` seconds while a page is open (a
+scrape of ``/metrics`` refreshes it too). :meth:`Dashboard.close` (the node
+stopping) cancels those tasks and ends every open event stream, so the
+listener's shutdown never waits on a browser.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ from pmetal.dashboard.auth import guard
 from pmetal.dashboard.snapshot import cluster_snapshot
 from pmetal.wire import Resources, ResourcesRequest
 
-__all__ = ["Dashboard", "KEEPALIVE", "REMOTE_EVERY", "REMOTE_WAIT", "STATIC", "TICK",
-           "install"]
+__all__ = ["Dashboard", "KEEPALIVE", "REMOTE_EVERY", "REMOTE_WAIT", "STATIC",
+           "TELEMETRY_EVERY", "TICK", "install"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ TICK = 1.0           # s between snapshots of a calm cluster (an event stream)
 KEEPALIVE = 15.0     # s of identical snapshots before a comment line keeps the stream open
 REMOTE_EVERY = 3.0   # s between asks of the other members' resources, while a page is open
 REMOTE_WAIT = 0.5    # s a member may take to answer
+TELEMETRY_EVERY = 1.0   # s between asks of this node's workers for their telemetry
 
 
 class Dashboard:
@@ -60,12 +64,16 @@ class Dashboard:
         self.known: dict[str, dict[str, Any]] = {}
         self.remote: dict[str, dict[str, Any]] = {}
         self.streams = 0
-        self._asked = 0.0
+        self._started: dict[str, float] = {}          # background ask -> when it last began
+        self._running: dict[str, asyncio.Task[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     def snapshot(self) -> dict[str, Any]:
-        self._ask_members()
+        self._refresh("members", REMOTE_EVERY, self._refresh_members)
+        telemetry = getattr(self.node, "telemetry", None)
+        if telemetry is not None and hasattr(telemetry, "refresh"):
+            self._refresh("telemetry", TELEMETRY_EVERY, telemetry.refresh)
         return cluster_snapshot(self.node, self.known, self.remote)
 
     # ------------------------------------------------------------- routes
@@ -96,10 +104,14 @@ class Dashboard:
             await response.write(b"retry: 1000\n\n")
             while not self._closed:
                 version = cluster.version
-                body = json.dumps(self.snapshot(), separators=(",", ":"), default=str)
+                snapshot = self.snapshot()
+                at = snapshot.pop("at")   # a new time alone is not news
+                body = json.dumps(snapshot, separators=(",", ":"), default=str)
                 if body != last:
-                    await response.write(f"event: snapshot\ndata: {body}\n\n".encode())
                     last = body
+                    snapshot["at"] = at
+                    data = json.dumps(snapshot, separators=(",", ":"), default=str)
+                    await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
                     quiet_since = time.monotonic()
                 elif time.monotonic() - quiet_since > KEEPALIVE:
                     await response.write(b": keepalive\n\n")
@@ -116,21 +128,26 @@ class Dashboard:
             self._tasks.discard(task)
         return response
 
-    # ------------------------------------------------------------ members
+    # --------------------------------------------------------- background
 
-    def _ask_members(self) -> None:
+    def _refresh(self, what: str, every: float, ask: Any) -> None:
+        """Start ``ask()`` as a task of the dashboard's own when the last one
+        began ``every`` seconds ago or more and is over."""
         now = time.monotonic()
-        if self._closed or now - self._asked < REMOTE_EVERY:
+        running = self._running.get(what)
+        if self._closed or (running is not None and not running.done()) \
+                or now - self._started.get(what, float("-inf")) < every:
             return
-        self._asked = now
-        task = asyncio.get_running_loop().create_task(self._refresh_members())
+        self._started[what] = now
+        task = asyncio.get_running_loop().create_task(ask())
+        self._running[what] = task
         self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(lambda t: self._done(what, t))
 
-    def _done(self, task: asyncio.Task[Any]) -> None:
+    def _done(self, what: str, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.warning("the dashboard could not ask the members: %r", task.exception())
+            log.warning("the dashboard could not refresh the %s: %r", what, task.exception())
 
     async def _refresh_members(self) -> None:
         node = self.node

@@ -18,7 +18,8 @@ a peer that may be dead):
 
 Machines that were members once and no longer are stay on the picture as
 ``dead`` (the detector or the master's list said so) or ``left``, so a
-machine that dies does not just vanish from the page: ``known`` keeps them.
+machine that dies does not just vanish from the page: ``known`` keeps them
+(:data:`MAX_GONE` of them at most).
 
 The node is duck-typed (``Any``): this layer is below the node daemon.
 """
@@ -33,7 +34,10 @@ from typing import Any
 
 from pmetal.cluster.topology import memory_now
 
-__all__ = ["cluster_snapshot", "jsonable"]
+__all__ = ["MAX_GONE", "cluster_snapshot", "jsonable"]
+
+MAX_GONE = 32
+"""Machines no longer members that the picture keeps (the newest seen)."""
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -96,10 +100,12 @@ def _machines(node: Any, known: dict[str, dict[str, Any]],
         }
         entry.update(remote.get(node_id, {}))
         known[node_id] = entry
-    for node_id, entry in known.items():
-        if node_id not in listed:
-            entry.update(health="dead" if node_id in dead else "left", master=False,
-                         rtt_ms=None)
+    gone = [node_id for node_id in known if node_id not in listed]
+    for node_id in gone[:-MAX_GONE]:   # the oldest seen first
+        del known[node_id]
+    for node_id in gone[-MAX_GONE:]:
+        known[node_id].update(health="dead" if node_id in dead else "left", master=False,
+                              rtt_ms=None)
     mine = known.get(node.node_id)
     if mine is not None:
         total, free = memory_now()
@@ -152,6 +158,11 @@ def cluster_snapshot(node: Any, known: dict[str, dict[str, Any]],
     machines = _machines(node, known, remote)
     telemetry = getattr(node, "telemetry", None)
     tele = jsonable(telemetry.snapshot()) if telemetry is not None else None
+    refreshed = getattr(telemetry, "refreshed", None)
+    if isinstance(tele, dict) and isinstance(refreshed, float) and refreshed > 0:
+        # The workers' counts hold as of the last refresh: rates on the page
+        # divide by the time between refreshes, not between snapshots.
+        tele["at"] = refreshed
     return {
         "at": time.time(), "node_id": node.node_id, "namespace": node.namespace.name,
         "master": state.master, "term": state.term, "epoch": state.epoch,

@@ -26,8 +26,12 @@ from cluster.lab import ROOT, read_line
 from dashboard.browser import screenshot, wait_for
 from pmetal.actors.client import CoreClient
 from pmetal.config import load_config
+from pmetal.endpoint import Channel
+from pmetal.errors import HandshakeError
+from pmetal.identity import NodeIdentity
 from pmetal.node.daemon import read_ready_line
 from pmetal.security import NetworkNamespace
+from pmetal.transport import ZmqTransport
 
 SECRET = "dashboard-test-psk-0123456789abcdef"
 WAIT = 15.0
@@ -149,6 +153,26 @@ def test_the_apis_and_the_loopback_rules(node: tuple[str, str]) -> None:
     assert json.loads(lines[3].removeprefix(b"data: "))["node_id"] == snap["node_id"]
     status, page = get(url + "/")
     assert status == 200 and b'<svg id="topology"' in page and b'href="/chat"' in page
+
+
+def test_a_refused_handshake_is_in_the_event_log(node: tuple[str, str]) -> None:
+    """A peer that gets through CURVE (the namespace's transport keys) but
+    cannot prove the PSK in pmetal's handshake."""
+    address, url = node
+    config = load_config(env={}, transport={"handshake_timeout": 2.0,
+                                            "connect_timeout": 2.0})
+    real = NetworkNamespace.resolve(config.security, SECRET)
+    transport = ZmqTransport(config.transport, curve=real.curve_keys())
+    intruder = Channel(transport.dial(address), NodeIdentity.generate(),
+                       NetworkNamespace(real.name, b"not the cluster's psk at all"), config)
+    try:
+        with pytest.raises(HandshakeError):
+            intruder.open()
+    finally:
+        intruder.close()
+    events = json.loads(get(url + "/api/cluster")[1])["events"]
+    refusals = [e for e in events if e["kind"] == "refusal"]
+    assert len(refusals) == 1 and refusals[0]["detail"].startswith("handshake refused: ")
 
 
 def test_actors_their_restarts_and_last_error_on_the_page(

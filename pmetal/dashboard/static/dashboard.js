@@ -11,7 +11,6 @@ const SVG = "http://www.w3.org/2000/svg";
 const POLL_MS = 1000;
 const SSE_FAILURES_BEFORE_POLLING = 3;
 
-let previous = null;     // the last snapshot, for rates (tokens/s, bytes/s)
 let lastUpdate = 0;
 
 // ------------------------------------------------------------------ helpers
@@ -209,12 +208,23 @@ function renderActors(snap) {
     ["restarts left", "num"], ["pid", "num"], ["last error"]], rows));
 }
 
-function since(prevList, key, item, field, dt) {
-  if (!prevList || !dt) return null;
-  const old = prevList.find((x) => key(x) === key(item));
-  if (!old) return null;
-  const d = item[field] - old[field];
-  return d > 0 ? d / dt : 0;
+// Rates between two telemetry readings: per key, the last reading and the
+// last rate, so a snapshot that brings no newer reading keeps the rate shown.
+const readings = new Map();
+
+function since(kind, key, value, at) {
+  const id = `${kind}:${key}`;
+  const last = readings.get(id);
+  if (!last) {
+    readings.set(id, {value, at, rate: null});
+    return null;
+  }
+  if (at > last.at) {
+    const rate = Math.max(0, value - last.value) / (at - last.at);
+    readings.set(id, {value, at, rate});
+    return rate;
+  }
+  return last.rate;
 }
 
 function renderPipelines(snap) {
@@ -225,10 +235,8 @@ function renderPipelines(snap) {
   }
   const list = tele.pipelines || [];
   if (!list.length) return replace("pipeline-list", empty("no pipeline has run on this node"));
-  const prev = previous && previous.telemetry ? previous.telemetry.pipelines : null;
-  const dt = previous && previous.telemetry ? tele.at - previous.telemetry.at : 0;
   replace("pipeline-list", list.map((p) => {
-    const live = since(prev, (x) => x.name, p, "tokens", dt);
+    const live = since("tokens", p.name, p.tokens, tele.at);
     const avg = p.seconds ? p.tokens / p.seconds : null;
     const stages = (p.stage_rows || []).map((st) => h("tr", {},
       h("td", {}, st.index), h("td", {class: "num"}, st.steps),
@@ -254,16 +262,13 @@ function renderCollectives(snap) {
   }
   const list = tele.collectives || [];
   if (!list.length) return replace("collective-table", empty("no collective has run on this node"));
-  const prev = previous && previous.telemetry ? previous.telemetry.collectives : null;
-  const dt = previous && previous.telemetry ? tele.at - previous.telemetry.at : 0;
-  const key = (c) => `${c.group}/${c.strategy}`;
   replace("collective-table", table([["group"], ["strategy"], ["operations", "num"],
     ["bytes", "num"], ["throughput", "num"], ["now", "num"]], list.map((c) => h("tr",
     {dataset: {group: c.group}},
     h("td", {}, c.group), h("td", {}, c.strategy), h("td", {class: "num"}, c.operations),
     h("td", {class: "num"}, bytes(c.bytes)),
     h("td", {class: "num"}, c.seconds ? rate(c.bytes / c.seconds) : "-"),
-    h("td", {class: "num"}, rate(since(prev, key, c, "bytes", dt)))))));
+    h("td", {class: "num"}, rate(since("bytes", `${c.group}/${c.strategy}`, c.bytes, tele.at)))))));
 }
 
 function renderEvents(snap) {
@@ -292,7 +297,6 @@ function render(snap) {
   renderPipelines(snap);
   renderCollectives(snap);
   renderEvents(snap);
-  previous = snap;
 }
 
 // ------------------------------------------------------------------ updates
