@@ -244,6 +244,9 @@ $("prompt").addEventListener("keydown", (event) => {
   }
 });
 $("stop").addEventListener("click", () => { if (controller) controller.abort(); });
+document.addEventListener("keydown", (event) => {
+  if (event.key === "Escape" && controller) controller.abort();
+});
 $("clear").addEventListener("click", () => {
   if (controller) controller.abort();
   conversation = [];
