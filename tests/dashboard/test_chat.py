@@ -37,7 +37,7 @@ from typing import Any, Self
 import pytest
 from aiohttp import web
 
-from dashboard.browser import screenshot, wait_for
+from dashboard.browser import open_browser, require_browser, screenshot, wait_for
 from pmetal.node.process import read_ready_line
 from pmetal.served import remove_record, write_record
 from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
@@ -168,9 +168,17 @@ def serve(node: Node, tiny_gguf: Path) -> Iterator[str]:
         stop(process)
 
 
-def open_chat(browser: Callable[..., Any], node: Node, state: str) -> Any:
-    """A browser on the node's /chat, once its serve status reads ``state``."""
-    driver = browser()
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One headless Chromium for the module's tests (each opens /chat
+    afresh): a browser's start is the slowest part of a test here."""
+    require_browser()
+    with open_browser() as driver:
+        yield driver
+
+
+def open_chat(driver: Any, node: Node, state: str) -> Any:
+    """``driver`` on the node's /chat, once its serve status reads ``state``."""
     driver.get(f"{node.url}/chat")
     wait_for(driver, lambda d: d.find_element("id", "serve-status").get_attribute(
         "data-state") == state, WAIT, f"the serve status to be {state}")
@@ -216,7 +224,7 @@ def text_of(driver: Any, answer: Any) -> str:
 # ----------------------------------------------------------------- tests
 
 def test_without_serve_the_page_says_how_to_start_it(node: Node,
-                                                     browser: Callable[..., Any]) -> None:
+                                                     browser: Any) -> None:
     status = get_json(f"{node.url}/api/serve")
     if status["servers"]:
         pytest.skip("a pmetal serve of this module already runs")
@@ -234,7 +242,7 @@ def test_without_serve_the_page_says_how_to_start_it(node: Node,
 
 
 def test_the_answer_streams_into_the_page_and_equals_serves(
-        node: Node, serve: str, browser: Callable[..., Any]) -> None:
+        node: Node, serve: str, browser: Any) -> None:
     driver = open_chat(browser, node, "running")
     assert "tiny" in driver.find_element("id", "serve-status").text
 
@@ -285,7 +293,7 @@ def test_the_answer_streams_into_the_page_and_equals_serves(
     screenshot(driver, "chat-streamed-answer")
 
 
-def test_a_model_error_is_shown(node: Node, serve: str, browser: Callable[..., Any]) -> None:
+def test_a_model_error_is_shown(node: Node, serve: str, browser: Any) -> None:
     driver = open_chat(browser, node, "running")
     set_field(driver, "max-tokens", "1000")         # beyond the tiny model's 128 positions
     answer = ask(driver, "hello", 1, state="failed")
@@ -399,7 +407,7 @@ def choose(driver: Any, url: str) -> None:
 
 
 def test_a_server_gone_mid_answer_is_shown(node: Node, scripted: Callable[[str], ScriptedServe],
-                                           browser: Callable[..., Any]) -> None:
+                                           browser: Any) -> None:
     server = scripted("gone")
     driver = open_chat(browser, node, "running")
     choose(driver, server.url)
@@ -412,7 +420,7 @@ def test_a_server_gone_mid_answer_is_shown(node: Node, scripted: Callable[[str],
 
 def test_stop_ends_the_answer_and_reaches_the_server(
         node: Node, scripted: Callable[[str], ScriptedServe],
-        browser: Callable[..., Any]) -> None:
+        browser: Any) -> None:
     server = scripted("endless")
     driver = open_chat(browser, node, "running")
     choose(driver, server.url)
