@@ -9,8 +9,9 @@ page as it streams and end equal to serve's own greedy answer to the same
 conversation. Without serve the page says so and how to start it. A
 scripted server (a real HTTP server of this test, recorded as a serve)
 breaks its stream on purpose, or streams until the page stops it: the
-page shows the error, and the stop reaches the server. Screenshots go to
-the artifacts folder (tests/dashboard/browser.py).
+page shows the error, and the stop reaches the server. One browser serves
+the module's tests. Screenshots go to the artifacts folder
+(tests/dashboard/browser.py).
 """
 
 from __future__ import annotations
