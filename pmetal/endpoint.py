@@ -285,7 +285,7 @@ class SecureListener:
         if self.on_refused is not None:
             try:
                 self.on_refused(reason)
-            except Exception:  # noqa: BLE001 - a listener of refusals never stops this one
+            except Exception:   # a listener of refusals never stops this one
                 log.exception("on_refused failed")
 
     def _rejection(self, reason: str) -> list[Any]:

@@ -43,8 +43,16 @@ from pmetal.dashboard.auth import guard
 from pmetal.dashboard.snapshot import cluster_snapshot
 from pmetal.wire import Resources, ResourcesRequest
 
-__all__ = ["Dashboard", "KEEPALIVE", "REMOTE_EVERY", "REMOTE_WAIT", "STATIC",
-           "TELEMETRY_EVERY", "TICK", "install"]
+__all__ = [
+    "KEEPALIVE",
+    "REMOTE_EVERY",
+    "REMOTE_WAIT",
+    "STATIC",
+    "TELEMETRY_EVERY",
+    "TICK",
+    "Dashboard",
+    "install",
+]
 
 log = logging.getLogger(__name__)
 

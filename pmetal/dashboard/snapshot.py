@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 import time
 from typing import Any
@@ -56,7 +57,7 @@ def jsonable(value: Any) -> Any:
         return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [jsonable(v) for v in value]
-    if isinstance(value, float) and value != value:   # NaN is not JSON
+    if isinstance(value, float) and math.isnan(value):   # NaN is not JSON
         return None
     return value
 

@@ -45,6 +45,7 @@ T = TypeVar("T")
 CHROMIUM = os.environ.get("PMETAL_CHROMIUM", "/usr/bin/chromium")
 CHROMEDRIVER = os.environ.get("PMETAL_CHROMEDRIVER", "/usr/bin/chromedriver")
 ROOT = Path(__file__).resolve().parents[2]
+COMMAND_TIMEOUT = 30   # s any one command to chromedriver may take
 
 __all__ = ["CHROMEDRIVER", "CHROMIUM", "artifacts", "browser_available", "open_browser",
            "require_browser", "screenshot", "wait_for"]
@@ -97,6 +98,9 @@ def open_browser(*, netns: str | None = None, width: int = 1280,
     driver = None
     try:
         driver = webdriver.Chrome(service=service, options=options)
+        # Every command to chromedriver (quit included) gives up after 30 s,
+        # not selenium's 120: a hung browser fails the test instead of the suite.
+        driver.command_executor.client_config.timeout = COMMAND_TIMEOUT
         driver.set_page_load_timeout(15)
         driver.set_script_timeout(10)
         yield driver

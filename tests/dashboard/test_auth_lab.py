@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-
 from cluster.lab import ROOT
-from dashboard.browser import screenshot, wait_for
 from netlab import NetLab, lab_available
+
+from dashboard.browser import screenshot, wait_for
 from pmetal.dashboard import dashboard_token
 from pmetal.security import NetworkNamespace
 

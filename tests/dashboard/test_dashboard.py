@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cluster.lab import ROOT, read_line
+
 from dashboard.browser import screenshot, wait_for
 from pmetal.actors.client import CoreClient
 from pmetal.config import load_config

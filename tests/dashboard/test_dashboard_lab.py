@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from cluster.lab import formed_cluster
-from dashboard.browser import screenshot, wait_for
 from netlab import lab_available
+
+from dashboard.browser import screenshot, wait_for
 
 pytestmark = pytest.mark.skipif(lab_available() is not None,
                                 reason=lab_available() or "")

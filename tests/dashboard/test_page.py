@@ -67,6 +67,8 @@ def snapshot(step: int) -> dict[str, Any]:
                            "seconds_per_step": (2.0 + step) / (40 + 50 * step)}],
             "collectives": [{"group": "grads", "strategy": "ring", "operations": 10 * step,
                              "bytes": (64 << 20) * step, "seconds": 0.5 * step}],
+            "processes": [{"role": "actor", "processes": 3, "cpu_seconds": 12.5,
+                           "resident_bytes": 300 << 20}],
         },
         "events": [{"seq": 3, "kind": "refusal", "at": at - 5, "node": "",
                     "detail": "handshake refused: bad PSK proof", "count": 7},
@@ -80,7 +82,7 @@ def snapshot(step: int) -> dict[str, Any]:
 class Handler(BaseHTTPRequestHandler):
     steps = itertools.count()
 
-    def do_GET(self) -> None:   # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path == "/api/cluster":
             self.reply(200, "application/json", json.dumps(snapshot(next(self.steps))).encode())
         elif self.path == "/":
@@ -137,4 +139,6 @@ def test_pipelines_collectives_and_links_by_polling(
         .get_attribute("data-node") == B
     assert driver.find_element("css selector", "#event-log tr[data-kind='refusal']") \
         .text.endswith("×7")
+    card = driver.find_element("css selector", "#machine-cards .card.self").text
+    assert "3 alive, 300 MiB resident, 12.5 s CPU" in card and "smollm2: stage 0" in card
     screenshot(driver, "dashboard-telemetry", full_page=True)

@@ -50,7 +50,8 @@ function bytes(n) {
 }
 
 function rate(bps) {
-  if (!bps) return "-";
+  if (bps === null || bps === undefined || Number.isNaN(bps)) return "-";
+  if (bps === 0) return "0 B/s";
   const units = ["B/s", "KB/s", "MB/s", "GB/s"];
   let i = 0;
   while (bps >= 1000 && i < units.length - 1) { bps /= 1000; i++; }
@@ -166,6 +167,10 @@ function machineCard(m, snap) {
   if (m.self) {
     rows.push(["workers", m.workers]);
     rows.push(["node process", bytes(m.node_rss) + " resident"]);
+    for (const p of (snap.telemetry && snap.telemetry.processes) || []) {
+      rows.push([`${p.role} workers`, `${p.processes} alive, ${bytes(p.resident_bytes)} ` +
+        `resident, ${p.cpu_seconds.toFixed(1)} s CPU`]);
+    }
   }
   const card = h("div", {class: `card ${m.health}`, dataset: {node: m.node_id, health: m.health}},
     h("h3", {}, h("code", {}, short(m.node_id)),
