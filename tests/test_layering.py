@@ -85,8 +85,9 @@ ALLOWED = {
     "model": {"core"},
     "actors": {"core", "cluster", "store"},   # store: runtime_env working_dir archives
     "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
+    # the daemon (the client side never imports it), and its web pages
     "node": {"core", "cluster", "actors", "store", "dashboard"},
-    "dashboard": {"core", "cluster"},   # the node's web page; reads the node it is given   # the daemon; the client side never imports it
+    "dashboard": {"core", "cluster"},   # the node's web pages; read the node they are given
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
     "collectives": {"core", "cluster", "actors", "links"},
     "pipeline": {"core", "cluster", "actors", "links", "model", "store"},

@@ -5,8 +5,9 @@ CDN); :mod:`pmetal.dashboard.server` adds its routes and JSON APIs to the
 node's aiohttp application (:mod:`pmetal.node.metrics`),
 :mod:`pmetal.dashboard.snapshot` reads the node for them, and
 :mod:`pmetal.dashboard.auth` decides who may read them (open on loopback;
-the namespace's dashboard token beyond). docs/observability.md describes
-what the page shows and the APIs.
+the namespace's dashboard token beyond). :mod:`pmetal.dashboard.chat` is the
+chat page at ``/chat``, which talks to ``pmetal serve``. docs/observability.md
+describes what the pages show and the APIs.
 """
 
 from __future__ import annotations

@@ -329,6 +329,8 @@ class MetricsServer:
         from pmetal.dashboard import install
         self.dashboard = install(app, self.node, self.config.host)
         app.router.add_get("/metrics", self._metrics)
+        from pmetal.dashboard.chat import add_chat_routes
+        add_chat_routes(app)       # /chat, and /api/serve and /api/chat it calls
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
