@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from pmetal.cluster.view import MemberEntry
+
 __all__ = ["CAPACITY", "COALESCE", "ClusterEvent", "EventKind", "EventLog"]
 
 CAPACITY = 200
@@ -91,11 +93,10 @@ class EventLog:
         self._events.append(event)
         return event
 
-    def members(self, entries: Iterable[dict[str, Any]], epoch: int) -> None:
-        """A new member list (entries as in the election's state): a JOIN for
+    def members(self, entries: Iterable[MemberEntry], epoch: int) -> None:
+        """A new member list (the election state's entries): a JOIN for
         each live node not in the previous list, a LEAVE for each gone."""
-        live = {m["node_id"] for m in entries
-                if m.get("node_id") and m.get("state", "alive") != "dead"}
+        live = {m.node_id for m in entries if m.alive}
         before = self._members if self._members is not None else set()
         for node_id in sorted(live - before):
             self.record(EventKind.JOIN, node_id, f"joined the member list (epoch {epoch})")

@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 from pmetal.cluster.eventlog import COALESCE, ClusterEvent, EventKind, EventLog
+from pmetal.cluster.view import MemberEntry, MemberState
 
 
 def clocked(**kw: int) -> EventLog:
@@ -60,11 +61,11 @@ def test_a_repeat_older_than_the_coalescing_window_is_a_new_event() -> None:
 
 def test_member_lists_become_joins_and_leaves() -> None:
     log = clocked()
-    log.members([{"node_id": "a"}, {"node_id": "b"}], epoch=1)
-    log.members([{"node_id": "a"}, {"node_id": "b"}, {"node_id": "c"}], epoch=2)
-    log.members([{"node_id": "a"}, {"node_id": "b", "state": "dead"},
-                 {"node_id": "c"}], epoch=3)
-    log.members([{"node_id": "a"}, {"node_id": "c"}], epoch=4)   # b removed: nothing new
+    a, b, c = MemberEntry("a"), MemberEntry("b"), MemberEntry("c")
+    log.members([a, b], epoch=1)
+    log.members([a, b, c], epoch=2)
+    log.members([a, MemberEntry("b", state=MemberState.DEAD), c], epoch=3)
+    log.members([a, c], epoch=4)   # b removed: nothing new
     assert [(e.kind.value, e.node, e.detail) for e in log.events()] == [
         ("join", "a", "joined the member list (epoch 1)"),
         ("join", "b", "joined the member list (epoch 1)"),
