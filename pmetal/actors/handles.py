@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 from typing import Any
@@ -11,13 +12,13 @@ from typing import Any
 from pmetal.actors import context, strategies
 from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
                                       stream_task)
-from pmetal.actors.refs import split_ref
+from pmetal.actors.refs import ObjectRef, split_ref
 from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, job_working_dir,
                                        merged_env_vars, stream_with_env, working_dir_spec)
 from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
 from pmetal.actors.workdir import WorkingDirTask
 from pmetal.actors.workdir import sources as workdir_sources
-from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
+from pmetal.errors import NotInitializedError, PlacementError, PMetalTypeError, PMetalValueError
 from pmetal.wire import ActorLocation, CreateActor, Pickled
 
 __all__ = ["ACTOR_OPTIONS", "ActorClass", "ActorHandle", "ActorMethod", "DEFAULT_MAX_RETRIES",
@@ -32,6 +33,8 @@ ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_conc
                            "lifetime", "namespace", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions",
                               "_generator_backpressure_num_objects"}
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RETRIES = 3
 """Ray's default: a task is re-run up to 3 times when its worker dies."""
@@ -208,8 +211,11 @@ class RemoteFunction:
                                         list(args), kwargs),
                              self._options.get("num_returns") or 1)
         if self._placement_checked is not client:
-            client.check_placement(needed_resources(self._options),
-                                   f"remote function {self._fn.__qualname__}")
+            try:
+                client.check_placement(needed_resources(self._options),
+                                       f"remote function {self._fn.__qualname__}")
+            except PlacementError as exc:
+                return _infeasible(exc, num_returns)
             self._placement_checked = client
         if num_returns == STREAMING:
             return stream_task(client, fn_id, ref, list(args), kwargs, self._fn.__qualname__,
@@ -225,6 +231,26 @@ class RemoteFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"remote function {self.__name__} cannot be called directly; use "
                         f"{self.__name__}.remote(...)")
+
+
+def _infeasible(error: PlacementError, num_returns: int | str) -> Any:
+    """What ``.remote()`` of a task that no node can run returns: its
+    ref(s), failed with ``error``, and a warning in the log now.
+
+    Ray leaves such a task pending until a node with the resources joins
+    (its autoscaler may add one), warns, and lets the script go on; a
+    script that never asks for the result ends normally. pmetal goes on as
+    well, but does not leave the task pending: nothing in pmetal waits
+    forever, and a home cluster grows by hand, not by an autoscaler. So the
+    PlacementError is raised by the first ``get`` (with or without a
+    timeout: at once, never after one), and ``wait`` counts the ref as done.
+    To run it on a machine that is joining, wait for it first
+    (``pmetal.wait_for_peers``) and call ``.remote()`` again."""
+    if num_returns == STREAMING:   # a stream has no ref to hold the error
+        raise error
+    log.warning("%s; the task is not run: pmetal.get of its ref raises PlacementError",
+                error)
+    return split_ref(ObjectRef.of_error(error), num_returns)
 
 
 class ActorClass:

@@ -72,6 +72,26 @@ def test_asking_for_more_than_the_node_has_is_a_placement_error(
         pmetal.get(double.options(**options).remote(1), timeout=WAIT)
 
 
+def test_a_task_no_node_can_run_fails_at_get_and_warns_at_the_call(
+        sized: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Ray leaves it pending (a script that never gets it goes on); pmetal
+    goes on too, warns, and its get raises PlacementError at once."""
+    with caplog.at_level("WARNING", logger="pmetal.actors.handles"):
+        ref = double.options(num_cpus=5, resources={"board": 1}).remote(1)
+        first, second = double.options(num_gpus=3, num_returns=2).remote(1)
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    assert "no node has that much" in caplog.records[0].getMessage()
+    assert "pmetal.get of its ref raises PlacementError" in caplog.records[0].getMessage()
+    ready, _ = pmetal.wait([ref], timeout=0)   # done: it will never run
+    assert ready == [ref]
+    for r in (ref, first, second):
+        with pytest.raises(PlacementError, match="CPU|GPU"):
+            pmetal.get(r)   # without a timeout: at once, never after waiting
+    with pytest.raises(PlacementError, match="CPU"):
+        pmetal.get(ref, timeout=WAIT)
+    assert pmetal.get(double.remote(4), timeout=WAIT) == 8   # the node is fine
+
+
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"num_cpus": -1}, ValueError, "num_cpus=-1"),
     ({"num_gpus": float("nan")}, ValueError, "num_gpus=nan"),
