@@ -228,6 +228,11 @@ class RemoteFunction:
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
 
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A DAG node of this call (Ray's ``ray.dag``; see pmetal.actors.dag)."""
+        from pmetal.actors.dag import FunctionNode
+        return FunctionNode(self, args, kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"remote function {self.__name__} cannot be called directly; use "
                         f"{self.__name__}.remote(...)")
@@ -272,6 +277,11 @@ class ActorClass:
 
     def options(self, **options: Any) -> ActorClass:
         return ActorClass(self._cls, {**self._options, **options})
+
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A DAG node that creates this actor at each ``execute`` (pmetal.actors.dag)."""
+        from pmetal.actors.dag import ClassNode
+        return ClassNode(self, args, kwargs)
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         if self._options.get("get_if_exists"):
@@ -447,6 +457,11 @@ class ActorMethod:
             return stream_actor_call(client, handle, self._name, list(args), kwargs,
                                      check_window(self._window, ""))
         return split_ref(client.call(handle, self._name, list(args), kwargs), self._num_returns)
+
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A DAG node of this call on the live actor (pmetal.actors.dag)."""
+        from pmetal.actors.dag import ClassMethodNode
+        return ClassMethodNode(self._handle, self._name, args, kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"actor method {self._name} cannot be called directly; use "
