@@ -13,7 +13,8 @@ from pmetal.actors import context, strategies
 from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
                                       stream_task)
 from pmetal.actors.refs import ObjectRef, split_ref
-from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, job_working_dir,
+from pmetal.actors.runtime_env import (SETUP_HOOK, call_with_env, call_with_setup_hook,
+                                       check_runtime_env, job_setup_hook, job_working_dir,
                                        merged_env_vars, stream_with_env, working_dir_spec)
 from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
 from pmetal.actors.workdir import WorkingDirTask
@@ -122,6 +123,9 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
     if "scheduling_strategy" in options or any(k in options for k in PG_OPTIONS):
         placement_options(options, where)
     check_runtime_env(options.get("runtime_env"), where)
+    if SETUP_HOOK in (options.get("runtime_env") or {}):
+        raise PMetalValueError(f"{where}: runtime_env[{SETUP_HOOK!r}] is the job's, as in "
+                               f"Ray: give it to pmetal.init(runtime_env=...)")
     retry_on = options.get("retry_exceptions")
     if retry_on is not None and type(retry_on) is not bool and not (
             isinstance(retry_on, (list, tuple)) and all(
@@ -174,18 +178,22 @@ class RemoteFunction:
         num_returns = self._options.get("num_returns") or (
             STREAMING if _is_generator(self._fn) else 1)
         working_dir = self._working_dir or job_working_dir()
-        if env_vars or working_dir:
+        hook = job_setup_hook()
+        if env_vars or working_dir or hook:
             # The worker runs fn through call_with_env: the variables are set
             # for this call only (one code id per environment); a generator's
             # while it runs (stream_with_env). With a working_dir, fn is
             # loaded in the worker once the folder is in place (WorkingDirTask).
+            # The job's setup hook runs first, once per worker process.
             key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
-                   client.node_address)
+                   client.node_address, hook and hook[0])
             if key not in self._env_code:
                 target: Any = self._fn
+                if hook:
+                    target = functools.partial(call_with_setup_hook, hook, target)
                 if env_vars:
                     wrap = stream_with_env if num_returns == STREAMING else call_with_env
-                    target = functools.partial(wrap, env_vars, self._fn)
+                    target = functools.partial(wrap, env_vars, target)
                 if working_dir:
                     where = f"{self._fn.__qualname__}.remote()"
                     target = WorkingDirTask(workdir_sources(working_dir, client, where),
@@ -344,8 +352,11 @@ class ActorClass:
                    "is_async": is_async}
         env_vars = merged_env_vars(opts, f"{cls.__qualname__}.remote()")
         working_dir = self._working_dir or job_working_dir()
-        if env_vars or working_dir:   # set in the worker before the class is loaded
+        hook = job_setup_hook()
+        if env_vars or working_dir or hook:   # set in the worker before the class is loaded
             options["runtime_env"] = {"env_vars": env_vars}
+            if hook:
+                options["runtime_env"][SETUP_HOOK] = list(hook)
             if working_dir:
                 options["runtime_env"]["working_dir"] = workdir_sources(
                     working_dir, client, f"{cls.__qualname__}.remote()")
@@ -495,6 +506,8 @@ class ActorHandle:
         self._state = loc.state
 
     def __getattr__(self, name: str) -> ActorMethod:
+        if name == "__ray_ready__":   # Ray's: resolves to True once the actor is up
+            return ActorMethod(self, name)
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._methods:

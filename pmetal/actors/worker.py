@@ -37,7 +37,7 @@ from typing import Any
 from pmetal.actors import context, strategies, workdir
 from pmetal.actors.client import CoreClient
 from pmetal.actors.objects import pack_to
-from pmetal.actors.runtime_env import restore_env, set_env
+from pmetal.actors.runtime_env import SETUP_HOOK, restore_env, run_setup_hook, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
                                          unpack_values)
 from pmetal.actors.streams import StreamServer
@@ -94,6 +94,11 @@ def _unsendable(exc: TypeError | ProtocolError) -> Failure:
 def _well_formed(entry: Any) -> bool:
     return (type(entry) is list and len(entry) == 3 and type(entry[0]) is str
             and type(entry[1]) is list and type(entry[2]) is dict)
+
+
+def _ready() -> bool:
+    """An actor's ``__ray_ready__`` method (Ray's; its scripts wait on it)."""
+    return True
 
 
 def _user_traceback(exc: BaseException) -> BaseException:
@@ -337,6 +342,9 @@ class Worker:
             # its constructor (the node checked them: str to str).
             env_vars = (body.options.get("runtime_env") or {}).get("env_vars") or {}
             env_before = set_env(env_vars)
+            hook = (body.options.get("runtime_env") or {}).get(SETUP_HOOK)
+            if hook:   # the job's worker_process_setup_hook, once per process
+                run_setup_hook(hook)
             self.instance = cls(*unpack_values(body.args),
                                 **{k: unpack_value(v) for k, v in body.kwargs.items()})
         except Exception as exc:
@@ -359,6 +367,8 @@ class Worker:
             return Failure("actor_died", "ActorDiedError",
                            f"actor {actor_id} does not live in this worker (it was "
                            f"killed or restarted elsewhere)")
+        if name == "__ray_ready__":   # Ray's: True once the constructor ran (it has)
+            return _ready
         try:
             method = getattr(self.instance, name, None) if not name.startswith("__") else None
         except Exception as exc:  # noqa: BLE001 - a property of user code raised
