@@ -7,6 +7,7 @@ import logging as _logging
 
 from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
+from pmetal.actors.dynamic import DynamicObjectRefGenerator
 from pmetal.actors.generators import ObjectRefGenerator
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, method, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
@@ -77,6 +78,7 @@ __all__ = [
     "DistributedBackend",
     "DistributedConfig",
     "DistributedContext",
+    "DynamicObjectRefGenerator",
     "GetTimeoutError",
     "GradientCompressor",
     "HandshakeError",

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from pmetal.actors import context, strategies
+from pmetal.actors.dynamic import DYNAMIC, generator_mode
 from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
                                       stream_task)
 from pmetal.actors.refs import ObjectRef, split_ref
@@ -64,17 +65,19 @@ def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
                                + (" (-1: without limit)" if low == -1 else ""))
 
 
-def check_num_returns(value: Any, where: str) -> None:
+def check_num_returns(value: Any, where: str, dynamic: bool = False) -> None:
     """``num_returns``: None, an int >= 1 (a call then returns that many
-    refs, one per item of the returned sequence) or ``"streaming"`` (an
-    ObjectRefGenerator, see pmetal.actors.generators); Ray's older
-    ``"dynamic"`` is refused by name."""
-    if value is None or value == STREAMING:
+    refs, one per item of the returned sequence, or of a generator
+    function's items) or ``"streaming"`` (an ObjectRefGenerator, see
+    pmetal.actors.generators); Ray's older ``"dynamic"`` where ``dynamic``
+    (remote functions: pmetal.actors.dynamic), else refused by name."""
+    if value is None or value == STREAMING or (dynamic and value == DYNAMIC):
         return
-    if value == "dynamic":
+    if value == DYNAMIC:
         raise PMetalValueError(f"{where}: num_returns='dynamic' (Ray's older generator "
-                               f"tasks) is not supported; use num_returns='streaming': the "
-                               f"call returns an ObjectRefGenerator to iterate for the refs")
+                               f"tasks) works on remote functions, not here; use "
+                               f"num_returns='streaming': the call returns an "
+                               f"ObjectRefGenerator to iterate for the refs")
     if type(value) is not int:
         raise PMetalTypeError(f"{where}: num_returns must be an int, not "
                               f"{type(value).__name__} {value!r:.40}")
@@ -93,7 +96,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
                 if elsewhere else "")
         raise PMetalTypeError(f"{where}: unknown option(s) {sorted(unknown)}{hint}; "
                               f"valid: {sorted(known)}")
-    check_num_returns(options.get("num_returns"), where)
+    check_num_returns(options.get("num_returns"), where, dynamic=known is FUNCTION_OPTIONS)
     check_window(options.get("_generator_backpressure_num_objects"), where)
     _number(options, "num_cpus", where, 0)
     _number(options, "num_gpus", where, 0)
@@ -186,9 +189,9 @@ class RemoteFunction:
             # loaded in the worker once the folder is in place (WorkingDirTask).
             # The job's setup hook runs first, once per worker process.
             key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
-                   client.node_address, hook and hook[0])
+                   client.node_address, hook and hook[0], num_returns)
             if key not in self._env_code:
-                target: Any = self._fn
+                target: Any = generator_mode(self._fn, num_returns) or self._fn
                 if hook:
                     target = functools.partial(call_with_setup_hook, hook, target)
                 if env_vars:
@@ -200,10 +203,17 @@ class RemoteFunction:
                                             Pickled.dumps(target))
                 self._env_code[key] = code_ref(target)
             fn_id, ref = self._env_code[key]
+        elif num_returns == DYNAMIC or (type(num_returns) is int and num_returns > 1):
+            # A generator task's items, one object each (pmetal.actors.dynamic).
+            if num_returns not in self._env_code:
+                mode = generator_mode(self._fn, num_returns)
+                self._env_code[num_returns] = code_ref(mode or self._fn)
+            fn_id, ref = self._env_code[num_returns]
         else:
             if self._code is None:
                 self._code = code_ref(self._fn)
             fn_id, ref = self._code
+        count = num_returns if type(num_returns) is int else 1   # refs returned
         strategy = self._strategy
         if strategy is None and strategies._capture is not None:   # in a capturing actor
             strategy = captured(self._options)
@@ -216,14 +226,13 @@ class RemoteFunction:
         if strategy is not None:   # SPREAD, a node or a placement group
             from pmetal.actors.routing import run_placed
             return split_ref(run_placed(client, strategy, self, env_vars, (fn_id, ref),
-                                        list(args), kwargs),
-                             self._options.get("num_returns") or 1)
+                                        list(args), kwargs), count)
         if self._placement_checked is not client:
             try:
                 client.check_placement(needed_resources(self._options),
                                        f"remote function {self._fn.__qualname__}")
             except PlacementError as exc:
-                return _infeasible(exc, num_returns)
+                return _infeasible(exc, num_returns if num_returns == STREAMING else count)
             self._placement_checked = client
         if num_returns == STREAMING:
             return stream_task(client, fn_id, ref, list(args), kwargs, self._fn.__qualname__,
@@ -231,7 +240,7 @@ class RemoteFunction:
                                    "_generator_backpressure_num_objects"), ""))
         result = client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
                                  self._max_retries, self._retry_exceptions)
-        return split_ref(result, num_returns)
+        return split_ref(result, count)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
