@@ -381,14 +381,20 @@ class ActorClass:
 
 def method(*, num_returns: int | str | None = None,
            _generator_backpressure_num_objects: int | None = None,
-           enable_task_events: bool = True) -> Any:
+           enable_task_events: bool = True, tensor_transport: str | None = None) -> Any:
     """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
     ``@ray.method``: a call of it returns N refs, one per item of the tuple
     the method returns; ``num_returns="streaming"`` (the default for a
     generator method, as in Ray) returns an ObjectRefGenerator, which lets
     the generator run at most ``_generator_backpressure_num_objects`` items
     ahead of the caller. ``enable_task_events`` is accepted for Ray's
-    scripts and changes nothing (pmetal records no task events)."""
+    scripts and changes nothing (pmetal records no task events).
+    ``tensor_transport`` (Ray's direct transports) must name a transport
+    registered with ``pmetal.experimental.register_tensor_transport`` (or
+    ``"object_store"``); the value moves the way every value does (see
+    pmetal.actors.tensor_transports)."""
+    from pmetal.actors.tensor_transports import check_tensor_transport
+    check_tensor_transport(tensor_transport, "@pmetal.method")
     if type(enable_task_events) is not bool:
         raise PMetalTypeError(f"@pmetal.method: enable_task_events must be True or False, "
                               f"not {enable_task_events!r:.40}")
