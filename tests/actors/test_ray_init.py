@@ -46,6 +46,17 @@ def test_the_node_advertises_exactly_what_init_was_given(sized: dict[str, Any]) 
     assert total["memory"] > 0   # still detected: init did not name it
 
 
+def test_the_node_runs_one_task_worker_per_cpu_it_advertises(sized: dict[str, Any]) -> None:
+    """As in Ray, num_cpus=3 runs 3 one-CPU tasks at once (whatever the
+    machine's cores), bounded per core for absurd figures."""
+    from pmetal import api
+    from pmetal.node.daemon import TASK_WORKERS_PER_CORE, task_workers_for
+    workers = api.client().status()["workers"]
+    assert sum(1 for w in workers if w["role"] == "task") == 3
+    assert task_workers_for(0.5, 2) == 1 and task_workers_for(0, 2) == 1
+    assert task_workers_for(1000, 2) == 2 * TASK_WORKERS_PER_CORE
+
+
 def test_what_fits_runs_and_holds_its_share(sized: dict[str, Any]) -> None:
     actor = Holder.options(num_cpus=1, num_gpus=2, resources={"board": 1}).remote()
     try:

@@ -272,7 +272,6 @@ def test_wait_returns_ready_and_not_ready_in_input_order(gate: Any) -> None:
     assert pmetal.wait(refs, num_returns=4, timeout=WAIT) == (refs, [])
 
 
-@gap("a node runs as many tasks at once as it has cores, whatever num_cpus says")
 def test_a_node_runs_as_many_tasks_at_once_as_its_num_cpus(reap: list) -> None:
     """ray-core/patterns/limit-running-tasks.html: a task uses 1 CPU by
     default, so a node of ``num_cpus=N`` runs N tasks at once ("this means 16
