@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from pmetal.actors import context, strategies, workdir
@@ -142,6 +143,10 @@ class Worker:
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
         self.streams = StreamServer(self)   # num_returns="streaming" calls
         self._route = b""   # the caller of the sync call running (its result's receiver)
+        # An actor whose __init__ is a coroutine: (instance, coroutine, undo),
+        # awaited on the loop before it serves anything (_construct_async).
+        self._constructing: tuple[Any, Any, Callable[[], None]] | None = None
+        self._constructing_for: Incoming | None = None
 
     @property
     def address(self) -> str:
@@ -198,6 +203,8 @@ class Worker:
             if incoming.envelope.corr and reply is not None:
                 self._reply(incoming, reply)
             if self.needs_loop:
+                if self._constructing is not None:   # answered from the loop
+                    self._constructing_for = incoming
                 return
 
     # ------------------------------------------------------------------ gate
@@ -311,7 +318,7 @@ class Worker:
         return Failure("bad_request", "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
-    def _init(self, body: InitActor) -> Message:
+    def _init(self, body: InitActor) -> Message | None:
         if self.instance is not None:
             return Failure("bad_request", "ActorError",
                            f"worker already hosts actor {self.actor_id}")
@@ -345,8 +352,22 @@ class Worker:
             hook = (body.options.get("runtime_env") or {}).get(SETUP_HOOK)
             if hook:   # the job's worker_process_setup_hook, once per process
                 run_setup_hook(hook)
-            self.instance = cls(*unpack_values(body.args),
-                                **{k: unpack_value(v) for k, v in body.kwargs.items()})
+            args = unpack_values(body.args)
+            kwargs = {k: unpack_value(v) for k, v in body.kwargs.items()}
+            if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
+                # Ray's async def __init__: awaited on the actor's loop, where
+                # its methods run; the InitActor is answered after it.
+                instance = cls.__new__(cls)
+                undo_env, undo_dir = env_before, leave_dir
+
+                def undo() -> None:
+                    restore_env(undo_env)
+                    if undo_dir is not None:
+                        undo_dir()
+                self._constructing = (instance, instance.__init__(*args, **kwargs), undo)
+                self.needs_loop = True
+                return None
+            self.instance = cls(*args, **kwargs)
         except Exception as exc:
             # Still hosting nothing: a failed (or malformed) InitActor must
             # not leave its actor id behind for the next one to inherit.
@@ -467,7 +488,31 @@ class Worker:
 
     # -------------------------------------------------------------- asyncio
 
+    async def _construct_async(self, incoming: Incoming | None) -> None:
+        """Await the coroutine constructor ``_init`` left, then answer its
+        InitActor (``incoming``): Ack, or the constructor's error (the
+        worker then hosts nothing, as after a sync constructor that raised)."""
+        assert self._constructing is not None
+        instance, constructor, undo = self._constructing
+        self._constructing = self._constructing_for = None
+        try:
+            await constructor
+            self.instance = instance
+            reply: Message = Ack(os.getpid())
+        except Exception as exc:  # noqa: BLE001 - the user's constructor: its caller sees it
+            self.actor_id = ""
+            context.set_actor_id("")
+            undo()
+            reply = failure_from(_user_traceback(exc))
+        if incoming is not None and incoming.envelope.corr:
+            try:
+                await self.listener.areply(incoming, await self._deliverable_async(reply))
+            except (PeerError, PMetalTimeoutError) as exc:
+                log.warning("could not reply to %s: %s", incoming.peer, exc)
+
     async def _serve_async(self) -> None:
+        if self._constructing is not None:   # the sync loop handed over mid-construction
+            await self._construct_async(self._constructing_for)
         limit = asyncio.Semaphore(self.max_concurrency if self.max_concurrency > 1 else 1000)
         threads = concurrent.futures.ThreadPoolExecutor(max(1, self.max_concurrency),
                                                         thread_name_prefix="pmetal-actor")
@@ -598,6 +643,9 @@ class Worker:
                         (incoming.route, incoming.envelope.corr)))
             else:
                 reply = self._handle_safely(incoming) or Ack()
+                if self._constructing is not None:   # an async __init__ to await first
+                    await self._construct_async(incoming)
+                    return
             if incoming.envelope.corr:
                 try:
                     await self.listener.areply(incoming, reply)

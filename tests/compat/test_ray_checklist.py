@@ -575,7 +575,6 @@ def test_a_cancelled_running_async_method_raises_a_RayTaskError(reap: list) -> N
     assert isinstance(info.value, pmetal.exceptions.TaskCancelledError)
 
 
-@gap("an actor's constructor cannot be a coroutine (async def __init__)")
 def test_an_async_actor_constructor_is_awaited(reap: list) -> None:
     """ray-core/actors/async_api.html, doc_code/actor-http-server.py: an async
     actor may define ``async def __init__``; Ray awaits it before the first
