@@ -143,6 +143,8 @@ class Worker:
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
         self.streams = StreamServer(self)   # num_returns="streaming" calls
         self._route = b""   # the caller of the sync call running (its result's receiver)
+        self._corr = 0      # ... and its call id (is_canceled)
+        self._serving = 0   # the thread that serves (and runs a sync actor's calls)
         # An actor whose __init__ is a coroutine: (instance, coroutine, undo),
         # awaited on the loop before it serves anything (_construct_async).
         self._constructing: tuple[Any, Any, Callable[[], None]] | None = None
@@ -169,6 +171,8 @@ class Worker:
 
     def run(self) -> None:
         context.set_worker_factory(self.client)
+        context.set_cancel_probe(self.is_canceled)
+        self._serving = threading.get_ident()
         self.node.open()
         self.node.request(WorkerReady(self.worker_id, self.address, os.getpid()))
         try:
@@ -187,6 +191,7 @@ class Worker:
         while not self._stop:
             incoming = backlog.popleft() if backlog else listener.recv()
             self._route = incoming[0]
+            self._corr = incoming.envelope.corr
             kind = type(incoming.body)
             if kind is CallBatch:
                 self._call_batch(incoming)
@@ -558,6 +563,40 @@ class Worker:
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
 
+    def is_canceled(self) -> bool:
+        """``get_runtime_context().is_canceled()`` in user code here: whether
+        a CancelCall came for the actor call running in this thread.
+
+        A sync actor runs its calls in the thread that reads the socket, so
+        nothing is read while one runs: asked from that thread, this reads
+        what came meanwhile (without waiting), keeps the calls for later
+        (the backlog the loop serves next, as a stream does) and answers
+        pings. A threaded actor's thread looks up the CancelCalls its loop
+        remembered. In an async method the cancel comes as CancelledError."""
+        if not self.needs_loop and threading.get_ident() == self._serving:
+            key = (self._route, self._corr)
+            self._read_cancels()
+        else:
+            key = context.current_call.get()
+        return bool(key[1]) and key in self._cancelled
+
+    def _read_cancels(self) -> None:
+        listener = self.listener
+        while True:
+            try:
+                incoming = listener.recv(0.0)
+            except (PMetalTimeoutError, ClosedError):
+                return
+            kind = type(incoming.body)
+            if kind is CancelCall:
+                self._cancel_running(incoming.route, incoming.body.corr)  # type: ignore[attr-defined]
+            elif kind is Ping or kind is StatusRequest:
+                reply = self._handle_safely(incoming)
+                if incoming.envelope.corr and reply is not None:
+                    self._reply(incoming, reply)
+            else:
+                self.streams.backlog.append(incoming)
+
     def _cancel_running(self, route: bytes, corr: int) -> None:
         """CancelCall: cancel the async method running for call ``corr`` of
         the caller at ``route`` (pmetal.cancel); nothing when none runs."""
@@ -604,7 +643,8 @@ class Worker:
                         del self._running[key]
             else:
                 value = await asyncio.get_running_loop().run_in_executor(
-                    threads, lambda: (context.current_task.set(task), method(*a, **kw))[1])
+                    threads, lambda: (context.current_task.set(task),
+                                      context.current_call.set(key), method(*a, **kw))[2])
             return self._result(value, key[0])
         except Exception as exc:
             self.failed += 1

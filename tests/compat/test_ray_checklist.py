@@ -603,7 +603,6 @@ def test_ray_actor_module_names_the_handle_type(reap: list) -> None:
     assert isinstance(counter, actor_module.ActorHandle)
 
 
-@gap("get_runtime_context().is_canceled() is absent")
 def test_a_sync_actor_method_sees_its_cancel_through_is_canceled(reap: list) -> None:
     """ray-core/actors.html (cancelling actor tasks): a running sync actor
     method is not interrupted; it can check
