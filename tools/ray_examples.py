@@ -106,8 +106,9 @@ BLOCKERS: list[tuple[str, str]] = [
     ("runtime_env", r"runtime_env|worker_process_setup_hook"),
     ("cancel", r"TaskCancelledError|is_canceled|cancel"),
     ("WorkerCrashedError (a task's dead worker)", r"ActorDiedError: remote function"),
-    ("ray.dag (not planned)", r"\bbind\b|ray\.dag|'dag'|experimental_compile"),
-    ("ray.experimental (not planned)", r"experimental"),
+    ("compiled graphs (not planned)", r"experimental_compile|visualize"),
+    ("ray.dag", r"\bbind\b|ray\.dag|'dag'"),
+    ("ray.experimental", r"experimental"),
     ("resources", r"num_gpus|num_cpus|\bGPU\b|\bCPU\b|resources|memory="),
     ("missing API name", (r"has no attribute|cannot import name|No module named 'ray"
                           r"|unexpected keyword argument|unknown option|not a valid option"
