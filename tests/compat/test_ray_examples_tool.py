@@ -124,6 +124,8 @@ def alive(pid: int) -> bool:
     ("AttributeError: 'MultiOutputNode' object has no attribute 'experimental_compile'",
      "compiled graphs (not planned)"),
     ("AttributeError: module 'pmetal' has no attribute 'actor'", "missing API name"),
+    ("AttributeError: module 'pmetal' has no attribute 'dynamic_resources'",
+     "missing API name"),
     ("ModuleNotFoundError: No module named 'torch'", "needs a library not installed"),
     ("pmetal.errors.ActorDiedError: remote function f: the connection dropped",
      "WorkerCrashedError (a task's dead worker)"),
