@@ -13,7 +13,7 @@ import pytest
 import pmetal
 from pmetal.errors import ConfigError, PlacementError
 
-from .conftest import WAIT, shutdown_quietly
+from .conftest import WAIT, shutdown_quietly, wait_until
 
 
 @pmetal.remote
@@ -51,8 +51,11 @@ def test_the_node_runs_one_task_worker_per_cpu_it_advertises(sized: dict[str, An
     machine's cores), bounded per core for absurd figures."""
     from pmetal import api
     from pmetal.node.daemon import TASK_WORKERS_PER_CORE, task_workers_for
-    workers = api.client().status()["workers"]
-    assert sum(1 for w in workers if w["role"] == "task") == 3
+
+    def task_workers() -> int:   # (the node starts them in the background)
+        return sum(1 for w in api.client().status()["workers"] if w["role"] == "task")
+    wait_until(lambda: task_workers() >= 3, WAIT, what="3 task workers")
+    assert task_workers() == 3
     assert task_workers_for(0.5, 2) == 1 and task_workers_for(0, 2) == 1
     assert task_workers_for(1000, 2) == 2 * TASK_WORKERS_PER_CORE
 
