@@ -437,6 +437,7 @@ class Worker:
             self._refuse_batch(incoming)
             return
         for entry, corr in zip(body.calls, body.corrs):
+            self._corr = corr   # the call running (is_canceled)
             reply: Message | None = self._admit()
             if reply is None:
                 reply = self._deliverable(self._invoke(body.actor_id, *entry)
