@@ -23,7 +23,10 @@ returns (an ObjectRef; an actor handle for a class node; a list for a
   or the named keyword argument.
 
 Everything runs through ``.remote()``: a DAG is a convenience for building
-calls, not Ray's compiled graphs (``experimental_compile`` is absent).
+calls, not Ray's compiled graphs (``experimental_compile`` is absent). The
+actors a class node creates are not ended when the execution's refs go
+(Ray ends an actor once no handle to it is left; pmetal ends it with its
+owner, the driver, or by ``pmetal.kill``).
 """
 
 from __future__ import annotations
