@@ -110,13 +110,15 @@ def run_returns(count: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     return items + [ItemFailed(missing)] * (count - len(items))
 
 
-def generator_mode(fn: Callable[..., Any], num_returns: Any) -> Callable[..., Any] | None:
-    """The wrapper a task of ``fn`` runs through for these forms (None: none)."""
+def generator_mode(fn: Callable[..., Any], num_returns: Any,
+                   call: Callable[..., Any] | None = None) -> Callable[..., Any] | None:
+    """The wrapper a task of ``fn`` runs through for these forms (None: none),
+    calling ``call`` (``fn`` as it travels: a CodeCall) or ``fn``."""
     if num_returns == DYNAMIC:
         if not inspect.isgeneratorfunction(fn):
             raise PMetalTypeError(f'{fn.__qualname__}: num_returns="dynamic" applies to a '
                                   f'generator function (one that yields)')
-        return functools.partial(run_dynamic, fn)
+        return functools.partial(run_dynamic, call or fn)
     if type(num_returns) is int and num_returns > 1 and inspect.isgeneratorfunction(fn):
-        return functools.partial(run_returns, num_returns, fn)
+        return functools.partial(run_returns, num_returns, call or fn)
     return None

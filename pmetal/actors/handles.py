@@ -191,7 +191,8 @@ class RemoteFunction:
             key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
                    client.node_address, hook and hook[0], num_returns)
             if key not in self._env_code:
-                target: Any = generator_mode(self._fn, num_returns) or self._fn
+                call = self._by_ref()
+                target: Any = generator_mode(self._fn, num_returns, call) or call
                 if hook:
                     target = functools.partial(call_with_setup_hook, hook, target)
                 if env_vars:
@@ -206,7 +207,7 @@ class RemoteFunction:
         elif num_returns == DYNAMIC or (type(num_returns) is int and num_returns > 1):
             # A generator task's items, one object each (pmetal.actors.dynamic).
             if num_returns not in self._env_code:
-                mode = generator_mode(self._fn, num_returns)
+                mode = generator_mode(self._fn, num_returns, self._by_ref())
                 self._env_code[num_returns] = code_ref(mode or self._fn)
             fn_id, ref = self._env_code[num_returns]
         else:
@@ -241,6 +242,14 @@ class RemoteFunction:
         result = client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
                                  self._max_retries, self._retry_exceptions)
         return split_ref(result, count)
+
+    def _by_ref(self) -> Any:
+        """The function as wrappers hold it: a CodeCall, by reference when
+        importable (pmetal.actors.serialization.CodeCall)."""
+        from pmetal.actors.serialization import CodeCall, code_ref
+        if self._code is None:
+            self._code = code_ref(self._fn)
+        return CodeCall(self._code[1], self._fn.__qualname__)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
