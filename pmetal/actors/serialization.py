@@ -130,7 +130,7 @@ class CodeCall:
     globals it names (a module-level counter or lock would no longer be the
     module's). An importable function thus still travels by reference."""
 
-    __slots__ = ("_loaded", "__qualname__", "ref")
+    __slots__ = ("__qualname__", "_loaded", "ref")
 
     def __init__(self, ref: CodeRef, qualname: str) -> None:
         self.ref = ref

@@ -24,7 +24,7 @@ from pmetal.errors import PMetalTypeError, PMetalValueError
 __all__ = ["tqdm"]
 
 
-class tqdm:  # noqa: N801 - Ray's (and tqdm's) name
+class tqdm:   # (lower case: Ray's and tqdm's name)
     """``for x in tqdm(iterable, desc="name"): ...`` or ``bar.update(n)``."""
 
     def __init__(self, iterable: Iterable[Any] | None = None, desc: str | None = None,
