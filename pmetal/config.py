@@ -373,9 +373,9 @@ class MetricsConfig:
     """The node's HTTP listener for Prometheus (``/metrics``;
     :mod:`pmetal.node.metrics`).
 
-    ``enabled``: serve it. ``host``: a loopback address only, for now:
-    beyond loopback the listener will require the namespace's credentials,
-    which it does not check yet. ``port``: 0 takes any free port (the bound
+    ``enabled``: serve it. ``host``: where it listens; on a loopback address
+    it is open to this machine, on any other every request needs the
+    namespace's dashboard token (:mod:`pmetal.dashboard.auth`). ``port``: 0 takes any free port (the bound
     address is in ``pmetal status --json``). A port already taken (a second
     node on this machine) leaves the node running without metrics, with one
     warning. ``report_interval``: a driver pushes what it ran (collectives,
@@ -398,20 +398,9 @@ class MetricsConfig:
                      name, f"{value!r} is not a number of seconds >= 0 (0: off)")
         _require(type(self.port) is int and 0 <= self.port < 65536, "metrics", "port",
                  f"{self.port} is not a TCP port (0: any free port)")
-        _require(_is_loopback(self.host), "metrics", "host",
-                 f"{self.host!r} is not a loopback address; serving metrics beyond loopback "
-                 "will require the namespace's credentials, which pmetal does not check yet. "
-                 "Use 127.0.0.1 (and an SSH tunnel or a local Prometheus agent to reach it)")
-
-
-def _is_loopback(host: str) -> bool:
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+        _require(isinstance(self.host, str) and bool(self.host.strip()), "metrics", "host",
+                 f"{self.host!r} is not a host to listen on (127.0.0.1: this machine only; "
+                 "another address asks for the namespace's dashboard token)")
 
 
 @dataclass(frozen=True)

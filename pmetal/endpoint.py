@@ -108,6 +108,8 @@ class SecureListener:
         # replies must still find every result.
         self._exported: collections.deque[str] = collections.deque()
         self._exported_check = MAX_EXPORTED
+        # Told the reason of every handshake refused (the node's event log).
+        self.on_refused: Callable[[str], None] | None = None
 
     @property
     def address(self) -> str:
@@ -263,6 +265,7 @@ class SecureListener:
             self._counts["refused_handshakes"] += 1
             # INFO, not WARNING: anyone on the network can send a Hello.
             log.info("refused a handshake: %.200s", exc)
+            self._refused(str(exc))
             return self._rejection(str(exc))
         except Exception as exc:  # noqa: BLE001 - no Hello may stop the listener
             # A crafted field that the checks above let through (a bug of
@@ -271,11 +274,19 @@ class SecureListener:
             self._counts["refused_handshakes"] += 1
             log.info("refused a handshake that broke its checks: %s: %.200s",
                      type(exc).__name__, exc)
+            self._refused(f"malformed {type(body).__name__}")
             return self._rejection(f"malformed {type(body).__name__}")
         self._counts["unauthenticated"] += 1
         log.info("dropped a %s from a peer that has not completed the handshake",
                  type(body).__name__)
         return self._rejection(f"{NO_SESSION}: start with the handshake")
+
+    def _refused(self, reason: str) -> None:
+        if self.on_refused is not None:
+            try:
+                self.on_refused(reason)
+            except Exception:   # a listener of refusals never stops this one
+                log.exception("on_refused failed")
 
     def _rejection(self, reason: str) -> list[Any]:
         # Reasons may quote what the peer sent: keep the answer small.

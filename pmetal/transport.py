@@ -53,7 +53,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -447,6 +447,8 @@ class ZmqListener(_ZmqSocket):
         self._curve = curve is not None
         self._refusals: zmq.asyncio.Socket | None = None
         self.refused: dict[str, int] = dict.fromkeys(REFUSAL_REASONS.values(), 0)
+        # Told the reason of each refusal counted (the node's event log).
+        self.on_refused: Callable[[str], None] | None = None
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # No ROUTER_HANDOVER: a connection that claims a routing id in use is
         # refused, so nobody can take over another peer's route.
@@ -493,6 +495,8 @@ class ZmqListener(_ZmqSocket):
             reason = REFUSAL_REASONS.get(int.from_bytes(frames[0][:2], "little"))
             if reason is not None:
                 self.refused[reason] += 1
+                if self.on_refused is not None:
+                    self.on_refused(reason)
 
     def interrupt(self) -> None:
         with self._lock:

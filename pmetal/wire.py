@@ -61,7 +61,8 @@ The cluster's kinds (50-58: ``Beat``, ``BeatEcho``, ``VoteRequest``, ``Vote``,
 are node to node, but for the watch, which a client asks of its own node.
 The model store's kinds (60-63: ``ModelQuery``, ``ModelHoldings``,
 ``PieceRead``, ``PieceData``) are asked of a node by any process of the
-namespace.
+namespace. The dashboard's (67-68: ``MachineRequest``, ``Machine``) go node
+to node: what a member's machine hosts, for the asking node's page.
 The metrics' kinds (76-77: ``TelemetryRequest``, ``Telemetry``): a node
 asks each of its workers at a scrape of ``/metrics``; a driver pushes its
 own to its node.
@@ -107,6 +108,8 @@ __all__ = [
     "Kind",
     "LeaseWorkers",
     "LookupActor",
+    "Machine",
+    "MachineRequest",
     "Message",
     "ModelHoldings",
     "ModelQuery",
@@ -209,6 +212,9 @@ class Kind(enum.IntEnum):
     # object ownership: borrowers and owners of ObjectRefs (pmetal.actors.objects)
     FETCH_OBJECT = 70
     BORROW_UPDATES = 71
+    # the dashboard (pmetal.dashboard): a member's machine, node to node
+    MACHINE_REQUEST = 67
+    MACHINE = 68
     # metrics: what workers and drivers ran, for their node (pmetal.tally)
     TELEMETRY_REQUEST = 76
     TELEMETRY = 77
@@ -530,6 +536,31 @@ class ResourcesRequest(Message):
     :class:`Resources`, with its ``capacity`` when ``measure``."""
 
     measure: bool = False
+
+
+@_message(Kind.MACHINE_REQUEST)
+class MachineRequest(Message):
+    """Node to a member, for the asking node's dashboard: what the member's
+    machine hosts now. The answer is :class:`Machine`."""
+
+
+@_message(Kind.MACHINE)
+class Machine(Message):
+    """A member's machine as a dashboard shows it: its ``actors`` (one map
+    each: actor_id, name, class_name, state, restarts, restarts_left,
+    last_error, pid), the pipeline ``stages`` it hosts (maps: pipeline,
+    index, steps, seconds_per_step, hop_bytes), its memory now (bytes),
+    resources ``available``, creations ``queued``, worker processes and the
+    node daemon's resident bytes (:mod:`pmetal.dashboard.snapshot`)."""
+
+    actors: list
+    stages: list
+    memory_total: int
+    memory_free: int
+    available: dict
+    queued: int = 0
+    workers: int = 0
+    node_rss: int = 0
 
 
 @_message(Kind.RESOURCES)

@@ -85,7 +85,9 @@ ALLOWED = {
     "model": {"core"},
     "actors": {"core", "cluster", "store"},   # store: runtime_env working_dir archives
     "store": {"core"},   # model pieces: held by nodes, pulled by stages and the CLI
-    "node": {"core", "cluster", "actors", "store"},   # the daemon; the client side never imports it
+    # the daemon (the client side never imports it), and its web pages
+    "node": {"core", "cluster", "actors", "store", "dashboard"},
+    "dashboard": {"core", "cluster"},   # the node's web pages; read the node they are given
     "links": {"core"},   # rank-to-rank links: under both collectives and pipeline
     "collectives": {"core", "cluster", "actors", "links"},
     "pipeline": {"core", "cluster", "actors", "links", "model", "store"},
@@ -97,7 +99,7 @@ ALLOWED = {
     "bench": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
               "serve", "front", "store"},
     "cli": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
-            "serve", "front", "bench", "store"},
+            "serve", "front", "bench", "store", "dashboard"},
 }
 
 

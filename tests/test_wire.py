@@ -74,6 +74,11 @@ EXAMPLES: dict[Kind, Message] = {
     Kind.DETACH: wire.Detach("pmetal.shutdown()"),
     Kind.RESOURCES_REQUEST: wire.ResourcesRequest(),
     Kind.RESOURCES: wire.Resources({"CPU": 2.0}, {"CPU": 1.0}, 1),
+    Kind.MACHINE_REQUEST: wire.MachineRequest(),
+    Kind.MACHINE: wire.Machine([{"actor_id": "a1", "name": "counter", "state": "alive",
+                                 "restarts": 0, "last_error": "", "pid": None}],
+                               [{"pipeline": "p", "index": 1, "steps": 3}], 1 << 34, 1 << 33,
+                               {"CPU": 1.0}, 0, 2, 80 << 20),
     Kind.CREATE_PLACEMENT_GROUP: wire.CreatePlacementGroup(
         "pg-1", "train", [{"CPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}], "STRICT_SPREAD",
         {"lifetime": "", "owner_pid": 12}),

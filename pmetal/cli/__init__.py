@@ -7,7 +7,7 @@ returns the exit status. A later subcommand (``bench``, ``generate``,
 
 This module holds the table, the parser, logging set-up and :func:`main`;
 the commands live in ``basic`` (``config``, ``identity``, ``keygen``),
-``daemon`` (``start``, ``stop``, the node.json record), ``status``
+``daemon`` (``start``, ``stop``, the node.json record), ``dashboard``, ``status``
 (``status``, ``kill``), ``discover``, ``models``, ``launch`` (with ``_rank``, the
 keeper each launched rank runs under), ``generate``, ``serve`` and ``bench``.
 
@@ -33,6 +33,7 @@ from pmetal.cli.basic import (_config_arguments, _identity_arguments, _keygen_ar
                               _run_config, _run_identity, _run_keygen)
 from pmetal.cli.bench import _bench_arguments, _run_bench
 from pmetal.cli.daemon import _run_start, _run_stop, _start_arguments
+from pmetal.cli.dashboard import _dashboard_arguments, _run_dashboard
 from pmetal.cli.discover import _discover_arguments, _run_discover
 from pmetal.cli.generate import _generate_arguments, _run_generate
 from pmetal.cli.launch import _launch_arguments, _run_launch
@@ -70,6 +71,9 @@ COMMANDS: dict[str, Command] = {
                      _run_start, _start_arguments),
     "status": Command("show the running node: members, workers, actors, statistics",
                       _run_status, _status_arguments),
+    "dashboard": Command("print the URL of the running node's web dashboard (with the "
+                         "namespace's token when it serves beyond loopback)", _run_dashboard,
+                         _dashboard_arguments),
     "stop": Command("stop this machine's node daemon and its workers", _run_stop),
     "kill": Command("kill a named actor of the cluster (through this machine's node)",
                     _run_kill, _kill_arguments),

@@ -7,7 +7,9 @@ is split over ``--stages`` stage actors, then :class:`~pmetal.serve.OpenAIServer
 listens on ``--host:--port`` until Ctrl-C or SIGTERM, which cancel the
 requests running, stop the stages and end the node's workers. The API key
 is ``--api-key`` or ``PMETAL_API_KEY``; binding beyond loopback without one
-is refused before anything starts. See docs/serving.md.
+is refused before anything starts. While it listens, a record in
+``$PMETAL_HOME/serve/`` (:mod:`pmetal.served`) tells the node's dashboard
+where it is, for its chat page. See docs/serving.md.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 from pmetal.errors import ConfigError
 
@@ -79,6 +82,16 @@ def _check_port(host: str, port: int) -> None:
                                   "any free one)") from exc
 
 
+def _local_url(server: Any) -> str:
+    """Where a process of this machine reaches the server: its address, or
+    loopback when it listens on every address."""
+    if server.host in ("", "0.0.0.0"):
+        return f"http://127.0.0.1:{server.port}"
+    if server.host == "::":
+        return f"http://[::1]:{server.port}"
+    return str(server.url)
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from pmetal.serve.server import API_KEY_ENV, check_binding
 
@@ -98,10 +111,12 @@ def _run_serve(args: argparse.Namespace) -> int:
     from pmetal.cli.generate import connect
     from pmetal.pipeline.pipeline import Pipeline
     from pmetal.serve.server import OpenAIServer, serve_forever, served_name
+    from pmetal.served import remove_record, write_record
 
     err = sys.stderr
     started = time.perf_counter()
     connect(pmetal, args.address, args.stages)
+    record = None
     try:
         with Pipeline.from_pretrained(args.model, stages=args.stages, codec=args.codec,
                                       max_len=args.max_len, threads=args.threads,
@@ -111,6 +126,8 @@ def _run_serve(args: argparse.Namespace) -> int:
                                   token_timeout=args.token_timeout)
 
             def ready(server: OpenAIServer) -> None:
+                nonlocal record
+                record = write_record(_local_url(server), server.model_id, key)
                 where = ", ".join(f"{p.start}-{p.end - 1}" for p in pipe.placements)
                 print(f"pmetal serve: {server.model_id} as {args.stages} stage(s) (layers "
                       f"{where}), ready in {time.perf_counter() - started:.1f} s", file=err)
@@ -121,5 +138,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             serve_forever(server, args.host, args.port, ready=ready)
             print("pmetal serve: stopping", file=err, flush=True)
     finally:
+        if record is not None:
+            remove_record(record)
         pmetal.shutdown()
     return 0

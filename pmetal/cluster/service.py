@@ -57,6 +57,7 @@ from pmetal.cluster.candidates import Candidates, LogLimiter
 from pmetal.cluster.clock import Gate, cluster_clock, slept
 from pmetal.cluster.hints import Hints, tcp as _tcp
 from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Role
+from pmetal.cluster.eventlog import EventKind, EventLog
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.lease import Lease
 from pmetal.cluster.probe import follow_members, probe_bandwidth
@@ -132,7 +133,14 @@ class ClusterService(Hints):
         self._on_view = on_view
         self._on_fenced = on_fenced
         self._on_dead = on_dead
-        self._on_refused = on_refused or (lambda address, reason: None)
+        refused = on_refused or (lambda address, reason: None)
+        # What happened, for the dashboard (pmetal.cluster.eventlog).
+        self.events = EventLog()
+
+        def _refused(address: str, reason: str) -> None:
+            self.events.record(EventKind.REFUSAL, "", f"{address}: {reason}")
+            refused(address, reason)
+        self._on_refused = _refused
         now = cluster_clock()
         self.started = now
         self.health = HealthMonitor(config.health, now)
@@ -680,6 +688,8 @@ class ClusterService(Hints):
             return ""
         known = self._by_id.get(node_id)
         self._counts["clones_refused"] += 1
+        self.events.record(EventKind.REFUSAL, node_id, f"a cloned identity at {address}: "
+                                                       f"already a live member at {known}")
         if self._counts["clones_refused"] == 1 or log.isEnabledFor(logging.DEBUG):
             log.warning("refused node %s at %s: that id is a live member at %s (a cloned "
                         "identity?)", node_id[:8], address, known)
@@ -708,11 +718,14 @@ class ClusterService(Hints):
         for ev in events:
             if ev.status is HealthStatus.DEAD:
                 log.warning("node %s is dead: silent for %.2f s", ev.node_id[:8], ev.silent_for)
+                self.events.record(EventKind.DEATH, ev.node_id,
+                                   f"silent for {ev.silent_for:.2f} s")
                 self._send_all(self.election.peer_dead(ev.node_id, True, now))
                 self._on_dead(ev.node_id)
                 self._bump()
             elif ev.previous is HealthStatus.DEAD:
                 log.info("node %s answers again", ev.node_id[:8])
+                self.events.record(EventKind.RECOVERY, ev.node_id, "answers again")
                 self._send_all(self.election.peer_dead(ev.node_id, False, now))
                 # The node forgot it when it was held dead; if the master's
                 # list still holds it a member, it is one again now, not at
@@ -731,10 +744,14 @@ class ClusterService(Hints):
                     self.elected_at = now
             elif ev.kind == "master":
                 log.info("master is %s (term %d)", ev.master[:8], ev.term)
+                self.events.record(EventKind.ELECTION, ev.master, f"master in term {ev.term}")
             elif ev.kind == "no_master":
                 log.warning("no master (term %d): %s", ev.term, ev.detail)
+                self.events.record(EventKind.ELECTION, "", f"no master (term {ev.term}): "
+                                                           f"{ev.detail}")
             elif ev.kind == "view":
                 state = self.election.state
+                self.events.members(state.members, state.epoch)
                 self._view_topology(state)
                 for m in state.members:
                     node_id, address = m.get("node_id", ""), m.get("address", "")
@@ -747,6 +764,7 @@ class ClusterService(Hints):
                 self.fence(ev.detail or "the master declared this node dead")
             elif ev.kind == "refused":
                 log.warning("cluster join refused: %s", ev.detail)
+                self.events.record(EventKind.REFUSAL, "", f"join refused: {ev.detail}")
             self._bump()
 
     def _view_topology(self, state: ElectionState) -> None:
@@ -807,6 +825,7 @@ class ClusterService(Hints):
         """This node may have been declared dead: its actors go (the
         node's ``on_fenced``) and it continues as a new incarnation."""
         self._counts["fenced"] += 1
+        self.events.record(EventKind.FENCE, self.node_id, why)
         self._unconfirmed = None
         self.lease.fenced()
         if self.gate is not None:

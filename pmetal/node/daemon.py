@@ -58,6 +58,7 @@ from pmetal.node.zygote import ForkServer
 from pmetal.cluster.capacity import Capacity, ComputeMeter, current_capacity
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
+from pmetal.cluster.eventlog import EventKind
 from pmetal.cluster.service import ClusterService
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
 from pmetal.endpoint import Incoming, SecureListener
@@ -70,7 +71,8 @@ from pmetal.store.serve import STORE_KINDS, PieceServer
 from pmetal.transport import ZmqTransport
 from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
-                         LeaseWorkers, LookupActor, Message, NodeJoin, OwnerDied, Ping,
+                         LeaseWorkers, LookupActor, Machine, MachineRequest, Message,
+                         NodeJoin, OwnerDied, Ping,
                          PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
                          ResourcesRequest, Shutdown, Status, StatusRequest, Telemetry, Vote, VoteRequest,
                          WatchCluster, WorkerReady)
@@ -212,6 +214,13 @@ class NodeDaemon:
             static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
             on_dead=self._node_dead, on_refused=self.membership.refuse,
             bootstrap=0.0 if alone else None, gate=self.gate)
+        # Refused handshakes go to the event log (pmetal.cluster.eventlog):
+        # pmetal's own, and the strangers ZeroMQ's CURVE refused before it.
+        self.listener.on_refused = lambda reason: self.cluster.events.record(
+            EventKind.REFUSAL, "", f"handshake refused: {reason}")
+        self.socket.on_refused = lambda reason: self.cluster.events.record(
+            EventKind.REFUSAL, "", f"a stranger refused by ZeroMQ's CURVE handshake "
+                                   f"({reason}): it lacks the namespace's keys")
         self.scheduler = Scheduler(self)
         self.compute = ComputeMeter()     # measured on first need: never at start
         # Pieces of the models this machine holds, for members that lack them.
@@ -220,7 +229,7 @@ class NodeDaemon:
         self._group: asyncio.TaskGroup | None = None
         self._cancellable: set[asyncio.Task[Any]] = set()
         self._counts = {"requests": 0, "failed": 0, "receive_errors": 0}
-        # /metrics (and later the dashboard): pmetal.node.metrics.
+        # /metrics and the dashboard: pmetal.node.metrics, pmetal.dashboard.
         self.metrics = MetricsServer(config.metrics, self)
         # What its workers and drivers ran (pmetal.node.telemetry).
         self.telemetry = NodeTelemetry(self.pool)
@@ -397,6 +406,9 @@ class NodeDaemon:
                 return None
             return Resources(self.resources, self.actors.available, len(self.actors.queue),
                              self.actors.alive())
+        if kind is MachineRequest:   # a member's dashboard: what this machine hosts
+            from pmetal.dashboard.snapshot import hosted
+            return Machine(**hosted(self))
         if kind is ReserveBundles:
             return self.groups.reserve(body)  # type: ignore[arg-type]
         if kind is PlacementGroupQuery:

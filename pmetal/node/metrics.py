@@ -12,8 +12,9 @@ its report (``TelemetryRequest``). The one count kept for metrics on a hot
 path is a call's duration, in the worker (about 0.5 us of a 160 us round
 trip: docs/performance.md).
 
-The listener is an aiohttp application in the node's event loop, so the
-dashboard's routes can join it later on the same port. It listens on
+The listener is an aiohttp application in the node's event loop; the
+dashboard (:mod:`pmetal.dashboard`) adds its routes, and the guard that
+asks for the namespace's token beyond loopback, to it. It listens on
 ``metrics.host:metrics.port`` (127.0.0.1:8265 by default, Ray's dashboard
 port; 0 takes a free one). A port already taken leaves the node running:
 one warning names the port and the setting to change (at INFO for the
@@ -279,7 +280,7 @@ def _telemetry(seen: TelemetrySnapshot) -> Iterator[Any]:
 
 
 class MetricsServer:
-    """The node's HTTP listener: ``/metrics`` now, the dashboard later.
+    """The node's HTTP listener: ``/metrics`` and the dashboard.
 
     :meth:`start` binds (or warns and stays off); :meth:`close` stops.
     :meth:`describe` is what ``pmetal status`` shows.
@@ -294,6 +295,7 @@ class MetricsServer:
         self.scrapes = 0
         self.registry: Any = None
         self._runner: Any = None
+        self.dashboard: Any = None
 
     def describe(self) -> dict[str, Any]:
         return {"enabled": self.state == "on", "state": self.state, "address": self.address,
@@ -324,7 +326,11 @@ class MetricsServer:
         self.registry.register(_NodeCollector(self.node))
         ProcessCollector(registry=self.registry)
         app = web.Application()
+        from pmetal.dashboard import install
+        self.dashboard = install(app, self.node, self.config.host)
         app.router.add_get("/metrics", self._metrics)
+        from pmetal.dashboard.chat import add_chat_routes
+        add_chat_routes(app)       # /chat, and /api/serve and /api/chat it calls
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.config.port)
@@ -352,6 +358,8 @@ class MetricsServer:
 
     async def close(self) -> None:
         runner, self._runner = self._runner, None
+        if self.dashboard is not None:
+            self.dashboard.close()
         if runner is not None:
             await runner.cleanup()
         if self.state == "on":

@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over a pipeline (``pmetal serve``).
 
 What it owns: an aiohttp application (``/v1/models``, ``/v1/chat/completions``,
-``/v1/completions``, and ``/health`` and ``/stats`` of its own) and the
+``/v1/completions``, and ``/health``, ``/stats`` and ``/pipeline`` of its own) and the
 :class:`~pmetal.pipeline.batching.ContinuousBatcher` that feeds every request
 into one running pipeline: concurrent requests share the stages' batched
 decode steps, each joining and leaving between two steps.
@@ -63,6 +63,7 @@ from pmetal.serve.protocol import (
     parse_completion,
     usage_object,
 )
+from pmetal.serve.recent import RecentRequests
 from pmetal.serve.text import AnswerText
 from pmetal.transport import is_loopback
 
@@ -134,6 +135,8 @@ class OpenAIServer:
         self.port = 0
         self._expected = None if api_key is None else _digest(f"Bearer {api_key}")
         self._runner: web.AppRunner | None = None
+        self.recent = RecentRequests()
+        self._asking: asyncio.Future[Any] | None = None     # the stages' statistics
 
     # ------------------------------------------------------------ lifecycle
 
@@ -151,6 +154,7 @@ class OpenAIServer:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_get("/health", self._health)
         app.router.add_get("/stats", self._stats)
+        app.router.add_get("/pipeline", self._pipeline)
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 8000) -> None:
@@ -229,7 +233,19 @@ class OpenAIServer:
         return web.json_response({"status": "ok"})
 
     async def _stats(self, request: web.Request) -> web.Response:
-        return web.json_response(dataclasses.asdict(self.batcher.statistics()))
+        return web.json_response({**dataclasses.asdict(self.batcher.statistics()),
+                                  "recent": self.recent.summary()})
+
+    async def _pipeline(self, request: web.Request) -> web.Response:
+        # Asks every stage over the wire (10 s at most each), in a thread:
+        # requests that come meanwhile share that ask rather than pile up
+        # threads (dashboards poll this).
+        if self._asking is None or self._asking.done():
+            self._asking = asyncio.ensure_future(self._in_thread(self.pipe.statistics))
+            # Its error is the waiting requests' (500); none waits once they left.
+            self._asking.add_done_callback(lambda f: f.cancelled() or f.exception())
+        stats = await asyncio.shield(self._asking)
+        return web.json_response({"model": self.model_id, **stats})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         chat = parse_chat(await _json(request))
@@ -266,6 +282,8 @@ class OpenAIServer:
             else tuple(sorted(self.tokenizer.stop_token_ids)))
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[int | GenerationResult] = asyncio.Queue()
+        arrived_at = time.monotonic()
+        first: list[float] = []
 
         def arrived(_sid: int, token: int) -> None:
             loop.call_soon_threadsafe(events.put_nowait, token)
@@ -289,7 +307,7 @@ class OpenAIServer:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         over = False
         try:
-            pieces = self._pieces(events, answer, sid)
+            pieces = self._pieces(events, answer, sid, first)
             if sampling.stream:
                 response, over = await self._stream(request, chat, ident, pieces, answer,
                                                     len(prompt), sampling.include_usage)
@@ -307,10 +325,13 @@ class OpenAIServer:
         finally:
             if not over:
                 self.batcher.cancel(sid)   # the client left, or the answer failed
+            self.recent.add(answer.tokens, arrived_at, first[0] if first else None,
+                            time.monotonic())
 
     async def _pieces(self, events: asyncio.Queue[int | GenerationResult], answer: AnswerText,
-                      sid: int) -> AsyncIterator[tuple[str, str | None]]:
-        """(text, finish reason or None) as the sequence's tokens come."""
+                      sid: int, first: list[float]) -> AsyncIterator[tuple[str, str | None]]:
+        """(text, finish reason or None) as the sequence's tokens come;
+        ``first`` gets the time the first one came."""
         while True:
             try:
                 event = await asyncio.wait_for(events.get(), self.token_timeout)
@@ -331,6 +352,8 @@ class OpenAIServer:
                 stop = answer.stopped or event.finish_reason == FINISH_STOP
                 yield text, "stop" if stop else "length"
                 return
+            if not first:
+                first.append(time.monotonic())
             text = answer.push(event)
             if answer.stopped:
                 self.batcher.cancel(sid)

@@ -24,6 +24,7 @@ import pytest
 
 from pmetal.errors import ConfigError
 from pmetal.serve.server import check_binding, is_loopback, served_name
+from pmetal.served import running_servers, serve_folder
 
 DEADLINE = 60.0
 
@@ -130,6 +131,10 @@ def test_ctrl_c_stops_the_server_and_every_process_it_started(tiny_gguf: Path,
             seen.append(line)
             found = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", line)
             url = found.group(1) if found else None
+        # Its record tells the node's dashboard where it listens (the chat page).
+        [record] = running_servers(tmp_path / "home")
+        assert (record.url, record.model, record.pid) == (url, "tiny", process.pid)
+        assert record.api_key == "cli-key" and record.path.stat().st_mode & 0o077 == 0
         body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 3}).encode()
         request = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST")
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -153,6 +158,7 @@ def test_ctrl_c_stops_the_server_and_every_process_it_started(tiny_gguf: Path,
         connection.close()
         assert process.wait(timeout=DEADLINE) == 0, "".join(seen)
         assert rest[-1] == "data: [DONE]"
+        assert not list(serve_folder(tmp_path / "home").iterdir()), "its record was left"
         if "error" in rest[-2]:        # (else it had just ended on its own)
             assert json.loads(rest[-2][6:])["error"]["code"] == "shutting_down"
         end = time.monotonic() + DEADLINE

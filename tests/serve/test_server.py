@@ -254,6 +254,28 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(
 
 # ------------------------------------------------------------------- errors
 
+def test_stats_show_the_recent_requests_and_the_stages(serve: Callable[..., Served]) -> None:
+    """/stats: the batcher's counters and the figures of the recent requests;
+    /pipeline: each stage's counters (what the node's dashboard shows)."""
+    served = serve()
+    status, stats = get(served, "/stats")
+    assert status == 200 and stats["recent"] == {"requests": 0, "tokens": 0,
+                                                 "tokens_per_second": None,
+                                                 "time_to_first_token": None}
+    api = client(served)
+    tokens = [chat(api, PROMPTS[i]).usage.completion_tokens for i in (5, 6)]
+    status, stats = get(served, "/stats")
+    assert stats["submitted"] == 2 and stats["finished"] == 2
+    recent = stats["recent"]
+    assert recent["requests"] == 2 and recent["tokens"] == sum(tokens)
+    assert recent["tokens_per_second"] > 0 and recent["time_to_first_token"] > 0
+    status, pipeline = get(served, "/pipeline")
+    assert status == 200 and pipeline["model"] == MODEL
+    assert [s["layers"] for s in pipeline["stages"]] == [[0, 2], [2, 4]]
+    assert all(s["decode_steps"] > 0 and s["failure"] is None for s in pipeline["stages"])
+    assert pipeline["driver"]["hops"] > 0
+
+
 def test_malformed_json_and_bad_parameters_are_400(serve: Callable[..., Served]) -> None:
     served = serve()
     status, body = post(served, "/v1/chat/completions", None, raw=b'{"model": "tiny",')
