@@ -7,6 +7,7 @@ import logging as _logging
 
 from pmetal._version import __version__
 from pmetal.actors.refs import ObjectRef
+from pmetal.actors.dynamic import DynamicObjectRefGenerator
 from pmetal.actors.generators import ObjectRefGenerator
 from pmetal.actors.handles import ActorClass, ActorHandle, RemoteFunction, method, remote
 from pmetal.actors.strategies import NodeAffinitySchedulingStrategy
@@ -50,8 +51,8 @@ def __getattr__(name: str) -> object:
     import importlib
     if name == "collective":   # the actor groups' namespace: pmetal.collective.create_group
         return importlib.import_module("pmetal.collective")
-    if name == "util":   # Ray's ray.util paths (ActorPool, queue): loaded on first use
-        return importlib.import_module("pmetal.util")
+    if name in ("dag", "experimental", "util"):   # Ray's paths (ray.util.ActorPool, ...)
+        return importlib.import_module(f"pmetal.{name}")   # loaded on first use
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pmetal' has no attribute {name!r}")
@@ -77,6 +78,7 @@ __all__ = [
     "DistributedBackend",
     "DistributedConfig",
     "DistributedContext",
+    "DynamicObjectRefGenerator",
     "GetTimeoutError",
     "GradientCompressor",
     "HandshakeError",

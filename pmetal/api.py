@@ -28,7 +28,8 @@ from pmetal.actors.generators import wait as stream_wait
 from pmetal.actors.handles import ActorHandle
 from pmetal.actors.runtime_context import get_runtime_context
 from pmetal.actors.runtime_env import (check_runtime_env, set_job_env_vars,
-                                       set_job_working_dir, working_dir_spec)
+                                       set_job_setup_hook, set_job_working_dir,
+                                       setup_hook_spec, working_dir_spec)
 from pmetal.config import PMetalConfig, config_env, load_config
 from pmetal.errors import (ConfigError, NotInitializedError, PeerError, PMetalError,
                            PMetalTypeError, PMetalValueError)
@@ -152,6 +153,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
     node_resources = _node_resources(num_cpus, num_gpus, resources)
     job_env = check_runtime_env(runtime_env, "pmetal.init")
     job_dir = working_dir_spec(runtime_env, "pmetal.init")   # packed by the check: cached
+    job_hook = setup_hook_spec(runtime_env, "pmetal.init")
     given = [name for name, value in (("num_cpus", num_cpus), ("num_gpus", num_gpus),
                                       ("resources", resources)) if value is not None]
     if given and address is not None:
@@ -223,6 +225,7 @@ def init(address: str | None = None, *, namespace: str | None = None,
         _node_proc = node_proc
         set_job_env_vars(job_env)
         set_job_working_dir(job_dir)
+        set_job_setup_hook(job_hook)
         context.set_current(client)
         client.report()   # collectives and pipelines run here, for the node's /metrics
         return {"node_id": client.node_id, "address": node_address}
@@ -349,6 +352,7 @@ def shutdown(timeout: float = 10.0) -> None:
         _node_proc = None
         set_job_env_vars({})
         set_job_working_dir(None)
+        set_job_setup_hook(None)
     if client_ is None:
         return
     try:

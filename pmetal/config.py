@@ -151,8 +151,11 @@ class ActorsConfig:
     ``restart_wait``: the longest a call waits for the actor it is made to
     when that actor's process or node died: for its restart (a retried call,
     ``max_task_retries``, included), or to learn that it is dead for good.
-    Past it the call fails with ActorDiedError. It bounds every call of a
-    driver on the minority side of a partition to an actor it cannot reach.
+    Past it the call fails with ActorDiedError, unless the actor's node says
+    its restart is under way: then up to one ``transport.request_timeout``
+    more (that restart ends by its own creation deadline). It bounds every
+    call of a driver on the minority side of a partition to an actor it
+    cannot reach.
     The default leaves room for a master's loss on a wired LAN (declared
     dead in under 1 s, a new master in about 1 s, the restart).
 

@@ -8,6 +8,7 @@ Everything listens on 127.0.0.1 with port 0; every wait has a deadline.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import threading
 import time
@@ -300,6 +301,31 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     root = Path(__file__).resolve().parents[1]
     for folder in (root / "pmetal", root / "tests"):
         compileall.compile_dir(folder, quiet=2)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[None]:
+    """Collect with the cyclic garbage collector off, then move everything
+    collection made (modules, rewritten test code, ~4,000 items: ~230,000
+    objects that live as long as the session) to the permanent generation.
+
+    Collecting imports every test module through pytest's assertion
+    rewriter, which makes objects faster than anything frees them: the
+    collector ran ~26 full collections over a growing heap, 2.2-2.6 s of
+    the ~8 s of CPU collection took; with it off, one collection at the
+    end (0.5 s) and the same peak memory (165 MB). Frozen, those objects
+    are no longer scanned by the full collections of the test process
+    during the run (a plain ``gc.collect()`` late in a full run took 0.4 s;
+    see test_transport_zmq). Objects the tests make are collected as
+    before; ``gc.get_objects()`` lists only those (the leak tests compare
+    counts between rounds)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.collect()
+        gc.freeze()
+        gc.enable()
 
 
 # -------------------------------------------------------- raw ZeroMQ peers

@@ -93,6 +93,8 @@ ALLOWED = {
     "pipeline": {"core", "cluster", "actors", "links", "model", "store"},
     "serve": {"core", "pipeline"},   # the HTTP server over a pipeline (pmetal serve)
     "util": {"core", "actors"},   # Ray's import paths (ray.util.*), re-exported
+    "dag": {"core", "actors"},   # Ray's import paths (ray.dag.*), re-exported
+    "experimental": {"core", "actors"},   # Ray's import paths (ray.experimental.*)
     "front": {"core", "cluster", "actors", "node", "links", "collectives"},
     "bench": {"core", "cluster", "actors", "node", "links", "collectives", "model", "pipeline",
               "serve", "front", "store"},

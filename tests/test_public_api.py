@@ -18,8 +18,10 @@ PACKAGES = sorted(
     ".".join(("pmetal", *init.parent.relative_to(PACKAGE_ROOT).parts))
     for init in PACKAGE_ROOT.rglob("__init__.py"))
 # Modules whose public names are part of this suite's contract.
-MODULES = ["pmetal.actors.context", "pmetal.actors.handles", "pmetal.api", "pmetal.config",
-           "pmetal.actors.runtime_context", "pmetal.exceptions",
+MODULES = ["pmetal.actors.context", "pmetal.actors.dag", "pmetal.actors.dynamic",
+           "pmetal.actors.handles", "pmetal.actors.tensor_transports", "pmetal.api",
+           "pmetal.config", "pmetal.actors.runtime_context", "pmetal.dag.input_node",
+           "pmetal.dag.output_node", "pmetal.exceptions", "pmetal.experimental.tqdm_ray",
            "pmetal.errors", "pmetal.hardware", "pmetal.ids", "pmetal.model.kernels",
            "pmetal.util.actor_pool", "pmetal.util.placement_group", "pmetal.util.queue",
            "pmetal.util.scheduling_strategies", "pmetal.wire"]
@@ -82,7 +84,10 @@ def test_rays_module_paths_work_after_import_pmetal_alone() -> None:
             "assert ray.exceptions.RayActorError is ray.ActorDiedError\n"
             "assert ray.util.ActorPool.__name__ == 'ActorPool'\n"
             "assert ray.util.queue.Empty.__name__ == 'Empty'\n"
-            "assert callable(ray.get_runtime_context)\n")
+            "assert callable(ray.get_runtime_context)\n"
+            "assert ray.dag.InputNode.__name__ == 'InputNode'\n"
+            "assert ray.DynamicObjectRefGenerator.__name__ == 'DynamicObjectRefGenerator'\n"
+            "assert callable(ray.experimental.register_tensor_transport)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=False)
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")

@@ -98,7 +98,7 @@ BLOCKERS: list[tuple[str, str]] = [
     ("deadline", r"^deadline exceeded"),
     ("nested refs", (r"ObjectRef cannot be sent inside|cannot send \w+ object .*ObjectRef"
                      r"|OwnerDiedError|ObjectRef\(bytes|'ObjectRef' object has no attribute")),
-    ("streaming generators", (r"streaming|dynamic|ObjectRefGenerator|GeneratorType"
+    ("streaming generators", (r"streaming|\bdynamic\b|ObjectRefGenerator|GeneratorType"
                               r"|generator object|cannot send generator"
                               r"|'ObjectRef' object is not (an iterator|iterable)")),
     ("placement groups", r"placement_group|PlacementGroup(?!Scheduling)"),
@@ -106,9 +106,10 @@ BLOCKERS: list[tuple[str, str]] = [
     ("runtime_env", r"runtime_env|worker_process_setup_hook"),
     ("cancel", r"TaskCancelledError|is_canceled|cancel"),
     ("WorkerCrashedError (a task's dead worker)", r"ActorDiedError: remote function"),
-    ("ray.dag (not planned)", r"\bbind\b|ray\.dag|'dag'|experimental_compile"),
-    ("ray.experimental (not planned)", r"experimental"),
-    ("resources", r"num_gpus|num_cpus|\bGPU\b|\bCPU\b|resources|memory="),
+    ("compiled graphs (not planned)", r"experimental_compile|visualize"),
+    ("ray.dag", r"\bbind\b|ray\.dag|'dag'"),
+    ("ray.experimental", r"experimental"),
+    ("resources", r"num_gpus|num_cpus|\bGPU\b|\bCPU\b|\bresources\b|memory="),
     ("missing API name", (r"has no attribute|cannot import name|No module named 'ray"
                           r"|unexpected keyword argument|unknown option|not a valid option"
                           r"|got an unexpected|takes no")),

@@ -28,9 +28,10 @@ from pmetal.errors import NotInitializedError
 if TYPE_CHECKING:
     from pmetal.actors.client import CoreClient
 
-__all__ = ["auto_init", "current", "current_actor_id", "current_or_none", "current_task",
-           "in_worker", "initialize", "job_id", "lock", "set_actor_id", "set_auto_init",
-           "set_current", "set_initializer", "set_job_id", "set_worker_factory", "take"]
+__all__ = ["auto_init", "current", "current_actor_id", "current_call", "current_or_none",
+           "current_task", "in_worker", "initialize", "is_canceled", "job_id", "lock",
+           "set_actor_id", "set_auto_init", "set_cancel_probe", "set_current",
+           "set_initializer", "set_job_id", "set_worker_factory", "take"]
 
 Factory = Callable[[], "CoreClient"]
 
@@ -50,6 +51,10 @@ _job_id = ""
 # variable, so concurrent calls of one actor (threads, coroutines) each see
 # their own.
 current_task: contextvars.ContextVar[int] = contextvars.ContextVar("pmetal_task", default=0)
+# The (caller's route, call id) of the actor call a thread of a threaded
+# actor runs (a sync actor's serving thread keeps its own on the worker).
+current_call: contextvars.ContextVar[tuple[bytes, int]] = contextvars.ContextVar(
+    "pmetal_call", default=(b"", 0))
 JOB_ID_ENV = "PMETAL_JOB_ID"
 
 
@@ -99,6 +104,24 @@ def current_actor_id() -> str:
 def set_actor_id(actor_id: str) -> None:
     global _actor_id
     _actor_id = actor_id
+
+
+_cancel_probe: Callable[[], bool] | None = None
+
+
+def set_cancel_probe(probe: Callable[[], bool] | None) -> None:
+    """Install the worker's answer to "was the call running here cancelled?"."""
+    global _cancel_probe
+    _cancel_probe = probe
+
+
+def is_canceled() -> bool:
+    """Whether ``pmetal.cancel`` reached the actor call running in this
+    thread (the worker's probe; see Worker.is_canceled)."""
+    if _cancel_probe is None:
+        raise NotInitializedError("get_runtime_context().is_canceled() answers in an actor's "
+                                  "method (a worker), not in a driver")
+    return _cancel_probe()
 
 
 def job_id() -> str:

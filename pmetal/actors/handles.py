@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import threading
 import time
 from typing import Any
 
 from pmetal.actors import context, strategies
+from pmetal.actors.dynamic import DYNAMIC, generator_mode
 from pmetal.actors.generators import (STREAMING, check_window, stream_actor_call,
                                       stream_task)
-from pmetal.actors.refs import split_ref
-from pmetal.actors.runtime_env import (call_with_env, check_runtime_env, job_working_dir,
+from pmetal.actors.refs import ObjectRef, split_ref
+from pmetal.actors.runtime_env import (SETUP_HOOK, call_with_env, call_with_setup_hook,
+                                       check_runtime_env, job_setup_hook, job_working_dir,
                                        merged_env_vars, stream_with_env, working_dir_spec)
 from pmetal.actors.strategies import PG_OPTIONS, captured, placement_options, task_strategy
 from pmetal.actors.workdir import WorkingDirTask
 from pmetal.actors.workdir import sources as workdir_sources
-from pmetal.errors import NotInitializedError, PMetalTypeError, PMetalValueError
+from pmetal.errors import NotInitializedError, PlacementError, PMetalTypeError, PMetalValueError
 from pmetal.values import ActorState
 from pmetal.wire import ActorLocation, CreateActor, Pickled
 
@@ -33,6 +36,8 @@ ACTOR_OPTIONS = _COMMON | {"node", "max_restarts", "max_task_retries", "max_conc
                            "lifetime", "namespace", "get_if_exists"}
 FUNCTION_OPTIONS = _COMMON | {"max_retries", "retry_exceptions",
                               "_generator_backpressure_num_objects"}
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_RETRIES = 3
 """Ray's default: a task is re-run up to 3 times when its worker dies."""
@@ -61,17 +66,19 @@ def _integer(options: dict[str, Any], key: str, where: str, low: int) -> None:
                                + (" (-1: without limit)" if low == -1 else ""))
 
 
-def check_num_returns(value: Any, where: str) -> None:
+def check_num_returns(value: Any, where: str, dynamic: bool = False) -> None:
     """``num_returns``: None, an int >= 1 (a call then returns that many
-    refs, one per item of the returned sequence) or ``"streaming"`` (an
-    ObjectRefGenerator, see pmetal.actors.generators); Ray's older
-    ``"dynamic"`` is refused by name."""
-    if value is None or value == STREAMING:
+    refs, one per item of the returned sequence, or of a generator
+    function's items) or ``"streaming"`` (an ObjectRefGenerator, see
+    pmetal.actors.generators); Ray's older ``"dynamic"`` where ``dynamic``
+    (remote functions: pmetal.actors.dynamic), else refused by name."""
+    if value is None or value == STREAMING or (dynamic and value == DYNAMIC):
         return
-    if value == "dynamic":
+    if value == DYNAMIC:
         raise PMetalValueError(f"{where}: num_returns='dynamic' (Ray's older generator "
-                               f"tasks) is not supported; use num_returns='streaming': the "
-                               f"call returns an ObjectRefGenerator to iterate for the refs")
+                               f"tasks) works on remote functions, not here; use "
+                               f"num_returns='streaming': the call returns an "
+                               f"ObjectRefGenerator to iterate for the refs")
     if type(value) is not int:
         raise PMetalTypeError(f"{where}: num_returns must be an int, not "
                               f"{type(value).__name__} {value!r:.40}")
@@ -90,7 +97,7 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
                 if elsewhere else "")
         raise PMetalTypeError(f"{where}: unknown option(s) {sorted(unknown)}{hint}; "
                               f"valid: {sorted(known)}")
-    check_num_returns(options.get("num_returns"), where)
+    check_num_returns(options.get("num_returns"), where, dynamic=known is FUNCTION_OPTIONS)
     check_window(options.get("_generator_backpressure_num_objects"), where)
     _number(options, "num_cpus", where, 0)
     _number(options, "num_gpus", where, 0)
@@ -120,6 +127,9 @@ def check_options(options: dict[str, Any], where: str, known: frozenset[str]) ->
     if "scheduling_strategy" in options or any(k in options for k in PG_OPTIONS):
         placement_options(options, where)
     check_runtime_env(options.get("runtime_env"), where)
+    if SETUP_HOOK in (options.get("runtime_env") or {}):
+        raise PMetalValueError(f"{where}: runtime_env[{SETUP_HOOK!r}] is the job's, as in "
+                               f"Ray: give it to pmetal.init(runtime_env=...)")
     retry_on = options.get("retry_exceptions")
     if retry_on is not None and type(retry_on) is not bool and not (
             isinstance(retry_on, (list, tuple)) and all(
@@ -172,28 +182,40 @@ class RemoteFunction:
         num_returns = self._options.get("num_returns") or (
             STREAMING if _is_generator(self._fn) else 1)
         working_dir = self._working_dir or job_working_dir()
-        if env_vars or working_dir:
+        hook = job_setup_hook()
+        if env_vars or working_dir or hook:
             # The worker runs fn through call_with_env: the variables are set
             # for this call only (one code id per environment); a generator's
             # while it runs (stream_with_env). With a working_dir, fn is
             # loaded in the worker once the folder is in place (WorkingDirTask).
+            # The job's setup hook runs first, once per worker process.
             key = (tuple(sorted(env_vars.items())), working_dir and working_dir["sha256"],
-                   client.node_address)
+                   client.node_address, hook and hook[0], num_returns)
             if key not in self._env_code:
-                target: Any = self._fn
+                call = self._by_ref()
+                target: Any = generator_mode(self._fn, num_returns, call) or call
+                if hook:
+                    target = functools.partial(call_with_setup_hook, hook, target)
                 if env_vars:
                     wrap = stream_with_env if num_returns == STREAMING else call_with_env
-                    target = functools.partial(wrap, env_vars, self._fn)
+                    target = functools.partial(wrap, env_vars, target)
                 if working_dir:
                     where = f"{self._fn.__qualname__}.remote()"
                     target = WorkingDirTask(workdir_sources(working_dir, client, where),
                                             Pickled.dumps(target))
                 self._env_code[key] = code_ref(target)
             fn_id, ref = self._env_code[key]
+        elif num_returns == DYNAMIC or (type(num_returns) is int and num_returns > 1):
+            # A generator task's items, one object each (pmetal.actors.dynamic).
+            if num_returns not in self._env_code:
+                mode = generator_mode(self._fn, num_returns, self._by_ref())
+                self._env_code[num_returns] = code_ref(mode or self._fn)
+            fn_id, ref = self._env_code[num_returns]
         else:
             if self._code is None:
                 self._code = code_ref(self._fn)
             fn_id, ref = self._code
+        count = num_returns if type(num_returns) is int else 1   # refs returned
         strategy = self._strategy
         if strategy is None and strategies._capture is not None:   # in a capturing actor
             strategy = captured(self._options)
@@ -206,11 +228,13 @@ class RemoteFunction:
         if strategy is not None:   # SPREAD, a node or a placement group
             from pmetal.actors.routing import run_placed
             return split_ref(run_placed(client, strategy, self, env_vars, (fn_id, ref),
-                                        list(args), kwargs),
-                             self._options.get("num_returns") or 1)
+                                        list(args), kwargs), count)
         if self._placement_checked is not client:
-            client.check_placement(needed_resources(self._options),
-                                   f"remote function {self._fn.__qualname__}")
+            try:
+                client.check_placement(needed_resources(self._options),
+                                       f"remote function {self._fn.__qualname__}")
+            except PlacementError as exc:
+                return _infeasible(exc, num_returns if num_returns == STREAMING else count)
             self._placement_checked = client
         if num_returns == STREAMING:
             return stream_task(client, fn_id, ref, list(args), kwargs, self._fn.__qualname__,
@@ -218,14 +242,47 @@ class RemoteFunction:
                                    "_generator_backpressure_num_objects"), ""))
         result = client.run_task(fn_id, ref, list(args), kwargs, self._fn.__qualname__,
                                  self._max_retries, self._retry_exceptions)
-        return split_ref(result, num_returns)
+        return split_ref(result, count)
+
+    def _by_ref(self) -> Any:
+        """The function as wrappers hold it: a CodeCall, by reference when
+        importable (pmetal.actors.serialization.CodeCall)."""
+        from pmetal.actors.serialization import CodeCall, code_ref
+        if self._code is None:
+            self._code = code_ref(self._fn)
+        return CodeCall(self._code[1], self._fn.__qualname__)
 
     def options(self, **options: Any) -> RemoteFunction:
         return RemoteFunction(self._fn, {**self._options, **options})
 
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A DAG node of this call (Ray's ``ray.dag``; see pmetal.actors.dag)."""
+        from pmetal.actors.dag import FunctionNode
+        return FunctionNode(self, args, kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"remote function {self.__name__} cannot be called directly; use "
                         f"{self.__name__}.remote(...)")
+
+
+def _infeasible(error: PlacementError, num_returns: int | str) -> Any:
+    """What ``.remote()`` of a task that no node can run returns: its
+    ref(s), failed with ``error``, and a warning in the log now.
+
+    Ray leaves such a task pending until a node with the resources joins
+    (its autoscaler may add one), warns, and lets the script go on; a
+    script that never asks for the result ends normally. pmetal goes on as
+    well, but does not leave the task pending: nothing in pmetal waits
+    forever, and a home cluster grows by hand, not by an autoscaler. So the
+    PlacementError is raised by the first ``get`` (with or without a
+    timeout: at once, never after one), and ``wait`` counts the ref as done.
+    To run it on a machine that is joining, wait for it first
+    (``pmetal.wait_for_peers``) and call ``.remote()`` again."""
+    if num_returns == STREAMING:   # a stream has no ref to hold the error
+        raise error
+    log.warning("%s; the task is not run: pmetal.get of its ref raises PlacementError",
+                error)
+    return split_ref(ObjectRef.of_error(error), num_returns)
 
 
 class ActorClass:
@@ -247,6 +304,11 @@ class ActorClass:
 
     def options(self, **options: Any) -> ActorClass:
         return ActorClass(self._cls, {**self._options, **options})
+
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A DAG node that creates this actor at each ``execute`` (pmetal.actors.dag)."""
+        from pmetal.actors.dag import ClassNode
+        return ClassNode(self, args, kwargs)
 
     def remote(self, *args: Any, **kwargs: Any) -> ActorHandle:
         if self._options.get("get_if_exists"):
@@ -309,8 +371,11 @@ class ActorClass:
                    "is_async": is_async}
         env_vars = merged_env_vars(opts, f"{cls.__qualname__}.remote()")
         working_dir = self._working_dir or job_working_dir()
-        if env_vars or working_dir:   # set in the worker before the class is loaded
+        hook = job_setup_hook()
+        if env_vars or working_dir or hook:   # set in the worker before the class is loaded
             options["runtime_env"] = {"env_vars": env_vars}
+            if hook:
+                options["runtime_env"][SETUP_HOOK] = list(hook)
             if working_dir:
                 options["runtime_env"]["working_dir"] = workdir_sources(
                     working_dir, client, f"{cls.__qualname__}.remote()")
@@ -326,14 +391,20 @@ class ActorClass:
 
 def method(*, num_returns: int | str | None = None,
            _generator_backpressure_num_objects: int | None = None,
-           enable_task_events: bool = True) -> Any:
+           enable_task_events: bool = True, tensor_transport: str | None = None) -> Any:
     """``@pmetal.method(num_returns=N)`` on an actor method, as Ray's
     ``@ray.method``: a call of it returns N refs, one per item of the tuple
     the method returns; ``num_returns="streaming"`` (the default for a
     generator method, as in Ray) returns an ObjectRefGenerator, which lets
     the generator run at most ``_generator_backpressure_num_objects`` items
     ahead of the caller. ``enable_task_events`` is accepted for Ray's
-    scripts and changes nothing (pmetal records no task events)."""
+    scripts and changes nothing (pmetal records no task events).
+    ``tensor_transport`` (Ray's direct transports) must name a transport
+    registered with ``pmetal.experimental.register_tensor_transport`` (or
+    ``"object_store"``); the value moves the way every value does (see
+    pmetal.actors.tensor_transports)."""
+    from pmetal.actors.tensor_transports import check_tensor_transport
+    check_tensor_transport(tensor_transport, "@pmetal.method")
     if type(enable_task_events) is not bool:
         raise PMetalTypeError(f"@pmetal.method: enable_task_events must be True or False, "
                               f"not {enable_task_events!r:.40}")
@@ -423,6 +494,11 @@ class ActorMethod:
                                      check_window(self._window, ""))
         return split_ref(client.call(handle, self._name, list(args), kwargs), self._num_returns)
 
+    def bind(self, *args: Any, **kwargs: Any) -> Any:
+        """A DAG node of this call on the live actor (pmetal.actors.dag)."""
+        from pmetal.actors.dag import ClassMethodNode
+        return ClassMethodNode(self._handle, self._name, args, kwargs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise PMetalTypeError(f"actor method {self._name} cannot be called directly; use "
                         f".{self._name}.remote(...)")
@@ -455,6 +531,8 @@ class ActorHandle:
         self._state = loc.state
 
     def __getattr__(self, name: str) -> ActorMethod:
+        if name == "__ray_ready__":   # Ray's: resolves to True once the actor is up
+            return ActorMethod(self, name)
         if name.startswith("_"):
             raise AttributeError(name)
         if name not in self._methods:

@@ -165,9 +165,11 @@ class ActorLocator:
     def _relocate(self, handle: Any) -> PeerLink | BaseException:
         """Ask our node where ``handle``'s actor lives now: the worker we
         knew died, or its node did. Waits up to ``actors.restart_wait`` for
-        its restart; a call to an actor that cannot come back (it is dead
-        for good, or its node is cut off from a master that could restart
-        it) fails within that bound with ActorDiedError."""
+        its restart (and on while the node answers that the restart is
+        under way, up to one request_timeout more); a call to an actor that
+        cannot come back (it is dead for good, or its node is cut off from a
+        master that could restart it) fails within that bound with
+        ActorDiedError."""
         # A handle that never saw its actor alive (found by name while its
         # creator was still making it) waits for that same incarnation: the
         # next one would come only with a restart.
@@ -175,6 +177,10 @@ class ActorLocator:
         incarnation = handle._incarnation + (0 if handle._state == ActorState.PENDING else 1)
         bound = client.config.actors.restart_wait
         deadline = time.monotonic() + bound
+        # A restart its node says is under way ("restarting") is waited for
+        # past restart_wait: it ends by its own creation deadline, so up to
+        # one request_timeout more.
+        last = deadline + client.config.transport.request_timeout
         while True:
             remaining = deadline - time.monotonic()
             try:
@@ -207,6 +213,8 @@ class ActorLocator:
                 # for the node to say that it died, or where it restarted.
                 incarnation = loc.incarnation + 1
                 continue
+            if loc.state == ActorState.RESTARTING and time.monotonic() < last:
+                deadline = max(deadline, min(last, time.monotonic() + bound))
             if time.monotonic() >= deadline:
                 return ActorDiedError(
                     f"actor {handle._class_name}({handle._actor_id[-8:]}) did not come back "

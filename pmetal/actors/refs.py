@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from pmetal.actors.deferred import Retry
     from pmetal.actors.links import PeerLink
 
-__all__ = ["ItemRef", "ObjectRef", "call_name", "failure_error", "split_ref"]
+__all__ = ["ItemFailed", "ItemRef", "ObjectRef", "call_name", "failure_error", "split_ref"]
 
 
 TASK_WHAT = "remote function "
@@ -169,6 +169,20 @@ class ObjectRef:
         return f"ObjectRef({state})"
 
 
+class ItemFailed:
+    """An item of a ``num_returns=N`` call that did not come (a generator
+    task that raised or ended early, pmetal.actors.dynamic): the error its
+    item ref raises."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __reduce__(self) -> Any:
+        return (ItemFailed, (self.error,))
+
+
 class ItemRef(ObjectRef):
     """Item ``index`` of what another ref (``base``) resolves to: one of the
     N refs a ``num_returns=N`` call returns, as in Ray.
@@ -212,9 +226,10 @@ class ItemRef(ObjectRef):
     def done(self) -> bool:
         return self._base.done()
 
-    def _shape_error(self, value: Any) -> PMetalValueError | None:
+    def _shape_error(self, value: Any) -> BaseException | None:
         if isinstance(value, (tuple, list)) and len(value) == self._count:
-            return None
+            item = value[self._index]
+            return item.error if type(item) is ItemFailed else None
         got = (f"a {type(value).__name__} of {len(value)} items"
                if isinstance(value, (tuple, list)) else f"a {type(value).__name__}")
         return PMetalValueError(

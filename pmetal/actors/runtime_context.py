@@ -96,6 +96,14 @@ class RuntimeContext:
         client = context.current()
         return ActorHandle(client.lookup(actor_id=actor_id), client)
 
+    def is_canceled(self) -> bool:
+        """Ray's ``is_canceled()``: whether ``pmetal.cancel`` reached the
+        actor method running in this thread. A sync method is not
+        interrupted (as in Ray): it may look here and return early. An
+        async method is cancelled through asyncio instead. False in a task
+        (a task's cancel does not reach its worker unless ``force=True``)."""
+        return context.is_canceled()
+
     def get(self) -> dict[str, Any]:
         """Ray's ``get()``: the ids as a dict (None where there is none)."""
         return {"job_id": self.get_job_id(), "node_id": self.get_node_id(),

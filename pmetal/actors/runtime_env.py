@@ -12,6 +12,14 @@ machines that run the work (:mod:`pmetal.actors.workdir`); one given to
 ``.options`` replaces the job's. Every other key Ray knows (``pip``,
 ``conda``, ``py_modules``, ...) is refused by name: pmetal does not install
 packages.
+
+``worker_process_setup_hook`` (a function, or ``"module.function"``), given
+to ``pmetal.init(runtime_env=...)`` as in Ray, runs once in every worker
+process before the first task or actor of the job runs there (Ray runs it
+when the worker starts; pmetal's workers are started before any job, so it
+runs at the first work instead). A hook that raises fails that task or actor
+with :class:`~pmetal.errors.RuntimeEnvSetupError`, and runs again at the
+next one.
 """
 
 from __future__ import annotations
@@ -21,13 +29,18 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pmetal.errors import PMetalTypeError, PMetalValueError
+from pmetal.errors import PMetalTypeError, PMetalValueError, RuntimeEnvSetupError
 
-__all__ = ["call_with_env", "check_runtime_env", "job_env_vars", "job_working_dir",
-           "merged_env_vars", "set_job_env_vars", "set_job_working_dir", "stream_with_env",
-           "working_dir_spec"]
+__all__ = ["SETUP_HOOK", "call_with_env", "call_with_setup_hook", "check_runtime_env",
+           "job_env_vars", "job_setup_hook", "job_working_dir", "merged_env_vars",
+           "run_setup_hook", "set_job_env_vars", "set_job_setup_hook", "set_job_working_dir",
+           "setup_hook_spec", "stream_with_env", "working_dir_spec"]
 
-_KEYS = ("env_vars", "working_dir", "excludes")
+SETUP_HOOK = "worker_process_setup_hook"
+_KEYS = ("env_vars", "working_dir", "excludes", SETUP_HOOK)
+
+_job_setup_hook: tuple[str, Any] | None = None   # (code id, CodeRef), from pmetal.init
+_hooks_run: set[str] = set()   # the hooks this process ran (code ids)
 
 _job_env_vars: dict[str, str] = {}   # this driver's, from pmetal.init(runtime_env=...)
 _job_working_dir: dict[str, Any] | None = None   # ... its working_dir, packed
@@ -51,6 +64,11 @@ def check_runtime_env(runtime_env: Any, where: str) -> dict[str, str]:
                                f"supports {', '.join(map(repr, _KEYS))} (install packages on "
                                f"every node yourself)")
     working_dir_spec(runtime_env, where)
+    hook = runtime_env.get(SETUP_HOOK)
+    if hook is not None and not callable(hook) and not isinstance(hook, str) and not (
+            isinstance(hook, (list, tuple)) and len(hook) == 2):   # (id, CodeRef): the wire's
+        raise PMetalTypeError(f"{where}: runtime_env[{SETUP_HOOK!r}] must be a function or "
+                              f"'module.function', not {type(hook).__name__}")
     env_vars = runtime_env.get("env_vars") or {}
     if not isinstance(env_vars, dict):
         raise PMetalTypeError(f"{where}: runtime_env['env_vars'] must be a dict of str to "
@@ -86,6 +104,52 @@ def working_dir_spec(runtime_env: Any, where: str) -> dict[str, Any] | None:
         workdir.check_spec(folder, where)
         return folder
     return workdir.publish(folder, runtime_env.get("excludes"), where)
+
+
+def setup_hook_spec(runtime_env: Any, where: str) -> tuple[str, Any] | None:
+    """``runtime_env``'s worker_process_setup_hook as it travels: (code id,
+    CodeRef); None when it has none (check_runtime_env checked its type)."""
+    hook = (runtime_env or {}).get(SETUP_HOOK)
+    if hook is None:
+        return None
+    from pmetal.actors.serialization import code_ref
+    if isinstance(hook, str):
+        module, dot, name = hook.rpartition(".")
+        if not dot or not module or not name:
+            raise PMetalValueError(f"{where}: runtime_env[{SETUP_HOOK!r}]={hook!r}: a string "
+                                   f"names a function as 'module.function'")
+        return f"{module}:{name}", f"{module}:{name}"
+    return code_ref(hook)
+
+
+def set_job_setup_hook(spec: tuple[str, Any] | None) -> None:
+    global _job_setup_hook
+    _job_setup_hook = spec
+
+
+def job_setup_hook() -> tuple[str, Any] | None:
+    return _job_setup_hook
+
+
+def run_setup_hook(spec: Any) -> None:
+    """Run the hook of ``spec`` (code id, CodeRef) unless this process ran
+    it already; RuntimeEnvSetupError when it cannot be loaded or raises."""
+    hook_id, ref = spec
+    if hook_id in _hooks_run:
+        return
+    from pmetal.actors.serialization import load_code
+    try:
+        load_code(ref)()
+    except Exception as exc:
+        raise RuntimeEnvSetupError(f"runtime_env {SETUP_HOOK} {hook_id}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+    _hooks_run.add(hook_id)
+
+
+def call_with_setup_hook(spec: Any, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` after the job's setup hook ran in this process."""
+    run_setup_hook(spec)
+    return fn(*args, **kwargs)
 
 
 def set_job_working_dir(spec: dict[str, Any] | None) -> None:

@@ -29,6 +29,7 @@ from pmetal.errors import RemoteError
 from pmetal.wire import Pickled
 
 __all__ = [
+    "CodeCall",
     "CodeRef",
     "code_ref",
     "load_code",
@@ -119,6 +120,34 @@ def load_code(ref: CodeRef) -> Any:
     found = _resolve(module, qualname)
     from pmetal.actors.handles import ActorClass, RemoteFunction
     return found.__wrapped__ if isinstance(found, (ActorClass, RemoteFunction)) else found
+
+
+class CodeCall:
+    """A function named by its :data:`CodeRef`, loaded where it is first
+    called. Wrappers around a remote function (its runtime_env, its
+    generator mode) hold this rather than the function: a wrapper travels by
+    value, and a function inside it would too, with copies of the module
+    globals it names (a module-level counter or lock would no longer be the
+    module's). An importable function thus still travels by reference."""
+
+    __slots__ = ("__qualname__", "_loaded", "ref")
+
+    def __init__(self, ref: CodeRef, qualname: str) -> None:
+        self.ref = ref
+        self.__qualname__ = qualname
+        self._loaded: Any = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self._loaded
+        if fn is None:
+            fn = self._loaded = load_code(self.ref)
+        return fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        return (CodeCall, (self.ref, self.__qualname__))
+
+    def __repr__(self) -> str:
+        return f"CodeCall({self.__qualname__})"
 
 
 # ---------------------------------------------------------------- exceptions

@@ -33,6 +33,7 @@ import sys
 import threading
 import traceback
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter
 from typing import Any
@@ -40,7 +41,7 @@ from typing import Any
 from pmetal.actors import context, strategies, workdir
 from pmetal.actors.client import CoreClient
 from pmetal.actors.objects import pack_to
-from pmetal.actors.runtime_env import restore_env, set_env
+from pmetal.actors.runtime_env import SETUP_HOOK, restore_env, run_setup_hook, set_env
 from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
                                          unpack_values)
 from pmetal.actors.streams import StreamServer
@@ -115,6 +116,11 @@ def _well_formed(entry: Any) -> bool:
             and type(entry[1]) is list and type(entry[2]) is dict)
 
 
+def _ready() -> bool:
+    """An actor's ``__ray_ready__`` method (Ray's; its scripts wait on it)."""
+    return True
+
+
 def _user_traceback(exc: BaseException) -> BaseException:
     """Drop the worker's own frames so the traceback starts in user code."""
     tb = exc.__traceback__
@@ -159,6 +165,12 @@ class Worker:
         self._cancelled: dict[tuple[bytes, int], None] = {}   # ... cancelled before they ran
         self.streams = StreamServer(self)   # num_returns="streaming" calls
         self._route = b""   # the caller of the sync call running (its result's receiver)
+        self._corr = 0      # ... and its call id (is_canceled)
+        self._serving = 0   # the thread that serves (and runs a sync actor's calls)
+        # An actor whose __init__ is a coroutine: (instance, coroutine, undo),
+        # awaited on the loop before it serves anything (_construct_async).
+        self._constructing: tuple[Any, Any, Callable[[], None]] | None = None
+        self._constructing_for: Incoming | None = None
 
     @property
     def address(self) -> str:
@@ -197,6 +209,8 @@ class Worker:
 
     def run(self) -> None:
         context.set_worker_factory(self.client)
+        context.set_cancel_probe(self.is_canceled)
+        self._serving = threading.get_ident()
         self.node.open()
         self.node.request(WorkerReady(self.worker_id, self.address, os.getpid()))
         try:
@@ -215,6 +229,7 @@ class Worker:
         while not self._stop:
             incoming = backlog.popleft() if backlog else listener.recv()
             self._route = incoming[0]
+            self._corr = incoming.envelope.corr
             kind = type(incoming.body)
             if kind is CallBatch:
                 self._call_batch(incoming)
@@ -231,6 +246,8 @@ class Worker:
             if incoming.envelope.corr and reply is not None:
                 self._reply(incoming, reply)
             if self.needs_loop:
+                if self._constructing is not None:   # answered from the loop
+                    self._constructing_for = incoming
                 return
 
     # ------------------------------------------------------------------ gate
@@ -346,7 +363,7 @@ class Worker:
         return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
                        f"a worker does not handle {kind.__name__} messages")
 
-    def _init(self, body: InitActor) -> Message:
+    def _init(self, body: InitActor) -> Message | None:
         if self.instance is not None:
             return Failure(FailureKind.BAD_REQUEST, "ActorError",
                            f"worker already hosts actor {self.actor_id}")
@@ -377,8 +394,25 @@ class Worker:
             # its constructor (the node checked them: str to str).
             env_vars = (body.options.get("runtime_env") or {}).get("env_vars") or {}
             env_before = set_env(env_vars)
-            self.instance = cls(*unpack_values(body.args),
-                                **{k: unpack_value(v) for k, v in body.kwargs.items()})
+            hook = (body.options.get("runtime_env") or {}).get(SETUP_HOOK)
+            if hook:   # the job's worker_process_setup_hook, once per process
+                run_setup_hook(hook)
+            args = unpack_values(body.args)
+            kwargs = {k: unpack_value(v) for k, v in body.kwargs.items()}
+            if inspect.iscoroutinefunction(getattr(cls, "__init__", None)):
+                # Ray's async def __init__: awaited on the actor's loop, where
+                # its methods run; the InitActor is answered after it.
+                instance = cls.__new__(cls)
+                undo_env, undo_dir = env_before, leave_dir
+
+                def undo() -> None:
+                    restore_env(undo_env)
+                    if undo_dir is not None:
+                        undo_dir()
+                self._constructing = (instance, instance.__init__(*args, **kwargs), undo)
+                self.needs_loop = True
+                return None
+            self.instance = cls(*args, **kwargs)
         except Exception as exc:
             # Still hosting nothing: a failed (or malformed) InitActor must
             # not leave its actor id behind for the next one to inherit.
@@ -399,6 +433,8 @@ class Worker:
             return Failure(FailureKind.ACTOR_DIED, "ActorDiedError",
                            f"actor {actor_id} does not live in this worker (it was "
                            f"killed or restarted elsewhere)")
+        if name == "__ray_ready__":   # Ray's: True once the constructor ran (it has)
+            return _ready
         try:
             method = getattr(self.instance, name, None) if not name.startswith("__") else None
         except Exception as exc:  # noqa: BLE001 - a property of user code raised
@@ -444,6 +480,7 @@ class Worker:
             self._refuse_batch(incoming)
             return
         for entry, corr in zip(body.calls, body.corrs):
+            self._corr = corr   # the call running (is_canceled)
             reply: Message | None = self._admit()
             if reply is None:
                 reply = self._deliverable(self._invoke(body.actor_id, *entry)
@@ -503,7 +540,31 @@ class Worker:
 
     # -------------------------------------------------------------- asyncio
 
+    async def _construct_async(self, incoming: Incoming | None) -> None:
+        """Await the coroutine constructor ``_init`` left, then answer its
+        InitActor (``incoming``): Ack, or the constructor's error (the
+        worker then hosts nothing, as after a sync constructor that raised)."""
+        assert self._constructing is not None
+        instance, constructor, undo = self._constructing
+        self._constructing = self._constructing_for = None
+        try:
+            await constructor
+            self.instance = instance
+            reply: Message = Ack(os.getpid())
+        except Exception as exc:  # noqa: BLE001 - the user's constructor: its caller sees it
+            self.actor_id = ""
+            context.set_actor_id("")
+            undo()
+            reply = failure_from(_user_traceback(exc))
+        if incoming is not None and incoming.envelope.corr:
+            try:
+                await self.listener.areply(incoming, await self._deliverable_async(reply))
+            except (PeerError, PMetalTimeoutError) as exc:
+                log.warning("could not reply to %s: %s", incoming.peer, exc)
+
     async def _serve_async(self) -> None:
+        if self._constructing is not None:   # the sync loop handed over mid-construction
+            await self._construct_async(self._constructing_for)
         limit = asyncio.Semaphore(self.max_concurrency if self.max_concurrency > 1 else 1000)
         threads = concurrent.futures.ThreadPoolExecutor(max(1, self.max_concurrency),
                                                         thread_name_prefix="pmetal-actor")
@@ -548,6 +609,40 @@ class Worker:
                 await self.listener.asend(incoming.route, failure, corr=corr)
         except (TransportError, PMetalTimeoutError) as exc:
             log.warning("could not reply to %s: %s", incoming.peer, exc)
+
+    def is_canceled(self) -> bool:
+        """``get_runtime_context().is_canceled()`` in user code here: whether
+        a CancelCall came for the actor call running in this thread.
+
+        A sync actor runs its calls in the thread that reads the socket, so
+        nothing is read while one runs: asked from that thread, this reads
+        what came meanwhile (without waiting), keeps the calls for later
+        (the backlog the loop serves next, as a stream does) and answers
+        pings. A threaded actor's thread looks up the CancelCalls its loop
+        remembered. In an async method the cancel comes as CancelledError."""
+        if not self.needs_loop and threading.get_ident() == self._serving:
+            key = (self._route, self._corr)
+            self._read_cancels()
+        else:
+            key = context.current_call.get()
+        return bool(key[1]) and key in self._cancelled
+
+    def _read_cancels(self) -> None:
+        listener = self.listener
+        while True:
+            try:
+                incoming = listener.recv(0.0)
+            except (PMetalTimeoutError, ClosedError):
+                return
+            kind = type(incoming.body)
+            if kind is CancelCall:
+                self._cancel_running(incoming.route, incoming.body.corr)  # type: ignore[attr-defined]
+            elif kind is Ping or kind is StatusRequest:
+                reply = self._handle_safely(incoming)
+                if incoming.envelope.corr and reply is not None:
+                    self._reply(incoming, reply)
+            else:
+                self.streams.backlog.append(incoming)
 
     def _cancel_running(self, route: bytes, corr: int) -> None:
         """CancelCall: cancel the async method running for call ``corr`` of
@@ -596,7 +691,8 @@ class Worker:
                         del self._running[key]
             else:
                 value = await asyncio.get_running_loop().run_in_executor(
-                    threads, lambda: (context.current_task.set(task), method(*a, **kw))[1])
+                    threads, lambda: (context.current_task.set(task),
+                                      context.current_call.set(key), method(*a, **kw))[2])
             return self._result(value, key[0])
         except Exception as exc:
             self.failed += 1
@@ -637,6 +733,9 @@ class Worker:
                         (incoming.route, incoming.envelope.corr)))
             else:
                 reply = self._handle_safely(incoming) or Ack()
+                if self._constructing is not None:   # an async __init__ to await first
+                    await self._construct_async(incoming)
+                    return
             if incoming.envelope.corr:
                 try:
                     await self.listener.areply(incoming, reply)

@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -150,6 +151,19 @@ def default_resources(num_cpus: float | None = None, memory: int = 0) -> dict[st
     return {"CPU": cpus, **({"GPU": float(gpus)} if gpus else {}), "memory": memory}
 
 
+TASK_WORKERS_PER_CORE = 4
+"""At most this many task workers per core, whatever ``num_cpus`` says."""
+
+
+def task_workers_for(cpu: float, cores: int) -> int:
+    """How many task workers a node runs: one per CPU it advertises (as in
+    Ray, a node of ``num_cpus=N`` runs N one-CPU tasks at once, more than
+    its cores if N says so), at least 1. They are processes started ahead,
+    so at most TASK_WORKERS_PER_CORE per core: a node declared with 1000
+    CPUs on a laptop does not fork 1000 workers."""
+    return max(1, min(math.ceil(cpu), TASK_WORKERS_PER_CORE * max(1, cores)))
+
+
 class NodeDaemon:
     def __init__(self, config: PMetalConfig, namespace: NetworkNamespace,
                  identity: NodeIdentity, *, host: str = "127.0.0.1", port: int = 0,
@@ -184,7 +198,8 @@ class NodeDaemon:
             node_id=self.node_id, host=worker_host, identity=identity, namespace=namespace,
             config=config, transport=self.transport,
             num_actor=max(1, num_workers if num_workers is not None else max(2, cpus)),
-            num_task=max(1, num_task_workers if num_task_workers is not None else cpus),
+            num_task=max(1, num_task_workers if num_task_workers is not None
+                         else task_workers_for(self.resources.get("CPU", cpus), cpus)),
             on_exit=self._worker_exited, fork_server=fork_server,
             gate=(self.gate.path, config.health.dead_after / 2))
         self.membership = Membership(identity, namespace, config, self.transport)

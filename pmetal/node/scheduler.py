@@ -474,7 +474,12 @@ class Scheduler:
         A peer's query (``local``: "your own actors only") is answered from
         this node's actors at once: the master asks every member before it
         places a restart, and waiting here for that very restart deadlocked
-        the two until the creation's deadline (a restart took 20.8 s)."""
+        the two until the creation's deadline (a restart took 20.8 s).
+
+        A restart still under way when the wait is up is answered as
+        "restarting" (not "no such actor", which made a caller give up on
+        an actor whose restart was only slow: the actor of a lost
+        placement-group bundle, restarted once its bundle is placed again)."""
         node = self.node
         if body.local:
             return await node.actors.lookup(body)
@@ -495,7 +500,12 @@ class Scheduler:
             try:
                 await asyncio.wait_for(waiting.wait(), max(0.0, deadline - time.monotonic()))
             except asyncio.TimeoutError:
-                pass
+                # Still being placed (a new master to elect, its placement
+                # group's bundle to place again, a worker to start under
+                # load): say so, rather than "no such actor", so that the
+                # caller waits on (its restart has a deadline of its own).
+                return ActorLocation(body.actor_id, ActorState.RESTARTING,
+                                     reason="its restart is being placed by its creator's node")
         return await node.actors.lookup(body)
 
     def _owner_alive(self, spec: CreateActor) -> bool:

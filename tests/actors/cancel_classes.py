@@ -93,3 +93,33 @@ def note_pid_and_block(started: str, gate: str) -> str:
     Path(started).write_text(str(os.getpid()))
     _wait_for(gate)
     return "finished"
+
+
+@pmetal.remote(max_concurrency=2)
+class Watcher:
+    """Threaded: its sync methods run in threads and poll is_canceled()."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def until_cancelled(self, started: str) -> str:
+        Path(started).touch()
+        pause = threading.Event()
+        for _ in range(int(WAIT / 0.01)):
+            if pmetal.get_runtime_context().is_canceled():
+                self.seen.append("cancelled")
+                return "saw it"
+            pause.wait(0.01)
+        self.seen.append("timed out")
+        return "never saw it"
+
+    def quick(self) -> bool:
+        return pmetal.get_runtime_context().is_canceled()
+
+    def outcomes(self) -> list[str]:
+        return list(self.seen)
+
+
+@pmetal.remote
+def canceled_in_a_task() -> bool:
+    return pmetal.get_runtime_context().is_canceled()

@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 
 import pmetal
-from pmetal import PMetalTypeError, PMetalValueError, TaskCancelledError
+from pmetal import NotInitializedError, PMetalTypeError, PMetalValueError, TaskCancelledError
 from pmetal.actors import context
 
 from .cancel_classes import (
     AsyncSleeper,
     Recorder,
+    Watcher,
+    canceled_in_a_task,
     note_pid_and_block,
     pair,
     plus_one,
@@ -161,3 +163,26 @@ def test_cancelling_one_item_ref_cancels_the_call(tmp_path: Path) -> None:
             pmetal.get(item, timeout=WAIT)
     gate.touch()
     assert pmetal.get(first, timeout=WAIT) == 0
+
+
+def test_a_threaded_actors_method_sees_its_cancel_through_is_canceled(tmp_path: Path) -> None:
+    """Ray's get_runtime_context().is_canceled(): a running sync method is
+    not interrupted, it may look and return early (the checklist has a
+    sync actor's; this is a threaded one's)."""
+    actor = Watcher.remote()
+    started = tmp_path / "started"
+    ref = actor.until_cancelled.remote(str(started))
+    wait_until(started.exists, WAIT, what="the method started")
+    assert pmetal.get(actor.quick.remote(), timeout=WAIT) is False   # the other thread's
+    pmetal.cancel(ref)
+    with pytest.raises(TaskCancelledError):
+        pmetal.get(ref, timeout=WAIT)
+    assert wait_until(lambda: pmetal.get(actor.outcomes.remote(), timeout=WAIT), WAIT,
+                      what="the method returned") == ["cancelled"]
+    pmetal.kill(actor)
+
+
+def test_is_canceled_is_false_in_a_task_and_refused_in_the_driver() -> None:
+    assert pmetal.get(canceled_in_a_task.remote(), timeout=WAIT) is False
+    with pytest.raises(NotInitializedError, match="answers in an actor's method"):
+        pmetal.get_runtime_context().is_canceled()

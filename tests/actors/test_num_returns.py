@@ -1,7 +1,8 @@
 """``num_returns=N`` as in Ray: a remote function or actor method call
 returns N refs, one per item of the returned tuple; a return value of the
-wrong shape fails every one of them; Ray's older "dynamic" generators are
-refused (test_streaming.py has "streaming")."""
+wrong shape fails every one of them; Ray's older "dynamic" generators work
+on remote functions only (test_dynamic_returns.py; test_streaming.py has
+"streaming")."""
 
 from __future__ import annotations
 
@@ -136,8 +137,16 @@ def test_a_handle_found_by_name_knows_the_method_num_returns() -> None:
     pmetal.kill(actor)
 
 
+def test_dynamic_is_for_remote_functions_only() -> None:
+    with pytest.raises(PMetalValueError, match="works on remote functions, not here"):
+        pmetal.method(num_returns="dynamic")
+    actor = Splitter.remote()
+    with pytest.raises(PMetalValueError, match="use num_returns='streaming'"):
+        actor.pair.options(num_returns="dynamic")
+    pmetal.kill(actor)
+
+
 @pytest.mark.parametrize("value, error, match", [
-    ("dynamic", PMetalValueError, "use num_returns='streaming'"),
     (0, PMetalValueError, "at least 1"),
     (2.0, PMetalTypeError, "must be an int"),
     (True, PMetalTypeError, "must be an int"),

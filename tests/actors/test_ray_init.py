@@ -13,7 +13,7 @@ import pytest
 import pmetal
 from pmetal.errors import ConfigError, PlacementError
 
-from .conftest import WAIT, shutdown_quietly
+from .conftest import WAIT, shutdown_quietly, wait_until
 
 
 @pmetal.remote
@@ -46,6 +46,20 @@ def test_the_node_advertises_exactly_what_init_was_given(sized: dict[str, Any]) 
     assert total["memory"] > 0   # still detected: init did not name it
 
 
+def test_the_node_runs_one_task_worker_per_cpu_it_advertises(sized: dict[str, Any]) -> None:
+    """As in Ray, num_cpus=3 runs 3 one-CPU tasks at once (whatever the
+    machine's cores), bounded per core for absurd figures."""
+    from pmetal import api
+    from pmetal.node.daemon import TASK_WORKERS_PER_CORE, task_workers_for
+
+    def task_workers() -> int:   # (the node starts them in the background)
+        return sum(1 for w in api.client().status()["workers"] if w["role"] == "task")
+    wait_until(lambda: task_workers() >= 3, WAIT, what="3 task workers")
+    assert task_workers() == 3
+    assert task_workers_for(0.5, 2) == 1 and task_workers_for(0, 2) == 1
+    assert task_workers_for(1000, 2) == 2 * TASK_WORKERS_PER_CORE
+
+
 def test_what_fits_runs_and_holds_its_share(sized: dict[str, Any]) -> None:
     actor = Holder.options(num_cpus=1, num_gpus=2, resources={"board": 1}).remote()
     try:
@@ -70,6 +84,26 @@ def test_asking_for_more_than_the_node_has_is_a_placement_error(
         Holder.options(**options).remote()
     with pytest.raises(PlacementError, match=words):
         pmetal.get(double.options(**options).remote(1), timeout=WAIT)
+
+
+def test_a_task_no_node_can_run_fails_at_get_and_warns_at_the_call(
+        sized: dict[str, Any], caplog: pytest.LogCaptureFixture) -> None:
+    """Ray leaves it pending (a script that never gets it goes on); pmetal
+    goes on too, warns, and its get raises PlacementError at once."""
+    with caplog.at_level("WARNING", logger="pmetal.actors.handles"):
+        ref = double.options(num_cpus=5, resources={"board": 1}).remote(1)
+        first, second = double.options(num_gpus=3, num_returns=2).remote(1)
+    assert [r.levelname for r in caplog.records] == ["WARNING", "WARNING"]
+    assert "no node has that much" in caplog.records[0].getMessage()
+    assert "pmetal.get of its ref raises PlacementError" in caplog.records[0].getMessage()
+    ready, _ = pmetal.wait([ref], timeout=0)   # done: it will never run
+    assert ready == [ref]
+    for r in (ref, first, second):
+        with pytest.raises(PlacementError, match="CPU|GPU"):
+            pmetal.get(r)   # without a timeout: at once, never after waiting
+    with pytest.raises(PlacementError, match="CPU"):
+        pmetal.get(ref, timeout=WAIT)
+    assert pmetal.get(double.remote(4), timeout=WAIT) == 8   # the node is fine
 
 
 @pytest.mark.parametrize("kwargs, error, words", [

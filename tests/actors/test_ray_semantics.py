@@ -193,8 +193,8 @@ def test_the_node_reports_its_gpus_and_num_gpus_is_placed_against_them(
     start = time.monotonic()
     with pytest.raises(PlacementError, match="GPU"):
         Counter.options(num_gpus=1).remote()
-    with pytest.raises(PlacementError, match="GPU"):
-        square.options(num_gpus=1).remote(2)
+    with pytest.raises(PlacementError, match="GPU"):   # a task's error shows at get
+        pmetal.get(square.options(num_gpus=1).remote(2))
     assert time.monotonic() - start < PROMPT
 
 

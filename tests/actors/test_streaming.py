@@ -355,7 +355,7 @@ def test_env_vars_reach_a_streaming_task() -> None:
 
 def test_bad_streaming_options_are_refused() -> None:
     with pytest.raises(PMetalValueError, match="use num_returns='streaming'"):
-        count.options(num_returns="dynamic")
+        pmetal.method(num_returns="dynamic")   # (remote functions take it: "dynamic")
     with pytest.raises(PMetalValueError, match="at least 1"):
         count.options(_generator_backpressure_num_objects=0)
     with pytest.raises(PMetalTypeError, match="must be an int"):

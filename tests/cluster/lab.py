@@ -57,6 +57,25 @@ while True:
                       "dead": list(s.dead), "version": s.version}), flush=True)
 """
 
+# Answers LabCluster.status: one client of the node for the node's life, one
+# JSON line per request line ("0" or "1": probe), so that a test that asks
+# often does not pay a process start and a handshake per question.
+ASKER = r"""
+import json, sys, traceback
+from pmetal.actors.client import CoreClient
+from pmetal.config import load_config
+from pmetal.security import NetworkNamespace
+ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))
+client = CoreClient(sys.argv[1], ns, load_config())
+for line in sys.stdin:
+    try:
+        out = {"status": client.status(probe=line.strip() == "1")}
+    except Exception:
+        out = {"error": traceback.format_exc()}
+    print(json.dumps(out, default=str), flush=True)
+client.close()
+"""
+
 
 @dataclass
 class Node:
@@ -69,6 +88,7 @@ class Node:
     state: dict[str, Any] = field(default_factory=dict)   # the probe's latest line
     history: list[dict[str, Any]] = field(default_factory=list)  # every line, in order
     probe: subprocess.Popen[Any] | None = None
+    asker: subprocess.Popen[bytes] | None = None   # LabCluster.status's client, on first use
 
 
 class LabCluster:
@@ -170,21 +190,42 @@ class LabCluster:
         return time.monotonic() - start
 
     def status(self, index: int, probe: bool = False) -> dict[str, Any]:
-        """``status()`` of node ``index``, asked by a client on its host."""
-        code = ("import json, sys\n"
-                "from pmetal.actors.client import CoreClient\n"
-                "from pmetal.config import load_config\n"
-                "from pmetal.security import NetworkNamespace\n"
-                "ns = NetworkNamespace(sys.argv[2], bytes.fromhex(sys.argv[3]))\n"
-                "c = CoreClient(sys.argv[1], ns, load_config())\n"
-                f"print(json.dumps(c.status(probe={probe}), default=str))\n"
-                "c.close()\n")
-        proc = self.lab.python(index, code, self.nodes[index].address, self.namespace,
-                               self.psk.hex(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=self._env(index, self.psk), cwd=ROOT)
-        out, err = proc.communicate(timeout=30)
-        assert proc.returncode == 0, err.decode()
-        return json.loads(out)
+        """``status()`` of node ``index``, asked by a client on its host: one
+        client process per node, started on the first question and kept
+        (each answer is asked anew of the node)."""
+        node = self.nodes[index]
+        if node.asker is None or node.asker.poll() is not None:
+            with (self.tmp / f"asker-h{index}.log").open("ab") as log:
+                node.asker = self.lab.python(index, ASKER, node.address, self.namespace,
+                                             self.psk.hex(), stdin=subprocess.PIPE,
+                                             stdout=subprocess.PIPE, stderr=log,
+                                             env=self._env(index, self.psk), cwd=ROOT)
+        asker = node.asker
+        assert asker.stdin is not None and asker.stdout is not None
+        try:
+            asker.stdin.write(b"1\n" if probe else b"0\n")
+            asker.stdin.flush()
+            # It prints exactly one line per question: read whole chunks.
+            data = b""
+            deadline = time.monotonic() + 30.0
+            with selectors.DefaultSelector() as sel:
+                sel.register(asker.stdout.fileno(), selectors.EVENT_READ)
+                while not data.endswith(b"\n"):
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not sel.select(left):
+                        raise AssertionError(f"node {index} gave no status within 30 s")
+                    chunk = os.read(asker.stdout.fileno(), 1 << 16)
+                    if not chunk:
+                        raise AssertionError(f"the status client of node {index} exited "
+                                             f"with {asker.wait(timeout=10)}")
+                    data += chunk
+        except (AssertionError, OSError):
+            asker.kill()    # a late answer must not be read as the next one's
+            asker.wait(timeout=10)
+            raise
+        answer = json.loads(data)
+        assert "status" in answer, answer["error"]
+        return answer["status"]
 
     def describe(self) -> str:
         return json.dumps({i: {k: (v[:8] if isinstance(v, str) else
@@ -228,8 +269,9 @@ class LabCluster:
                 pass
         node = self.nodes[index]
         node.proc.wait(timeout=10)
-        if node.probe is not None:
-            node.probe.wait(timeout=10)
+        for proc in (node.probe, node.asker):
+            if proc is not None:
+                proc.wait(timeout=10)
         node.state = {}
 
     def signal(self, index: int, sig: int, *, keep_probe: bool = False) -> None:
@@ -244,11 +286,11 @@ class LabCluster:
 
     def close(self) -> None:
         for node in self.nodes.values():
-            for proc in (node.probe, node.proc):
+            for proc in (node.asker, node.probe, node.proc):
                 if proc is not None and proc.poll() is None:
                     proc.terminate()
         for node in self.nodes.values():
-            for proc in (node.probe, node.proc):
+            for proc in (node.asker, node.probe, node.proc):
                 if proc is not None:
                     try:
                         proc.wait(timeout=10)

@@ -272,7 +272,6 @@ def test_wait_returns_ready_and_not_ready_in_input_order(gate: Any) -> None:
     assert pmetal.wait(refs, num_returns=4, timeout=WAIT) == (refs, [])
 
 
-@gap("a node runs as many tasks at once as it has cores, whatever num_cpus says")
 def test_a_node_runs_as_many_tasks_at_once_as_its_num_cpus(reap: list) -> None:
     """ray-core/patterns/limit-running-tasks.html: a task uses 1 CPU by
     default, so a node of ``num_cpus=N`` runs N tasks at once ("this means 16
@@ -576,7 +575,6 @@ def test_a_cancelled_running_async_method_raises_a_RayTaskError(reap: list) -> N
     assert isinstance(info.value, pmetal.exceptions.TaskCancelledError)
 
 
-@gap("an actor's constructor cannot be a coroutine (async def __init__)")
 def test_an_async_actor_constructor_is_awaited(reap: list) -> None:
     """ray-core/actors/async_api.html, doc_code/actor-http-server.py: an async
     actor may define ``async def __init__``; Ray awaits it before the first
@@ -605,7 +603,6 @@ def test_ray_actor_module_names_the_handle_type(reap: list) -> None:
     assert isinstance(counter, actor_module.ActorHandle)
 
 
-@gap("get_runtime_context().is_canceled() is absent")
 def test_a_sync_actor_method_sees_its_cancel_through_is_canceled(reap: list) -> None:
     """ray-core/actors.html (cancelling actor tasks): a running sync actor
     method is not interrupted; it can check

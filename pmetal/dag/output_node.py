@@ -1,0 +1,5 @@
+"""Ray's ``ray.dag.output_node`` path (see :mod:`pmetal.actors.dag`)."""
+
+from pmetal.actors.dag import MultiOutputNode
+
+__all__ = ["MultiOutputNode"]
