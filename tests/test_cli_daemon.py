@@ -402,9 +402,11 @@ def test_kill_9_of_the_node_fails_a_creation_and_the_next_call_at_once(home: Pat
     lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
     for what in ("create", "call"):
         kind, took, message = lines[what].split(" ", 2)
-        # The old client waited 29 s (creation) and 40 s (call).
+        # The old client waited 29 s (creation) and 40 s (call); "at once" is
+        # told from those waits with room for a loaded machine (3 s failed at
+        # load 13).
         assert kind in ("PeerError", "ActorDiedError"), (what, lines[what], err)
-        assert float(took) < 3.0, (what, lines[what])
+        assert float(took) < 10.0, (what, lines[what])
         assert "node" in message and "died" in message, (what, message)
 
 
