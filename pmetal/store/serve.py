@@ -83,7 +83,7 @@ class PieceServer:
         if entry is None:
             return Failure(FailureKind.NOT_FOUND, "ModelUnavailableError",
                            f"this node holds nothing of model {sha[:12]}")
-        import numpy as np   # here: a node that serves no model starts without numpy
+        import numpy as np  # here: a node that serves no model starts without numpy
         if isinstance(body, ModelQuery):
             return ModelHoldings(np.frombuffer(entry.manifest.encode(), np.uint8),
                                  entry.held())
