@@ -13,7 +13,8 @@ itself to its node with :class:`~pmetal.wire.WorkerReady`, then serves:
   once (an async actor's default: 1000, as in Ray), coroutines on the loop,
   plain methods in a pool of ``max_concurrency`` threads. Each call holds one
   slot, whether it came alone or in a CallBatch; control messages (ping,
-  status, shutdown) hold none, so a saturated actor still answers them;
+  status, shutdown) hold none, so a saturated actor still answers them
+  (that loop and cancellation: :mod:`pmetal.actors.asyncserve`);
 * a task worker: remote functions, one at a time.
 
 The worker exits when its node goes away: it reads its stdin, a pipe from the
@@ -25,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import concurrent.futures
 import inspect
 import logging
 import os
 import sys
 import threading
-import traceback
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,17 +38,18 @@ from time import perf_counter
 from typing import Any
 
 from pmetal.actors import context, strategies, workdir
+from pmetal.actors.answers import (_BAD_ENTRY, _MAX_REFUSALS, _unsendable, _user_traceback,
+                                   _well_formed, failure_from)
+from pmetal.actors.asyncserve import AsyncServing
 from pmetal.actors.client import CoreClient
 from pmetal.actors.objects import pack_to
 from pmetal.actors.runtime_env import SETUP_HOOK, restore_env, run_setup_hook, set_env
-from pmetal.actors.serialization import (load_code, pack_exception, pack_value, unpack_value,
-                                         unpack_values)
+from pmetal.actors.serialization import load_code, pack_value, unpack_value, unpack_values
 from pmetal.actors.streams import StreamServer
 from pmetal.cluster.clock import GateView
 from pmetal.config import PMetalConfig, load_config, setup_process_logging
 from pmetal.endpoint import Channel, Incoming, ListenerStatistics, SecureListener
-from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
-                           ProtocolError, TransportError)
+from pmetal.errors import PeerError, PMetalError, PMetalTimeoutError, ProtocolError, TransportError
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.tally import CALL_SECONDS, TALLY
@@ -62,10 +62,6 @@ from pmetal.wire import (Ack, Call, CallBatch, CancelCall, Failure, InitActor, M
 __all__ = ["Worker", "WorkerStatistics", "failure_from", "main"]
 
 log = logging.getLogger(__name__)
-
-_CANCELLED_KEPT = 1024
-"""How many CancelCalls for calls not running a worker remembers."""
-
 
 @dataclass(frozen=True, slots=True)
 class WorkerStatistics:
@@ -80,15 +76,6 @@ class WorkerStatistics:
     failed: int            # calls whose user code raised
 
 
-def failure_from(exc: BaseException, kind: FailureKind = FailureKind.USER) -> Failure:
-    """A Failure describing ``exc`` (raised while running user code)."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    return Failure(kind, type(exc).__qualname__, str(exc), tb, pack_exception(exc))
-
-
-_MAX_REFUSALS = 10_000
-"""Ids of a malformed batch answered at most (each is one small message)."""
-
 _HOLD = 5.0
 """Seconds a call (or a result) waits for the node's gate to open after a
 pause of the node before it is refused (or withheld)."""
@@ -97,39 +84,12 @@ _GATED = (Call, RunTask, InitActor)   # what executes user code (StreamCall: str
 
 _NATIVE = frozenset({type(None), bool, int, float, str, bytes})
 
-_BAD_ENTRY = Failure(FailureKind.BAD_REQUEST, "ProtocolError",
-                     "a batch entry is not [method, args, kwargs]")
-
-
-def _unsendable(exc: TypeError | ProtocolError) -> Failure:
-    """The answer to a call whose result cannot be packed (TypeError) or
-    exceeds the wire's limits (ProtocolError): the call ran, its result is
-    lost, the worker serves on."""
-    if isinstance(exc, ProtocolError):
-        return Failure(FailureKind.BAD_REQUEST, "ProtocolError",
-                       f"the result cannot be sent: {exc}")
-    return failure_from(exc)
-
-
-def _well_formed(entry: Any) -> bool:
-    return (type(entry) is list and len(entry) == 3 and type(entry[0]) is str
-            and type(entry[1]) is list and type(entry[2]) is dict)
-
-
 def _ready() -> bool:
     """An actor's ``__ray_ready__`` method (Ray's; its scripts wait on it)."""
     return True
 
 
-def _user_traceback(exc: BaseException) -> BaseException:
-    """Drop the worker's own frames so the traceback starts in user code."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_globals.get("__name__") == __name__:
-        tb = tb.tb_next
-    return exc.with_traceback(tb)
-
-
-class Worker:
+class Worker(AsyncServing):
     def __init__(self, node_address: str, namespace: NetworkNamespace, config: PMetalConfig,
                  *, worker_id: str, host: str = "127.0.0.1",
                  gate: GateView | None = None) -> None:
@@ -537,216 +497,6 @@ class Worker:
             return failure_from(_user_traceback(exc))
         finally:
             self._timed(started)
-
-    # -------------------------------------------------------------- asyncio
-
-    async def _construct_async(self, incoming: Incoming | None) -> None:
-        """Await the coroutine constructor ``_init`` left, then answer its
-        InitActor (``incoming``): Ack, or the constructor's error (the
-        worker then hosts nothing, as after a sync constructor that raised)."""
-        assert self._constructing is not None
-        instance, constructor, undo = self._constructing
-        self._constructing = self._constructing_for = None
-        try:
-            await constructor
-            self.instance = instance
-            reply: Message = Ack(os.getpid())
-        except Exception as exc:  # noqa: BLE001 - the user's constructor: its caller sees it
-            self.actor_id = ""
-            context.set_actor_id("")
-            undo()
-            reply = failure_from(_user_traceback(exc))
-        if incoming is not None and incoming.envelope.corr:
-            try:
-                await self.listener.areply(incoming, await self._deliverable_async(reply))
-            except (PeerError, PMetalTimeoutError) as exc:
-                log.warning("could not reply to %s: %s", incoming.peer, exc)
-
-    async def _serve_async(self) -> None:
-        if self._constructing is not None:   # the sync loop handed over mid-construction
-            await self._construct_async(self._constructing_for)
-        limit = asyncio.Semaphore(self.max_concurrency if self.max_concurrency > 1 else 1000)
-        threads = concurrent.futures.ThreadPoolExecutor(max(1, self.max_concurrency),
-                                                        thread_name_prefix="pmetal-actor")
-        try:
-            async with asyncio.TaskGroup() as group:
-                while not self._stop:
-                    try:
-                        backlog = self.streams.backlog
-                        incoming = backlog.popleft() if backlog else await self.listener.arecv()
-                    except ClosedError:
-                        return
-                    body = incoming.body
-                    if type(body) is CallBatch:
-                        # One slot per call, taken here: a batch holding a
-                        # slot of its own left one call fewer running at once.
-                        if len(body.corrs) == len(body.calls):  # type: ignore[attr-defined]
-                            for entry, corr in zip(body.calls, body.corrs):  # type: ignore[attr-defined]
-                                await limit.acquire()
-                                group.create_task(self._batch_entry_async(
-                                    incoming, entry, corr, limit, threads))
-                        else:
-                            group.create_task(self._refuse_batch_async(incoming))
-                    elif type(body) is CancelCall:
-                        self._cancel_running(incoming.route, body.corr)  # type: ignore[attr-defined]
-                    elif type(body) is StreamCall:
-                        await limit.acquire()
-                        group.create_task(self.streams.serve_async(incoming, limit, threads))
-                    elif type(body) is StreamCredit or type(body) is StreamStop:
-                        self.streams.control(incoming)
-                    elif type(body) is Call:
-                        await limit.acquire()
-                        group.create_task(self._handle_async(incoming, limit, threads))
-                    else:
-                        group.create_task(self._handle_async(incoming, None, threads))
-        finally:
-            threads.shutdown(wait=False, cancel_futures=True)
-
-    async def _refuse_batch_async(self, incoming: Incoming) -> None:
-        failure = self._mismatched_batch(incoming)
-        try:
-            for corr in incoming.body.corrs[:_MAX_REFUSALS]:  # type: ignore[attr-defined]
-                await self.listener.asend(incoming.route, failure, corr=corr)
-        except (TransportError, PMetalTimeoutError) as exc:
-            log.warning("could not reply to %s: %s", incoming.peer, exc)
-
-    def is_canceled(self) -> bool:
-        """``get_runtime_context().is_canceled()`` in user code here: whether
-        a CancelCall came for the actor call running in this thread.
-
-        A sync actor runs its calls in the thread that reads the socket, so
-        nothing is read while one runs: asked from that thread, this reads
-        what came meanwhile (without waiting), keeps the calls for later
-        (the backlog the loop serves next, as a stream does) and answers
-        pings. A threaded actor's thread looks up the CancelCalls its loop
-        remembered. In an async method the cancel comes as CancelledError."""
-        if not self.needs_loop and threading.get_ident() == self._serving:
-            key = (self._route, self._corr)
-            self._read_cancels()
-        else:
-            key = context.current_call.get()
-        return bool(key[1]) and key in self._cancelled
-
-    def _read_cancels(self) -> None:
-        listener = self.listener
-        while True:
-            try:
-                incoming = listener.recv(0.0)
-            except (PMetalTimeoutError, ClosedError):
-                return
-            kind = type(incoming.body)
-            if kind is CancelCall:
-                self._cancel_running(incoming.route, incoming.body.corr)  # type: ignore[attr-defined]
-            elif kind is Ping or kind is StatusRequest:
-                reply = self._handle_safely(incoming)
-                if incoming.envelope.corr and reply is not None:
-                    self._reply(incoming, reply)
-            else:
-                self.streams.backlog.append(incoming)
-
-    def _cancel_running(self, route: bytes, corr: int) -> None:
-        """CancelCall: cancel the async method running for call ``corr`` of
-        the caller at ``route`` (pmetal.cancel); nothing when none runs."""
-        running = self._running.pop((route, corr), None)
-        if running is not None:
-            running.cancel()
-            return
-        # Not started yet (its task waits for the loop) or done already:
-        # remembered, so that it does not start (a few, the newest).
-        self._cancelled[(route, corr)] = None
-        if len(self._cancelled) > _CANCELLED_KEPT:
-            del self._cancelled[next(iter(self._cancelled))]
-
-    async def _invoke_async(self, actor_id: str, name: str, args: list[Any],
-                            kwargs: dict[str, Any],
-                            threads: concurrent.futures.Executor,
-                            key: tuple[bytes, int] = (b"", 0)) -> Message:
-        if self._cancelled and self._cancelled.pop(key, 0) is None:
-            return Failure(FailureKind.CANCELLED, "TaskCancelledError",
-                           f"{name} was cancelled by pmetal.cancel before it started")
-        method = self._method(actor_id, name)
-        if isinstance(method, Failure):
-            return method
-        self.calls += 1
-        task = self.calls
-        context.current_task.set(task)   # this asyncio task's own copy
-        started = perf_counter()
-        try:
-            a = unpack_values(args)
-            kw = {k: unpack_value(v) for k, v in kwargs.items()}
-            if inspect.iscoroutinefunction(method):
-                # Its own asyncio task, so that a CancelCall cancels the
-                # method and not the reply to it.
-                running = asyncio.ensure_future(method(*a, **kw))
-                self._running[key] = running
-                try:
-                    value = await running
-                except asyncio.CancelledError:
-                    if key in self._running or not running.cancelled():
-                        raise   # this worker is stopping, or the method cancelled itself
-                    return Failure(FailureKind.CANCELLED, "TaskCancelledError",
-                                   f"{name} was cancelled by pmetal.cancel")
-                finally:
-                    if self._running.get(key) is running:
-                        del self._running[key]
-            else:
-                value = await asyncio.get_running_loop().run_in_executor(
-                    threads, lambda: (context.current_task.set(task),
-                                      context.current_call.set(key), method(*a, **kw))[2])
-            return self._result(value, key[0])
-        except Exception as exc:
-            self.failed += 1
-            return failure_from(_user_traceback(exc))
-        finally:
-            self._timed(started)
-
-    async def _batch_entry_async(self, incoming: Incoming, entry: Any, corr: int,
-                                 limit: asyncio.Semaphore,
-                                 threads: concurrent.futures.Executor) -> None:
-        try:
-            body = incoming.body
-            reply: Message | None = await self._admit_async()
-            if reply is None:
-                reply = await self._deliverable_async(
-                    await self._invoke_async(body.actor_id, *entry, threads,  # type: ignore[attr-defined]
-                                             (incoming.route, corr))
-                    if _well_formed(entry) else _BAD_ENTRY)
-            try:
-                await self.listener.asend(incoming.route, reply, corr=corr)
-            except (TypeError, ProtocolError) as exc:
-                await self.listener.asend(incoming.route, _unsendable(exc), corr=corr)
-        except (TransportError, PMetalTimeoutError) as exc:
-            log.warning("could not reply to %s: %s", incoming.peer, exc)
-        finally:
-            limit.release()
-
-    async def _handle_async(self, incoming: Incoming, limit: asyncio.Semaphore | None,
-                            threads: concurrent.futures.Executor) -> None:
-        """Serve one Call (holding a slot of ``limit``) or control message."""
-        try:
-            body = incoming.body
-            if type(body) is Call:
-                reply: Message | None = await self._admit_async()
-                if reply is None:
-                    reply = await self._deliverable_async(await self._invoke_async(
-                        body.actor_id, body.method, body.args, body.kwargs, threads,  # type: ignore[attr-defined]
-                        (incoming.route, incoming.envelope.corr)))
-            else:
-                reply = self._handle_safely(incoming) or Ack()
-                if self._constructing is not None:   # an async __init__ to await first
-                    await self._construct_async(incoming)
-                    return
-            if incoming.envelope.corr:
-                try:
-                    await self.listener.areply(incoming, reply)
-                except (TypeError, ProtocolError) as exc:
-                    await self.listener.areply(incoming, _unsendable(exc))
-                except (PeerError, PMetalTimeoutError) as exc:
-                    log.warning("could not reply to %s: %s", incoming.peer, exc)
-        finally:
-            if limit is not None:
-                limit.release()
-
 
 def _exit_with_node() -> None:
     """Exit at once when the node that started us goes away (stdin EOF)."""

@@ -38,6 +38,11 @@ of CPU, stopped with SIGSTOP) it does not hold the gap against its peers,
 shuts the gate its workers read before every call and every result, and
 asks the members whether it is still one: confirmed, it opens the gate;
 declared dead or deposed, it fences.
+
+Parts of the service live in modules of their own, run on its state as
+mixins: :mod:`pmetal.cluster.hints` (candidates and their proof),
+:mod:`pmetal.cluster.pauses` (pauses, the lease, confirmation, fencing) and
+:class:`pmetal.cluster.probe.LinkProbes` (the bandwidth probes).
 """
 
 from __future__ import annotations
@@ -60,9 +65,10 @@ from pmetal.cluster.election import ElectionManager, ElectionState, Outgoing, Ro
 from pmetal.cluster.eventlog import EventKind, EventLog
 from pmetal.cluster.health import HealthMonitor, HealthStatus
 from pmetal.cluster.lease import Lease
-from pmetal.cluster.probe import follow_members, probe_bandwidth
+from pmetal.cluster.pauses import Pauses
+from pmetal.cluster.probe import LinkProbes, follow_members
 from pmetal.cluster.topology import ClusterTopology, NodeProfile
-from pmetal.cluster.view import LEASE_SHARE, MemberEntry, has_quorum
+from pmetal.cluster.view import LEASE_SHARE
 from pmetal.config import PMetalConfig
 from pmetal.endpoint import Channel
 from pmetal.errors import HandshakeError, PMetalError
@@ -113,7 +119,7 @@ class ClusterStatistics:
     lapses: int = 0            # leases that expired (no quorum answered in time)
 
 
-class ClusterService(Hints):
+class ClusterService(Hints, Pauses, LinkProbes):
     def __init__(self, *, config: PMetalConfig, identity: NodeIdentity,
                  namespace: NetworkNamespace, transport: ZmqTransport, address: str,
                  resources: dict[str, float], profile: dict[str, Any],
@@ -348,179 +354,6 @@ class ClusterService(Hints):
                 await asyncio.wait_for(stopping.wait(), interval)
             except asyncio.TimeoutError:
                 pass
-
-    # --------------------------------------------------------------- pauses
-
-    def _paused(self, gap: float) -> None:
-        """After a gap between two ticks: a machine that slept longer than
-        ``dead_after`` fences at once; a node that did not run long enough
-        for the others to start doubting it (half of ``dead_after``: its
-        last Beat may be that old already) holds its workers until the
-        cluster confirms it is still a member (:meth:`_confirm`)."""
-        dead_after = self.config.health.dead_after
-        before, self._slept = self._slept, slept()
-        asleep = (self._slept - before) if before is not None and self._slept is not None \
-            else None
-        if gap <= dead_after / 2:
-            return
-        self._counts["pauses"] += 1
-        missed = gap - self.config.health.interval
-        self.health.paused(missed)
-        self.election.paused(missed)
-        if asleep is not None and asleep > dead_after and self._others():
-            self.fence(f"this machine slept for {asleep:.1f} s (longer than health.dead_after "
-                       f"= {dead_after:g} s), so the others may have declared it dead")
-            return
-        what = (f"the machine slept {asleep:.1f} s of it" if asleep is not None and asleep > 0.05
-                else "the machine did not sleep: this process was starved of CPU or stopped"
-                if asleep is not None else "this platform cannot tell a sleep")
-        if self._unconfirmed is None:
-            # WARNING where the others may well have declared it dead.
-            log.log(logging.WARNING if gap > dead_after else logging.INFO,
-                    "this node did not run for %.1f s (%s); it executes nothing until the "
-                    "cluster confirms it is still a member", gap, what)
-            self._unconfirmed = cluster_clock()
-            if self.gate is not None:
-                self.gate.hold()
-            self._spawn(self._confirm())
-
-    def _renew_lease(self, now: float) -> None:
-        """Renew the lease of the restartable actors (pmetal.cluster.lease)
-        and tick the gate; a lease that lapsed waits for the cluster's word."""
-        if self.gate is None:
-            return
-        if not self.lease.renew(now, self.election.vouched(self._echoes)):
-            self._counts["lapses"] += 1
-            log.info("no quorum of the cluster has answered this node's Beats for %.2f s; its "
-                     "restartable actors start nothing until the cluster confirms it is "
-                     "still a member", now - self.lease.until + self.lease.length)
-            self._spawn(self._reconfirm())
-        self.gate.tick(now, self.lease.until)
-
-    async def _reconfirm(self) -> None:
-        """After a lapse: as :meth:`_confirm`, for the lease alone."""
-        interval = self.config.health.interval
-        while self.lease.lapsed:
-            asked = cluster_clock()
-            verdict = await self._membership()
-            if not self.lease.lapsed:    # fenced meanwhile
-                return
-            if verdict == "member":
-                self.lease.confirmed(asked, self.election.vouched(self._echoes))
-                log.info("membership confirmed; the lease of this node's actors runs again")
-                return
-            if verdict:
-                self.fence(verdict)
-                return
-            await asyncio.sleep(interval)
-
-    @property
-    def confirmed(self) -> bool:
-        """False from a pause until the cluster confirmed this node."""
-        return self._unconfirmed is None
-
-    async def _confirm(self) -> None:
-        """Ask the members, until one answer settles it, whether this node is
-        still a member: the master's word (a master's: a quorum's) in the
-        highest term heard. Still one: open the gate; not: fence."""
-        interval = self.config.health.interval
-        while self._unconfirmed is not None:
-            verdict = await self._membership()
-            if self._unconfirmed is None:    # fenced meanwhile
-                return
-            if verdict == "member":
-                took = cluster_clock() - self._unconfirmed
-                self._unconfirmed = None
-                self._counts["confirmed"] += 1
-                if self.gate is not None:
-                    self.gate.open()
-                log.info("membership confirmed %.2f s after the pause; this node carries on",
-                         took)
-                return
-            if verdict:
-                self.fence(verdict)
-                return
-            # No answer settled it (no master reachable, an election under
-            # way): ask again after a tick's time; the gate stays shut.
-            await asyncio.sleep(interval)
-
-    async def _membership(self) -> str:
-        """"member", "" (not settled yet) or why this node must fence. The
-        live members are asked at once and their answers taken as they
-        come: the first that settle it end the wait, so a member that died
-        (still listed until the master drops it) holds up nothing. Before,
-        every answer was awaited: after a master's death each confirmation
-        took the dead one's timeout, longer than the lease it renewed, and
-        the lease lapsed again at once (seen beside two CPU hogs)."""
-        state = self.election.state
-        others = self._others()
-        if not others:
-            return "member"   # alone: nobody could have declared it dead
-        asks = []
-        for m in others:
-            address = self._by_id.get(m.node_id) or m.address
-            if address and m.alive:
-                asks.append(asyncio.ensure_future(
-                    self._ask_state(self._peer(address, m.node_id))))
-        answers: list[tuple[str, ClusterState]] = []
-        try:
-            for asked in asyncio.as_completed(asks):
-                answer = await asked
-                if answer is not None:
-                    answers.append(answer)
-                verdict = self._verdict(state, answers, complete=len(answers) == len(asks))
-                if verdict is not None:
-                    return verdict
-            return self._verdict(state, answers, complete=True) or ""
-        finally:
-            pending = [a for a in asks if not a.done()]
-            if pending:   # each bounded by its timeout; reaped, not cancelled mid-request
-                self._spawn(asyncio.wait(pending))
-
-    def _others(self) -> list[MemberEntry]:
-        """The other members in this node's view (none: it is alone, and
-        nobody could have declared it dead)."""
-        return [m for m in self.election.state.members if m.node_id != self.node_id]
-
-    def _verdict(self, state: ElectionState, answers: list[tuple[str, ClusterState]],
-                 complete: bool) -> str | None:
-        """What the answers so far settle (see :meth:`_membership`); None
-        while more answers could change it."""
-        me, term = self.node_id, state.term
-        if state.role is Role.MASTER:
-            if any(a.term > term or (a.term == term and a.master not in ("", me))
-                   for _, a in answers):
-                return (f"this node was master in term {term} before a pause, and the "
-                        f"others follow another master now")
-            backing = {n for n, a in answers if a.master == me and a.term == term and
-                       me in a.members}
-            if has_quorum(backing | {me}, [m.node_id for m in state.members], {}):
-                return "member"
-            return "" if complete else None
-        masters = [(n, a) for n, a in answers if a.master == n]
-        if not masters:
-            return "" if complete else None
-        master, answer = max(masters, key=lambda na: na[1].term)
-        if not complete and answer.term < term:
-            return None   # a deposed master's word; the current one may yet answer
-        if me in answer.members and me not in answer.dead:
-            return "member"
-        return (f"the master {master[:8]} (term {answer.term}) no longer holds this node a "
-                f"live member after its pause")
-
-    async def _ask_state(self, peer: _Peer) -> tuple[str, ClusterState] | None:
-        timeout = self.config.health.dead_after
-        try:
-            channel = self._channel(peer)
-            if channel.session is None:
-                await channel.aopen(timeout=timeout)
-            reply = (await channel.arequest(WatchCluster(-1, 0.0), timeout=timeout)).body
-        except PMetalError as exc:
-            log.debug("no membership answer from %s: %s", peer.address, exc)
-            return None
-        if isinstance(reply, ClusterState) and peer.node_id:
-            return peer.node_id, reply
-        return None
 
     def _spawn(self, coro: Any) -> None:
         if self._group is None:
@@ -767,79 +600,6 @@ class ClusterService(Hints):
     def _view_topology(self, state: ElectionState) -> None:
         follow_members(self.topology, state.members, self.node_id)
 
-    def _probe_targets(self) -> list[Any]:
-        dead = self.dead()
-        return [p for p in self.peers.values() if p.node_id and p.node_id not in dead
-                and p.node_id in self.topology]
-
-    async def probe_periodically(self, interval: float, stopping: asyncio.Event,
-                                 max_bytes: int = 1 << 20, timeout: float = 10.0) -> None:
-        """Measure one link at a time, each live member's in turn, so that
-        each is measured about every ``interval`` seconds (the topology's
-        bandwidth figures, and ``/metrics``, stay current without
-        ``pmetal status --probe``). One probe moves about 3 x ``max_bytes``
-        (1 MiB: a few milliseconds of a LAN link) on a connection of its
-        own; until ``stopping`` is set."""
-        turn = 0
-        while True:
-            wait = interval / max(1, len(self._probe_targets()))
-            try:
-                await asyncio.wait_for(stopping.wait(), wait)
-                return
-            except TimeoutError:
-                pass
-            peers = self._probe_targets()
-            if not peers:
-                continue
-            peer = peers[turn % len(peers)]
-            turn += 1
-            try:
-                bandwidth = await asyncio.wait_for(probe_bandwidth(
-                    self._transport, self._identity, self._namespace, self.config,
-                    peer.address, max_bytes), timeout)
-            except (PMetalError, OSError, TimeoutError) as exc:
-                log.info("periodic bandwidth probe to %s failed: %r", peer.address, exc)
-                continue
-            self.topology.update_link(self.node_id, peer.node_id, bandwidth=bandwidth,
-                                      now=cluster_clock())
-
-    async def probe_links(self, max_bytes: int = 4 << 20, timeout: float = 10.0) -> None:
-        """Measure the bandwidth of the link to every live member (the
-        on-demand probe: ``pmetal status --probe``), all at once."""
-        peers = self._probe_targets()
-        results = await asyncio.gather(*(asyncio.wait_for(
-            probe_bandwidth(self._transport, self._identity, self._namespace, self.config,
-                            p.address, max_bytes), timeout) for p in peers),
-            return_exceptions=True)
-        for peer, result in zip(peers, results):
-            if isinstance(result, BaseException):
-                log.warning("bandwidth probe to %s failed: %r", peer.address, result)
-            else:
-                self.topology.update_link(self.node_id, peer.node_id, bandwidth=result,
-                                          now=cluster_clock())
-
-    def fence(self, why: str) -> None:
-        """This node may have been declared dead: its actors go (the
-        node's ``on_fenced``) and it continues as a new incarnation."""
-        self._counts["fenced"] += 1
-        self.events.record(EventKind.FENCE, self.node_id, why)
-        self._unconfirmed = None
-        self.lease.fenced()
-        if self.gate is not None:
-            self.gate.fence()
-        log.warning("fencing this node: %s; its actors are stopped and it rejoins as a new "
-                    "incarnation", why)
-        self._on_fenced(why)
-        self.incarnation = time.time_ns()
-        now = cluster_clock()
-        self._send_all(self.election.fence(now, self.incarnation))
-        if self.discovery is not None:
-            try:
-                self.discovery.update(incarnation=self.incarnation)
-            except Exception as exc:  # noqa: BLE001 - a stale TXT record is harmless
-                log.debug("could not update the announcement: %s", exc)
-        self._events(now)
-        self._bump()
 
 
 class _Stopped(Exception):

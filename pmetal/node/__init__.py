@@ -2,6 +2,7 @@
 process of each machine (``python -m pmetal.node``).
 
 * :mod:`pmetal.node.daemon`: the daemon's shell, its requests and its process;
+* :mod:`pmetal.node.status`: what a node says about itself (status, resources);
 * :mod:`pmetal.node.process`: starting or finding a node without the node's imports;
 * :mod:`pmetal.node.pool` and :mod:`pmetal.node.zygote`: the worker pool and
   the fork server its workers come from;

@@ -21,7 +21,9 @@ installed) around one :class:`~pmetal.endpoint.SecureListener`:
 
 This module is the daemon's shell: it receives requests, answers the quick
 ones and hands the slow ones to tasks of its task group (a request never
-ends the node), and runs the process.
+ends the node), and runs the process. What the node says about itself
+(``pmetal status``, a member's ``ResourcesRequest``, the machine's default
+resources and profile) is gathered by :mod:`pmetal.node.status`.
 
 Started by ``pmetal start`` (a long-lived daemon) or by ``pmetal.init()``
 (embedded: bound to 127.0.0.1, nothing announced, and it exits when the
@@ -40,7 +42,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pmetal.node.groups import PlacementGroupService
@@ -48,6 +50,8 @@ from pmetal.node.lifecycle import ActorLifecycle
 from pmetal.node.membership import Membership
 from pmetal.node.metrics import EMBEDDED_DELAY, MetricsServer
 from pmetal.node.telemetry import NodeTelemetry
+from pmetal.node.status import (default_resources, describe, machine_profile, resources,
+                                resources_measured, status_with_calls)
 from pmetal.node.process import (READY_LINE, is_node_process, node_file, read_ready_line,
                                     routable_address)
 from pmetal.node.owners import Owners
@@ -55,7 +59,7 @@ from pmetal.node.placement import check_options, check_resources
 from pmetal.node.pool import WorkerPool, WorkerProc
 from pmetal.node.scheduler import Scheduler, restarted_elsewhere
 from pmetal.node.zygote import ForkServer
-from pmetal.cluster.capacity import Capacity, ComputeMeter, current_capacity
+from pmetal.cluster.capacity import ComputeMeter
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
 from pmetal.cluster.eventlog import EventKind
@@ -64,7 +68,6 @@ from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_
 from pmetal.endpoint import Incoming, SecureListener
 from pmetal.errors import (ClosedError, PeerError, PMetalError, PMetalTimeoutError,
                            TransportError)
-from pmetal.hardware import gpu_count
 from pmetal.identity import NodeIdentity
 from pmetal.security import NetworkNamespace
 from pmetal.store.serve import STORE_KINDS, PieceServer
@@ -74,7 +77,7 @@ from pmetal.wire import (Ack, ActorLocation, Beat, ClusterView, CreateActor,
                          CreatePlacementGroup, Detach, Failure, JoinCluster, KillActor,
                          LeaseWorkers, LookupActor, Machine, MachineRequest, Message,
                          NodeJoin, OwnerDied, Ping,
-                         PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles, Resources,
+                         PlacementGroupQuery, PlacementGroups, Pong, Probe, ReserveBundles,
                          ResourcesRequest, Shutdown, Status, StatusRequest, Telemetry, Vote, VoteRequest,
                          WatchCluster, WorkerReady)
 
@@ -85,9 +88,6 @@ __all__ = ["READY_LINE", "NodeDaemon", "NodeStatistics", "is_node_process", "mai
 
 log = logging.getLogger(__name__)
 
-_STATUS_ASK = 1.0   # s a member may take to say what it has free, for status
-_MEASURE_ASK = 3.0   # s a member may take to measure its capacity (about 0.3 s; a silent
-                    # one is placed on defaults, well within the client's request deadline)
 _MAX_RECEIVE_FAILURES = 100
 _RECEIVE_BACKOFF = 0.01   # s between failed receives: a failing socket must not spin
 
@@ -110,45 +110,6 @@ class NodeStatistics:
 
 
 _CLUSTER = (Beat, VoteRequest, Vote, ClusterView, JoinCluster, Probe)
-
-
-def _profile(node_id: str, measure: bool) -> dict[str, Any]:
-    """This machine's profile; ``measure``: with its GFLOP/s (numpy, tens of
-    ms: a node alone, an embedded one in a script, skips it)."""
-    try:
-        from pmetal.cluster.topology import NodeProfile
-        return NodeProfile.local(node_id, measure=measure).to_dict()
-    except Exception as exc:  # noqa: BLE001 - a profile is informative, never fatal
-        log.warning("could not measure this node's profile: %s", exc)
-        return {"node_id": node_id}
-
-
-def _unanswered(answer: Any, wait: float, entry: dict[str, Any]) -> str:
-    """Why a member gave ``pmetal status`` no Resources answer."""
-    if answer is None:
-        if entry.get("state") == "dead" or entry.get("health") == "dead":
-            return "dead, not asked"
-        return "not in this node's member list yet"
-    if isinstance(answer, TimeoutError):
-        return f"no answer within {wait:g} s"
-    if isinstance(answer, Failure):
-        return answer.message
-    if isinstance(answer, BaseException):
-        return f"{type(answer).__name__}: {answer}"
-    return f"answered with a {type(answer).__name__}"
-
-
-def default_resources(num_cpus: float | None = None, memory: int = 0) -> dict[str, float]:
-    """This machine's CPUs, GPUs and memory; ``memory`` (bytes) replaces the
-    physical memory when set (``actors.memory``: a budget)."""
-    cpus = float(num_cpus if num_cpus is not None else (os.cpu_count() or 1))
-    try:
-        physical = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        physical = 0.0
-    memory = float(memory) if memory else physical
-    gpus = gpu_count()   # listed only when there are some, as in Ray
-    return {"CPU": cpus, **({"GPU": float(gpus)} if gpus else {}), "memory": memory}
 
 
 TASK_WORKERS_PER_CORE = 4
@@ -226,7 +187,7 @@ class NodeDaemon:
         self.cluster = ClusterService(
             config=config, identity=identity, namespace=namespace, transport=self.transport,
             address=self.address, resources=self.resources,
-            profile=_profile(self.node_id, measure=not alone),
+            profile=machine_profile(self.node_id, measure=not alone),
             static_peers=self.peers, on_view=self._view_changed, on_fenced=self._fenced,
             on_dead=self._node_dead, on_refused=self.membership.refuse,
             bootstrap=0.0 if alone else None, gate=self.gate)
@@ -261,6 +222,10 @@ class NodeDaemon:
                               self._counts["receive_errors"])
 
     # ------------------------------------------------------------- running
+
+    def status(self) -> dict[str, Any]:
+        """The node's own view (:func:`pmetal.node.status.describe`)."""
+        return describe(self)
 
     async def run(self, on_ready: Any = None) -> None:
         try:
@@ -410,17 +375,17 @@ class NodeDaemon:
             self._later(incoming, self.pool.lease(body))  # type: ignore[arg-type]
             return None
         if kind is StatusRequest:
-            self._later(incoming, self._status_with_calls(probe=body.detail,  # type: ignore[attr-defined]
-                                                          measure=body.measure))  # type: ignore[attr-defined]
+            self._later(incoming, status_with_calls(self, probe=body.detail,  # type: ignore[attr-defined]
+                                                   measure=body.measure))  # type: ignore[attr-defined]
             return None
         if kind in STORE_KINDS:
             self._later(incoming, self.store.answer(body))
             return None
         if kind is ResourcesRequest:
             if body.measure:  # type: ignore[attr-defined]
-                self._later(incoming, self._resources_measured(body.actors))  # type: ignore[attr-defined]
+                self._later(incoming, resources_measured(self, body.actors))  # type: ignore[attr-defined]
                 return None
-            return self._resources(body.actors)  # type: ignore[attr-defined]
+            return resources(self, body.actors)  # type: ignore[attr-defined]
         if kind is MachineRequest:   # a member's dashboard: what this machine hosts
             from pmetal.dashboard.snapshot import hosted
             return Machine(**hosted(self))
@@ -569,91 +534,6 @@ class NodeDaemon:
                 ended += 1
         log.warning("fenced: ended %d actors, restarting %d owned here", ended, restarted)
         self.groups.fenced()
-
-    # --------------------------------------------------------------- status
-
-    async def _status_with_calls(self, probe: bool = False, measure: bool = False) -> Message:
-        """status() plus each worker's calls served (asked of the workers)
-        and each live member's free resources and actors (asked of them:
-        ``cluster_actors`` lists the actors of every member that answered,
-        and a member's entry says ``unanswered`` why one did not); with
-        ``probe``, after measuring the bandwidth of every link from here;
-        with ``measure``, each member's ``capacity`` (pipeline placement)."""
-        if probe:
-            await self.cluster.probe_links()
-        info = self.status()
-        members = list(self.membership.members.values())
-        ask = ResourcesRequest(measure=measure, actors=True)
-        wait = _MEASURE_ASK if measure else _STATUS_ASK
-        answers = await asyncio.gather(
-            self.pool.add_calls(info["workers"]), self._capacity(measure),
-            *(asyncio.wait_for(self.membership.ask(m, ask), wait) for m in members),
-            return_exceptions=True)
-        by_node = dict(zip((m.node_id for m in members), answers[2:]))
-        hosted = list(info["actors"])
-        for entry in info["cluster"]["members"]:
-            node_id = entry["node_id"]
-            answer = by_node.get(node_id)
-            if node_id == self.node_id:
-                entry.update(available=self.actors.available, actors=self.actors.alive(),
-                             queued=len(self.actors.queue))
-                if measure and isinstance(answers[1], Capacity):
-                    entry["capacity"] = answers[1].to_dict()
-            elif isinstance(answer, Resources):
-                entry.update(available=answer.available, actors=answer.actors,
-                             queued=answer.queued)
-                if measure and answer.capacity is not None:
-                    entry["capacity"] = answer.capacity
-                hosted.extend(answer.hosted or ())
-            else:
-                entry["unanswered"] = _unanswered(answer, wait, entry)
-        info["cluster_actors"] = hosted
-        return Status(info)
-
-    async def _capacity(self, measure: bool = True) -> Capacity | None:
-        if not measure:
-            return None
-        return await current_capacity(self.compute, self.cluster.topology, self.node_id)
-
-    def _resources(self, actors: bool, capacity: Capacity | None = None) -> Resources:
-        """The Resources answer; with ``actors``, the actors hosted here."""
-        return Resources(self.resources, self.actors.available, len(self.actors.queue),
-                         self.actors.alive(), capacity.to_dict() if capacity else None,
-                         self.actors.table.describe(self.node_id) if actors else None)
-
-    async def _resources_measured(self, actors: bool = False) -> Message:
-        """The Resources answer with this node's capacity (placement)."""
-        capacity = await self._capacity()
-        assert capacity is not None
-        return self._resources(actors, capacity)
-
-    def status(self) -> dict[str, Any]:
-        return {
-            "node_id": self.node_id,
-            "address": self.address,
-            "namespace": self.namespace.name,
-            "pid": os.getpid(),
-            "epoch": self.membership.epoch,
-            "resources": self.resources,
-            "available": self.actors.available,
-            "members": self.membership.describe(),
-            "cluster": self.cluster.describe(),
-            "refused_peers": self.membership.describe_refused(),
-            "workers": self.pool.describe(),
-            "actors": self.actors.table.describe(self.node_id),
-            "queue": self.actors.queue.describe(),
-            "owner_leases": self.owners.leases.describe(time.monotonic()),
-            "statistics": asdict(self.statistics()),
-            "scheduler": asdict(self.scheduler.statistics()),
-            "placement_groups": self.groups.describe(),
-            "leases": asdict(self.owners.leases.statistics()),
-            "pool": asdict(self.pool.statistics()),
-            "membership": asdict(self.membership.statistics()),
-            "compute": asdict(self.compute.statistics()),
-            "store": asdict(self.store.statistics()),
-            "metrics": self.metrics.describe(),
-        }
-
 
 # ----------------------------------------------------------------- process
 

@@ -180,13 +180,13 @@ def test_a_real_sleep_fences_at_once_and_a_stop_asks_first(
     test, so their reading is injected): slept past ``dead_after``, the node
     fences at once; paused as long without sleeping, it holds its workers
     and asks; a gap under ``dead_after / 2`` is no pause."""
-    from pmetal.cluster import service
+    from pmetal.cluster import pauses
     fenced: list[str] = []
     svc = _service(fenced)
     assert svc.gate is not None
     dead_after = svc.config.health.dead_after
     reading = [100.0]
-    monkeypatch.setattr(service, "slept", lambda: reading[0])
+    monkeypatch.setattr(pauses, "slept", lambda: reading[0])
     svc._slept = reading[0]
     others = [{"node_id": "b" * 32, "address": "tcp://127.0.0.1:2"}]
     monkeypatch.setattr(svc, "_others", lambda: others)   # a member the others can drop
