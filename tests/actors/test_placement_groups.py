@@ -104,6 +104,11 @@ def test_a_group_holds_its_bundles_and_its_actors_take_from_them(
     remove_placement_group(pg)
     groups.remove(pg)
     assert cpus() == CPUS
+    # A call sent while the group's actors are being ended may see only its
+    # connection drop ("its process died"); once that is known here, a call
+    # says why the actor is dead.
+    with pytest.raises(pmetal.ActorDiedError):
+        pmetal.get(actor.node.remote(), timeout=WAIT)
     with pytest.raises(pmetal.ActorDiedError, match="placement group .* was removed"):
         pmetal.get(actor.node.remote(), timeout=WAIT)
     with pytest.raises(PlacementError, match="was removed"):
