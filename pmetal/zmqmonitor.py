@@ -46,7 +46,8 @@ REFUSAL_REASONS = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "auth",
 """A listener's refused ZMTP handshakes by monitor event: ``protocol`` (a
 CURVE handshake that did not decrypt: other keys, or no CURVE at all),
 ``auth`` (refused by an authenticator), ``no_detail`` (anything else,
-such as a connection that is not ZeroMQ)."""
+such as a connection that is not ZeroMQ, or a stranger that hung up
+before the listener read what it sent)."""
 
 
 def _monitor_url() -> str:

@@ -163,12 +163,20 @@ def test_strangers_refused_by_curve_are_counted(node: dict[str, Any]) -> None:
     (it does not know the PSK the node's keys come from), one without
     CURVE. ZeroMQ refuses both in the handshake that follows the
     connection, before pmetal's own; each dials once (no reconnection), so
-    each counts once, and pmetal's handshake counter does not move."""
+    each counts once, and pmetal's handshake counter does not move.
+
+    The reason a refusal is counted under depends on who hangs up first:
+    ``protocol`` when the node reads the stranger's greeting or HELLO and
+    refuses it, ``no_detail`` when the stranger saw the mismatch first and
+    its close reset the connection before the node read it (about one in
+    three NULL strangers on a loaded machine). Both are refusals; neither
+    is an authenticator's ``auth``."""
     address = node["metrics"]["address"]
 
-    def refused() -> float:
+    def refused() -> dict[str, float]:
         s = scrape(address)
-        return sum(x.value for x in s.get("pmetal_curve_handshakes_refused_total", ()))
+        return {x.labels["reason"]: x.value
+                for x in s.get("pmetal_curve_handshakes_refused_total", ())}
     before = refused()
     ours_before = value(scrape(address), "pmetal_handshakes_refused_total")
     ctx = zmq.Context()
@@ -185,10 +193,13 @@ def test_strangers_refused_by_curve_are_counted(node: dict[str, Any]) -> None:
             # The ZMTP greeting and the mechanism's handshake run on connect;
             # no message is needed (a send could find no pipe yet and fail).
             sock.connect(node["address"])
-        wait_until(lambda: refused() == before + 2, WAIT, what="two refused strangers")
-        samples = scrape(address)
-        assert value(samples, "pmetal_curve_handshakes_refused_total", reason="protocol") >= 1
-        assert value(samples, "pmetal_handshakes_refused_total") == ours_before
+        wait_until(lambda: sum(refused().values()) >= sum(before.values()) + 2, WAIT,
+                   what="two refused strangers")
+        after = refused()
+        added = {r: after[r] - before.get(r, 0) for r in after if after[r] != before.get(r, 0)}
+        assert sum(added.values()) == 2, added
+        assert set(added) <= {"protocol", "no_detail"}, added
+        assert value(scrape(address), "pmetal_handshakes_refused_total") == ours_before
         assert api.client().status()["node_id"] == node["node_id"]      # still serving
     finally:
         ctx.destroy(linger=0)   # closes every socket made, so it cannot wait on one
