@@ -62,6 +62,7 @@ from pmetal.node.zygote import ForkServer
 from pmetal.cluster.capacity import ComputeMeter
 from pmetal.cluster.clock import Gate
 from pmetal.cluster.election import ElectionState
+from pmetal.cluster.view import MemberState
 from pmetal.cluster.eventlog import EventKind
 from pmetal.cluster.service import ClusterService
 from pmetal.config import PMetalConfig, load_config, pmetal_home, setup_process_logging
@@ -174,6 +175,7 @@ class NodeDaemon:
         self.actors.node_incarnation = lambda: self.cluster.incarnation
         # Placement groups: held by the node of the driver that made them,
         # their bundles by the nodes they are placed on (pmetal.node.groups).
+        self._listed_dead: set[str] = set()   # members the last list held dead
         self.groups = PlacementGroupService(self.node_id, self.actors, self.membership,
                                             self._cancellable_task)
         self.actors.bundle_for = self.groups.bundle_for
@@ -491,16 +493,26 @@ class NodeDaemon:
             on_gone=cluster.withdrawn, max_records=self.config.discovery.max_records)
 
     def _view_changed(self, state: ElectionState) -> None:
-        """The master's member list changed: members are its live nodes."""
+        """The master's member list changed: members are its live nodes.
+        Placement groups hear of the nodes it holds dead before the
+        scheduler restarts their actors: a restart then waits for its
+        bundle to be placed again, rather than being sent to the dead node
+        (which failed it, and a detector that declared the node dead while
+        it was being sent found nothing left to restart)."""
         self.membership.sync(state, self.node_id)
+        listed_dead = {m.node_id for m in state.members
+                       if m.state == MemberState.DEAD and m.node_id != self.node_id}
+        for node_id in listed_dead - self._listed_dead:
+            self.groups.node_dead(node_id)
+        self._listed_dead = listed_dead
         self.scheduler.view_changed(state)
         self.groups.kick()
 
     def _node_dead(self, node_id: str) -> None:
         """Our detector declared ``node_id`` dead: never wait on it again."""
         self.membership.drop(node_id)
-        self.scheduler.node_dead(node_id)
         self.groups.node_dead(node_id)
+        self.scheduler.node_dead(node_id)
 
     def _fenced(self, why: str) -> None:
         """This node was (or may have been) declared dead: the cluster has

@@ -108,6 +108,9 @@ class Scheduler:
         self.refused_stale = 0
         # Actors whose restart elsewhere is due or under way: set when done.
         self._restarting: dict[str, asyncio.Event] = {}
+        # Deaths heard (list changes and our detector's verdicts): a restart
+        # that failed while news came in decides again (see _restart).
+        self._news = 0
         # Actor id (or "name:" and its name) -> the decisions under way for it.
         self._deciding: dict[str, _Deciding] = {}
         # Node id -> the needs of creations this master sent there and has
@@ -391,6 +394,7 @@ class Scheduler:
         return {m.node_id: m.incarnation for m in state.members}
 
     def _restart_lost(self, state: ElectionState) -> None:
+        self._news += 1
         listed = {m.node_id: m.state for m in state.members}
         incarnations = self._node_incarnations(state)
         dead = self.node.cluster.dead()
@@ -431,6 +435,7 @@ class Scheduler:
 
     async def _restart(self, spec: CreateActor, after: ActorRecord | None = None,
                        lost: _Placed | None = None) -> None:
+        news = self._news
         try:
             if after is not None:
                 # The copy here must be gone before the master looks for one.
@@ -465,6 +470,12 @@ class Scheduler:
                 # member list decides again: restart if its node is still
                 # held dead, nothing if the node is back.
                 self.elsewhere[spec.actor_id] = lost
+                if self._news != news:
+                    # News came while it was being placed, and found it in
+                    # nobody's hands (the list held its node dead before
+                    # our detector did, so its placement group still named
+                    # that node): decide again with what is known now.
+                    self._restart_lost(self.node.cluster.state)
 
     async def lookup(self, body: LookupActor) -> Message:
         """A lookup that waits (up to ``body.wait``) for the restart of an
