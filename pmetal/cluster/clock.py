@@ -158,7 +158,12 @@ class Gate:
         self._write(cluster_clock())
 
     def _write(self, tick: float) -> None:
-        _LAYOUT.pack_into(self._map, 0, self.state, self.generation, tick, self.lease)
+        # Workers read the page without a lock, so it is written in one
+        # copy of a finished buffer: every aligned field is then read
+        # whole, old or new. (struct.pack_into zeroes its target before it
+        # fills it in: a worker that read in between saw generation 0,
+        # took it for a fence, and refused an actor's creation.)
+        self._map[:_LAYOUT.size] = _LAYOUT.pack(self.state, self.generation, tick, self.lease)
 
     def tick(self, now: float, lease: float | None = None) -> None:
         """The node ran at ``now``; ``lease``, if given, replaces the lease."""

@@ -116,6 +116,36 @@ def test_the_gate_holds_while_the_node_has_not_ticked() -> None:
         gate.close()
 
 
+def _read_generations(path: str, reads: int, out: "multiprocessing.Queue[list[str]]") -> None:
+    view = GateView(path, stale=60.0)
+    seen = [view.read()[1] for _ in range(reads)]
+    verdicts = {view.check(1) for _ in range(reads // 10)}
+    out.put(sorted({str(g) for g in seen} | {f"check:{v}" for v in verdicts}))
+
+
+def test_a_worker_reading_while_its_node_ticks_never_sees_a_fence() -> None:
+    """The node rewrites the page at every tick while workers read it
+    without a lock: a read in the middle of a write must still see the
+    generation whole (struct.pack_into zeroed the page before filling it
+    in; 85 of 3 million reads saw generation 0, "fenced", and refused an
+    actor's creation)."""
+    gate = Gate()
+    out: multiprocessing.Queue[list[str]] = multiprocessing.get_context("fork").Queue()
+    reader = multiprocessing.get_context("fork").Process(
+        target=_read_generations, args=(gate.path, 1_000_000, out))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while reader.is_alive() and time.monotonic() < deadline:
+            gate.tick(cluster_clock())
+        assert out.get(timeout=10) == ["1", "check:"]
+    finally:
+        reader.join(10)
+        if reader.is_alive():
+            reader.kill()
+        gate.close()
+
+
 def test_a_pause_of_this_node_is_not_held_against_its_peers() -> None:
     config = HealthConfig()
     health = HealthMonitor(config, 0.0)
