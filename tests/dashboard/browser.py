@@ -47,8 +47,8 @@ CHROMEDRIVER = os.environ.get("PMETAL_CHROMEDRIVER", "/usr/bin/chromedriver")
 ROOT = Path(__file__).resolve().parents[2]
 COMMAND_TIMEOUT = 30   # s any one command to chromedriver may take
 
-__all__ = ["CHROMEDRIVER", "CHROMIUM", "artifacts", "browser_available", "open_browser",
-           "require_browser", "screenshot", "wait_for"]
+__all__ = ["CHROMEDRIVER", "CHROMIUM", "artifacts", "attribute", "browser_available",
+           "open_browser", "require_browser", "screenshot", "text", "texts", "wait_for"]
 
 
 def browser_available() -> str | None:
@@ -134,6 +134,36 @@ def wait_for(driver: Any, condition: Callable[[Any], T], timeout: float, what: s
             raise AssertionError(f"{what}: not within {timeout:g} s (last error: "
                                  f"{last_error!r}); the page reads:\n{text}")
         time.sleep(0.05)
+
+
+# The pages redraw what they show at every update (server-sent events, or a
+# poll), so an element found in one call may be gone by the next
+# (StaleElementReferenceException, seen on a quiet machine). These read in
+# one script, between two redraws.
+
+def texts(driver: Any, selector: str) -> list[str]:
+    """The rendered text of every element matching ``selector``, read at once."""
+    return list(driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])]"
+        ".map(e => e.innerText ?? e.textContent)", selector))   # (SVG has no innerText)
+
+
+def text(driver: Any, selector: str) -> str:
+    """The rendered text of the first element matching ``selector``;
+    AssertionError if there is none."""
+    found = texts(driver, selector)
+    assert found, f"no element matches {selector!r}"
+    return found[0]
+
+
+def attribute(driver: Any, selector: str, name: str) -> str | None:
+    """Attribute ``name`` of the first element matching ``selector``;
+    AssertionError if there is none."""
+    found = driver.execute_script(
+        "const e = document.querySelector(arguments[0]);"
+        "return e ? [e.getAttribute(arguments[1])] : null", selector, name)
+    assert found is not None, f"no element matches {selector!r}"
+    return found[0]
 
 
 def artifacts() -> Path:

@@ -23,7 +23,7 @@ import pytest
 from cluster.lab import ROOT
 from netlab import NetLab, lab_available
 
-from dashboard.browser import screenshot, wait_for
+from dashboard.browser import attribute, screenshot, wait_for
 from pmetal.dashboard import dashboard_token
 from pmetal.security import NetworkNamespace
 
@@ -170,10 +170,11 @@ def test_the_owner_signs_in_with_the_form_in_a_browser(
     screenshot(driver, "dashboard-login")
     field.send_keys(exposed.token)
     field.submit()
-    drawn = wait_for(driver, lambda d: d.find_elements("css selector", "#topology g.machine"),
-                     10.0, "the dashboard after signing in")
-    assert [g.get_attribute("data-node") for g in drawn] == [exposed.node_id]
-    assert driver.find_element("id", "conn").get_attribute("data-mode") == "live"
+    drawn = wait_for(driver, lambda d: d.execute_script(
+        "return [...document.querySelectorAll('#topology g.machine')].map(g => g.dataset.node)"),
+        10.0, "the dashboard after signing in")
+    assert drawn == [exposed.node_id]
+    assert attribute(driver, "#conn", "data-mode") == "live"
 
 
 def test_pmetal_dashboard_prints_the_url_with_the_token(exposed: Exposed) -> None:

@@ -38,7 +38,15 @@ from typing import Any, Self
 import pytest
 from aiohttp import web
 
-from dashboard.browser import open_browser, require_browser, screenshot, wait_for
+from dashboard.browser import (
+    attribute,
+    open_browser,
+    require_browser,
+    screenshot,
+    text,
+    texts,
+    wait_for,
+)
 from pmetal.node.process import read_ready_line
 from pmetal.served import remove_record, write_record
 from tests.pipeline.tinymodel import tiny_config, write_tiny_gguf
@@ -234,18 +242,18 @@ def test_without_serve_the_page_says_how_to_start_it(node: Node,
         {"role": "user", "content": "hi"}]})
     assert code == 503 and body["error"]["code"] == "serve_not_running"
     driver = open_chat(browser, node, "not-running")
-    status_box = driver.find_element("id", "serve-status")
-    assert "pmetal serve is not running" in status_box.text
-    assert "pmetal serve" in [c.text for c in status_box.find_elements("tag name", "code")]
-    assert driver.find_element("id", "send").get_attribute("disabled") is not None
-    assert driver.find_element("id", "nav-cluster").get_attribute("href") == f"{node.url}/"
+    assert "pmetal serve is not running" in text(driver, "#serve-status")
+    assert "pmetal serve" in texts(driver, "#serve-status code")
+    assert attribute(driver, "#send", "disabled") is not None
+    assert driver.execute_script("return document.getElementById('nav-cluster').href") == \
+        f"{node.url}/"
     screenshot(driver, "chat-serve-not-running")
 
 
 def test_the_answer_streams_into_the_page_and_equals_serves(
         node: Node, serve: str, browser: Any) -> None:
     driver = open_chat(browser, node, "running")
-    assert "tiny" in driver.find_element("id", "serve-status").text
+    assert "tiny" in text(driver, "#serve-status")
 
     def greedy(messages: list[dict[str, str]], max_tokens: int) -> str:
         code, body = post_json(f"{serve}/v1/chat/completions", {
@@ -272,12 +280,12 @@ def test_the_answer_streams_into_the_page_and_equals_serves(
     driver.execute_script(OBSERVE)
     prompt = "what is the capital of country 3"
     answer = ask(driver, prompt, 1)
-    text = text_of(driver, answer)
+    shown = text_of(driver, answer)
     seen = [s for s in driver.execute_script("return window.seen") if s]
     # It grew in the page: several texts, each extending the one before.
     assert len(set(seen)) >= 2, f"the answer appeared at once: {seen!r}"
-    assert all(b.startswith(a) for a, b in itertools.pairwise(seen)) and seen[-1] == text
-    assert text == greedy([{"role": "user", "content": prompt}], MAX_TOKENS)
+    assert all(b.startswith(a) for a, b in itertools.pairwise(seen)) and seen[-1] == shown
+    assert shown == greedy([{"role": "user", "content": prompt}], MAX_TOKENS)
     assert "tokens/s" in answer.find_element("class name", "note").text
 
     # serve's recent figures, as /api/serve reports them, reach the page.
@@ -286,11 +294,10 @@ def test_the_answer_streams_into_the_page_and_equals_serves(
     assert server["health"] == "ok" and server["model"] == "tiny"
     assert server["stats"]["recent"]["requests"] >= 6 and server["api_key"] is False
     assert [s["layers"] for s in server["pipeline"]["stages"]] == [[0, 2], [2, 4]]
-    wait_for(driver, lambda d: "tokens/s" in d.find_element("id", "serve-figures").text,
-             WAIT, "serve's figures")
-    wait_for(driver, lambda d: "stage 1: layers 2-3" in d.find_element(
-        "id", "serve-pipeline").text and "ms/step" in d.find_element(
-        "id", "serve-pipeline").text, WAIT, "the pipeline's stages")
+    wait_for(driver, lambda d: "tokens/s" in text(d, "#serve-figures"), WAIT,
+             "serve's figures")
+    wait_for(driver, lambda d: "stage 1: layers 2-3" in (t := text(d, "#serve-pipeline"))
+             and "ms/step" in t, WAIT, "the pipeline's stages")
     screenshot(driver, "chat-streamed-answer")
 
 

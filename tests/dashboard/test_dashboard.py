@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from cluster.lab import ROOT, read_line
 
-from dashboard.browser import screenshot, wait_for
+from dashboard.browser import screenshot, text, wait_for
 from pmetal.actors.client import CoreClient
 from pmetal.config import load_config
 from pmetal.endpoint import Channel
@@ -229,9 +229,9 @@ def test_actors_their_restarts_and_last_error_on_the_page(
         assert table["phoenix"]["state"] == "alive" and table["phoenix"]["restarts"] == "1"
         assert table["loader"]["state"] == "dead"
         assert "no model file at /models/missing.gguf" in table["loader"]["error"]
-        card = page.find_element("css selector", "#machine-cards .card.self").text
+        card = text(page, "#machine-cards .card.self")
         assert "counter" in card and "phoenix" in card and "2 alive" in card
-        empty = page.find_element("id", "pipeline-list").text
+        empty = text(page, "#pipeline-list")
         assert empty.startswith("no pipeline has run on this node")
         screenshot(page, "dashboard-actors", full_page=True)
     finally:

@@ -22,7 +22,7 @@ import pytest
 from cluster.lab import formed_cluster, read_line
 from netlab import lab_available
 
-from dashboard.browser import screenshot, wait_for
+from dashboard.browser import attribute, screenshot, text, texts, wait_for
 
 pytestmark = pytest.mark.skipif(lab_available() is not None,
                                 reason=lab_available() or "")
@@ -82,20 +82,18 @@ def test_three_machines_their_master_and_a_killed_node_turning_dead(
             assert [m["node"] for m in drawn if m["master"]] == [master]
             assert {m["node"]: m["health"] for m in drawn}[ids[1]] == "self"
             # The cards say the same in words, and the summary names the master.
-            cards = driver.find_elements("css selector", "#machine-cards .card")
-            assert len(cards) == 3
-            assert "master" in driver.find_element(
-                "css selector", f"#machine-cards .card[data-node='{master}']").text
-            assert driver.find_element("id", "sum-master").text == master[:8]
-            assert driver.find_element("id", "conn").get_attribute("data-mode") == "live"
+            assert len(texts(driver, "#machine-cards .card")) == 3
+            assert "master" in text(driver, f"#machine-cards .card[data-node='{master}']")
+            assert text(driver, "#sum-master") == master[:8]
+            assert attribute(driver, "#conn", "data-mode") == "live"
             # The link labels (heartbeat latency), for the screenshot.
             wait_for(driver, lambda d: len(d.find_elements(
                 "css selector", "#topology .link-label")) >= 2, 5.0, "latencies on the links")
 
             assert read_line(pin, 60, "pinned")["value"] == 21.5
             card = f"#machine-cards .card[data-node='{ids[victim]}'] .hosted-actors li"
-            hosted = wait_for(driver, lambda d: [li.text for li in d.find_elements(
-                "css selector", card)], 10.0, "the pinned actor on its machine's card")
+            hosted = wait_for(driver, lambda d: texts(d, card), 10.0,
+                              "the pinned actor on its machine's card")
             assert hosted == ["sensor alive"]
             screenshot(driver, "dashboard-cluster", full_page=True)
 
@@ -107,12 +105,11 @@ def test_three_machines_their_master_and_a_killed_node_turning_dead(
             took = time.monotonic() - killed
             record_property("dead_on_page_seconds", round(took, 3))
             print(f"a SIGKILLed node turned dead on the page after {took:.2f} s")
-            card = driver.find_element(
-                "css selector", f"#machine-cards .card[data-node='{ids[victim]}']").text
+            card = text(driver, f"#machine-cards .card[data-node='{ids[victim]}']")
             assert "dead" in card and "sensor" not in card   # what it hosted is unknown now
             wait_for(driver, lambda d: d.find_elements(
                 "css selector", "#event-log tr[data-kind='death']"), 5.0,
                 "a death in the event log")
-            death = driver.find_element("css selector", "#event-log tr[data-kind='death']").text
+            death = text(driver, "#event-log tr[data-kind='death']")
             assert ids[victim][:8] in death
             screenshot(driver, "dashboard-dead")

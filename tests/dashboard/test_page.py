@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from dashboard.browser import screenshot, wait_for
+from dashboard.browser import attribute, screenshot, text, texts, wait_for
 from pmetal.dashboard.server import STATIC
 
 A, B, C = "a1" * 16, "b2" * 16, "c3" * 16
@@ -134,28 +134,23 @@ def test_pipelines_collectives_and_links_by_polling(
     driver = browser()
     driver.get(server + "/")
     # Two polls at least: the live rates need a previous snapshot.
-    text = wait_for(driver, lambda d: "tokens/s now 50.0" in (
-        t := d.find_element("id", "pipeline-list").text) and t, 10.0, "the pipeline's rate")
-    assert "smollm2" in text and "3 stages" in text
-    stage = [td.text for td in driver.find_elements(
-        "css selector", "#pipeline-list tr[data-stage='0'] td")]
+    shown = wait_for(driver, lambda d: "tokens/s now 50.0" in (
+        t := text(d, "#pipeline-list")) and t, 10.0, "the pipeline's rate")
+    assert "smollm2" in shown and "3 stages" in shown
+    stage = texts(driver, "#pipeline-list tr[data-stage='0'] td")
     assert stage[0] == "0" and stage[3:] == ["1.1 KiB", "0.400 ms"]   # per step: bytes, hand-over
-    assert driver.find_element("id", "conn").get_attribute("data-mode") == "polling"
-    row = driver.find_element("css selector", "#collective-table tr[data-group='grads']")
-    cells = [td.text for td in row.find_elements("tag name", "td")]
+    assert attribute(driver, "#conn", "data-mode") == "polling"
+    cells = texts(driver, "#collective-table tr[data-group='grads'] td")
     assert cells[:2] == ["grads", "ring"]
     assert cells[4] == "134 MB/s" and cells[5] == "67.1 MB/s"   # average and now
-    labels = [t.text for t in driver.find_elements("css selector", "#topology .link-label")]
+    labels = texts(driver, "#topology .link-label")
     assert sorted(labels) == ["0.210 ms · 1.12 GB/s", "0.350 ms · 940 MB/s"]
-    assert driver.find_element("css selector", "#topology g.machine.master") \
-        .get_attribute("data-node") == B
-    assert driver.find_element("css selector", "#event-log tr[data-kind='refusal']") \
-        .text.endswith("×7")
-    card = driver.find_element("css selector", "#machine-cards .card.self").text
+    assert attribute(driver, "#topology g.machine.master", "data-node") == B
+    assert text(driver, "#event-log tr[data-kind='refusal']").endswith("×7")
+    card = text(driver, "#machine-cards .card.self")
     assert "3 alive, 300 MiB resident, 12.5 s CPU" in card and "smollm2: stage 0" in card
     # Another member's card lists what it answered it hosts (its dead actors left out).
-    other = driver.find_element("css selector", f"#machine-cards .card[data-node='{B}']")
-    assert [li.text for li in other.find_elements("css selector", ".hosted-actors li")] == [
-        "stage1 alive restarted 2×"]
-    assert "no pipeline stage has run on this machine" in other.text
+    other = f"#machine-cards .card[data-node='{B}']"
+    assert texts(driver, f"{other} .hosted-actors li") == ["stage1 alive restarted 2×"]
+    assert "no pipeline stage has run on this machine" in text(driver, other)
     screenshot(driver, "dashboard-telemetry", full_page=True)
