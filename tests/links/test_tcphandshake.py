@@ -6,6 +6,7 @@ after its own timeout."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -14,8 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from pmetal.links import tcphandshake, tcplinks
 from pmetal.errors import AuthenticationError
+from pmetal.links import tcphandshake, tcplinks
 
 KEY = b"k" * 32
 
@@ -124,7 +125,10 @@ def test_a_wrong_key_is_refused_while_the_formation_goes_on() -> None:
         _close(out, listeners)
 
 
-@pytest.mark.parametrize("junk", [os.urandom(tcphandshake.HELLO.size), b""])
+# Seeded, not os.urandom: the test's id holds the bytes, and parallel
+# pytest workers must collect the same ids.
+@pytest.mark.parametrize("junk", [random.Random(127).randbytes(tcphandshake.HELLO.size), b""],
+                         ids=["random-hello", "empty"])
 def test_junk_is_refused_or_dropped_and_the_listener_goes_on(junk: bytes) -> None:
     listeners = [tcplinks.listen("127.0.0.1", 0) for _ in range(2)]
     address = listeners[0].getsockname()
