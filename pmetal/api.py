@@ -521,8 +521,11 @@ def cancel(ref: ObjectRef | ObjectRefGenerator, *, force: bool = False,
 
 
 def kill(actor: ActorHandle, *, no_restart: bool = True) -> None:
-    """Kill ``actor``'s process now. Pending calls fail with ActorDiedError;
-    with ``no_restart=False`` it is restarted if it has restarts left."""
+    """Kill ``actor``'s process now; returns once that process has exited
+    (its node waits up to 2 s for it), so the objects it owned are lost from
+    then on (OwnerDiedError) and its resources are free. Pending calls fail
+    with ActorDiedError; with ``no_restart=False`` it is restarted if it has
+    restarts left."""
     if not isinstance(actor, ActorHandle):
         raise PMetalTypeError(f"pmetal.kill takes an actor handle, not {type(actor).__name__}")
     if type(no_restart) is not bool:

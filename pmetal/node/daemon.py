@@ -370,7 +370,8 @@ class NodeDaemon:
             if body.worker_address:  # type: ignore[attr-defined]
                 return self.pool.kill_task_worker(body.worker_address)  # type: ignore[attr-defined]
             if body.actor_id in self.actors.actors or not body.node_id:  # type: ignore[attr-defined]
-                return self.actors.kill(body)  # type: ignore[arg-type]
+                self._later(incoming, self.actors.kill(body))  # type: ignore[arg-type]
+                return None
             self._later(incoming, self.actors.kill_remote(body))  # type: ignore[arg-type]
             return None
         if kind is LeaseWorkers:

@@ -41,6 +41,9 @@ that its answer (a clear timeout) arrives before the creator stops waiting."""
 _ASK_RESOURCES = 2.0
 """s a member may take to say what it has free before placement skips it."""
 
+_KILL_WAIT = 2.0
+"""s pmetal.kill waits for the actor's process to exit before it answers."""
+
 Spawn = Callable[[Coroutine[Any, Any, Any]], None]
 
 
@@ -337,12 +340,24 @@ class ActorLifecycle:
                 break
         return self.locate(record)
 
-    def kill(self, body: KillActor) -> Message:
+    async def kill(self, body: KillActor) -> Message:
+        """``pmetal.kill``: answered once the actor's process has exited
+        (within :data:`_KILL_WAIT`), so that what the caller does next sees
+        it gone: the objects it owned are lost (OwnerDiedError, not their
+        values from a process still giving its last report), its resources
+        are free."""
         record = self.actors.get(body.actor_id)
         if record is None:
             return Failure(FailureKind.NOT_FOUND, "ValueError",
                            f"no actor {body.actor_id} on this node")
+        worker = self.pool.workers.get(record.worker_id)
         self.kill_record(record, body.no_restart, "killed by pmetal.kill")
+        if worker is not None and worker.proc.returncode is None:
+            try:
+                await asyncio.wait_for(worker.proc.wait(), _KILL_WAIT)
+            except asyncio.TimeoutError:
+                log.warning("the worker (pid %d) of actor %s had not exited %.3g s after "
+                            "pmetal.kill", worker.proc.pid, body.actor_id, _KILL_WAIT)
         return Ack()
 
     def kill_record(self, record: ActorRecord, no_restart: bool, reason: str) -> None:

@@ -226,6 +226,18 @@ def test_kill_fails_pending_and_later_calls(reap: list[Any]) -> None:
     assert actor_state(actor)["state"] == "dead"
 
 
+def test_kill_returns_once_the_actors_process_has_exited(reap: list[Any]) -> None:
+    """What follows pmetal.kill sees the actor gone: its process (which may
+    own objects others hold) no longer runs. (Before, the node answered
+    while the worker gave its last report, and a get right after the kill
+    could still fetch an object the killed actor owned.)"""
+    actor = Counter.remote()
+    reap.append(actor)
+    pid = pmetal.get(actor.pid.remote(), timeout=WAIT)
+    pmetal.kill(actor)
+    assert not pid_alive(pid)
+
+
 def test_many_pending_calls_all_fail_when_the_actor_dies(reap: list[Any]) -> None:
     actor = Counter.remote()
     reap.append(actor)
