@@ -401,6 +401,7 @@ def test_kill_9_of_the_node_fails_a_creation_and_the_next_call_at_once(home: Pat
             driver.wait()
     lines = dict(line.split(" ", 1) for line in out.strip().splitlines())
     for what in ("create", "call"):
+        assert lines.get(what, "").count(" ") >= 2, (what, out, err)   # it failed, and how
         kind, took, message = lines[what].split(" ", 2)
         # The old client waited 29 s (creation) and 40 s (call); "at once" is
         # told from those waits with room for a loaded machine (3 s failed at

@@ -104,8 +104,14 @@ class ActorLocator:
 
     def ready(self, handle: Any) -> PeerLink | None:
         """Our live link to ``handle``'s actor, if we have one (lock held)."""
-        link = self.client._link_for(handle._address, handle._actor_id)
+        client = self.client
+        link = client._link_for(handle._address, handle._actor_id)
         if link is None or link.dead:
+            return None
+        if client.node_link.dead and handle._node_id == client.node_id:
+            # Our node died, and its workers with it: one may still answer
+            # for a moment while it exits, but no call may start there now.
+            link.die(f"its node died ({client.node_link.dead})")
             return None
         # With calls in flight, a death shows up while waiting for their
         # results (the monitor is polled with the data socket). An idle
