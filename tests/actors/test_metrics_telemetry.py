@@ -23,6 +23,7 @@ from pmetal import api, collective
 from pmetal.config import load_config
 from pmetal.pipeline.llama import LlamaConfig
 from pmetal.pipeline.pipeline import Pipeline
+from pmetal.tally import TALLY
 
 from .actor_classes import Counter
 from .conftest import WAIT, shutdown_quietly, wait_until
@@ -104,6 +105,10 @@ def test_an_all_reduce_is_counted_under_its_strategy(node: dict[str, Any]) -> No
 
 def test_a_pipeline_run_counts_its_tokens_steps_and_hops(node: dict[str, Any]) -> None:
     address = node["metrics"]["address"]
+    # This process's counts since it started (another test file may have
+    # run a "random" pipeline in it before, as a parallel worker does).
+    earlier = {row[0]: row for row in TALLY.report()["pipelines"]}.get("random")
+    tokens_before, steps_before = (earlier[2], earlier[3]) if earlier else (0, 0)
     with Pipeline.from_pretrained(random_model=TINY, seed=1, stages=2, max_len=64,
                                   threads=1) as pipe:
         results = pipe.generate([[1, 2, 3], [4, 5]], max_tokens=6)
@@ -113,12 +118,19 @@ def test_a_pipeline_run_counts_its_tokens_steps_and_hops(node: dict[str, Any]) -
     # Closed, and no scrape came while it ran: the driver pushes its counts
     # (within report_interval); the stages' workers gave their last report
     # when the node killed them.
+    seen: list[float] = []
+
     def all_tokens() -> dict[str, list[Any]] | None:
         s = scrape(address)
-        return s if counted(s, "pmetal_pipeline_tokens_total", pipeline="random") == tokens \
-            else None
-    samples = wait_until(all_tokens, WAIT, what="the driver's tokens at the node")
-    assert value(samples, "pmetal_pipeline_steps_total", pipeline="random") == hops
+        seen.append(counted(s, "pmetal_pipeline_tokens_total", pipeline="random"))
+        return s if seen[-1] == tokens_before + tokens else None
+    try:
+        samples = wait_until(all_tokens, WAIT, what="the driver's tokens at the node")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: expected {tokens_before} + {tokens}, last seen "
+                             f"{seen[-1:]}") from None
+    assert value(samples, "pmetal_pipeline_steps_total", pipeline="random") \
+        == steps_before + hops
     assert value(samples, "pmetal_pipeline_stages", pipeline="random") == 2
     assert value(samples, "pmetal_pipeline_step_seconds_total", pipeline="random") > 0
     for stage in ("0", "1"):
