@@ -108,8 +108,9 @@ class Scheduler:
         self.refused_stale = 0
         # Actors whose restart elsewhere is due or under way: set when done.
         self._restarting: dict[str, asyncio.Event] = {}
-        # Deaths heard (list changes and our detector's verdicts): a restart
-        # that failed while news came in decides again (see _restart).
+        # News heard (list changes and our detector's verdicts; not the
+        # decisions taken again on them): a restart that failed while news
+        # came in decides again, once (see _restart).
         self._news = 0
         # Actor id (or "name:" and its name) -> the decisions under way for it.
         self._deciding: dict[str, _Deciding] = {}
@@ -381,12 +382,14 @@ class Scheduler:
         now holds dead, or no longer lists while this node's detector holds
         it dead too. (A node merely missing from a list, as in a view adopted
         during a merge, may be alive: restarting its actors would make two.)"""
+        self._news += 1
         self._restart_lost(state)
 
     def node_dead(self, node_id: str) -> None:
         """This node's detector declared ``node_id`` dead: restart what we
         placed there if the master's list no longer lists it (if it does,
         the master marks it dead and view_changed restarts)."""
+        self._news += 1
         self._restart_lost(self.node.cluster.state)
 
     def _node_incarnations(self, state: ElectionState | None = None) -> dict[str, int]:
@@ -394,7 +397,6 @@ class Scheduler:
         return {m.node_id: m.incarnation for m in state.members}
 
     def _restart_lost(self, state: ElectionState) -> None:
-        self._news += 1
         listed = {m.node_id: m.state for m in state.members}
         incarnations = self._node_incarnations(state)
         dead = self.node.cluster.dead()

@@ -50,10 +50,14 @@ def _state(ALIVE: bool) -> ElectionState:
                          voted_for="")
 
 
-async def _settled(node: Any) -> None:
-    """Until every task the scheduler started (and those they started) ended."""
+async def _settled(node: Any, timeout: float = 5.0) -> None:
+    """Until every task the scheduler started (and those they started)
+    ended; AssertionError if they still start new ones after ``timeout``."""
+    deadline = asyncio.get_running_loop().time() + timeout
     while pending := [t for t in node.tasks if not t.done()]:
-        await asyncio.wait_for(asyncio.gather(*pending), 5)
+        left = deadline - asyncio.get_running_loop().time()
+        assert left > 0, f"restarts still being started after {timeout} s ({len(node.tasks)})"
+        await asyncio.wait_for(asyncio.gather(*pending), left)
 
 
 def test_a_restart_that_failed_while_the_detector_spoke_decides_again() -> None:
@@ -112,3 +116,45 @@ def test_a_restart_that_failed_with_no_news_waits_for_the_next_change() -> None:
         return len(placed), ACTOR in scheduler.elsewhere
 
     assert asyncio.run(scenario()) == (1, True)
+
+
+def test_two_restarts_that_fail_after_news_do_not_set_each_other_off() -> None:
+    """Deciding again is not news: two restarts that failed after the
+    detector spoke are tried again, and do not set each other off for ever
+    (each failure counted as news restarted the other, in flight, again)."""
+    async def scenario() -> list[CreateActor]:
+        node: Any = _Node()
+        scheduler = Scheduler(node)
+        for actor in ("actor-a", "actor-b"):
+            spec = CreateActor(actor, "Where", "m:Where", [], {}, {"max_restarts": -1})
+            scheduler.elsewhere[actor] = _Placed(spec, DOOMED, 0, -1)
+        placed: list[CreateActor] = []
+        sent = [asyncio.Event() for _ in range(3)]            # the first three placements
+        released = {"actor-a": asyncio.Event(), "actor-b": asyncio.Event()}
+
+        async def place(s: CreateActor) -> Any:
+            placed.append(s)
+            if len(placed) <= 3:
+                sent[len(placed) - 1].set()
+            if len(placed) <= 2:
+                await released[s.actor_id].wait()
+            for _ in range(3):   # a placement takes a few turns of the loop (the master)
+                await asyncio.sleep(0)
+            return Failure(FailureKind.PLACEMENT, "PlacementError",
+                           f"node affinity: node {DOOMED} is dead")
+        scheduler.place = place   # type: ignore[method-assign]
+        node.cluster.state = _state(ALIVE=False)
+        scheduler.view_changed(node.cluster.state)
+        await asyncio.wait_for(sent[1].wait(), 5)
+        node.dead.add(DOOMED)
+        scheduler.node_dead(DOOMED)
+        # One fails and is placed again; the other fails while that runs.
+        released["actor-a"].set()
+        await asyncio.wait_for(sent[2].wait(), 5)
+        released["actor-b"].set()
+        await _settled(node)
+        return placed
+
+    placed = [s.actor_id for s in asyncio.run(scenario())]
+    assert placed.count("actor-a") >= 2 and placed.count("actor-b") >= 2, placed
+    assert len(placed) <= 6, placed
