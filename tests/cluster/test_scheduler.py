@@ -33,7 +33,9 @@ WAIT = 20.0
 
 
 @pytest.fixture
-def three(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
+def three(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[dict[str, Any]]]:
+    """Three node daemons on loopback, static peers of each other; a test
+    module's ``NODE_ENV`` (if any) is added to their environment."""
     psk = secrets.token_bytes(32)
     import socket
     ports = []
@@ -53,7 +55,8 @@ def three(tmp_path: Path) -> Iterator[list[dict[str, Any]]]:
             # restarts a node or merges two clusters.
             env.update(PMETAL_HOME=str(home), PMETAL_PSK_HEX=psk.hex(),
                        PYTHONPATH=os.pathsep.join((str(ROOT), str(ROOT / "tests"))),
-                       PMETAL_LOG_LEVEL="INFO", PMETAL_ELECTION_BOOTSTRAP="0.5")
+                       PMETAL_LOG_LEVEL="INFO", PMETAL_ELECTION_BOOTSTRAP="0.5",
+                       **getattr(request.module, "NODE_ENV", {}))
             peers = ",".join(f"127.0.0.1:{p}" for p in ports if p != port)
             proc = subprocess.Popen(
                 [sys.executable, "-m", "pmetal.node", "--host", "127.0.0.1", "--port",

@@ -23,6 +23,12 @@ from pmetal.errors import PlacementError
 
 from .test_scheduler import WAIT, agreed_master, three  # noqa: F401 - the fixture
 
+# These tests look at placement, not at failure detection: a node starved of
+# CPU for a second (two test processes beside CPU hogs) was declared dead
+# mid-test (health.dead_after is 0.8 s), and its share went to the others.
+# (test_node_affinity still kills one and sees it declared dead.)
+NODE_ENV = {"PMETAL_HEALTH_DEAD_AFTER": "3.0"}
+
 
 @pmetal.remote
 class Tiny:
